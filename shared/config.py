@@ -1,0 +1,70 @@
+"""Typed, frozen settings: one object per process, built once in its main().
+
+Every field can be set from the environment (prefix ``LIGHTQ_``) or from a
+command-line flag of the same name (``--max_total_token_num``), which keeps
+LightLLM's flag names where they mean the same thing. Common parts are
+separate classes composed into each service's settings, never inherited.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _frozen(prefix: str) -> SettingsConfigDict:
+    return SettingsConfigDict(env_prefix=prefix, frozen=True, extra="ignore", protected_namespaces=())
+
+
+class RedisSettings(BaseSettings):
+    """Where Redis is and which key namespace this deployment owns."""
+
+    model_config = _frozen("LIGHTQ_REDIS_")
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis:// or rediss://)")
+    key_prefix: str = Field("lightq", description="namespace of every key lightq writes")
+
+
+class ModelSettings(BaseSettings):
+    """Which model is served and the request-length limit all services agree on."""
+
+    model_config = _frozen("LIGHTQ_")
+    model_dir: str = Field(
+        "default",
+        description="'default' (embedded SmolLM2), a HF directory, a .gguf file, or dummy:<config dir>",
+    )
+    max_req_total_len: int = Field(2048, gt=1, description="max prompt + new tokens per request")
+    request_ttl_s: int = Field(3600, gt=0, description="seconds a finished request's records stay readable")
+
+
+class ProducerSettings(BaseSettings):
+    model_config = _frozen("LIGHTQ_")
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    host: str = Field("127.0.0.1", description="HTTP bind address")
+    port: int = Field(8000, description="HTTP port")
+    default_max_new_tokens: int = Field(16, gt=0, description="max_new_tokens when a request gives none")
+    stream_block_ms: int = Field(1000, gt=0, description="longest blocking read on a chunk stream")
+
+
+class RouterSettings(BaseSettings):
+    model_config = _frozen("LIGHTQ_")
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    router_id: str = Field("", description="consumer name in the ingress group (default: host-pid)")
+    read_batch: int = Field(64, gt=0, description="ingress entries read per XREADGROUP")
+    poll_ms: int = Field(100, gt=0, description="idle wait between admission attempts")
+    reservation_ttl_s: float = Field(5.0, gt=0, description="how long a dispatch counts against a worker before its heartbeat shows it")
+
+
+class WorkerSettings(BaseSettings):
+    model_config = _frozen("LIGHTQ_")
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    worker_id: str = Field("", description="unique worker id (default: host-pid)")
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:N]'")
+    dtype: str = Field("auto", description="'auto' (bf16 on GPU, fp32 on CPU), 'float32', 'float16', 'bfloat16'")
+    max_total_token_num: int = Field(8192, gt=0, description="tokens in the preallocated KV pool")
+    batch_max_tokens: int = Field(4096, gt=0, description="max prompt tokens prefilled in one step")
+    running_max_req_size: int = Field(64, gt=0, description="max requests running at once")
+    tp: int = Field(1, description="tensor parallel degree (only 1 is supported for now)")
+    heartbeat_s: float = Field(0.5, gt=0, description="seconds between load records")
+    seed: int = Field(0, description="seed for dummy weights")

@@ -1,0 +1,63 @@
+"""Every Redis key, stream, group and channel name lightq uses, built in one place.
+
+Braces are Redis Cluster hash tags: keys sharing ``{r:ID}`` (or ``{w:ID}``)
+land in one slot, so a request's status and chunks can be written together.
+
+| key                         | type          | writer -> reader          |
+|-----------------------------|---------------|---------------------------|
+| P:{q}:requests              | stream        | producer -> routers       |
+| P:{q}:dead                  | stream        | router -> operators       |
+| P:workers                   | sorted set    | worker -> router (score = last seen ms) |
+| P:{w:ID}:load               | string + TTL  | worker -> router, producer (WorkerLoad JSON) |
+| P:{w:ID}:inbox              | stream        | router -> worker          |
+| P:{r:ID}:meta               | hash + TTL    | producer, router, worker -> producer |
+| P:{r:ID}:chunks             | stream + TTL  | worker -> producer (durable chunk log) |
+| P:{r:ID}:tokens             | pub/sub       | worker -> anyone (live chunks) |
+| P:{r:ID}:cancel             | string + TTL  | producer -> router, worker |
+| P:outlen                    | capped list   | worker -> router (finished output lengths) |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROUTER_GROUP = "routers"
+WORKER_GROUP = "worker"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "lightq"
+
+    def requests(self) -> str:
+        return f"{self.prefix}:{{q}}:requests"
+
+    def dead_letters(self) -> str:
+        return f"{self.prefix}:{{q}}:dead"
+
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def load(self, worker_id: str) -> str:
+        return f"{self.prefix}:{{w:{worker_id}}}:load"
+
+    def inbox(self, worker_id: str) -> str:
+        return f"{self.prefix}:{{w:{worker_id}}}:inbox"
+
+    def meta(self, request_id: str) -> str:
+        return f"{self.prefix}:{{r:{request_id}}}:meta"
+
+    def chunks(self, request_id: str) -> str:
+        return f"{self.prefix}:{{r:{request_id}}}:chunks"
+
+    def channel(self, request_id: str) -> str:
+        return f"{self.prefix}:{{r:{request_id}}}:tokens"
+
+    def cancel(self, request_id: str) -> str:
+        return f"{self.prefix}:{{r:{request_id}}}:cancel"
+
+    def output_lengths(self) -> str:
+        return f"{self.prefix}:outlen"
+
+    def all_request_keys(self, request_id: str) -> list[str]:
+        return [self.meta(request_id), self.chunks(request_id), self.cancel(request_id)]

