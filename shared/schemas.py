@@ -74,16 +74,23 @@ class GenerateRequest(_Frozen):
 
 
 class TokenChunk(_Frozen):
-    """One generated token; ``index`` is its 0-based position in the output."""
+    """One generated token; ``index`` is its 0-based position in the output.
+
+    The last chunk of a request has ``finished`` set. A request that ends
+    without a token of its own (cancelled, failed) ends with a chunk whose
+    ``token_id`` is None, ``text`` empty and ``index`` the count of tokens
+    before it. Readers drop a chunk whose index they already delivered.
+    """
 
     kind: Literal["chunk"] = "chunk"
     request_id: str
     index: int
-    token_id: int
-    text: str
-    logprob: float
+    token_id: int | None
+    text: str = ""
+    logprob: float | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
+    error: str | None = None
 
 
 class WorkerLoad(_Frozen):
