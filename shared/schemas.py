@@ -110,3 +110,42 @@ class WorkerLoad(_Frozen):
     @property
     def free_tokens(self) -> int:
         return self.max_total_tokens - self.committed_tokens
+
+
+class RequestMeta(BaseModel):
+    """The per-request status hash ({r:ID}:meta); every writer goes through this.
+
+    The producer creates it (queued), the router fills ``worker`` on dispatch,
+    the worker sets running/finished with counts and times. ``*_ms`` are Unix
+    milliseconds. Partial updates use ``fields(...)``.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    status: RequestStatus
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    worker: str | None = None
+    attempt: int = 0
+    created_ms: int = 0
+    dispatched_ms: int | None = None
+    started_ms: int | None = None
+    finished_ms: int | None = None
+
+    @staticmethod
+    def fields(**values) -> dict[str, str]:
+        """Hash fields for HSET: enums by value, None dropped."""
+        out: dict[str, str] = {}
+        for name, value in values.items():
+            if name not in RequestMeta.model_fields:
+                raise KeyError(f"unknown meta field {name}")
+            if value is not None:
+                out[name] = value.value if isinstance(value, Enum) else str(value)
+        return out
+
+    @classmethod
+    def from_hash(cls, data: dict[str, str]) -> "RequestMeta":
+        return cls.model_validate(data)
