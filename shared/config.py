@@ -22,6 +22,7 @@ class RedisSettings(BaseSettings):
     model_config = _frozen("LIGHTQ_REDIS_")
     url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis:// or rediss://)")
     key_prefix: str = Field("lightq", description="namespace of every key lightq writes")
+    request_ttl_s: int = Field(3600, gt=0, description="seconds a finished request's records stay readable")
 
 
 class ModelSettings(BaseSettings):
@@ -33,7 +34,6 @@ class ModelSettings(BaseSettings):
         description="'default' (embedded SmolLM2), a HF directory, a .gguf file, or dummy:<config dir>",
     )
     max_req_total_len: int = Field(2048, gt=1, description="max prompt + new tokens per request")
-    request_ttl_s: int = Field(3600, gt=0, description="seconds a finished request's records stay readable")
 
 
 class ProducerSettings(BaseSettings):

@@ -15,6 +15,7 @@ land in one slot, so a request's status and chunks can be written together.
 | P:{r:ID}:tokens             | pub/sub       | worker -> anyone (live chunks) |
 | P:{r:ID}:cancel             | string + TTL  | producer -> router, worker |
 | P:outlen                    | capped list   | worker -> router (finished output lengths) |
+| P:{w:ID}:reap               | string + TTL  | router lock while re-dispatching a dead worker's requests |
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class Keys:
 
     def cancel(self, request_id: str) -> str:
         return f"{self.prefix}:{{r:{request_id}}}:cancel"
+
+    def reap_lock(self, worker_id: str) -> str:
+        return f"{self.prefix}:{{w:{worker_id}}}:reap"
 
     def output_lengths(self) -> str:
         return f"{self.prefix}:outlen"

@@ -105,11 +105,18 @@ class WorkerLoad(_Frozen):
     committed_tokens: int = Field(description="sum of prompt + max_new_tokens over running and waiting requests")
     num_running: int
     num_waiting: int
+    last_inbox_id: str = Field("0-0", description="newest inbox entry the worker has taken in")
     draining: bool = False
 
     @property
     def free_tokens(self) -> int:
         return self.max_total_tokens - self.committed_tokens
+
+
+def stream_id(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as a comparable (milliseconds, sequence) pair."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 class RequestMeta(BaseModel):

@@ -1,0 +1,115 @@
+"""The router's service loop: ingress stream -> admission -> a worker's inbox.
+
+Entries are read through the ``routers`` consumer group and stay in this
+router's pending list until dispatched: the inbox XADD, the status update
+and the XACK happen in one transaction, so a crash anywhere before it leaves
+the entry pending (re-read with id 0 on restart) and a crash after it leaves
+the request in exactly one inbox. Requests are dispatched in arrival order:
+when the head cannot be placed, everything behind it waits too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import redis
+
+from router.admission import choose_worker
+from router.janitor import reap_dead_worker
+from router.registry import read_registry
+from router.reservations import Reservations
+from shared.codec import entry, from_entry
+from shared.config import RouterSettings
+from shared.keys import ROUTER_GROUP, Keys
+from shared.redis import ensure_group
+from shared.request_log import end_request, now_ms
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus
+
+log = logging.getLogger("lightq.router")
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, client: redis.Redis, router_id: str):
+        self.settings = settings
+        self.client = client
+        self.keys = Keys(settings.redis.key_prefix)
+        self.router_id = router_id
+        self.reservations = Reservations(settings.reservation_ttl_s)
+        self.queue: deque[tuple[str, GenerateRequest]] = deque()
+        self.stop_event = threading.Event()
+        self._read_id = "0"  # first our own pending entries (after a restart), then new ones
+
+    def run(self) -> None:
+        ensure_group(self.client, self.keys.requests(), ROUTER_GROUP)
+        log.info("router %s reading %s", self.router_id, self.keys.requests())
+        while not self.stop_event.is_set():
+            self.step()
+
+    def step(self) -> int:
+        """Read, reap, dispatch; returns how many requests were dispatched."""
+        self._read()
+        registry = read_registry(self.client, self.keys)
+        for worker_id in registry.dead:
+            reap_dead_worker(self.client, self.keys, worker_id, self.settings.redis.request_ttl_s)
+        self.reservations.settle(registry.live)
+        dispatched = self._dispatch(registry.live)
+        if self.queue and not dispatched:
+            self.stop_event.wait(self.settings.poll_ms / 1000)
+        return dispatched
+
+    def _read(self) -> None:
+        room = self.settings.read_batch - len(self.queue)
+        if room <= 0:
+            return
+        block = None if self.queue or self._read_id == "0" else self.settings.poll_ms
+        reply = self.client.xreadgroup(ROUTER_GROUP, self.router_id, {self.keys.requests(): self._read_id},
+                                       count=room, block=block)
+        entries = reply[0][1] if reply else []
+        if self._read_id == "0" and len(entries) < room:
+            self._read_id = ">"
+        for entry_id, fields in entries:
+            self._take(entry_id, fields)
+
+    def _take(self, entry_id: str, fields: dict) -> None:
+        try:
+            self.queue.append((entry_id, from_entry(GenerateRequest, fields)))
+        except ValueError as exc:  # unreadable: never retry it, keep it for inspection
+            log.error("dead-lettering unreadable entry %s: %s", entry_id, exc)
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xadd(self.keys.dead_letters(), {**fields, "reason": f"unreadable: {exc}"[:500]})
+            pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
+            pipe.execute()
+
+    def _dispatch(self, loads) -> int:
+        dispatched = 0
+        while self.queue:
+            entry_id, request = self.queue[0]
+            if self.client.exists(self.keys.cancel(request.id)):
+                self._finish_cancelled(entry_id, request)
+            else:
+                worker_id = choose_worker(loads, self.reservations.tokens(), request)
+                if worker_id is None:
+                    break
+                self._send(entry_id, request, worker_id)
+                dispatched += 1
+            self.queue.popleft()
+        return dispatched
+
+    def _send(self, entry_id: str, request: GenerateRequest, worker_id: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.keys.inbox(worker_id), entry(request))
+        pipe.hset(self.keys.meta(request.id), mapping=RequestMeta.fields(worker=worker_id, dispatched_ms=now_ms()))
+        pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
+        inbox_id = pipe.execute()[0]
+        self.reservations.add(worker_id, inbox_id, request.max_tokens_needed)
+        log.debug("request %s -> %s", request.id, worker_id)
+
+    def _finish_cancelled(self, entry_id: str, request: GenerateRequest) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        end_request(pipe, self.keys, request.id, status=RequestStatus.CANCELLED, reason="cancelled",
+                    num_output=len(request.resume_ids), ttl_s=self.settings.redis.request_ttl_s)
+        pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
+        pipe.execute()

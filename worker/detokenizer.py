@@ -1,0 +1,45 @@
+"""Incremental detokenisation that is correct for characters spanning tokens.
+
+Decoding one token at a time breaks multi-byte characters and drops the
+leading space sentencepiece-style tokenizers attach to a word. So each step
+decodes a short window that starts a few tokens back (``prefix_offset``) and
+emits only what extends the previous window's text, holding text back while
+it ends in an incomplete character (U+FFFD). The algorithm is TGI's and vLLM's.
+"""
+
+from __future__ import annotations
+
+CONTEXT_TOKENS = 5  # prompt tokens decoded as context so the first token's spacing is right
+
+
+class IncrementalDecoder:
+    def __init__(self, tokenizer, context_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(context_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (maybe empty)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return new_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+
+
+def resumed_decoder(tokenizer, prompt_ids: list[int], resume_ids: list[int]) -> IncrementalDecoder:
+    """A decoder positioned after ``resume_ids`` (their text was already emitted)."""
+    return IncrementalDecoder(tokenizer, prompt_ids + resume_ids)

@@ -1,0 +1,45 @@
+"""What the model loop hands to the publisher thread: plain data, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.schemas import FinishReason, RequestStatus
+
+
+@dataclass(frozen=True)
+class Started:
+    request_id: str
+    prompt_ids: list[int]
+    resume_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Token:
+    request_id: str
+    index: int
+    token_id: int
+    logprob: float
+    finish_reason: FinishReason | None  # set on the request's last token
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A request that stopped without a final token (cancelled, failed)."""
+
+    request_id: str
+    status: RequestStatus
+    reason: FinishReason
+    num_output: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Released:
+    """The request's inbox entry can go: it finished or ended here."""
+
+    request_id: str
+    inbox_id: str
+
+
+Event = Started | Token | Ended | Released

@@ -1,0 +1,100 @@
+"""The worker's service loop (rq's ``Worker.work`` shape).
+
+inbox (block only when idle) -> cancels -> engine.step() -> publisher.
+The model loop never touches text or waits on Redis writes: tokens go to
+the publisher thread, load records to the heartbeat thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+
+from shared.codec import from_entry
+from shared.config import WorkerSettings
+from shared.keys import WORKER_GROUP, Keys
+from shared.redis import ensure_group
+from shared.request_log import now_ms
+from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
+from worker.engine import Engine
+from worker.events import Ended, Released
+from worker.heartbeat import Heartbeat
+from worker.publisher import Publisher
+from worker.request import Req
+
+log = logging.getLogger("lightq.worker")
+
+CANCEL_CHECK_S = 0.05
+IDLE_BLOCK_MS = 200
+
+
+class WorkerService:
+    def __init__(self, settings: WorkerSettings, client: redis.Redis, engine: Engine, tokenizer, worker_id: str):
+        self.settings = settings
+        self.client = client
+        self.engine = engine
+        self.keys = Keys(settings.redis.key_prefix)
+        self.worker_id = worker_id
+        self.publisher = Publisher(settings, client, tokenizer, worker_id)
+        self.heartbeat = Heartbeat(client, self.keys, worker_id, settings.heartbeat_s, self.load)
+        self.stop_event = threading.Event()
+        self.last_inbox_id = "0-0"
+        self._read_id = "0"  # our own pending entries first, then new ones
+        self._next_cancel_check = 0.0
+
+    def load(self, seq: int) -> WorkerLoad:
+        snap = self.engine.snapshot()
+        return WorkerLoad(worker_id=self.worker_id, seq=seq, ts_ms=now_ms(),
+                          max_total_tokens=self.engine.limits.max_total_tokens, used_tokens=snap.used_tokens,
+                          committed_tokens=snap.committed_tokens, num_running=snap.num_running,
+                          num_waiting=snap.num_waiting, last_inbox_id=self.last_inbox_id)
+
+    def run(self) -> None:
+        ensure_group(self.client, self.keys.inbox(self.worker_id), WORKER_GROUP)
+        self.publisher.start()
+        self.heartbeat.start()
+        log.info("worker %s serving (pool %d tokens)", self.worker_id, self.engine.limits.max_total_tokens)
+        try:
+            while not self.stop_event.is_set():
+                self._read_inbox()
+                self._check_cancels()
+                if self.engine.has_work:
+                    self.publisher.put(self.engine.step())
+        finally:
+            self.heartbeat.stop()
+            self.publisher.close()
+            log.info("worker %s stopped", self.worker_id)
+
+    def _read_inbox(self) -> None:
+        block = None if self.engine.has_work or self._read_id == "0" else IDLE_BLOCK_MS
+        reply = self.client.xreadgroup(WORKER_GROUP, self.worker_id, {self.keys.inbox(self.worker_id): self._read_id},
+                                       count=1024, block=block)
+        self._read_id = ">"
+        for entry_id, fields in reply[0][1] if reply else []:
+            self._take(entry_id, from_entry(GenerateRequest, fields))
+            self.last_inbox_id = entry_id
+
+    def _take(self, entry_id: str, msg: GenerateRequest) -> None:
+        req = Req(msg=msg, inbox_id=entry_id)
+        if msg.max_tokens_needed > self.engine.limits.max_total_tokens:
+            error = f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds {self.engine.limits.max_total_tokens}"
+            self.publisher.put([Ended(msg.id, RequestStatus.FAILED, "error", len(msg.resume_ids), error),
+                                Released(msg.id, entry_id)])
+            return
+        self.engine.add(req)
+
+    def _check_cancels(self) -> None:
+        now = time.monotonic()
+        if now < self._next_cancel_check or not self.engine.has_work:
+            return
+        self._next_cancel_check = now + CANCEL_CHECK_S
+        reqs = self.engine.requests()
+        pipe = self.client.pipeline(transaction=False)
+        for req in reqs:
+            pipe.exists(self.keys.cancel(req.id))
+        for req, cancelled in zip(reqs, pipe.execute()):
+            if cancelled:
+                self.publisher.put(self.engine.cancel(req))
