@@ -1,0 +1,115 @@
+"""Building blocks of a Llama-family decoder, numerically matching transformers.
+
+Parameters are allocated uninitialised (``torch.empty``) on the target device
+and dtype, never on CPU first: a checkpoint or the dummy initialiser fills
+every one of them (the loader checks), so initialising would be wasted work.
+No autograd: parameters have ``requires_grad=False``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), W: [out, in]; the same names as nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, the variance in fp32 and the product in x's dtype, as HF Llama."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused in one matmul: rows [gate; up]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings as one dict with ``rope_type`` and ``rope_theta``.
+
+    transformers 5 keeps them in ``config.rope_parameters``; older versions
+    in ``config.rope_theta`` plus an optional ``config.rope_scaling`` dict
+    (whose type key was once ``type``).
+    """
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        params = {"rope_theta": getattr(config, "rope_theta", 10000.0),
+                  **(getattr(config, "rope_scaling", None) or {})}
+    params = dict(params)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] (fp32, CPU) and the cos/sin scale factor."""
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    # "dynamic" and "longrope" change with the sequence length: not supported.
+    if rope_type in ("linear", "llama3", "yarn"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        return inv_freq.float().cpu(), float(scaling)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, yarn are)")
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for given positions; HF Llama's rotate-half convention."""
+
+    def __init__(self, config, head_dim: int, device: torch.device | str):
+        super().__init__()
+        inv_freq, self.scaling = rope_inv_freq(config, head_dim)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, D] in ``dtype`` (broadcast over heads)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], fp32 as HF
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by its token's angles; cos, sin [T, 1, D]."""
+    return x * cos + rotate_half(x) * sin
