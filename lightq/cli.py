@@ -1,0 +1,51 @@
+"""The ``lightq`` command: ``serve`` runs the whole pool on one machine;
+``producer``, ``router`` and ``worker`` run one service each (many machines,
+one Redis). Every flag is generated from the settings classes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightq.flags import add_flags, build, given
+from shared.config import ProducerSettings, RouterSettings, WorkerSettings
+from shared.service import setup_logging
+
+SERVICES = {"producer": ProducerSettings, "router": RouterSettings, "worker": WorkerSettings}
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="lightq", description=__doc__)
+    sub = top.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="producer + router + workers on this machine")
+    serve.add_argument("--workers", type=int, default=1, help="number of worker processes (default 1)")
+    add_flags(serve, *SERVICES.values())
+    for name, cls in SERVICES.items():
+        add_flags(sub.add_parser(name, help=f"run one {name}"), cls)
+    return top
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    flags = given(args)
+    command = flags.pop("command")
+    if command == "serve":
+        from lightq.launcher import serve
+
+        setup_logging()
+        workers = flags.pop("workers")
+        if flags.get("tp", 1) != 1:
+            sys.exit(f"--tp {flags['tp']} is not supported yet; only --tp 1")
+        sys.exit(serve(flags, workers))
+    settings = build(SERVICES[command], flags)
+    if command == "producer":
+        from producer.main import run
+    elif command == "router":
+        from router.main import run
+    else:
+        from worker.main import run
+    run(settings)
+
+
+if __name__ == "__main__":
+    main()

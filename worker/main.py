@@ -1,0 +1,76 @@
+"""``lightq worker``: load the model, size the pool, serve the inbox."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shared.config import WorkerSettings
+from shared.model_files import load_tokenizer, resolve
+from shared.redis import sync_client
+from shared.service import default_id, setup_logging, stop_on_signals
+from worker.engine import Engine, EngineLimits
+from worker.loader import attach_kv_cache, load_model
+from worker.model_runner import ModelRunner
+from worker.req_table import ReqTable
+from worker.serve import WorkerService
+from worker.token_pool import TokenPool
+
+log = logging.getLogger("lightq.worker")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def eos_ids(config, tokenizer) -> set[int]:
+    ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    return {i for i in [*ids, tokenizer.eos_token_id] if i is not None}
+
+
+def build_engine(settings: WorkerSettings, tokenizer) -> Engine:
+    if settings.tp != 1:
+        raise ValueError(f"--tp {settings.tp} is not supported yet; only --tp 1")
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    model, config = load_model(resolve(settings.model.model_dir), dtype, device, seed=settings.seed)
+    num_slots = settings.max_total_token_num
+    cache = attach_kv_cache(model, num_slots, device)
+    table = ReqTable(settings.running_max_req_size, settings.model.max_req_total_len + 8, cache.hold_slot, device)
+    runner = ModelRunner(model, TokenPool(num_slots), table, config.vocab_size, device)
+    limits = EngineLimits(num_slots, settings.batch_max_tokens, settings.running_max_req_size)
+    log.info("model on %s (%s), KV pool %d tokens", device, dtype, num_slots)
+    return Engine(runner, limits, eos_ids(config, tokenizer))
+
+
+def run(settings: WorkerSettings) -> None:
+    setup_logging()
+    worker_id = default_id(settings.worker_id)
+    tokenizer = load_tokenizer(resolve(settings.model.model_dir))
+    engine = build_engine(settings, tokenizer)
+    client = sync_client(settings.redis)
+    service = WorkerService(settings, client, engine, tokenizer, worker_id)
+    stop_on_signals(service.stop_event)
+    try:
+        service.run()
+    finally:
+        client.close()
+
+
+def main() -> None:
+    run(WorkerSettings())
+
+
+if __name__ == "__main__":
+    main()
