@@ -64,14 +64,21 @@ class Router:
         room = self.settings.read_batch - len(self.queue)
         if room <= 0:
             return
-        block = None if self.queue or self._read_id == "0" else self.settings.poll_ms
-        reply = self.client.xreadgroup(ROUTER_GROUP, self.router_id, {self.keys.requests(): self._read_id},
-                                       count=room, block=block)
-        entries = reply[0][1] if reply else []
-        if self._read_id == "0" and len(entries) < room:
+        if self._read_id == "0":  # after a restart: entries we read but never dispatched
+            entries = self._xreadgroup("0", room, None)
             self._read_id = ">"
+            if entries:
+                return
+        block = None if self.queue else self.settings.poll_ms
+        self._xreadgroup(">", room, block)
+
+    def _xreadgroup(self, read_id: str, count: int, block: int | None) -> list:
+        reply = self.client.xreadgroup(ROUTER_GROUP, self.router_id, {self.keys.requests(): read_id},
+                                       count=count, block=block)
+        entries = reply[0][1] if reply else []
         for entry_id, fields in entries:
             self._take(entry_id, fields)
+        return entries
 
     def _take(self, entry_id: str, fields: dict) -> None:
         try:

@@ -1,0 +1,30 @@
+"""Plays the workers' side of the protocol against the real Redis."""
+
+from __future__ import annotations
+
+from shared.codec import encode, entry
+from shared.keys import Keys
+from shared.request_log import now_ms
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, WorkerLoad
+
+
+def publish_load(client, keys: Keys, worker_id: str, max_total: int = 1000, committed: int = 0,
+                 last_inbox_id: str = "0-0", ttl_ms: int = 5000) -> None:
+    load = WorkerLoad(worker_id=worker_id, seq=1, ts_ms=now_ms(), max_total_tokens=max_total, used_tokens=0,
+                      committed_tokens=committed, num_running=0, num_waiting=0, last_inbox_id=last_inbox_id)
+    client.set(keys.load(worker_id), encode(load), px=ttl_ms)
+    client.zadd(keys.workers(), {worker_id: now_ms()})
+
+
+def submit(client, keys: Keys, request_id: str, prompt_len: int = 10, max_new: int = 10) -> GenerateRequest:
+    msg = GenerateRequest(id=request_id, prompt_ids=list(range(1, prompt_len + 1)),
+                          params=SamplingParams(max_new_tokens=max_new), created_ms=now_ms())
+    client.hset(keys.meta(request_id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=now_ms()))
+    client.xadd(keys.requests(), entry(msg))
+    return msg
+
+
+def inbox_ids(client, keys: Keys, worker_id: str) -> list[str]:
+    from shared.codec import from_entry
+
+    return [from_entry(GenerateRequest, f).id for _, f in client.xrange(keys.inbox(worker_id))]

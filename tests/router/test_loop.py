@@ -1,0 +1,86 @@
+"""The router against a real Redis, with workers played by the test."""
+
+from router.loop import Router
+from shared.codec import from_entry
+from shared.config import RouterSettings
+from shared.keys import ROUTER_GROUP
+from shared.request_log import emitted_chunks
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from shared.request_log import append_chunk
+from tests.router.helpers import inbox_ids, publish_load, submit
+
+
+def make_router(redis_settings, rclient, name="r1"):
+    router = Router(RouterSettings(redis=redis_settings, poll_ms=10), rclient, name)
+    from shared.redis import ensure_group
+    ensure_group(rclient, router.keys.requests(), ROUTER_GROUP)
+    return router
+
+
+def test_dispatches_in_order_to_the_least_loaded_and_acks(redis_settings, rclient, keys):
+    publish_load(rclient, keys, "w1", max_total=100, committed=30)
+    publish_load(rclient, keys, "w2", max_total=100)
+    router = make_router(redis_settings, rclient)
+    for i in range(3):
+        submit(rclient, keys, f"q{i}", 10, 10)
+    router.step()
+    # w2 has 100 free, w1 70: q0 -> w2 (80 left), q1 -> w2 (60 left), q2 -> w1 (70 > 60)
+    assert inbox_ids(rclient, keys, "w2") == ["q0", "q1"]
+    assert inbox_ids(rclient, keys, "w1") == ["q2"]
+    assert rclient.xpending(keys.requests(), ROUTER_GROUP)["pending"] == 0
+    assert RequestMeta.from_hash(rclient.hgetall(keys.meta("q0"))).worker == "w2"
+
+
+def test_request_waits_in_order_until_a_worker_has_room(redis_settings, rclient, keys):
+    publish_load(rclient, keys, "w1", max_total=30)
+    router = make_router(redis_settings, rclient)
+    submit(rclient, keys, "big", 20, 20)  # needs 40 > 30
+    submit(rclient, keys, "small", 1, 1)
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == []  # small waits behind big: arrival order
+    assert rclient.xpending(keys.requests(), ROUTER_GROUP)["pending"] == 2
+    publish_load(rclient, keys, "w1", max_total=100)
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == ["big", "small"]
+
+
+def test_restarted_router_finishes_its_pending_entries(redis_settings, rclient, keys):
+    router = make_router(redis_settings, rclient)
+    submit(rclient, keys, "q0")
+    router.step()  # read, no worker: stays pending in r1's list
+    publish_load(rclient, keys, "w1")
+    again = make_router(redis_settings, rclient)  # same consumer name, fresh memory
+    again.step()
+    assert inbox_ids(rclient, keys, "w1") == ["q0"]
+
+
+def test_cancelled_request_is_finalised_without_dispatch(redis_settings, rclient, keys):
+    router = make_router(redis_settings, rclient)
+    submit(rclient, keys, "q0")
+    rclient.set(keys.cancel("q0"), 1)
+    router.step()
+    meta = RequestMeta.from_hash(rclient.hgetall(keys.meta("q0")))
+    assert meta.status is RequestStatus.CANCELLED
+    assert emitted_chunks(rclient, keys, "q0")[-1].finish_reason == "cancelled"
+    assert rclient.ttl(keys.meta("q0")) > 0
+
+
+def test_dead_worker_requests_go_back_with_emitted_tokens(redis_settings, rclient, keys):
+    publish_load(rclient, keys, "w1", ttl_ms=5000)
+    router = make_router(redis_settings, rclient)
+    submit(rclient, keys, "q0", 5, 10)
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == ["q0"]
+    pipe = rclient.pipeline()
+    for i, tok in enumerate([7, 8, 9]):
+        append_chunk(pipe, keys, TokenChunk(request_id="q0", index=i, token_id=tok, text="x"))
+    pipe.execute()
+    rclient.delete(keys.load("w1"))  # w1 dies
+    publish_load(rclient, keys, "w2")
+    router.step()  # reaps w1: q0 goes back to the ingress stream
+    router.step()  # and on to w2
+    [(_, fields)] = rclient.xrange(keys.inbox("w2"))
+    again = from_entry(GenerateRequest, fields)
+    assert again.id == "q0" and again.attempt == 1 and again.resume_ids == [7, 8, 9]
+    assert rclient.zscore(keys.workers(), "w1") is None
+    assert not rclient.exists(keys.inbox("w1"))

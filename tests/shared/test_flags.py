@@ -1,0 +1,34 @@
+import argparse
+
+from lightq.flags import add_flags, as_env, build, given
+from shared.config import WorkerSettings
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_flags(parser, WorkerSettings)
+    return given(parser.parse_args(argv))
+
+
+def test_flags_keep_lightllm_names_and_env_fills_the_rest(monkeypatch):
+    monkeypatch.setenv("LIGHTQ_RUNNING_MAX_REQ_SIZE", "7")
+    flags = parse(["--max_total_token_num", "123", "--redis_url", "redis://h:1/2", "--model_dir", "m"])
+    settings = build(WorkerSettings, flags)
+    assert settings.max_total_token_num == 123
+    assert settings.running_max_req_size == 7
+    assert settings.redis.url == "redis://h:1/2"
+    assert settings.model.model_dir == "m"
+
+
+def test_given_flags_become_child_environment():
+    env = as_env(parse(["--batch_max_tokens", "64", "--redis_key_prefix", "x"]))
+    assert env == {"LIGHTQ_BATCH_MAX_TOKENS": "64", "LIGHTQ_REDIS_KEY_PREFIX": "x"}
+
+
+def test_settings_are_frozen():
+    settings = build(WorkerSettings, {})
+    try:
+        settings.tp = 2
+    except Exception:
+        return
+    raise AssertionError("settings must be frozen")
