@@ -1,0 +1,42 @@
+"""TritonAttention end to end: pool write + attention, against the references."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.kernels.helpers import DEVICE, DTYPES, assert_close, make_batch, make_pool
+from worker.kernels.context_attention import context_attention_ref
+from worker.kernels.copy_kv import copy_kv_ref
+from worker.triton_attention import TritonAttention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, LAYER = 4, 2, 32, 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_lens, cached_lens", [([6, 1, 19], [0, 4, 12]), ([1, 1, 1], [0, 20, 70])],
+                         ids=["prefill", "decode"])
+def test_forward_matches_reference(q_lens, cached_lens, dtype):
+    batch = make_batch(q_lens, cached_lens)
+    assert batch.is_decode == all(q == 1 for q in q_lens)
+    # The new slots are NaN until forward writes them.
+    layer_pool = make_pool(batch, NUM_KV_HEADS, HEAD_DIM, dtype, poison_new=True)
+    buffer = torch.randn(3, *layer_pool.shape, device=DEVICE).to(dtype)
+    buffer[LAYER] = layer_pool
+    cache = SimpleNamespace(buffer=buffer)
+    q = torch.randn(batch.num_tokens, NUM_HEADS, HEAD_DIM, device=DEVICE).to(dtype)
+    k = torch.randn(batch.num_tokens, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(dtype)
+    v = torch.randn_like(k)
+
+    expected_pool = layer_pool.clone()
+    copy_kv_ref(k, v, batch.out_slots, expected_pool)
+    ref = context_attention_ref(q, expected_pool[:, :NUM_KV_HEADS], expected_pool[:, NUM_KV_HEADS:],
+                                batch.q_starts, batch.q_lens, batch.cached_lens, batch.seq_lens,
+                                batch.req_rows, batch.req_table)
+    others = buffer[[0, 2]].clone()
+
+    out = TritonAttention(cache).forward(LAYER, q, k, v, batch)
+    assert out.shape == q.shape
+    assert_close(out, ref)
+    torch.testing.assert_close(buffer[LAYER], expected_pool, atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(buffer[[0, 2]], others)  # other layers untouched

@@ -1,0 +1,149 @@
+"""Prefill attention over packed sequences, K/V gathered from the token pool.
+
+FlashAttention-2 style: each program owns BLOCK_M queries of one request and
+one query head, and streams that request's K/V in BLOCK_N tiles through the
+request -> token table with a base-2 online softmax. Request b's new queries
+sit at packed rows q_starts[b] .. q_starts[b] + q_lens[b] - 1 and have
+positions cached_lens[b] + i, so query i sees pool positions
+0 .. cached_lens[b] + i (causal, offset by the cached prefix): a chunked or
+prefix-cached prefill needs nothing else. The new tokens' K/V must already be
+in the pool (copy_kv runs first). GQA: query head h reads KV head h // group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _context_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    q_starts_ptr, q_lens_ptr, cached_lens_ptr, seq_lens_ptr, req_rows_ptr, table_ptr,
+    qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_table,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start_m = tl.program_id(2) * BLOCK_M
+    q_len = tl.load(q_lens_ptr + b)
+    # The grid is sized for the longest request; shorter ones stop here.
+    if start_m >= q_len:
+        return
+    q_start = tl.load(q_starts_ptr + b).to(tl.int64)
+    cached = tl.load(cached_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    row = tl.load(req_rows_ptr + b).to(tl.int64)
+    kv_h = h // GROUP
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # query index within the request
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < q_len
+    q_rows = q_start + offs_m
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)  # [BLOCK_M, D]
+    q_pos = cached + offs_m  # absolute position of each query
+
+    # Finite init: a row whose first tile is fully masked gives exp2(-inf - m) = 0, not NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # Causal: no query of this block sees past its last position.
+    kv_end = tl.minimum(seq_len, cached + start_m + BLOCK_M)
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        # Masked columns read slot 0, a valid pool row; their scores are masked below.
+        slots = tl.load(table_ptr + row * stride_table + offs_n, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + kv_h * stride_kh + offs_d[:, None],
+                    mask=n_mask[None, :], other=0.0)  # [D, BLOCK_N]
+        qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_h * stride_vh + offs_d[None, :],
+                    mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # Every valid row saw position 0, so l_i > 0 wherever the store is unmasked.
+    acc = acc / l_i[:, None]
+    tl.store(o_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table) -> None:
+    assert q.dim() == 3 and o.shape == q.shape, f"q {tuple(q.shape)} / o {tuple(o.shape)}: want [T, Hq, D]"
+    assert k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "k_cache / v_cache: want equal [S, Hkv, D]"
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[1]
+    assert k_cache.shape[2] == head_dim, f"head_dim q {head_dim} vs cache {k_cache.shape[2]}"
+    assert num_heads % num_kv_heads == 0, f"Hq {num_heads} not a multiple of Hkv {num_kv_heads}"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: power of two >= 16 (tl.dot)"
+    assert q.dtype == o.dtype == k_cache.dtype == v_cache.dtype, "q, o and the cache share a dtype"
+    assert all(t.stride(-1) == 1 for t in (q, o, k_cache, v_cache)), "head dim must be contiguous"
+    batch = index_tensors[0].shape[0]
+    for t in index_tensors:
+        assert t.shape == (batch,) and not t.is_floating_point(), "index tensors: integer [B]"
+    assert req_table.dim() == 2 and req_table.stride(1) == 1 and not req_table.is_floating_point()
+    devices = {t.device for t in (q, k_cache, v_cache, o, req_table, *index_tensors)}
+    assert len(devices) == 1, f"inputs on several devices: {devices}"
+
+
+def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
+                      q_starts: torch.Tensor, q_lens: torch.Tensor, cached_lens: torch.Tensor,
+                      seq_lens: torch.Tensor, req_rows: torch.Tensor, req_table: torch.Tensor,
+                      max_q_len: int, sm_scale: float | None = None,
+                      block_m: int | None = None, block_n: int | None = None) -> None:
+    """o[T, Hq, D] = causal attention of q over the pool, per request (see module doc).
+
+    k_cache / v_cache: [S, Hkv, D] views of one pool layer (pool[:, :Hkv], pool[:, Hkv:]).
+    max_q_len (host int) sizes the grid; it must be >= every q_lens[b].
+    """
+    index_tensors = (q_starts, q_lens, cached_lens, seq_lens, req_rows)
+    _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table)
+    num_heads, head_dim = q.shape[1:]  # q: [T, Hq, D]
+    batch = q_lens.shape[0]
+    if batch == 0 or max_q_len == 0:
+        return
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    block_m = block_m or (128 if head_dim <= 64 else 64)
+    block_n = block_n or 64
+    grid = (batch, num_heads, triton.cdiv(max_q_len, block_m))
+    _context_attention_kernel[grid](
+        q, k_cache, v_cache, o, q_starts, q_lens, cached_lens, seq_lens, req_rows, req_table,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        o.stride(0), o.stride(1), req_table.stride(0),
+        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+    )
+
+
+def context_attention_ref(q, k_cache, v_cache, q_starts, q_lens, cached_lens, seq_lens,
+                          req_rows, req_table, sm_scale: float | None = None) -> torch.Tensor:
+    """Plain PyTorch, one request at a time, in fp32. Returns [T, Hq, D] in q's dtype."""
+    num_heads, head_dim = q.shape[1:]
+    group = num_heads // k_cache.shape[1]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    out = torch.empty_like(q)
+    for b in range(q_lens.shape[0]):
+        start, n, cached, seq = (int(x[b]) for x in (q_starts, q_lens, cached_lens, seq_lens))
+        slots = req_table[int(req_rows[b]), :seq].long()
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [seq, Hq, D]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        qb = q[start:start + n].float()  # [n, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [Hq, n, seq]
+        causal = torch.arange(seq)[None, :] <= (cached + torch.arange(n))[:, None]
+        scores = scores.masked_fill(~causal.to(q.device), float("-inf"))
+        out[start:start + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
