@@ -1,0 +1,163 @@
+"""Request and response bodies of the producer's HTTP API.
+
+The native routes copy LightLLM's formats (``/work/shared/notes/lightllm.md``
+§1): unknown parameters are ignored, ``generated_text`` is a list, and stream
+events carry a ``token`` object. Request models are strict (no "5" -> 5), so a
+wrong type is a 400 rather than a silent coercion.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from shared.schemas import FinishReason, RequestStatus, SamplingParams
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class GenerateParameters(_Request):
+    """LightLLM's ``parameters`` object; keys lightq does not implement are ignored."""
+
+    max_new_tokens: int | None = Field(None, ge=1)
+    do_sample: bool = False
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    ignore_eos: bool = False
+    seed: int | None = Field(None, description="-1 or null: unseeded")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return value
+
+    def sampling(self, default_max_new_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens or default_max_new_tokens,
+            do_sample=self.do_sample,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            ignore_eos=self.ignore_eos,
+            seed=None if self.seed in (None, -1) else self.seed,
+        )
+
+
+class GenerateBody(_Request):
+    """Body of ``/generate``, ``/generate_stream`` and ``POST /v1/requests``."""
+
+    inputs: str | list[int]
+    parameters: GenerateParameters | None = None
+
+    @property
+    def params(self) -> GenerateParameters:
+        return self.parameters or GenerateParameters()
+
+
+def _inline_schema(model: type[BaseModel]) -> dict:
+    """The model's JSON schema with ``$defs`` inlined (OpenAPI cannot resolve them in place)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        return [inline(item) for item in node] if isinstance(node, list) else node
+
+    return inline(schema)
+
+
+# The generate routes parse their body themselves (any Content-Type); this documents it.
+BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": _inline_schema(GenerateBody)}}}}
+
+
+class GenerateResult(BaseModel):
+    """``/generate``'s answer: LightLLM's n=1 shape (list text, scalar siblings)."""
+
+    generated_text: list[str]
+    count_output_tokens: int
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    error: str | None = Field(None, description="set only when the request did not end normally")
+
+
+def dump_without_empty_error(model: BaseModel) -> str:
+    """JSON of a native-route body; LightLLM has no ``error`` key, so it appears only when set."""
+    data = model.model_dump(mode="json")
+    if data.get("error") is None:
+        data.pop("error", None)
+    return json.dumps(data, ensure_ascii=False)
+
+
+class StreamToken(BaseModel):
+    id: int | None
+    text: str
+    logprob: float | None
+    special: bool = False
+    count_output_tokens: int
+    prompt_tokens: int
+
+
+class StreamEvent(BaseModel):
+    """One ``/generate_stream`` event (``data:{json}``)."""
+
+    token: StreamToken
+    generated_text: str | None = None
+    finished: bool
+    finish_reason: FinishReason | None
+    details: Any = None
+    error: str | None = None
+
+    def to_json(self) -> str:
+        return dump_without_empty_error(self)
+
+
+class SubmitAccepted(BaseModel):
+    id: str
+    status_url: str
+    stream_url: str
+
+
+class RequestView(BaseModel):
+    """``GET /v1/requests/{id}``: the status hash plus the output so far."""
+
+    id: str
+    status: RequestStatus
+    output_text: str
+    output_tokens: int
+    prompt_tokens: int
+    finish_reason: FinishReason | None
+    error: str | None
+    worker: str | None
+    created_ms: int
+    dispatched_ms: int | None
+    started_ms: int | None
+    finished_ms: int | None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape, used for every 4xx/5xx this service answers."""
+
+    error: ErrorDetail
+
+
+class HealthBody(BaseModel):
+    message: str

@@ -1,0 +1,43 @@
+"""``create_app(settings)``: the producer's FastAPI app, with nothing built at import."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from producer import routes_native, routes_requests
+from producer.deps import Services
+from producer.errors import install_handlers
+from producer.metrics import ProducerMetrics
+from shared.config import ProducerSettings
+from shared.keys import Keys
+from shared.model_files import load_tokenizer, resolve
+from shared.redis import async_client
+
+
+def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
+    """The app; its lifespan opens Redis and loads the tokenizer unless one is given."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tok = tokenizer
+        if tok is None:
+            tok = await asyncio.to_thread(load_tokenizer, resolve(settings.model.model_dir))
+        redis = async_client(settings.redis)
+        app.state.services = Services(settings=settings, keys=Keys(settings.redis.key_prefix),
+                                      redis=redis, tokenizer=tok, metrics=app.state.metrics)
+        try:
+            yield
+        finally:
+            await redis.aclose()
+
+    app = FastAPI(title="lightq producer", lifespan=lifespan)
+    app.state.metrics = ProducerMetrics()  # before the lifespan: error handlers count rejections
+    install_handlers(app)
+    app.include_router(routes_native.router)
+    app.include_router(routes_requests.router)
+    return app

@@ -1,0 +1,56 @@
+"""What a route needs, as ``Annotated`` dependencies (the template's deps.py)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import redis.asyncio as aioredis
+from fastapi import Depends, Request
+from pydantic import ValidationError
+
+from producer.api_types import GenerateBody
+from producer.errors import bad_request, from_validation, not_found
+from producer.metrics import ProducerMetrics
+from shared.config import ProducerSettings
+from shared.keys import Keys
+
+REQUEST_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex; anything else cannot exist
+
+
+@dataclass(frozen=True)
+class Services:
+    """Everything the lifespan opens, shared by all requests of one app."""
+
+    settings: ProducerSettings
+    keys: Keys
+    redis: aioredis.Redis
+    tokenizer: Any
+    metrics: ProducerMetrics
+
+
+def get_services(request: Request) -> Services:
+    return request.app.state.services
+
+
+async def parse_generate_body(request: Request) -> GenerateBody:
+    """The JSON body, whatever its Content-Type (LightLLM reads it the same way)."""
+    raw = await request.body()
+    if not raw.strip():
+        raise bad_request("request body is empty", code="empty_body", reason="invalid_json")
+    try:
+        return GenerateBody.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation(exc.errors(include_url=False)) from None
+
+
+def valid_request_id(request_id: str) -> str:
+    if not REQUEST_ID.fullmatch(request_id):
+        raise not_found(request_id)
+    return request_id
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+GenerateBodyDep = Annotated[GenerateBody, Depends(parse_generate_body)]
+RequestIdDep = Annotated[str, Depends(valid_request_id)]

@@ -1,0 +1,89 @@
+"""Every error this service answers, in OpenAI's shape, and the handlers that
+make sure no validation problem turns into a 500."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from producer.api_types import ErrorBody, ErrorDetail
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error answer; ``reason`` (when set) is counted as a rejected request."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 reason: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message=message, type=kind, param=param, code=code)
+        self.reason = reason
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None,
+                reason: str = "invalid_request") -> ApiError:
+    return ApiError(400, message, param=param, code=code, reason=reason)
+
+
+def not_found(request_id: str) -> ApiError:
+    return ApiError(404, f"no request {request_id}", param="id", code="not_found", kind="not_found_error")
+
+
+def from_validation(errors: list[dict], *, reason: str = "invalid_request") -> ApiError:
+    """A 400 naming the first problem pydantic found (``parameters.top_p: ...``)."""
+    if not errors:
+        return bad_request("invalid request", reason=reason)
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first.get("msg", ""))
+        return bad_request(f"request body is not valid JSON: {detail}", code="json_invalid", reason="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return bad_request(message, param=param, code=first.get("type"), reason=reason)
+
+
+def error_response(status: int, detail: ErrorDetail) -> JSONResponse:
+    return JSONResponse(ErrorBody(error=detail).model_dump(mode="json"), status_code=status)
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    metrics = getattr(request.app.state, "metrics", None)
+    if exc.reason is not None and metrics is not None:
+        metrics.rejected.labels(reason=exc.reason).inc()
+    return error_response(exc.status, exc.detail)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return await _api_error(request, from_validation(list(exc.errors())))
+
+
+async def _pydantic_error(request: Request, exc: ValidationError) -> JSONResponse:
+    return await _api_error(request, from_validation(exc.errors(include_url=False)))
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    detail = ErrorDetail(message=str(exc.detail), type=kind, code=str(exc.status_code))
+    return error_response(exc.status_code, detail)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(500, ErrorDetail(message="internal error", type="server_error"))
+
+
+def install_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ValidationError, _pydantic_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

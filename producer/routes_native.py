@@ -1,0 +1,95 @@
+"""LightLLM's native routes (``/generate``, ``/generate_stream``), ``/health`` and ``/metrics``.
+
+Both generate routes validate and enqueue before answering anything, then
+follow the request's chunk stream; a client that leaves cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
+
+from producer import store
+from producer.api_types import BODY_DOC, GenerateResult, dump_without_empty_error
+from producer.deps import GenerateBodyDep, Services, ServicesDep
+from producer.errors import ApiError
+from producer.streaming import ChunkFollower, EventStream, native_event, shielded, sse
+from producer.submit import submit
+from shared.schemas import TokenChunk
+
+router = APIRouter()
+HEALTH_TIMEOUT_S = 2.0
+
+
+def _follower(services: Services, request_id: str) -> ChunkFollower:
+    return ChunkFollower(services.redis, services.keys, request_id, services.settings.stream_block_ms)
+
+
+async def _abandon(services: Services, request_id: str) -> None:
+    await store.request_cancel(services.redis, services.keys, request_id, services.settings.redis.request_ttl_s)
+    services.metrics.disconnects.inc()
+
+
+@router.post("/generate", response_model=GenerateResult, openapi_extra=BODY_DOC)
+async def generate(request: Request, body: GenerateBodyDep, services: ServicesDep) -> Response:
+    queued = await submit(body, "generate", services)
+    follower = _follower(services, queued.id)
+    chunks: list[TokenChunk] = []
+    try:
+        async for _, chunk in follower.follow(request.is_disconnected):
+            chunks.append(chunk)
+    finally:
+        if not follower.finished:
+            await shielded(functools.partial(_abandon, services, queued.id))
+    if not follower.finished:
+        return Response(status_code=499)  # nobody is listening any more
+    result = generate_result(chunks, queued.num_prompt_tokens)
+    if result.finish_reason == "error":
+        raise ApiError(500, result.error or "generation failed", code="generation_failed", kind="server_error")
+    return Response(dump_without_empty_error(result), media_type="application/json")
+
+
+def generate_result(chunks: list[TokenChunk], prompt_tokens: int) -> GenerateResult:
+    tokens = [chunk for chunk in chunks if chunk.token_id is not None]
+    last = chunks[-1]
+    return GenerateResult(
+        generated_text=["".join(chunk.text for chunk in tokens)],
+        count_output_tokens=len(tokens),
+        finish_reason=last.finish_reason,
+        prompt_tokens=prompt_tokens,
+        error=last.error,
+    )
+
+
+@router.post("/generate_stream", openapi_extra=BODY_DOC, response_class=EventStream)
+async def generate_stream(request: Request, body: GenerateBodyDep, services: ServicesDep) -> EventStream:
+    queued = await submit(body, "generate_stream", services)
+    events = sse(
+        _follower(services, queued.id),
+        lambda _entry_id, chunk: native_event(chunk, queued.num_prompt_tokens),
+        disconnected=request.is_disconnected,
+        on_abandon=functools.partial(_abandon, services, queued.id),
+    )
+    return EventStream(events)
+
+
+@router.get("/health", responses={503: {"description": "Redis does not answer"}})
+async def health(services: ServicesDep) -> JSONResponse:
+    try:
+        healthy = bool(await asyncio.wait_for(services.redis.ping(), HEALTH_TIMEOUT_S))
+    except (RedisError, OSError, asyncio.TimeoutError):
+        healthy = False
+    if healthy:
+        return JSONResponse({"message": "Ok"})
+    return JSONResponse({"message": "Error"}, status_code=503)
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(services: ServicesDep) -> Response:
+    body = await services.metrics.render(services.redis, services.keys)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,104 @@
+"""Submit-and-poll: ``/v1/requests`` (submit), ``/{id}`` (status, cancel), ``/{id}/stream`` (replay).
+
+Unlike the native routes, nothing here cancels a request when a client
+leaves: the request lives on and can be polled or streamed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter, Header, Response
+
+from producer import store
+from producer.api_types import BODY_DOC, RequestView, SubmitAccepted
+from producer.deps import GenerateBodyDep, RequestIdDep, Services, ServicesDep
+from producer.errors import bad_request, not_found
+from producer.streaming import ChunkFollower, EventStream, replay_event, sse
+from producer.submit import submit
+from shared.schemas import RequestMeta
+
+router = APIRouter(prefix="/v1/requests")
+CANCEL_WAIT_S = 3.0
+CANCEL_POLL_S = 0.05
+
+
+@router.post("", status_code=202, openapi_extra=BODY_DOC)
+async def submit_request(body: GenerateBodyDep, services: ServicesDep) -> SubmitAccepted:
+    queued = await submit(body, "requests", services)
+    base = f"/v1/requests/{queued.id}"
+    return SubmitAccepted(id=queued.id, status_url=base, stream_url=f"{base}/stream")
+
+
+async def _meta_or_404(services: Services, request_id: str) -> RequestMeta:
+    meta = await store.read_meta(services.redis, services.keys, request_id)
+    if meta is None:
+        raise not_found(request_id)
+    return meta
+
+
+async def request_view(services: Services, request_id: str, meta: RequestMeta) -> RequestView:
+    """The status hash plus the (de-duplicated) output so far."""
+    follower = ChunkFollower(services.redis, services.keys, request_id, services.settings.stream_block_ms)
+    delivered = [follower.accept(chunk) for _, chunk in
+                 await store.read_range(services.redis, services.keys, request_id)]
+    tokens = [chunk for chunk in delivered if chunk is not None and chunk.token_id is not None]
+    return RequestView(
+        id=request_id,
+        status=meta.status,
+        output_text="".join(chunk.text for chunk in tokens),
+        output_tokens=max(meta.output_tokens, len(tokens)),
+        prompt_tokens=meta.prompt_tokens,
+        finish_reason=meta.finish_reason,
+        error=meta.error,
+        worker=meta.worker,
+        created_ms=meta.created_ms,
+        dispatched_ms=meta.dispatched_ms,
+        started_ms=meta.started_ms,
+        finished_ms=meta.finished_ms,
+    )
+
+
+@router.get("/{request_id}", responses={404: {"description": "unknown id"}})
+async def get_request(request_id: RequestIdDep, services: ServicesDep) -> RequestView:
+    return await request_view(services, request_id, await _meta_or_404(services, request_id))
+
+
+@router.delete("/{request_id}", responses={202: {"description": "cancel requested, not yet done"},
+                                           404: {"description": "unknown id"}})
+async def cancel_request(request_id: RequestIdDep, services: ServicesDep, response: Response) -> RequestView:
+    """Set the cancel key and wait (briefly) for the holder to finalise the request."""
+    meta = await _meta_or_404(services, request_id)
+    if not meta.status.is_terminal:
+        ttl_s = services.settings.redis.request_ttl_s
+        await store.request_cancel(services.redis, services.keys, request_id, ttl_s)
+        meta = await _wait_terminal(services, request_id, meta)
+    response.status_code = 200 if meta.status.is_terminal else 202
+    return await request_view(services, request_id, meta)
+
+
+async def _wait_terminal(services: Services, request_id: str, meta: RequestMeta) -> RequestMeta:
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while not meta.status.is_terminal and time.monotonic() < deadline:
+        await asyncio.sleep(CANCEL_POLL_S)
+        meta = await store.read_meta(services.redis, services.keys, request_id) or meta
+    return meta
+
+
+@router.get("/{request_id}/stream", response_class=EventStream, responses={404: {"description": "unknown id"}})
+async def stream_request(request_id: RequestIdDep, services: ServicesDep,
+                         last_event_id: str | None = Header(None)) -> EventStream:
+    """Replay the chunks as SSE (``id:`` = stream entry id), after ``Last-Event-ID`` if given."""
+    await _meta_or_404(services, request_id)
+    follower = ChunkFollower(services.redis, services.keys, request_id, services.settings.stream_block_ms)
+    if last_event_id:
+        await follower.resume_after(_entry_id(last_event_id))
+    return EventStream(sse(follower, replay_event))
+
+
+def _entry_id(value: str) -> str:
+    ms, _, seq = value.strip().partition("-")
+    if not ms.isdigit() or (seq and not seq.isdigit()):
+        raise bad_request(f"Last-Event-ID {value!r} is not a stream entry id", param="Last-Event-ID")
+    return f"{ms}-{seq or 0}"

@@ -1,0 +1,153 @@
+"""Follow a request's durable chunk stream and turn it into SSE.
+
+The reader blocks on XREAD from the last entry it saw, drops chunks whose
+index it already delivered (a re-dispatched request may repeat indexes) and
+stops after the finished chunk. Entry ids double as SSE ids, so a client
+resumes with ``Last-Event-ID``. When the stream stays quiet it looks at the
+status hash, so a request that ended (or expired) without a terminal chunk
+cannot leave a client waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from producer import store
+from producer.api_types import StreamEvent, StreamToken
+from producer.store import StreamEntry
+from shared import codec
+from shared.keys import Keys
+from shared.schemas import FinishReason, RequestMeta, RequestStatus, TokenChunk
+
+log = logging.getLogger(__name__)
+
+Check = Callable[[], Awaitable[bool]]
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+FINISH_BY_STATUS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED: "stop", RequestStatus.CANCELLED: "cancelled", RequestStatus.FAILED: "error",
+}
+
+
+class ChunkFollower:
+    """One reader of one request's chunk stream; ``finished`` once it saw the end."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, request_id: str, block_ms: int) -> None:
+        self.redis, self.keys, self.request_id, self.block_ms = redis, keys, request_id, block_ms
+        self.last_id = "0-0"
+        self.next_index = 0
+        self.finished = False
+
+    async def resume_after(self, entry_id: str) -> None:
+        """Continue after ``entry_id``, as if every chunk up to it was delivered."""
+        for _, chunk in await store.read_range(self.redis, self.keys, self.request_id, "-", entry_id):
+            self.accept(chunk)
+        self.last_id = entry_id
+
+    def accept(self, chunk: TokenChunk) -> TokenChunk | None:
+        """The chunk to deliver, or None for a repeat of a delivered index."""
+        if chunk.index < self.next_index:
+            if not chunk.finished:
+                return None
+            # A repeated index that ends the request still ends it, without its token.
+            chunk = chunk.model_copy(update={"index": self.next_index, "token_id": None, "text": "", "logprob": None})
+        self.next_index = chunk.index + (chunk.token_id is not None)
+        self.finished = chunk.finished
+        return chunk
+
+    async def follow(self, disconnected: Check | None = None) -> AsyncIterator[tuple[str | None, TokenChunk]]:
+        """(entry id, chunk) until the finished chunk, or until ``disconnected()``."""
+        while not self.finished:
+            if disconnected is not None and await disconnected():
+                return
+            entries = await store.read_after(self.redis, self.keys, self.request_id, self.last_id, self.block_ms)
+            if not entries:
+                ending = await self._ending_without_chunk()
+                if ending is not None:
+                    yield None, ending
+                continue
+            for entry_id, raw in entries:
+                self.last_id = entry_id
+                chunk = self.accept(raw)
+                if chunk is not None:
+                    yield entry_id, chunk
+                if self.finished:
+                    return
+
+    async def _ending_without_chunk(self) -> TokenChunk | None:
+        """A terminal chunk made from the status hash when the stream has none."""
+        meta = await store.read_meta(self.redis, self.keys, self.request_id)
+        if meta is not None and not meta.status.is_terminal:
+            return None
+        late = await store.read_after(self.redis, self.keys, self.request_id, self.last_id, block_ms=None)
+        if late:  # the terminal chunk arrived just after the status: read it normally
+            return None
+        return self.accept(ending_from_meta(self.request_id, self.next_index, meta))
+
+
+def ending_from_meta(request_id: str, index: int, meta: RequestMeta | None) -> TokenChunk:
+    if meta is None:
+        reason, error = "error", "request record expired or was removed"
+    else:
+        reason, error = meta.finish_reason or FINISH_BY_STATUS[meta.status], meta.error
+    return TokenChunk(request_id=request_id, index=index, token_id=None, finished=True,
+                      finish_reason=reason, error=error)
+
+
+def native_event(chunk: TokenChunk, prompt_tokens: int) -> str:
+    """A ``/generate_stream`` event exactly as LightLLM frames it: ``data:`` without a space."""
+    count = chunk.index + (chunk.token_id is not None)
+    token = StreamToken(id=chunk.token_id, text=chunk.text, logprob=chunk.logprob,
+                        count_output_tokens=count, prompt_tokens=prompt_tokens)
+    event = StreamEvent(token=token, finished=chunk.finished, finish_reason=chunk.finish_reason, error=chunk.error)
+    return f"data:{event.to_json()}\n\n"
+
+
+def replay_event(entry_id: str | None, chunk: TokenChunk) -> str:
+    """A ``/v1/requests/{id}/stream`` event: the stream entry id and the chunk as stored."""
+    head = f"id: {entry_id}\n" if entry_id is not None else ""
+    return f"{head}data: {codec.encode(chunk)}\n\n"
+
+
+async def shielded(action: Callable[[], Awaitable[Any]]) -> None:
+    """Run a clean-up that must happen even while the caller is being cancelled."""
+    with anyio.CancelScope(shield=True):
+        try:
+            await action()
+        except Exception:
+            log.exception("clean-up failed")
+
+
+async def sse(follower: ChunkFollower, render: Callable[[str | None, TokenChunk], str],
+              disconnected: Check | None = None,
+              on_abandon: Callable[[], Awaitable[Any]] | None = None) -> AsyncIterator[str]:
+    """Rendered events; ``on_abandon`` runs if the stream stops before the end."""
+    try:
+        async for entry_id, chunk in follower.follow(disconnected):
+            yield render(entry_id, chunk)
+    finally:
+        if on_abandon is not None and not follower.finished:
+            await shielded(on_abandon)
+
+
+class EventStream(StreamingResponse):
+    """SSE response that always closes its generator, so its clean-up runs at once
+    (Starlette leaves it to the garbage collector when the client vanishes)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], status_code: int = 200) -> None:
+        super().__init__(content, status_code=status_code, headers=SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,62 @@
+"""Validate, tokenise and enqueue one request; nothing is written on rejection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from producer import store
+from producer.api_types import GenerateBody
+from producer.deps import Services
+from producer.errors import bad_request
+from shared.config import ProducerSettings
+from shared.schemas import GenerateRequest
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def prompt_ids(inputs: str | list[int], tokenizer: Any) -> list[int]:
+    """Token ids of the prompt; text is encoded off the event loop."""
+    if not inputs:
+        raise bad_request("inputs is empty", param="inputs", code="empty_input", reason="empty_input")
+    if isinstance(inputs, str):
+        ids = list(await asyncio.to_thread(tokenizer.encode, inputs))
+        if not ids:
+            raise bad_request("inputs encodes to no tokens", param="inputs", code="empty_input", reason="empty_input")
+        return ids
+    vocab_size = len(tokenizer)
+    bad = next((token for token in inputs if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+                          param="inputs", code="invalid_token_id", reason="invalid_token_id")
+    return list(inputs)
+
+
+def check_length(num_prompt_tokens: int, max_new_tokens: int, max_req_total_len: int) -> None:
+    total = num_prompt_tokens + max_new_tokens
+    if total > max_req_total_len:
+        raise bad_request(
+            f"prompt has {num_prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: "
+            f"{total} exceeds max_req_total_len {max_req_total_len}",
+            param="inputs", code="context_length_exceeded", reason="too_long",
+        )
+
+
+async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings) -> GenerateRequest:
+    params = body.params.sampling(settings.default_max_new_tokens)
+    ids = await prompt_ids(body.inputs, tokenizer)
+    check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)
+    return GenerateRequest(id=uuid.uuid4().hex, prompt_ids=ids, params=params, created_ms=now_ms())
+
+
+async def submit(body: GenerateBody, route: str, services: Services) -> GenerateRequest:
+    """Validate and enqueue; raises ApiError (400) before anything is written."""
+    request = await prepare(body, services.tokenizer, services.settings)
+    await store.enqueue(services.redis, services.keys, request, services.settings.redis.request_ttl_s)
+    services.metrics.accepted.labels(route=route).inc()
+    services.metrics.prompt_tokens.inc(request.num_prompt_tokens)
+    return request

@@ -1,0 +1,50 @@
+"""Producer fixtures: one tokenizer per session, an app per test on the test's
+own Redis prefix (lifespan run by hand: ASGITransport does not run it)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from producer.app import create_app
+from shared.config import ModelSettings, ProducerSettings
+from shared.keys import Keys
+from shared.model_files import load_tokenizer, resolve
+from shared.redis import async_client
+from tests.producer.fake_worker import FakeWorker
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer(resolve("default"))
+
+
+@pytest.fixture
+def settings(redis_settings) -> ProducerSettings:
+    return ProducerSettings(redis=redis_settings, model=ModelSettings(max_req_total_len=2048),
+                            default_max_new_tokens=16, stream_block_ms=100)
+
+
+@pytest.fixture
+async def app(settings, tokenizer):
+    app = create_app(settings, tokenizer=tokenizer)
+    async with app.router.lifespan_context(app):
+        yield app
+
+
+@pytest.fixture
+async def client(app):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer", timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+async def aredis(redis_settings):
+    client = async_client(redis_settings)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def worker(aredis, redis_settings) -> FakeWorker:
+    return FakeWorker(aredis, Keys(redis_settings.key_prefix))

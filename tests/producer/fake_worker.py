@@ -1,0 +1,86 @@
+"""Plays the router's and the worker's side of the protocol against the real
+Redis, so producer tests need no model: take a request from the ingress
+stream, write chunks (durable stream + pub/sub) and status like a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+
+from shared import codec
+from shared.keys import ROUTER_GROUP, Keys
+from shared.redis import ensure_group_async
+from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class FakeWorker:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, worker_id: str = "fake-worker", ttl_s: int = 60) -> None:
+        self.redis, self.keys, self.worker_id, self.ttl_s = redis, keys, worker_id, ttl_s
+
+    async def take(self, timeout_s: float = 10.0) -> GenerateRequest:
+        """The next ingress request, read and acked as a router would; status set to running."""
+        await ensure_group_async(self.redis, self.keys.requests(), ROUTER_GROUP)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            reply = await self.redis.xreadgroup(ROUTER_GROUP, "fake-router", {self.keys.requests(): ">"},
+                                                count=1, block=100)
+            if reply:
+                entry_id, fields = reply[0][1][0]
+                await self.redis.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
+                request = codec.from_entry(GenerateRequest, fields)
+                await self.set_meta(request.id, status=RequestStatus.RUNNING, worker=self.worker_id,
+                                    dispatched_ms=now_ms(), started_ms=now_ms())
+                return request
+        raise TimeoutError("no request arrived on the ingress stream")
+
+    async def set_meta(self, request_id: str, **fields) -> None:
+        await self.redis.hset(self.keys.meta(request_id), mapping=RequestMeta.fields(**fields))
+
+    async def append(self, chunk: TokenChunk) -> str:
+        """XADD the chunk to the durable stream and publish it; returns the entry id."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self.keys.chunks(chunk.request_id), codec.entry(chunk))
+            pipe.publish(self.keys.channel(chunk.request_id), codec.encode(chunk))
+            entry_id, _ = await pipe.execute()
+        return entry_id
+
+    async def token(self, request_id: str, index: int, text: str, *, token_id: int | None = None,
+                    finish_reason: FinishReason | None = None) -> str:
+        return await self.append(TokenChunk(
+            request_id=request_id, index=index, token_id=100 + index if token_id is None else token_id,
+            text=text, logprob=-0.25, finished=finish_reason is not None, finish_reason=finish_reason))
+
+    async def generate(self, request: GenerateRequest, texts: list[str], finish_reason: FinishReason = "length",
+                       delay_s: float = 0.0) -> list[str]:
+        """One chunk per text, the last one finished; then the final status."""
+        entry_ids = []
+        for index, text in enumerate(texts):
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            last = index == len(texts) - 1
+            entry_ids.append(await self.token(request.id, index, text, finish_reason=finish_reason if last else None))
+        await self.set_meta(request.id, status=RequestStatus.FINISHED, finish_reason=finish_reason,
+                            output_tokens=len(texts), finished_ms=now_ms())
+        return entry_ids
+
+    async def end(self, request_id: str, index: int, status: RequestStatus, reason: FinishReason,
+                  error: str | None = None) -> None:
+        """End without a token of its own (cancelled, failed): terminal chunk, then status."""
+        await self.append(TokenChunk(request_id=request_id, index=index, token_id=None, finished=True,
+                                     finish_reason=reason, error=error))
+        await self.set_meta(request_id, status=status, finish_reason=reason, error=error,
+                            output_tokens=index, finished_ms=now_ms())
+
+    async def wait_cancel(self, request_id: str, timeout_s: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if await self.redis.exists(self.keys.cancel(request_id)):
+                return True
+            await asyncio.sleep(0.02)
+        return False
