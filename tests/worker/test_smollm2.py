@@ -1,0 +1,66 @@
+"""The embedded SmolLM2 GGUF: lightq's greedy output equals transformers' token for token.
+
+Both sides read the same GGUF through transformers' dequantisation, so this
+checks lightq's model, pool and GGUF name/permutation handling end to end;
+"Paris" in the answer checks that the weights themselves came out right.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from shared.model_files import load_tokenizer, resolve
+from tests.worker.model_harness import PoolRunner
+from worker.loader import load_model
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ("What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.")
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def source():
+    return resolve("default")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(source):
+    return load_tokenizer(source)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]) for c in chats]
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(source, prompts) -> list[list[int]]:
+    """transformers' greedy continuations, one prompt at a time (no padding to differ by)."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(source.path)
+    ref = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    outputs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               do_sample=False, max_new_tokens=NEW_TOKENS)
+            outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+def test_greedy_matches_transformers(source, tokenizer, prompts, reference_outputs):
+    model, config = load_model(source, torch.float32, "cpu")
+    ours = PoolRunner(model, num_slots=512, max_requests=4, max_len=128).greedy(prompts, NEW_TOKENS)
+    eos = tokenizer.eos_token_id
+    for got, want in zip(ours, reference_outputs):
+        # transformers stops at EOS; lightq's harness decodes all NEW_TOKENS.
+        assert len(want) == NEW_TOKENS or want[-1] == eos
+        assert got[:len(want)] == want, (tokenizer.decode(got), tokenizer.decode(want))
+    assert "Paris" in tokenizer.decode(ours[0])
