@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
+                      field_validator)
+from pydantic_core import PydanticCustomError
 
 from shared.schemas import FinishReason, RequestStatus, SamplingParams
 
@@ -35,7 +37,7 @@ class GenerateParameters(_Request):
     @classmethod
     def _top_k(cls, value: int) -> int:
         if value != -1 and value < 1:
-            raise ValueError("top_k must be -1 (disabled) or >= 1")
+            raise PydanticCustomError("top_k_range", "must be -1 (disabled) or >= 1")
         return value
 
     def sampling(self, default_max_new_tokens: int) -> SamplingParams:
@@ -55,6 +57,14 @@ class GenerateBody(_Request):
 
     inputs: str | list[int]
     parameters: GenerateParameters | None = None
+
+    @field_validator("inputs", mode="wrap")
+    @classmethod
+    def _inputs(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> str | list[int]:
+        try:
+            return handler(value)
+        except ValidationError:  # one clear message instead of one per union member
+            raise PydanticCustomError("inputs_type", "must be a string or a list of token ids") from None
 
     @property
     def params(self) -> GenerateParameters:

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from producer.api_types import ErrorBody, ErrorDetail
@@ -47,7 +48,7 @@ def from_validation(errors: list[dict], *, reason: str = "invalid_request") -> A
         return bad_request(f"request body is not valid JSON: {detail}", code="json_invalid", reason="invalid_json")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    message = f"{param or 'request body'}: {first.get('msg')}"
     return bad_request(message, param=param, code=first.get("type"), reason=reason)
 
 
@@ -76,6 +77,13 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(exc.status_code, detail)
 
 
+async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
+    log.warning("Redis error on %s %s: %s", request.method, request.url.path, exc)
+    detail = ErrorDetail(message="request queue unavailable, retry later", type="server_error",
+                         code="redis_unavailable")
+    return error_response(503, detail)
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(500, ErrorDetail(message="internal error", type="server_error"))
@@ -86,4 +94,5 @@ def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(ValidationError, _pydantic_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RedisError, _redis_down)
     app.add_exception_handler(Exception, _unexpected)

@@ -16,11 +16,15 @@ from producer.app import create_app
 from shared.config import ProducerSettings
 from shared.service import setup_logging
 
+GRACEFUL_SHUTDOWN_S = 5
+
 
 def run(settings: ProducerSettings) -> None:
     """Serve the producer until interrupted (the launcher's entry point)."""
     setup_logging()
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    # Open streams would hold a shutdown forever; after the grace they are cut (and cancelled).
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

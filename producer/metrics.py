@@ -28,11 +28,15 @@ class ProducerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         self.accepted = Counter("lightq:requests_accepted", "requests enqueued", ["route"], registry=reg)
-        self.rejected = Counter("lightq:requests_rejected", "requests refused before enqueue", ["reason"], registry=reg)
+        self.rejected = Counter("lightq:requests_rejected", "requests refused before enqueue", ["reason"],
+                                registry=reg)
         self.prompt_tokens = Counter("lightq:prompt_tokens", "prompt tokens of accepted requests", registry=reg)
-        self.disconnects = Counter("lightq:client_disconnects", "requests cancelled because the client left", registry=reg)
-        self.ingress_depth = Gauge("lightq:ingress_queue_depth", "requests not yet routed (lag + pending)", registry=reg)
-        self.inbox_depth = Gauge("lightq:worker_inbox_depth", "dispatched, not finished (lag + pending)", ["worker"], registry=reg)
+        self.disconnects = Counter("lightq:client_disconnects", "requests cancelled because the client left",
+                                   registry=reg)
+        self.ingress_depth = Gauge("lightq:ingress_queue_depth", "requests not yet routed (lag + pending)",
+                                   registry=reg)
+        self.inbox_depth = Gauge("lightq:worker_inbox_depth", "dispatched, not finished (lag + pending)",
+                                 ["worker"], registry=reg)
         self.worker_gauges = {
             name: Gauge(metric, f"WorkerLoad.{name} from the worker's heartbeat", ["worker"], registry=reg)
             for name, metric in WORKER_FIELDS.items()

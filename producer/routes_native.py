@@ -79,6 +79,7 @@ async def generate_stream(request: Request, body: GenerateBodyDep, services: Ser
 
 
 @router.get("/health", responses={503: {"description": "Redis does not answer"}})
+@router.get("/healthz", include_in_schema=False)
 async def health(services: ServicesDep) -> JSONResponse:
     try:
         healthy = bool(await asyncio.wait_for(services.redis.ping(), HEALTH_TIMEOUT_S))

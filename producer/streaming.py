@@ -21,7 +21,6 @@ from starlette.types import Receive, Scope, Send
 
 from producer import store
 from producer.api_types import StreamEvent, StreamToken
-from producer.store import StreamEntry
 from shared import codec
 from shared.keys import Keys
 from shared.schemas import FinishReason, RequestMeta, RequestStatus, TokenChunk
