@@ -1,7 +1,7 @@
 """Request and response bodies of the producer's HTTP API.
 
-The native routes copy LightLLM's formats (``/work/shared/notes/lightllm.md``
-§1): unknown parameters are ignored, ``generated_text`` is a list, and stream
+The native routes copy LightLLM's formats (its ``server/api_lightllm.py``):
+unknown parameters are ignored, ``generated_text`` is a list, and stream
 events carry a ``token`` object. Request models are strict (no "5" -> 5), so a
 wrong type is a 400 rather than a silent coercion.
 """
