@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightq.flags import add_flags, build, given
+from shared.flags import add_flags, build, given
 from shared.config import ProducerSettings, RouterSettings, WorkerSettings
 from shared.service import setup_logging
 

@@ -5,7 +5,8 @@ redis-server started here and stopped on exit. Then ``--workers N`` workers,
 one router and the producer, each a separate process configured through
 ``LIGHTQ_*`` environment variables. Ctrl-C or SIGTERM stops every child
 (SIGTERM, then SIGKILL after a grace period); a child that dies on its own
-brings the rest down too, so a broken pool never looks alive.
+is replaced if it was a worker (up to MAX_WORKER_RESTARTS times); any other
+death brings the rest down too, so a broken pool never looks alive.
 """
 
 from __future__ import annotations
@@ -17,16 +18,23 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from typing import Any
+from urllib.parse import urlparse
 
+import redis
+
+from router.registry import read_registry
 from shared.config import RedisSettings
+from shared.keys import Keys
 from shared.embedded_redis import EmbeddedRedis, start_embedded_redis
 from shared.redis import answers
-from lightq.flags import as_env
+from shared.flags import as_env
 
 log = logging.getLogger("lightq.serve")
 
 GRACE_S = 10.0
+MAX_WORKER_RESTARTS = 5
 
 
 def spawn(role: str, env: dict[str, str]) -> subprocess.Popen:
@@ -34,10 +42,14 @@ def spawn(role: str, env: dict[str, str]) -> subprocess.Popen:
 
 
 def start_redis(url: str) -> tuple[str, EmbeddedRedis | None]:
+    """The Redis at ``url`` if it answers; else an embedded one, on the same
+    port when ``url`` is local (so clients configured with it still reach it)."""
     if answers(url):
         log.info("using Redis at %s", url)
         return url, None
-    server = start_embedded_redis()
+    parsed = urlparse(url)
+    local = parsed.hostname in ("127.0.0.1", "localhost") and parsed.port
+    server = start_embedded_redis(parsed.port if local else None)
     log.info("no Redis answers at %s: started an embedded one at %s", url, server.url)
     return server.url, server
 
@@ -52,19 +64,54 @@ def serve(flags: dict[str, Any], num_workers: int) -> int:
     try:
         children += [("worker", spawn("worker", env)) for _ in range(num_workers)]
         children += [("router", spawn("router", env)), ("producer", spawn("producer", env))]
-        return watch(children, stop)
+        return watch(children, stop, Readiness(url, flags, num_workers), env)
     finally:
         stop_all(children)
         if embedded is not None:
             embedded.stop()
 
 
-def watch(children: list[tuple[str, subprocess.Popen]], stop: threading.Event) -> int:
+class Readiness:
+    """Says once when every worker has a heartbeat (model loaded) and the producer answers."""
+
+    def __init__(self, url: str, flags: dict[str, Any], num_workers: int):
+        self.client = redis.Redis.from_url(url, decode_responses=True)
+        self.keys = Keys(flags.get("redis_key_prefix") or RedisSettings().key_prefix)
+        self.http = f"http://{flags.get('host', '127.0.0.1')}:{flags.get('port', 8000)}"
+        self.num_workers = num_workers
+        self.ready = False
+
+    def check(self) -> None:
+        if self.ready:
+            return
+        live = len(read_registry(self.client, self.keys).live)
+        try:
+            urllib.request.urlopen(f"{self.http}/health", timeout=1).close()
+        except OSError:
+            return
+        if live >= self.num_workers:
+            self.ready = True
+            log.info("lightq ready: %d worker(s), producer at %s", live, self.http)
+
+
+def watch(children: list[tuple[str, subprocess.Popen]], stop: threading.Event, readiness: Readiness,
+          env: dict[str, str]) -> int:
+    """Until stopped: a dead worker is replaced (its requests are re-dispatched by the
+    router, so the pool carries on); a dead router or producer, or a worker
+    dying over and over, stops the pool."""
+    restarts = 0
     while not stop.wait(0.5):
-        for role, child in children:
-            if child.poll() is not None:
-                log.error("%s (pid %d) exited with %d: stopping the pool", role, child.pid, child.returncode)
-                return child.returncode or 1
+        readiness.check()
+        for i, (role, child) in enumerate(children):
+            if child.poll() is None:
+                continue
+            if role == "worker" and restarts < MAX_WORKER_RESTARTS:
+                restarts += 1
+                log.warning("worker (pid %d) exited with %d: starting another", child.pid, child.returncode)
+                children[i] = (role, spawn(role, env))
+                continue
+            log.error("%s (pid %d) exited with %d: stopping the pool", role, child.pid, child.returncode)
+            return child.returncode or 1
     return 0
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from lightq.flags import add_flags, build, given
+from shared.flags import add_flags, build, given
 from producer.app import create_app
 from shared.config import ProducerSettings
 from shared.service import setup_logging

@@ -1,6 +1,6 @@
 import argparse
 
-from lightq.flags import add_flags, as_env, build, given
+from shared.flags import add_flags, as_env, build, given
 from shared.config import WorkerSettings
 
 
