@@ -91,6 +91,10 @@ class TorchAttention:
 
 
 def make_backend(cache: KVCache, device: torch.device | str) -> AttentionBackend:
-    """The attention backend for ``device``, holding ``cache``."""
-    # CUDA: return the Triton TokenAttention backend here once it exists.
+    """The attention backend for ``device``, chosen once: Triton kernels on CUDA,
+    the PyTorch reference elsewhere."""
+    if torch.device(device).type == "cuda":
+        from worker.triton_attention import TritonAttention  # triton needs a GPU outside tests
+
+        return TritonAttention(cache)
     return TorchAttention(cache)

@@ -1,10 +1,11 @@
 """The continuous-batching engine: add, cancel, step.
 
-Each step admits waiting requests that fit (prefilled together in one
-forward), then decodes every running request by one token (a second
-forward). Admission here is the worker's own check on its pool: the
-conservative need (prompt + max_new_tokens) of everything running must fit,
-so a running request can never run out of KV slots mid-generation.
+A step decodes one token for every prefilled request (one forward, a CUDA
+graph on GPU) and prefills prompt chunks of at most ``batch_max_tokens``
+tokens in total (a second forward), so a long prompt is spread over steps
+and never stalls everyone's decode. Admission is the worker's own check on
+its pool: the conservative need (prompt + max_new_tokens) of everything
+running must fit, so a running request can never run out of KV slots.
 Finished and cancelled requests free their slots the moment they end.
 """
 
@@ -42,7 +43,7 @@ class Engine:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._committed = 0  # sum of max_tokens_needed over running + waiting
-        self._lock = threading.Lock()  # guards the counters the heartbeat reads
+        self._lock = threading.Lock()  # guards what the heartbeat thread reads
 
     @property
     def has_work(self) -> bool:
@@ -54,7 +55,8 @@ class Engine:
             self._committed += req.max_tokens_needed
 
     def requests(self) -> list[Req]:
-        return [*self.running, *self.waiting]
+        with self._lock:
+            return [*self.running, *self.waiting]
 
     def snapshot(self) -> LoadSnapshot:
         with self._lock:
@@ -65,44 +67,57 @@ class Engine:
         if req.phase is Phase.FINISHED:
             return []
         self._release(req, "cancelled")
-        num_output = len(req.output_ids)
-        return [Ended(req.id, RequestStatus.CANCELLED, "cancelled", num_output), Released(req.id, req.inbox_id)]
+        return [Ended(req.id, RequestStatus.CANCELLED, "cancelled", len(req.output_ids)),
+                Released(req.id, req.inbox_id)]
 
     def step(self) -> list[Event]:
-        events: list[Event] = []
-        admitted = self._admit()
-        if admitted:
-            events += [Started(r.id, r.msg.prompt_ids, r.msg.resume_ids) for r in admitted]
-            events += self._forward(admitted, is_decode=False)
-        decoding = [r for r in self.running if r.phase is Phase.RUNNING and r not in admitted]
+        events: list[Event] = [Started(r.id, r.msg.prompt_ids, r.msg.resume_ids) for r in self._admit()]
+        decoding = [r for r in self.running if r.is_prefilled]
         if decoding:
-            events += self._forward(decoding, is_decode=True)
+            events += self._sample_and_finish(decoding, self.runner.decode(decoding))
+        chunks = self._prefill_chunks()
+        if chunks:
+            reqs = [r for r, _ in chunks]
+            completing = [r for r, n in chunks if n == r.num_uncached]
+            events += self._sample_and_finish(completing, self.runner.prefill(reqs, [n for _, n in chunks], completing))
         return events
 
     def _admit(self) -> list[Req]:
+        """Move waiting requests into the running set while the pool and count allow."""
         admitted: list[Req] = []
         running_need = sum(r.max_tokens_needed for r in self.running)
-        prefill_tokens = 0
-        while self.waiting:
-            req = self.waiting[0]
-            fits_pool = running_need + req.max_tokens_needed <= self.limits.max_total_tokens
-            fits_batch = not admitted or prefill_tokens + req.num_tokens <= self.limits.batch_max_tokens
-            fits_count = len(self.running) < self.limits.running_max_req_size
-            if not (fits_pool and fits_batch and fits_count):
-                break
-            self.waiting.popleft()
-            self.runner.start(req)
-            req.phase = Phase.RUNNING
-            self.running.append(req)
-            admitted.append(req)
-            running_need += req.max_tokens_needed
-            prefill_tokens += req.num_tokens
+        with self._lock:
+            while self.waiting:
+                req = self.waiting[0]
+                if running_need + req.max_tokens_needed > self.limits.max_total_tokens:
+                    break
+                if len(self.running) >= self.limits.running_max_req_size:
+                    break
+                self.waiting.popleft()
+                self.runner.start(req)
+                req.phase = Phase.RUNNING
+                self.running.append(req)
+                admitted.append(req)
+                running_need += req.max_tokens_needed
         return admitted
 
-    def _forward(self, reqs: list[Req], is_decode: bool) -> list[Event]:
-        token_ids, logprobs = self.runner.forward(reqs, is_decode)
+    def _prefill_chunks(self) -> list[tuple[Req, int]]:
+        """(request, tokens to prefill now), oldest first, within ``batch_max_tokens``."""
+        budget = self.limits.batch_max_tokens
+        chunks: list[tuple[Req, int]] = []
+        for req in self.running:
+            if budget <= 0:
+                break
+            if not req.is_prefilled:
+                n = min(req.num_uncached, budget)
+                chunks.append((req, n))
+                budget -= n
+        return chunks
+
+    def _sample_and_finish(self, reqs: list[Req], sampled: tuple[list[int], list[float]]) -> list[Event]:
         events: list[Event] = []
-        for req, token_id, logprob in zip(reqs, token_ids, logprobs):
+        for req, token_id, logprob in zip(reqs, *sampled):
+            req.is_prefilled = True
             req.output_ids.append(token_id)
             reason = self._finish_reason(req, token_id)
             events.append(Token(req.id, len(req.output_ids) - 1, token_id, logprob, reason))

@@ -10,7 +10,9 @@ from shared.config import WorkerSettings
 from shared.model_files import load_tokenizer, resolve
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
+from worker.cuda_graphs import DecodeGraphs, default_buckets
 from worker.engine import Engine, EngineLimits
+from worker.kv_cache import KVCache
 from worker.loader import attach_kv_cache, load_model
 from worker.model_runner import ModelRunner
 from worker.req_table import ReqTable
@@ -19,6 +21,7 @@ from worker.token_pool import TokenPool
 
 log = logging.getLogger("lightq.worker")
 
+CPU_POOL_TOKENS = 8192
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -39,18 +42,39 @@ def eos_ids(config, tokenizer) -> set[int]:
     return {i for i in [*ids, tokenizer.eos_token_id] if i is not None}
 
 
+def pool_size(settings: WorkerSettings, model, device: torch.device) -> int:
+    """``--max_total_token_num`` if given; on a GPU, what ``--mem_fraction`` of
+    its memory leaves after the weights (LightLLM's rule); 8192 on a CPU."""
+    if settings.max_total_token_num is not None:
+        return settings.max_total_token_num
+    if device.type != "cuda":
+        return CPU_POOL_TOKENS
+    free, total = torch.cuda.mem_get_info(device)
+    usable = free - total * (1 - settings.mem_fraction)
+    per_token = KVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+    if usable < per_token * settings.model.max_req_total_len:
+        raise RuntimeError(f"only {usable / 2**30:.1f} GiB left for the KV pool after the weights: "
+                           f"raise --mem_fraction or use a smaller model")
+    return int(usable // per_token)
+
+
 def build_engine(settings: WorkerSettings, tokenizer) -> Engine:
     if settings.tp != 1:
         raise ValueError(f"--tp {settings.tp} is not supported yet; only --tp 1")
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     model, config = load_model(resolve(settings.model.model_dir), dtype, device, seed=settings.seed)
-    num_slots = settings.max_total_token_num
+    num_slots = pool_size(settings, model, device)
     cache = attach_kv_cache(model, num_slots, device)
+    log.info("model on %s (%s), KV pool %d tokens (%.1f GiB)", device, dtype, num_slots,
+             cache.buffer.numel() * cache.buffer.element_size() / 2**30)
     table = ReqTable(settings.running_max_req_size, settings.model.max_req_total_len + 8, cache.hold_slot, device)
-    runner = ModelRunner(model, TokenPool(num_slots), table, config.vocab_size, device)
+    graphs = None
+    if device.type == "cuda" and settings.cuda_graphs:
+        buckets = default_buckets(min(settings.graph_max_batch_size, settings.running_max_req_size))
+        graphs = DecodeGraphs(model, table, cache.hold_slot, config.vocab_size, buckets, device)
+    runner = ModelRunner(model, TokenPool(num_slots), table, config.vocab_size, device, graphs)
     limits = EngineLimits(num_slots, settings.batch_max_tokens, settings.running_max_req_size)
-    log.info("model on %s (%s), KV pool %d tokens", device, dtype, num_slots)
     return Engine(runner, limits, eos_ids(config, tokenizer))
 
 

@@ -1,8 +1,9 @@
-"""Turns a list of requests into one forward pass and its sampled tokens.
+"""Turns requests into forward passes and sampled tokens.
 
 It owns the TokenAttention bookkeeping on the device side: pool slots are
 taken from the ``TokenPool`` for every new token, recorded in the request
--> token table, and handed back when the request ends.
+-> token table, and handed back when the request ends. Decode steps go
+through CUDA graphs when a ``DecodeGraphs`` is attached (GPU), else eager.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from worker.token_pool import TokenPool
 
 
 class ModelRunner:
-    def __init__(self, model, pool: TokenPool, table: ReqTable, vocab_size: int, device: torch.device):
+    def __init__(self, model, pool: TokenPool, table: ReqTable, vocab_size: int, device: torch.device,
+                 graphs=None):
         self.model = model
         self.pool = pool
         self.table = table
         self.vocab_size = vocab_size
         self.device = device
+        self.graphs = graphs  # worker.cuda_graphs.DecodeGraphs or None
 
     def start(self, req: Req) -> None:
         req.row = self.table.allocate_row()
@@ -37,35 +40,54 @@ class ModelRunner:
         req.num_cached = 0
 
     @torch.inference_mode()
-    def forward(self, reqs: list[Req], is_decode: bool) -> tuple[list[int], list[float]]:
-        batch = self._prepare(reqs, is_decode)
-        logits = self.model.forward(batch)  # [B, V] fp32
+    def decode(self, reqs: list[Req]) -> tuple[list[int], list[float]]:
+        """One token for each request (all prefilled): feed its last token, sample the next."""
+        slots = self.pool.allocate(len(reqs))
+        rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
+        positions = np.fromiter((r.num_cached for r in reqs), dtype=np.int64, count=len(reqs))
+        input_ids = np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int64, count=len(reqs))
+        for req, slot in zip(reqs, slots):
+            req.slot_ids[req.num_cached] = slot
+            req.num_cached += 1
+        if self.graphs is not None and self.graphs.can_run(len(reqs)):
+            logits = self.graphs.run(input_ids, positions, slots, rows)
+        else:
+            self.table.write_scattered(rows, positions, slots)
+            ones = np.ones(len(reqs), dtype=np.int64)
+            logits = self.model.forward(self._batch(input_ids, positions, slots, rows, positions, ones, True))
+        return self._sample(logits, reqs)
+
+    @torch.inference_mode()
+    def prefill(self, reqs: list[Req], num_new: list[int], completing: list[Req]) -> tuple[list[int], list[float]]:
+        """Feed ``num_new[i]`` uncached tokens of each request; sample for those in ``completing``."""
+        slots = self.pool.allocate(sum(num_new))
+        cached = np.array([r.num_cached for r in reqs], dtype=np.int64)
+        q_lens = np.array(num_new, dtype=np.int64)
+        input_ids: list[int] = []
+        offset = 0
+        for req, n, start in zip(reqs, num_new, cached):
+            new = slots[offset:offset + n]
+            req.slot_ids[start:start + n] = new
+            self.table.write(req.row, int(start), new)
+            input_ids.extend(req.all_ids[start:start + n])
+            req.num_cached += n
+            offset += n
+        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, q_lens)])
+        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        logits = self.model.forward(self._batch(np.array(input_ids), positions, slots, rows, cached, q_lens, False))
+        if not completing:
+            return [], []
+        completing_set = set(completing)
+        keep = [i for i, r in enumerate(reqs) if r in completing_set]
+        return self._sample(logits[keep], [reqs[i] for i in keep])
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[list[int], list[float]]:
         params = SamplingBatch.build([r.msg.params for r in reqs], self.vocab_size, self.device)
         return sample(logits, params)
 
-    def _prepare(self, reqs: list[Req], is_decode: bool) -> ForwardBatch:
-        q_lens = np.array([r.num_uncached for r in reqs], dtype=np.int64)
-        cached = np.array([r.num_cached for r in reqs], dtype=np.int64)
-        slots = self.pool.allocate(int(q_lens.sum()))
-        input_ids, positions = [], []
-        offset = 0
-        for req, n, start in zip(reqs, q_lens, cached):
-            new = slots[offset:offset + n]
-            req.slot_ids[start:start + n] = new
-            if not is_decode:
-                self.table.write(req.row, int(start), new)
-            input_ids.extend(req.all_ids[start:])
-            positions.extend(range(start, start + n))
-            req.num_cached += int(n)
-            offset += int(n)
-        rows = np.array([r.row for r in reqs], dtype=np.int64)
-        if is_decode:
-            self.table.write_scattered(rows, cached, slots)
-        return self._to_device(input_ids, positions, slots, rows, cached, q_lens, is_decode)
-
-    def _to_device(self, input_ids, positions, slots, rows, cached, q_lens, is_decode) -> ForwardBatch:
-        def dev(values, dtype=torch.int32) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(values), dtype=dtype).to(self.device, non_blocking=True)
+    def _batch(self, input_ids, positions, slots, rows, cached, q_lens, is_decode: bool) -> ForwardBatch:
+        def dev(values: np.ndarray, dtype=torch.int32) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(self.device, dtype=dtype, non_blocking=True)
 
         seq_lens = cached + q_lens
         q_starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])

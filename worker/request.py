@@ -26,6 +26,9 @@ class Req:
     # slot_ids[p] is the pool slot of position p, for p < num_cached.
     slot_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     num_cached: int = 0
+    # Set once the whole prompt (plus resumed output) is in the pool and a token
+    # was sampled from it; from then on the request feeds one token a step.
+    is_prefilled: bool = False
     finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:

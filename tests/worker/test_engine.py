@@ -116,3 +116,26 @@ def test_admission_respects_pool_batch_and_count_limits(tiny):
     started = [e for e in engine.step() if isinstance(e, Started)]
     assert [e.request_id for e in started] == ["r0", "r1"]
     assert engine.snapshot().num_waiting == 1
+
+
+def test_chunked_prefill_keeps_decoding_and_matches_transformers(tiny):
+    ref, folder = tiny
+    engine = make_engine(folder, batch_max_tokens=8)
+    short, long_prompt = [5, 6, 7], list(range(30, 70))  # 40 tokens: five chunks of 8
+    engine.add(req("short", short, 10))
+    engine.step()
+    engine.add(req("long", long_prompt, 5))
+    short_tokens_during_long_prefill = 0
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work:
+        events = engine.step()
+        got = {e.request_id for e in events if isinstance(e, Token)}
+        if "long" not in tokens and "short" in got:
+            short_tokens_during_long_prefill += 1
+        for e in events:
+            if isinstance(e, Token):
+                tokens.setdefault(e.request_id, []).append(e.token_id)
+    assert short_tokens_during_long_prefill >= 4  # the long prompt did not stall decoding
+    assert tokens["long"] == reference_greedy(ref, long_prompt, 5)
+    assert tokens["short"][-9:] == reference_greedy(ref, short, 10)[1:]
+    assert engine.runner.pool.num_free == POOL
