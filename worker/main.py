@@ -38,8 +38,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def eos_ids(config, tokenizer) -> set[int]:
+    """The config's EOS ids plus the tokenizer's (chat models often differ)."""
     ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    return {i for i in [*ids, tokenizer.eos_token_id] if i is not None}
+    return {i for i in [*ids, getattr(tokenizer, "eos_token_id", None)] if i is not None}
 
 
 def pool_size(settings: WorkerSettings, model, device: torch.device) -> int:
@@ -58,7 +59,8 @@ def pool_size(settings: WorkerSettings, model, device: torch.device) -> int:
     return int(usable // per_token)
 
 
-def build_engine(settings: WorkerSettings, tokenizer) -> Engine:
+def build_engine(settings: WorkerSettings, tokenizer=None) -> Engine:
+    """Model, pool, table, graphs and engine; ``tokenizer`` only adds its EOS id."""
     if settings.tp != 1:
         raise ValueError(f"--tp {settings.tp} is not supported yet; only --tp 1")
     device = pick_device(settings.device)

@@ -1,0 +1,118 @@
+"""Offline throughput: 1,000 ShareGPT-like requests submitted at once to one engine.
+
+    python bench/offline.py --model-shape llama3-8b [--peer hf]
+
+Dummy bf16 weights (N(0, 0.02), never zeros), token-id prompts, ignore_eos
+so each request emits exactly its drawn length. The engine is driven
+directly (no Redis, no HTTP): this measures kernels, batching and the step
+loop. Prints one comparable line per system, and the ratio with ``--peer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from bench.sharegpt import describe, sharegpt_lengths
+from bench.shapes import SHAPES, config_dir
+from shared.config import ModelSettings, WorkerSettings
+from shared.schemas import GenerateRequest, SamplingParams
+from worker.events import Token
+from worker.main import build_engine
+from worker.request import Req
+
+
+def workload(args) -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(args.seed)
+    vocab = SHAPES[args.model_shape]["vocab_size"]
+    return [(rng.integers(3, vocab, size=i).tolist(), o) for i, o in sharegpt_lengths(args.num_requests, args.seed)]
+
+
+def run_lightq(args, work) -> float:
+    settings = WorkerSettings(
+        model=ModelSettings(model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048),
+        device=args.device, max_total_token_num=args.max_total_token_num, batch_max_tokens=args.batch_max_tokens,
+        running_max_req_size=args.running_max, graph_max_batch_size=args.graph_max_bs,
+        cuda_graphs=not args.no_graphs)
+    engine = build_engine(settings)
+    print(f"lightq: KV pool {engine.limits.max_total_tokens} tokens, graphs {engine.runner.graphs is not None}")
+    warm = [(ids[:16], 4) for ids, _ in work[:8]]
+    drive(engine, warm, progress=False)
+    return drive(engine, work, progress=True)
+
+
+def drive(engine, work, progress: bool) -> float:
+    for i, (ids, out) in enumerate(work):
+        msg = GenerateRequest(id=f"r{i}", prompt_ids=ids, created_ms=0,
+                              params=SamplingParams(max_new_tokens=out, ignore_eos=True))
+        engine.add(Req(msg=msg, inbox_id=f"{i}-0"))
+    bar = tqdm(total=sum(o for _, o in work), unit="tok", disable=not progress, mininterval=2)
+    sync()
+    start = time.perf_counter()
+    while engine.has_work:
+        bar.update(sum(isinstance(e, Token) for e in engine.step()))
+    sync()
+    bar.close()
+    return time.perf_counter() - start
+
+
+def run_hf_peer(args, work) -> float:
+    """transformers' own continuous batching on the same GPU and workload (paged|sdpa)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[args.model_shape])
+    with torch.device(args.device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.config._attn_implementation = "sdpa"
+    gen = GenerationConfig(max_new_tokens=2048, do_sample=False, eos_token_id=-1)
+    cb = ContinuousBatchingConfig(max_batch_tokens=args.batch_max_tokens, use_cuda_graph=False)
+    start = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb) as m:
+        for ids, out in work:
+            m.add_request(ids, max_new_tokens=out)
+        for _ in tqdm(range(len(work)), unit="req", mininterval=5):
+            m.get_result(timeout=3600)
+    return time.perf_counter() - start
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def report(name: str, work, seconds: float) -> float:
+    out = sum(o for _, o in work)
+    total = out + sum(len(i) for i, _ in work)
+    print(f"{name}: {len(work)} requests in {seconds:.2f} s: {len(work) / seconds:.2f} req/s, "
+          f"{out / seconds:,.0f} output tok/s, {total / seconds:,.0f} total tok/s")
+    return out / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-total-token-num", type=int, default=None)
+    parser.add_argument("--batch-max-tokens", type=int, default=8192)
+    parser.add_argument("--running-max", type=int, default=1024)
+    parser.add_argument("--graph-max-bs", type=int, default=256)
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--peer", choices=["hf"], default=None)
+    args = parser.parse_args()
+    work = workload(args)
+    print(f"workload: input {describe([len(i) for i, _ in work])}; output {describe([o for _, o in work])}")
+    ours = report(f"lightq {args.model_shape}", work, run_lightq(args, work))
+    if args.peer == "hf":
+        torch.cuda.empty_cache()
+        theirs = report(f"transformers-cb {args.model_shape}", work, run_hf_peer(args, work))
+        print(f"ratio lightq / transformers: {ours / theirs:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
