@@ -22,6 +22,42 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slot_ptr, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Online-softmax update over pool positions [lo, hi) of one request.
+
+    MASKED=False: every position is visible to every query of the block, so no
+    masks (most tiles). MASKED=True: the diagonal tiles, with the causal mask
+    and the hi bound; masked columns read slot 0, a valid row, and their V is
+    masked to 0 so whatever the pool holds there cannot leak in.
+    """
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        if MASKED:
+            slots = tl.load(slot_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
+        else:
+            slots = tl.load(slot_ptr + offs_n).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + offs_d[:, None])  # [D, BLOCK_N]
+        qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if MASKED:
+            visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptr + slots[:, None] * stride_vs + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr + slots[:, None] * stride_vs + offs_d[None, :])  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _context_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     q_starts_ptr, q_lens_ptr, cached_lens_ptr, seq_lens_ptr, req_rows_ptr, table_ptr,
@@ -55,30 +91,27 @@ def _context_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # Causal: no query of this block sees past its last position.
+    slot_ptr = table_ptr + row * stride_table
+    k_head, v_head = k_ptr + kv_h * stride_kh, v_ptr + kv_h * stride_vh
+    # Positions <= cached + start_m are visible to every query of the block
+    # (and < seq_len, as start_m < q_len): whole tiles of them need no mask.
+    full_end = (cached + start_m + 1) // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slot_ptr, k_head, v_head,
+                                  stride_ks, stride_vs, 0, full_end, HEAD_DIM, BLOCK_N, False)
+    # The rest, up to the block's last query position: causal mask.
     kv_end = tl.minimum(seq_len, cached + start_m + BLOCK_M)
-    for start_n in range(0, kv_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        # Masked columns read slot 0, a valid pool row; their scores are masked below.
-        slots = tl.load(table_ptr + row * stride_table + offs_n, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(k_ptr + slots[None, :] * stride_ks + kv_h * stride_kh + offs_d[:, None],
-                    mask=n_mask[None, :], other=0.0)  # [D, BLOCK_N]
-        qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_h * stride_vh + offs_d[None, :],
-                    mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slot_ptr, k_head, v_head,
+                                  stride_ks, stride_vs, full_end, kv_end, HEAD_DIM, BLOCK_N, True)
     # Every valid row saw position 0, so l_i > 0 wherever the store is unmasked.
     acc = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def launch_config(head_dim: int) -> dict:
+    """Default tiles and warps, from a sweep on an H200 at D=128, bf16 (a module
+    function so a tuning run can swap it). D <= 64 is untuned."""
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table) -> None:
@@ -116,16 +149,16 @@ def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if batch == 0 or max_q_len == 0:
         return
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    block_m = block_m or (128 if head_dim <= 64 else 64)
-    block_n = block_n or 64
+    cfg = launch_config(head_dim)  # {BLOCK_M, BLOCK_N, num_warps, num_stages}
+    tile_m, tile_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    block_m, block_n = block_m or tile_m, block_n or tile_n
     grid = (batch, num_heads, triton.cdiv(max_q_len, block_m))
     _context_attention_kernel[grid](
         q, k_cache, v_cache, o, q_starts, q_lens, cached_lens, seq_lens, req_rows, req_table,
         scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         o.stride(0), o.stride(1), req_table.stride(0),
-        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, **cfg,
     )
 
 

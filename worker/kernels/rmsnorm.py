@@ -58,7 +58,8 @@ def _launch(x, residual, weight, y, residual_out, eps: float) -> None:
     _rmsnorm_kernel[(num_rows,)](
         x, res, weight, y, res_out, n_cols, eps,
         x.stride(0), res.stride(0), y.stride(0), res_out.stride(0),
-        HAS_RESIDUAL=has_res, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        # ~1024 elements per warp: 4 warps at hidden 4096 beat 8-16 on an H200.
+        HAS_RESIDUAL=has_res, BLOCK=block, num_warps=min(8, max(1, block // 1024)),
     )
 
 
