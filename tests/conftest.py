@@ -6,6 +6,12 @@ from __future__ import annotations
 import os
 import uuid
 
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU interpreter; this must precede any triton import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import redis
 
