@@ -11,6 +11,7 @@ loop. Prints one comparable line per system, and the ratio with ``--peer``.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import numpy as np
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument("--max-total-token-num", type=int, default=None)
     parser.add_argument("--batch-max-tokens", type=int, default=8192)
     parser.add_argument("--running-max", type=int, default=1024)
-    parser.add_argument("--graph-max-bs", type=int, default=256)
+    parser.add_argument("--graph-max-bs", type=int, default=1024)
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--peer", choices=["hf"], default=None)
     args = parser.parse_args()
@@ -109,6 +110,7 @@ def main() -> None:
     print(f"workload: input {describe([len(i) for i, _ in work])}; output {describe([o for _, o in work])}")
     ours = report(f"lightq {args.model_shape}", work, run_lightq(args, work))
     if args.peer == "hf":
+        gc.collect()  # the engine (weights, KV pool, graphs) must be gone before the peer loads
         torch.cuda.empty_cache()
         theirs = report(f"transformers-cb {args.model_shape}", work, run_hf_peer(args, work))
         print(f"ratio lightq / transformers: {ours / theirs:.1f}x")

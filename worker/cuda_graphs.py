@@ -31,9 +31,12 @@ log = logging.getLogger("lightq.worker")
 
 
 def default_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to ``max_batch`` (LightLLM grows by 16 too)."""
+    """1, 2, 4, 8, every 16 up to 256 (LightLLM grows by 16 too), then every 64:
+    padding wastes at most 15 (or 63) rows while the graph count stays small."""
     small = [b for b in (1, 2, 4, 8) if b <= max_batch]
-    return sorted(set(small + list(range(16, max_batch + 1, 16)) + [max_batch]))
+    mid = list(range(16, min(max_batch, 256) + 1, 16))
+    large = list(range(320, max_batch + 1, 64))
+    return sorted(set(small + mid + large + [max_batch]))
 
 
 class DecodeGraphs:

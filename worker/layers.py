@@ -30,6 +30,11 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def on_cuda(device: torch.device | str) -> bool:
+    """Layers pick their kernels once, at construction: Triton on CUDA, PyTorch elsewhere."""
+    return torch.device(device).type == "cuda"
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, the variance in fp32 and the product in x's dtype, as HF Llama."""
 
@@ -37,11 +42,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _param(hidden_size, dtype=dtype, device=device)
+        self._impl = self._triton if on_cuda(device) else self._torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._impl(x)
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        from worker.kernels.rmsnorm import rmsnorm
+
+        return rmsnorm(x.contiguous(), self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -52,10 +66,21 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+        self._act = _silu_and_mul_triton if on_cuda(device) else _silu_and_mul_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self._act(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
+
+
+def _silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    from worker.kernels.silu_and_mul import silu_and_mul
+
+    return silu_and_mul(x)
 
 
 def rope_parameters(config) -> dict:
@@ -113,3 +138,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by its token's angles; cos, sin [T, 1, D]."""
     return x * cos + rotate_half(x) * sin
+
+
+def rotate_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """In place on q, k (views of the fused qkv output). cos/sin [T, 1, D] repeat
+    their first half (the table is cat(freqs, freqs)), so the kernel takes [T, D/2]."""
+    from worker.kernels.rotary import rotary_embedding
+
+    half = cos.shape[-1] // 2
+    rotary_embedding(q, k, cos[:, 0, :half].contiguous(), sin[:, 0, :half].contiguous())
+    return q, k

@@ -20,7 +20,7 @@ from torch import nn
 
 from worker.attention import AttentionBackend
 from worker.forward_batch import ForwardBatch
-from worker.layers import Linear, RMSNorm, Rotary, SwiGLU, apply_rotary
+from worker.layers import Linear, RMSNorm, Rotary, SwiGLU, on_cuda, rotate_torch, rotate_triton
 
 # checkpoint projection name -> (fused parameter's module name, shard index)
 _FUSED = {
@@ -43,13 +43,14 @@ class LlamaAttention(nn.Module):
         self.shard_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias, dtype, device)
         self.o_proj = Linear(q_size, config.hidden_size, bias, dtype, device)
+        self.rotate = rotate_triton if on_cuda(device) else rotate_torch
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 backend: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
-        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        q, k = self.rotate(q.view(T, self.num_heads, self.head_dim),  # [T, Hq, D]
+                           k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         out = backend.forward(self.layer, q, k, v, batch)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, -1))  # [T, H]
