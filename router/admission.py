@@ -1,35 +1,96 @@
-"""Which worker may take a request: the one function the past-future check replaces.
+"""Which worker may take a request: the one place the admission rule lives.
 
-Conservative admission (TGI's): a request needs ``prompt + max_new_tokens``
-tokens for its whole life, and goes to a worker only if that fits the
-worker's published free capacity less what this router dispatched there
-since (reservations not yet reflected in the worker's record).
+A worker's requests (its published ``ReqState`` list, plus the ones this
+router dispatched there that its record does not show yet, plus the
+candidate) must fit its pool by the chosen policy, and their count its
+``running_max_req_size``:
+
+| policy                | projected use                               | limit        |
+|-----------------------|---------------------------------------------|--------------|
+| conservative          | sum of prompt + max_new_tokens (TGI's)      | pool         |
+| aggressive            | sum of tokens held now (relies on pausing)  | pool * 0.95  |
+| past_future           | worst peak over K Monte-Carlo length draws  | pool * (1-m) |
+| past_future_quantile  | peak with every length at quantile q        | pool * (1-m) |
+
+The peak is ``shared.peak``'s formula; lengths come from ``shared.history``.
+Published records lag by up to a heartbeat, which is safe for the peak:
+requests that finished since only made the record pessimistic, and a peak
+taken at the record's instant bounds every later step of the same batch.
+A record without request summaries (an older worker) falls back to its
+``committed_tokens``: the conservative check. ``check`` takes plain
+``ReqState`` lists so the simulator (bench/simulate.py) runs this code too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
+from shared.history import Estimator
+from shared.peak import ReqState
 from shared.schemas import GenerateRequest, WorkerLoad
 
+Policy = Literal["conservative", "aggressive", "past_future", "past_future_quantile"]
+AGGRESSIVE_WATERMARK = 0.95
 
-def free_capacity(load: WorkerLoad, reserved_tokens: int) -> int:
-    return load.free_tokens - reserved_tokens
+
+def request_state(request: GenerateRequest) -> ReqState:
+    """A request about to be dispatched; a resumed one has its emitted tokens already."""
+    done = len(request.resume_ids)
+    return ReqState(request.num_prompt_tokens + done, done, request.params.max_new_tokens,
+                    int(request.params.ignore_eos))
 
 
-def can_admit(load: WorkerLoad, reserved_tokens: int, request: GenerateRequest) -> bool:
+def projected_use(states: Sequence[ReqState], policy: Policy, estimator: Estimator) -> int:
+    if policy == "conservative":
+        return sum(s.conservative_need for s in states)
+    if policy == "aggressive":
+        return sum(s.held for s in states)
+    if policy == "past_future":
+        return estimator.peak_sampled(states)
+    return estimator.peak_quantile(states)
+
+
+def use_limit(max_total_tokens: int, policy: Policy, margin: float) -> float:
+    if policy == "conservative":  # an exact upper bound needs no margin
+        return max_total_tokens
+    if policy == "aggressive":
+        return max_total_tokens * AGGRESSIVE_WATERMARK
+    return max_total_tokens * (1 - margin)
+
+
+def check(states: Sequence[ReqState], candidate: ReqState, max_total_tokens: int, max_requests: int | None,
+          policy: Policy, estimator: Estimator, margin: float) -> float | None:
+    """The resulting use / pool with the candidate added, or None if it does not fit."""
+    if max_requests is not None and len(states) + 1 > max_requests:
+        return None
+    use = projected_use([*states, candidate], policy, estimator)
+    if use > use_limit(max_total_tokens, policy, margin):
+        return None
+    return use / max_total_tokens
+
+
+def check_worker(load: WorkerLoad, reserved: Sequence[ReqState], request: GenerateRequest,
+                 policy: Policy, estimator: Estimator, margin: float) -> float | None:
+    """``check`` against one worker's published record plus this router's reservations."""
     if load.draining:
-        return False
-    return request.max_tokens_needed <= free_capacity(load, reserved_tokens)
+        return None
+    candidate = request_state(request)
+    if load.requests is None:  # no summaries published: only the conservative sum is known
+        use = load.committed_tokens + sum(s.conservative_need for s in reserved) + candidate.conservative_need
+        return use / load.max_total_tokens if use <= load.max_total_tokens else None
+    states = [ReqState(*r) for r in load.requests] + list(reserved)
+    return check(states, candidate, load.max_total_tokens, load.running_max_req_size, policy, estimator, margin)
 
 
-def choose_worker(loads: Mapping[str, WorkerLoad], reserved: Mapping[str, int],
-                  request: GenerateRequest) -> str | None:
-    """The admissible worker with the most free capacity, or None (the request waits)."""
+def choose_worker(loads: Mapping[str, WorkerLoad], reserved: Mapping[str, Sequence[ReqState]],
+                  request: GenerateRequest, policy: Policy, estimator: Estimator,
+                  margin: float = 0.05) -> str | None:
+    """The admissible worker with the lowest resulting use ratio, or None (the request waits)."""
     best: str | None = None
-    best_free = -1
+    best_ratio = float("inf")
     for worker_id, load in sorted(loads.items()):
-        held = reserved.get(worker_id, 0)
-        if can_admit(load, held, request) and free_capacity(load, held) > best_free:
-            best, best_free = worker_id, free_capacity(load, held)
+        ratio = check_worker(load, reserved.get(worker_id, ()), request, policy, estimator, margin)
+        if ratio is not None and ratio < best_ratio:
+            best, best_ratio = worker_id, ratio
     return best

@@ -5,7 +5,9 @@ router's pending list until dispatched: the inbox XADD, the status update
 and the XACK happen in one transaction, so a crash anywhere before it leaves
 the entry pending (re-read with id 0 on restart) and a crash after it leaves
 the request in exactly one inbox. Requests are dispatched in arrival order:
-when the head cannot be placed, everything behind it waits too.
+when the head cannot be placed, everything behind it waits too. The
+output-length history past-future admission estimates from is re-read
+from Redis every ``history_refresh_s``, not per request.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from collections import deque
 
 import redis
 
-from router.admission import choose_worker
+from router.admission import choose_worker, request_state
 from router.janitor import reap_dead_worker
 from router.registry import read_registry
 from router.reservations import Reservations
 from shared.codec import entry, from_entry
 from shared.config import RouterSettings
+from shared.history import Estimator, OutputLengthHistory
 from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import ensure_group
 from shared.request_log import end_request, now_ms
@@ -38,6 +41,9 @@ class Router:
         self.keys = Keys(settings.redis.key_prefix)
         self.router_id = router_id
         self.reservations = Reservations(settings.reservation_ttl_s)
+        self.history = OutputLengthHistory(settings.history_window, settings.history_prior)
+        self.estimator = Estimator(self.history, settings.admission_quantile, settings.admission_seed)
+        self._next_history_read = 0.0
         self.queue: deque[tuple[str, GenerateRequest]] = deque()
         self.stop_event = threading.Event()
         self._read_id = "0"  # first our own pending entries (after a restart), then new ones
@@ -51,14 +57,22 @@ class Router:
     def step(self) -> int:
         """Read, reap, dispatch; returns how many requests were dispatched."""
         self._read()
-        registry = read_registry(self.client, self.keys)
+        registry = read_registry(self.client, self.keys, int(self.settings.stale_load_s * 1000))
         for worker_id in registry.dead:
             reap_dead_worker(self.client, self.keys, worker_id, self.settings.redis.request_ttl_s)
         self.reservations.settle(registry.live)
-        dispatched = self._dispatch(registry.live)
+        self._refresh_history()
+        dispatched = self._dispatch(registry.admissible())
         if self.queue and not dispatched:
             self.stop_event.wait(self.settings.poll_ms / 1000)
         return dispatched
+
+    def _refresh_history(self) -> None:
+        now = time.monotonic()
+        if now < self._next_history_read:
+            return
+        self._next_history_read = now + self.settings.history_refresh_s
+        self.history.update(self.client.lrange(self.keys.output_lengths(), 0, self.history.window - 1))
 
     def _read(self) -> None:
         room = self.settings.read_batch - len(self.queue)
@@ -97,7 +111,8 @@ class Router:
             if self.client.exists(self.keys.cancel(request.id)):
                 self._finish_cancelled(entry_id, request)
             else:
-                worker_id = choose_worker(loads, self.reservations.tokens(), request)
+                worker_id = choose_worker(loads, self.reservations.pending(), request, self.settings.admission,
+                                          self.estimator, self.settings.admission_margin)
                 if worker_id is None:
                     break
                 self._send(entry_id, request, worker_id)
@@ -111,7 +126,7 @@ class Router:
         pipe.hset(self.keys.meta(request.id), mapping=RequestMeta.fields(worker=worker_id, dispatched_ms=now_ms()))
         pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
         inbox_id = pipe.execute()[0]
-        self.reservations.add(worker_id, inbox_id, request.max_tokens_needed)
+        self.reservations.add(worker_id, inbox_id, request_state(request))
         log.debug("request %s -> %s", request.id, worker_id)
 
     def _finish_cancelled(self, entry_id: str, request: GenerateRequest) -> None:

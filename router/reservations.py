@@ -1,10 +1,16 @@
-"""Tokens this router dispatched to a worker that its heartbeat does not show yet.
+"""Requests this router dispatched to a worker that its heartbeat does not show yet.
 
 Published loads arrive late; admitting on them alone lets a burst land on
 one worker (llm-d's thundering herd). Each dispatch is held against its
-worker until a load record says the worker took in that inbox entry
-(``last_inbox_id``), or until ``ttl_s`` passes (a worker that never reports
-it is dead and its inbox gets re-dispatched anyway).
+worker, as the same ``ReqState`` summary the worker will publish for it,
+until a load record says the worker took in that inbox entry
+(``last_inbox_id``: from then on the record lists the request itself), or
+until ``ttl_s`` passes (a worker that never reports it is dead and its
+inbox gets re-dispatched anyway).
+
+These reservations live in this router's memory: two routers sharing a
+worker each see only their own, and can over-admit it together between
+two of its heartbeats. The worker's own check is what keeps its pool safe.
 """
 
 from __future__ import annotations
@@ -14,13 +20,14 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shared.peak import ReqState
 from shared.schemas import WorkerLoad, stream_id
 
 
 @dataclass(frozen=True)
 class Reservation:
     inbox_id: str
-    tokens: int
+    state: ReqState
     made_at: float
 
 
@@ -29,8 +36,8 @@ class Reservations:
         self.ttl_s = ttl_s
         self._by_worker: dict[str, list[Reservation]] = defaultdict(list)
 
-    def add(self, worker_id: str, inbox_id: str, tokens: int) -> None:
-        self._by_worker[worker_id].append(Reservation(inbox_id, tokens, time.monotonic()))
+    def add(self, worker_id: str, inbox_id: str, state: ReqState) -> None:
+        self._by_worker[worker_id].append(Reservation(inbox_id, state, time.monotonic()))
 
     def settle(self, loads: Mapping[str, WorkerLoad]) -> None:
         """Drop reservations the workers' records now include, and stale ones."""
@@ -45,5 +52,10 @@ class Reservations:
             else:
                 del self._by_worker[worker_id]
 
+    def pending(self) -> dict[str, list[ReqState]]:
+        """worker -> summaries of the requests dispatched there and not yet in its record."""
+        return {w: [r.state for r in rs] for w, rs in self._by_worker.items()}
+
     def tokens(self) -> dict[str, int]:
-        return {w: sum(r.tokens for r in rs) for w, rs in self._by_worker.items()}
+        """worker -> conservative need (prompt + max_new_tokens) of those requests."""
+        return {w: sum(r.state.conservative_need for r in rs) for w, rs in self._by_worker.items()}

@@ -8,6 +8,8 @@ separate classes composed into each service's settings, never inherited.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -53,6 +55,16 @@ class RouterSettings(BaseSettings):
     read_batch: int = Field(64, gt=0, description="ingress entries read per XREADGROUP")
     poll_ms: int = Field(100, gt=0, description="idle wait between admission attempts")
     reservation_ttl_s: float = Field(5.0, gt=0, description="how long a dispatch counts against a worker before its heartbeat shows it")
+    admission: Literal["conservative", "aggressive", "past_future", "past_future_quantile"] = Field(
+        "past_future", description="admission policy: conservative (prompt + max_new_tokens), aggressive "
+                                   "(current use under 95 percent), past_future (Monte-Carlo peak), past_future_quantile")
+    admission_margin: float = Field(0.05, ge=0, lt=1, description="share of a worker's pool past-future keeps free")
+    admission_quantile: float = Field(0.9, gt=0, le=1, description="quantile of L | L > d for past_future_quantile")
+    admission_seed: int = Field(0, description="seed of the Monte-Carlo length draws")
+    history_window: int = Field(200, ge=2, description="recent output lengths the estimate uses")
+    history_prior: int = Field(2048, gt=0, description="pessimistic output length filling the window until requests finish")
+    history_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the output-length history")
+    stale_load_s: float = Field(5.0, gt=0, description="a load record older than this counts as full")
 
 
 class WorkerSettings(BaseSettings):

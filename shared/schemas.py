@@ -107,6 +107,11 @@ class WorkerLoad(_Frozen):
     num_waiting: int
     last_inbox_id: str = Field("0-0", description="newest inbox entry the worker has taken in")
     draining: bool = False
+    running_max_req_size: int | None = Field(None, description="most requests the worker runs at once")
+    requests: list[tuple[int, int, int, int]] | None = Field(
+        None, description="per running or waiting request: [prompt + output tokens, output tokens, "
+                          "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState); None from workers that "
+                          "publish no summaries, which the router then checks conservatively")
 
     @property
     def free_tokens(self) -> int:

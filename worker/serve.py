@@ -22,6 +22,7 @@ from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
 from worker.engine import Engine
 from worker.events import Ended, Released
 from worker.heartbeat import Heartbeat
+from worker.load import build_load
 from worker.publisher import Publisher
 from worker.request import Req
 
@@ -46,11 +47,7 @@ class WorkerService:
         self._next_cancel_check = 0.0
 
     def load(self, seq: int) -> WorkerLoad:
-        snap = self.engine.snapshot()
-        return WorkerLoad(worker_id=self.worker_id, seq=seq, ts_ms=now_ms(),
-                          max_total_tokens=self.engine.limits.max_total_tokens, used_tokens=snap.used_tokens,
-                          committed_tokens=snap.committed_tokens, num_running=snap.num_running,
-                          num_waiting=snap.num_waiting, last_inbox_id=self.last_inbox_id)
+        return build_load(self.engine, self.worker_id, seq, self.last_inbox_id)
 
     def run(self) -> None:
         ensure_group(self.client, self.keys.inbox(self.worker_id), WORKER_GROUP)

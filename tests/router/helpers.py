@@ -9,16 +9,23 @@ from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, Sampling
 
 
 def publish_load(client, keys: Keys, worker_id: str, max_total: int = 1000, committed: int = 0,
-                 last_inbox_id: str = "0-0", ttl_ms: int = 5000) -> None:
-    load = WorkerLoad(worker_id=worker_id, seq=1, ts_ms=now_ms(), max_total_tokens=max_total, used_tokens=0,
-                      committed_tokens=committed, num_running=0, num_waiting=0, last_inbox_id=last_inbox_id)
+                 last_inbox_id: str = "0-0", ttl_ms: int = 5000, requests: list | None = None,
+                 running_max: int | None = None, age_ms: int = 0) -> None:
+    """A worker's record; without ``requests`` it is an old-style one (committed tokens only)."""
+    if requests is not None:
+        committed = sum(held - done + max_new for held, done, max_new, _ in requests)
+    load = WorkerLoad(worker_id=worker_id, seq=1, ts_ms=now_ms() - age_ms, max_total_tokens=max_total,
+                      used_tokens=0, committed_tokens=committed, num_running=len(requests or []), num_waiting=0,
+                      last_inbox_id=last_inbox_id, running_max_req_size=running_max,
+                      requests=[tuple(r) for r in requests] if requests is not None else None)
     client.set(keys.load(worker_id), encode(load), px=ttl_ms)
     client.zadd(keys.workers(), {worker_id: now_ms()})
 
 
-def submit(client, keys: Keys, request_id: str, prompt_len: int = 10, max_new: int = 10) -> GenerateRequest:
+def submit(client, keys: Keys, request_id: str, prompt_len: int = 10, max_new: int = 10,
+           ignore_eos: bool = False) -> GenerateRequest:
     msg = GenerateRequest(id=request_id, prompt_ids=list(range(1, prompt_len + 1)),
-                          params=SamplingParams(max_new_tokens=max_new), created_ms=now_ms())
+                          params=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos), created_ms=now_ms())
     client.hset(keys.meta(request_id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=now_ms()))
     client.xadd(keys.requests(), entry(msg))
     return msg
@@ -28,3 +35,9 @@ def inbox_ids(client, keys: Keys, worker_id: str) -> list[str]:
     from shared.codec import from_entry
 
     return [from_entry(GenerateRequest, f).id for _, f in client.xrange(keys.inbox(worker_id))]
+
+
+def finished_lengths(client, keys: Keys, lengths: list[int]) -> None:
+    """What workers' publishers do as requests finish: newest first on a capped list."""
+    for n in lengths:
+        client.lpush(keys.output_lengths(), n)

@@ -1,44 +1,146 @@
-from router.admission import can_admit, choose_worker
+"""The admission rule on hand-made worker records (no Redis)."""
+
+import pytest
+
+from router.admission import check, choose_worker, request_state
 from router.reservations import Reservations
+from shared.history import Estimator, OutputLengthHistory
+from shared.peak import ReqState
 from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
 
 
-def load(worker_id, max_total=100, committed=0, draining=False, last_inbox_id="0-0"):
-    return WorkerLoad(worker_id=worker_id, seq=1, ts_ms=0, max_total_tokens=max_total, used_tokens=0,
+def load(worker_id, max_total=100, committed=0, draining=False, last_inbox_id="0-0", requests=None,
+         running_max=None, used=0):
+    return WorkerLoad(worker_id=worker_id, seq=1, ts_ms=0, max_total_tokens=max_total, used_tokens=used,
                       committed_tokens=committed, num_running=0, num_waiting=0, draining=draining,
-                      last_inbox_id=last_inbox_id)
+                      last_inbox_id=last_inbox_id, requests=requests, running_max_req_size=running_max)
 
 
-def request(prompt=10, new=10):
-    return GenerateRequest(id="r", prompt_ids=[1] * prompt, params=SamplingParams(max_new_tokens=new), created_ms=0)
+def request(prompt=10, new=10, ignore_eos=False, resume=0):
+    return GenerateRequest(id="r", prompt_ids=[1] * prompt, created_ms=0, resume_ids=[5] * resume,
+                           params=SamplingParams(max_new_tokens=new, ignore_eos=ignore_eos))
+
+
+def estimator(history=(), prior=2048, seed=0):
+    h = OutputLengthHistory(window=200, prior=prior)
+    h.update(list(history))
+    return Estimator(h, quantile=0.9, seed=seed)
+
+
+def choose(loads, reserved, req, policy="conservative", est=None):
+    return choose_worker(loads, reserved, req, policy, est or estimator())
+
+
+def test_request_state_counts_resumed_tokens_as_held_and_generated():
+    assert request_state(request(10, 50, resume=4)) == ReqState(14, 4, 50, 0)
+    assert request_state(request(10, 50, ignore_eos=True)) == ReqState(10, 0, 50, 1)
 
 
 def test_conservative_check_counts_prompt_plus_max_new_tokens():
-    assert can_admit(load("a", max_total=20), 0, request(10, 10))
-    assert not can_admit(load("a", max_total=20), 1, request(10, 10))
-    assert not can_admit(load("a", max_total=100, committed=81), 0, request(10, 10))
-    assert not can_admit(load("a", draining=True), 0, request())
+    r = request(10, 10)
+    assert choose({"a": load("a", max_total=20)}, {}, r) == "a"
+    assert choose({"a": load("a", max_total=20)}, {"a": [ReqState(1, 0, 0, 0)]}, r) is None
+    assert choose({"a": load("a", max_total=100, committed=81)}, {}, r) is None
+    assert choose({"a": load("a", draining=True)}, {}, r) is None
+    # published summaries give the same sum: 30 + 40 + 20 = 90 <= 100, one more token would not fit
+    busy = [(20, 5, 15, 0), (40, 0, 0, 0)]
+    assert choose({"a": load("a", requests=busy)}, {}, r) == "a"
+    assert choose({"a": load("a", requests=[*busy, (11, 0, 0, 0)])}, {}, r) is None
 
 
 def test_least_loaded_admissible_worker_wins():
     loads = {"a": load("a", committed=50), "b": load("b", committed=10), "c": load("c", committed=0)}
-    assert choose_worker(loads, {"c": 95}, request()) == "b"
-    assert choose_worker(loads, {"b": 80, "c": 95}, request()) == "a"
-    assert choose_worker(loads, {"a": 50, "b": 90, "c": 95}, request()) is None
+    held = lambda n: [ReqState(n, 0, 0, 0)]  # noqa: E731 - a reservation of n tokens
+    assert choose(loads, {"c": held(95)}, request()) == "b"
+    assert choose(loads, {"b": held(80), "c": held(95)}, request()) == "a"
+    assert choose(loads, {"a": held(50), "b": held(90), "c": held(95)}, request()) is None
+
+
+def packed(policy, req, history=(), pool=10_000, prior=2048):
+    """How many copies of ``req`` one empty worker takes, each reserved as it is dispatched."""
+    loads, reserved, est = {"a": load("a", max_total=pool, requests=[])}, {"a": []}, estimator(history, prior)
+    while choose(loads, reserved, req, policy, est) == "a":
+        reserved["a"].append(request_state(req))
+    return len(reserved["a"])
+
+
+def test_past_future_admits_more_when_history_says_outputs_are_short():
+    req = request(prompt=100, new=900)  # conservative need 1000: 10 fit in 10,000
+    short = [50] * 150 + [100] * 50
+    assert packed("conservative", req) == 10
+    assert packed("past_future", req, short) > 40
+    assert packed("past_future_quantile", req, short) == 47  # every output at p90 = 100: 9,500 / 200
+    # with no history yet the prior (above max_new_tokens) makes past-future as careful as conservative
+    assert packed("past_future", req) <= 10
+
+
+def test_past_future_admits_fewer_for_ignore_eos_with_large_max_new_tokens():
+    short = [50] * 200
+    eos = request(prompt=100, new=900)
+    exact = request(prompt=100, new=900, ignore_eos=True)
+    assert packed("past_future", exact, short) < packed("past_future", eos, short)
+    # lengths known exactly: every request holds 1000 at the end, within pool * (1 - 0.05)
+    assert packed("past_future", exact, short) == packed("past_future_quantile", exact, short) == 9
+
+
+def test_peak_counts_running_requests_that_finish_early():
+    # a worker 800 tokens from full, by the conservative sum; but its request is nearly done
+    running = [(790, 780, 800, 1)]  # ignore_eos: exactly 20 more tokens, then it frees 810
+    loads = {"a": load("a", max_total=1000, requests=running)}
+    req = request(prompt=100, new=400, ignore_eos=True)  # peak 810 + 120 = 930 < 950
+    assert choose(loads, {}, req, "conservative") is None
+    assert choose(loads, {}, req, "past_future") == "a"
+
+
+def test_request_count_cap_and_draining():
+    req = request(1, 1)
+    full = load("a", max_total=10_000, requests=[(2, 0, 1, 0)] * 3, running_max=4)
+    assert choose({"a": full}, {}, req, "past_future") == "a"
+    assert choose({"a": full}, {"a": [request_state(req)]}, req, "past_future") is None
+    drained = load("a", max_total=10_000, requests=[], draining=True)
+    assert choose({"a": drained}, {}, req, "past_future") is None
+
+
+def test_aggressive_looks_only_at_tokens_held_now():
+    req = request(prompt=10, new=10_000)
+    assert choose({"a": load("a", max_total=100, requests=[(84, 0, 9_999, 0)])}, {}, req, "aggressive") == "a"
+    assert choose({"a": load("a", max_total=100, requests=[(86, 0, 1, 0)])}, {}, req, "aggressive") is None
+
+
+def test_record_without_summaries_is_checked_conservatively_under_any_policy():
+    loads = {"a": load("a", max_total=100, committed=81)}
+    assert choose(loads, {}, request(10, 10), "past_future", estimator([1] * 200)) is None
+    assert choose({"a": load("a", max_total=100, committed=80)}, {}, request(10, 10), "past_future") == "a"
+
+
+def test_lowest_resulting_peak_ratio_wins_across_pool_sizes():
+    req = request(10, 10, ignore_eos=True)
+    loads = {"big": load("big", max_total=1000, requests=[(400, 0, 100, 1)]),  # (500 + 20) / 1000
+             "small": load("small", max_total=100, requests=[])}  # 20 / 100
+    assert choose(loads, {}, req, "past_future") == "small"
+    assert choose(loads, {"small": [ReqState(50, 0, 0, 1)]}, req, "past_future") == "big"
+
+
+def test_check_returns_the_ratio_or_none():
+    est = estimator()
+    states = [ReqState(10, 0, 10, 1)]
+    assert check(states, ReqState(10, 0, 10, 1), 100, None, "past_future", est, 0.05) == pytest.approx(0.4)
+    assert check(states, ReqState(10, 0, 10, 1), 100, 1, "past_future", est, 0.05) is None
 
 
 def test_reservations_settle_when_the_worker_reports_the_entry():
     res = Reservations(ttl_s=60)
-    res.add("a", "5-0", 20)
-    res.add("a", "7-0", 30)
+    res.add("a", "5-0", ReqState(10, 0, 10, 0))
+    res.add("a", "7-0", ReqState(10, 0, 20, 0))
     res.settle({"a": load("a", last_inbox_id="5-0")})
     assert res.tokens() == {"a": 30}
+    assert res.pending() == {"a": [ReqState(10, 0, 20, 0)]}
     res.settle({"a": load("a", last_inbox_id="7-0")})
-    assert res.tokens() == {}
+    assert res.tokens() == {} and res.pending() == {}
 
 
 def test_reservations_of_a_vanished_worker_are_dropped():
     res = Reservations(ttl_s=60)
-    res.add("a", "5-0", 20)
+    res.add("a", "5-0", ReqState(10, 0, 10, 0))
     res.settle({})
-    assert res.tokens() == {}
+    assert res.pending() == {}

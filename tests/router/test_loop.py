@@ -1,5 +1,7 @@
 """The router against a real Redis, with workers played by the test."""
 
+import pytest
+
 from router.loop import Router
 from shared.codec import from_entry
 from shared.config import RouterSettings
@@ -7,11 +9,11 @@ from shared.keys import ROUTER_GROUP
 from shared.request_log import emitted_chunks
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 from shared.request_log import append_chunk
-from tests.router.helpers import inbox_ids, publish_load, submit
+from tests.router.helpers import finished_lengths, inbox_ids, publish_load, submit
 
 
-def make_router(redis_settings, rclient, name="r1"):
-    router = Router(RouterSettings(redis=redis_settings, poll_ms=10), rclient, name)
+def make_router(redis_settings, rclient, name="r1", **settings):
+    router = Router(RouterSettings(redis=redis_settings, poll_ms=10, **settings), rclient, name)
     from shared.redis import ensure_group
     ensure_group(rclient, router.keys.requests(), ROUTER_GROUP)
     return router
@@ -84,3 +86,48 @@ def test_dead_worker_requests_go_back_with_emitted_tokens(redis_settings, rclien
     assert again.id == "q0" and again.attempt == 1 and again.resume_ids == [7, 8, 9]
     assert rclient.zscore(keys.workers(), "w1") is None
     assert not rclient.exists(keys.inbox("w1"))
+
+
+@pytest.mark.parametrize("policy, ignore_eos, expected", [
+    ("conservative", False, 4),  # 4 x (100 + 400) = 2,000: the pool
+    ("past_future", False, 10),  # history: outputs of 20 tokens, so each needs about 120
+    ("past_future", True, 3),  # exact 500 each, and 4 x 500 > 2,000 x 0.95
+])
+def test_policy_decides_how_much_one_worker_takes(redis_settings, rclient, keys, policy, ignore_eos, expected):
+    publish_load(rclient, keys, "w1", max_total=2000, requests=[], running_max=64)
+    finished_lengths(rclient, keys, [20] * 200)
+    router = make_router(redis_settings, rclient, admission=policy)
+    for i in range(10):
+        submit(rclient, keys, f"q{i}", 100, 400, ignore_eos=ignore_eos)
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == [f"q{i}" for i in range(expected)]
+    assert len(router.reservations.pending()["w1"]) == expected
+
+
+def test_history_is_read_from_redis_with_the_prior_filling_the_rest(redis_settings, rclient, keys):
+    finished_lengths(rclient, keys, [7, 8, 9])
+    router = make_router(redis_settings, rclient, history_window=10, history_prior=500)
+    router.step()
+    assert router.history.values == [7, 8, 9] + [500] * 5
+
+
+def test_published_requests_count_against_the_worker(redis_settings, rclient, keys):
+    finished_lengths(rclient, keys, [20] * 200)
+    # w1 runs one ignore_eos request that will grow to 1,600 tokens; w2 is empty but smaller
+    publish_load(rclient, keys, "w1", max_total=2000, requests=[(600, 0, 1000, 1)])
+    publish_load(rclient, keys, "w2", max_total=1000, requests=[])
+    router = make_router(redis_settings, rclient)
+    submit(rclient, keys, "q0", 300, 100, ignore_eos=True)  # 400 more: w1 would peak at 2,000 > 1,900
+    router.step()
+    assert inbox_ids(rclient, keys, "w2") == ["q0"]
+
+
+def test_stale_record_counts_as_full(redis_settings, rclient, keys):
+    publish_load(rclient, keys, "w1", requests=[], age_ms=60_000)
+    router = make_router(redis_settings, rclient, stale_load_s=5)
+    submit(rclient, keys, "q0")
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == []
+    publish_load(rclient, keys, "w1", requests=[])
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == ["q0"]

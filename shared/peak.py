@@ -1,0 +1,79 @@
+"""The peak KV-token use of a batch over all its future steps (LightLLM's formula).
+
+Each request is a pair (a, b): a = tokens it holds now, b = tokens it will
+still add. Assume every request adds one token per step and frees all of
+its tokens the step it finishes. After t steps request j holds a_j + t while
+t <= b_j and nothing after, so the use at time t is
+
+    U(t) = sum over {j : b_j >= t} of (a_j + t).
+
+Between two consecutive distinct b values the alive set is fixed and U(t)
+grows with t, so the maximum sits at some t = b_i (or at t = 0, which the
+t = b_n term covers: n * b_n >= 0). Sort by b descending; at t = b_i the
+alive set is the first i requests (ties: the last of a tied run sees them
+all, and the max over i picks it), each grown by b_i:
+
+    peak = max over i of ( a_1 + ... + a_i + i * b_i )
+
+Example: (a, b) = (10, 50), (20, 30), (40, 5), (5, 0), already sorted by b:
+
+    i | a_i  b_i | a_1..a_i | i * b_i | use at t = b_i
+    1 |  10   50 |     10   |    50   |   60   only the first is alive (10 + 50)
+    2 |  20   30 |     30   |    60   |   90   10+30 and 20+30: the peak
+    3 |  40    5 |     70   |    15   |   85
+    4 |   5    0 |     75   |     0   |   75   t = 0: what the batch holds now
+
+The peak (90) comes 30 steps ahead, when the third request has long left:
+summing a + b (conservative) would say 160. tests/shared/test_peak.py checks
+the formula against a step-by-step simulation of random batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+
+class ReqState(NamedTuple):
+    """What a worker publishes per running or waiting request.
+
+    ``held`` counts prompt + output so far: the tokens the request holds in
+    the pool once prefilled (a waiting request holds them after its prefill,
+    which comes before any future step, so the peak counts them already).
+    """
+
+    held: int
+    generated: int
+    max_new_tokens: int
+    ignore_eos: int  # 0 or 1: exact remaining length when set
+
+    @property
+    def conservative_need(self) -> int:
+        """prompt + max_new_tokens: the most it can ever hold."""
+        return self.held - self.generated + self.max_new_tokens
+
+
+def peak_tokens(pairs: Iterable[tuple[int, int]]) -> int:
+    """max over future steps of the tokens the batch holds; see the module doc."""
+    held = peak = 0
+    for i, (a, b) in enumerate(sorted(pairs, key=lambda p: -p[1]), 1):
+        held += a
+        peak = max(peak, held + i * b)
+    return peak
+
+
+def fits(pairs: Sequence[tuple[int, int]], candidate: tuple[int, int],
+         max_total_tokens: int, margin: float) -> bool:
+    """Whether the batch plus ``candidate`` peaks within the pool less a safety margin."""
+    return peak_tokens([*pairs, candidate]) <= max_total_tokens * (1 - margin)
+
+
+def num_draws(batch_size: int) -> int:
+    """Monte-Carlo draws for a batch (the paper's K): many for small batches,
+    where one unlucky draw matters most, one from 200 requests up."""
+    return min(5, 200 // max(batch_size, 1) + 1)
+
+
+def worst_peak(states: Sequence[ReqState], remaining: Callable[[ReqState], int], draws: int) -> int:
+    """The largest peak over ``draws`` independent estimates of every remaining length."""
+    return max(peak_tokens([(s.held, remaining(s)) for s in states]) for _ in range(max(draws, 1)))

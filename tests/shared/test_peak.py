@@ -1,0 +1,62 @@
+"""The peak formula against a step-by-step simulation; no torch, no Redis."""
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from shared.peak import ReqState, fits, num_draws, peak_tokens, worst_peak
+
+
+def simulated_peak(pairs):
+    """Step the batch: request j holds a_j + t while t <= b_j, then nothing."""
+    horizon = max((b for _, b in pairs), default=0)
+    return max((sum(a + t for a, b in pairs if b >= t) for t in range(horizon + 1)), default=0)
+
+
+def test_worked_example_from_the_module_doc():
+    pairs = [(10, 50), (20, 30), (40, 5), (5, 0)]
+    assert peak_tokens(pairs) == simulated_peak(pairs) == 90
+    assert sum(a + b for a, b in pairs) == 160  # what the conservative sum would reserve
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_formula_equals_step_by_step_simulation(seed):
+    rng = random.Random(seed)
+    n = rng.randint(0, 12)
+    hi = rng.choice([3, 20, 200])  # small ranges force ties in b
+    pairs = [(rng.randint(0, hi), rng.randint(0, hi)) for _ in range(n)]
+    assert peak_tokens(pairs) == simulated_peak(pairs)
+
+
+def test_order_of_the_input_does_not_matter():
+    pairs = [(5, 1), (1, 9), (7, 7), (3, 9)]
+    assert peak_tokens(pairs) == peak_tokens(list(reversed(pairs))) == simulated_peak(pairs)
+
+
+def test_fits_keeps_the_margin():
+    pairs = [(10, 50), (20, 30)]
+    # with (40, 5): peak = max(60, 30+60, 70+15) = 90
+    assert fits(pairs, (40, 5), 100, margin=0.1)
+    assert not fits(pairs, (40, 5), 100, margin=0.11)
+    assert fits([], (10, 10), 20, margin=0)
+
+
+def test_num_draws_follows_the_paper():
+    assert [num_draws(n) for n in (0, 1, 39, 40, 66, 67, 100, 199, 200, 1000)] == [5, 5, 5, 5, 4, 3, 3, 2, 2, 1]
+
+
+def test_worst_peak_takes_the_largest_draw():
+    states = [ReqState(10, 0, 100, 0), ReqState(10, 0, 100, 0)]
+    draws = iter([1, 1, 50, 50, 2, 2])  # three draws of two requests
+    assert worst_peak(states, lambda s: next(draws), 3) == 20 + 2 * 50
+
+
+def test_conservative_need_is_prompt_plus_max_new_tokens():
+    assert ReqState(held=30, generated=10, max_new_tokens=50, ignore_eos=0).conservative_need == 70
+
+
+def test_bookkeeping_imports_no_torch():
+    code = "import sys, shared.peak, shared.history; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,45 @@
+"""The worker's load record: what the router's admission check reads.
+
+Besides the pool totals it lists, for every running or waiting request, the
+``ReqState`` summary [prompt + output tokens, output tokens, max_new_tokens,
+ignore_eos] from which the router estimates each request's remaining
+length and the batch's peak (router/admission.py). A waiting request is
+listed with the tokens it will hold once prefilled: the peak counts them
+from the start. Runs on the heartbeat thread while the model loop changes
+the engine's lists, so it reads a copy and tolerates a request appearing in
+both lists for an instant (it is listed once).
+"""
+
+from __future__ import annotations
+
+from shared.peak import ReqState
+from shared.request_log import now_ms
+from shared.schemas import WorkerLoad
+from worker.request import Phase, Req
+
+
+def req_state(req: Req) -> ReqState:
+    params = req.msg.params
+    return ReqState(req.num_tokens, len(req.output_ids), params.max_new_tokens, int(params.ignore_eos))
+
+
+def request_states(reqs: list[Req]) -> list[tuple[int, int, int, int]]:
+    seen: set[int] = set()
+    states = []
+    for req in reqs:
+        if id(req) in seen or req.phase is Phase.FINISHED:
+            continue
+        seen.add(id(req))
+        states.append(tuple(req_state(req)))
+    return states
+
+
+def build_load(engine, worker_id: str, seq: int, last_inbox_id: str, draining: bool = False) -> WorkerLoad:
+    """``engine`` is a ``worker.engine.Engine`` (limits, snapshot(), requests())."""
+    snap = engine.snapshot()
+    return WorkerLoad(worker_id=worker_id, seq=seq, ts_ms=now_ms(),
+                      max_total_tokens=engine.limits.max_total_tokens, used_tokens=snap.used_tokens,
+                      committed_tokens=snap.committed_tokens, num_running=snap.num_running,
+                      num_waiting=snap.num_waiting, last_inbox_id=last_inbox_id, draining=draining,
+                      running_max_req_size=engine.limits.running_max_req_size,
+                      requests=request_states(engine.requests()))
