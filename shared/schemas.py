@@ -41,10 +41,22 @@ class SamplingParams(_Frozen):
     top_k: int = Field(-1, ge=-1)
     ignore_eos: bool = False
     seed: int | None = None
+    # Below: defaults are neutral, so a message without them means what it always did.
+    min_new_tokens: int = Field(0, ge=0, description="EOS is masked until this many tokens are out")
+    stop_sequences: tuple[str, ...] = Field((), description="texts that end the output, never emitted "
+                                                              "(the producer drops empty ones)")
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    min_p: float = Field(0.0, ge=0, le=1)
 
     @property
     def is_greedy(self) -> bool:
         return not self.do_sample or self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 class GenerateRequest(_Frozen):

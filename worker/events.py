@@ -4,14 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.schemas import FinishReason, RequestStatus
+from shared.schemas import FinishReason, GenerateRequest, RequestStatus
 
 
 @dataclass(frozen=True)
 class Started:
+    """A request was admitted; the publisher sets up its decoder and stop matcher."""
+
     request_id: str
     prompt_ids: list[int]
     resume_ids: list[int]
+    stop_sequences: tuple[str, ...] = ()
+    min_new_tokens: int = 0  # stop strings are not matched before this many tokens
+
+    @classmethod
+    def of(cls, msg: GenerateRequest) -> "Started":
+        return cls(msg.id, msg.prompt_ids, msg.resume_ids, msg.params.stop_sequences, msg.params.min_new_tokens)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,13 @@ the GPU). Per step it receives a batch of events, turns tokens into text
 incrementally, and writes everything in one pipeline: chunk stream, pub/sub,
 status hash; on a request's end the TTLs, the inbox ack and the output
 length history. Events of one request arrive in order, so chunks do too.
+
+Stop strings are matched here, on the text (``worker.stop``): a token whose
+text completes one becomes the request's last chunk (finish_reason "stop",
+text up to the stop string), and its id goes to ``take_stopped()`` so the
+serve loop frees it; tokens the engine generates after that are dropped.
+Every published token still gets its chunk (maybe with empty text while
+text is held back), so chunk indexes stay one per token.
 """
 
 from __future__ import annotations
@@ -12,19 +19,30 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 
 import redis
 
 from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP, Keys
 from shared.request_log import append_chunk, end_request, mark_ended, now_ms
-from shared.schemas import RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import FinishReason, RequestMeta, RequestStatus, TokenChunk
 from worker.detokenizer import IncrementalDecoder, resumed_decoder
 from worker.events import Ended, Event, Released, Started, Token
+from worker.stop import StopMatcher
 
 log = logging.getLogger("lightq.worker")
 
 OUTPUT_HISTORY_LEN = 1000
+
+
+@dataclass
+class _Output:
+    """One running request's text state on the publisher thread."""
+
+    decoder: IncrementalDecoder
+    matcher: StopMatcher
+    min_new_tokens: int = 0
 
 
 class Publisher:
@@ -34,7 +52,12 @@ class Publisher:
         self.ttl_s = settings.redis.request_ttl_s
         self.tokenizer = tokenizer
         self.worker_id = worker_id
-        self.decoders: dict[str, IncrementalDecoder] = {}
+        self.outputs: dict[str, _Output] = {}
+        # Requests a stop string finished while the engine still runs them: their later
+        # Token/Ended events are dropped until their Released event (the engine's last).
+        self.ended_by_stop: set[str] = set()
+        self._stopped: list[str] = []  # for the serve loop to free; guarded by _stopped_lock
+        self._stopped_lock = threading.Lock()
         self.inbox: queue.Queue[list[Event] | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
@@ -44,6 +67,16 @@ class Publisher:
     def put(self, events: list[Event]) -> None:
         if events:
             self.inbox.put(events)
+
+    def take_stopped(self) -> list[str]:
+        """Ids of requests a stop string ended since the last call (thread-safe).
+
+        The serve loop frees each one's slots (the engine does not know it ended);
+        whatever the engine emits for it meanwhile is dropped here.
+        """
+        with self._stopped_lock:
+            stopped, self._stopped = self._stopped, []
+        return stopped
 
     def close(self) -> None:
         """Publish everything queued, then stop."""
@@ -63,35 +96,71 @@ class Publisher:
             if isinstance(event, Started):
                 self._started(pipe, event)
             elif isinstance(event, Token):
-                self._token(pipe, event)
+                if event.request_id not in self.ended_by_stop:
+                    self._token(pipe, event)
             elif isinstance(event, Ended):
-                self.decoders.pop(event.request_id, None)
-                end_request(pipe, self.keys, event.request_id, status=event.status, reason=event.reason,
-                            num_output=event.num_output, ttl_s=self.ttl_s, error=event.error)
+                self.outputs.pop(event.request_id, None)
+                if event.request_id not in self.ended_by_stop:
+                    end_request(pipe, self.keys, event.request_id, status=event.status, reason=event.reason,
+                                num_output=event.num_output, ttl_s=self.ttl_s, error=event.error)
             elif isinstance(event, Released):
+                self.ended_by_stop.discard(event.request_id)
                 pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, event.inbox_id)
                 pipe.xdel(self.keys.inbox(self.worker_id), event.inbox_id)
         pipe.execute()
 
     def _started(self, pipe, event: Started) -> None:
-        self.decoders[event.request_id] = resumed_decoder(self.tokenizer, event.prompt_ids, event.resume_ids)
+        matcher = StopMatcher(event.stop_sequences)
+        if matcher and event.resume_ids:
+            decoder = self._replay(event, matcher)
+        else:
+            decoder = resumed_decoder(self.tokenizer, event.prompt_ids, event.resume_ids)
+        self.outputs[event.request_id] = _Output(decoder, matcher, event.min_new_tokens)
         pipe.hset(self.keys.meta(event.request_id), mapping=RequestMeta.fields(
             status=RequestStatus.RUNNING, started_ms=now_ms(), worker=self.worker_id))
 
+    def _replay(self, event: Started, matcher: StopMatcher) -> IncrementalDecoder:
+        """Rebuild what the earlier attempt held back: same tokens, same pieces, same state.
+
+        (Its emitted text is discarded; the client has it. A stop it had completed
+        would have ended the request, so none completes here.)
+        """
+        decoder = IncrementalDecoder(self.tokenizer, event.prompt_ids)
+        for index, token_id in enumerate(event.resume_ids):
+            matcher.push(decoder.push(token_id), armed=index + 1 >= event.min_new_tokens)
+        return decoder
+
     def _token(self, pipe, event: Token) -> None:
-        decoder = self.decoders[event.request_id]
-        text = decoder.push(event.token_id)
-        finished = event.finish_reason is not None
-        if finished:
-            text += decoder.flush()
-            del self.decoders[event.request_id]
+        output = self.outputs[event.request_id]
+        text = output.decoder.push(event.token_id)
+        reason = event.finish_reason
+        if reason is not None:
+            text += output.decoder.flush()
+        stopped_here = False
+        if output.matcher:
+            text, hit = output.matcher.push(text, armed=event.index + 1 >= output.min_new_tokens)
+            if hit:
+                stopped_here = reason is None  # the engine still runs it: it must be told
+                reason = "stop"
+            elif reason is not None:
+                text += output.matcher.flush()
+        self._write_token(pipe, event, text, reason)
+        if reason is not None:
+            del self.outputs[event.request_id]
+        if stopped_here:
+            self.ended_by_stop.add(event.request_id)
+            with self._stopped_lock:
+                self._stopped.append(event.request_id)
+
+    def _write_token(self, pipe, event: Token, text: str, reason: FinishReason | None) -> None:
+        finished = reason is not None
         append_chunk(pipe, self.keys, TokenChunk(
             request_id=event.request_id, index=event.index, token_id=event.token_id, text=text,
-            logprob=event.logprob, finished=finished, finish_reason=event.finish_reason))
+            logprob=event.logprob, finished=finished, finish_reason=reason))
         num_output = event.index + 1
         if finished:
             mark_ended(pipe, self.keys, event.request_id, status=RequestStatus.FINISHED,
-                       reason=event.finish_reason, num_output=num_output, ttl_s=self.ttl_s)
+                       reason=reason, num_output=num_output, ttl_s=self.ttl_s)
             pipe.lpush(self.keys.output_lengths(), num_output)
             pipe.ltrim(self.keys.output_lengths(), 0, OUTPUT_HISTORY_LEN - 1)
         else:

@@ -1,16 +1,30 @@
-"""Batched sampling on the model's device: greedy, temperature, top-k, top-p.
+"""Batched sampling on the model's device: penalties, greedy, temperature,
+top-k, top-p, min-p, and per-request seeds.
 
 All rows are handled in one pass; the chosen ids and their log-probabilities
 come back to the host in a single copy per step.
+
+Sampling is an exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per
+token draws from ``p`` without a host sync. A seeded request's noise is a
+counter-based hash of (seed, output index, token id), so it depends on
+nothing else: the same seed and parameters give the same tokens whatever
+else is in the batch, on any device, and a request resumed on another
+worker continues the same random stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from shared.schemas import SamplingParams
+from worker.penalties import PenaltyBatch, TokenCounts
+
+M32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+MIN_NOISE = 1e-20  # torch's exponential_ can return 0, which would turn p = 0 into 0/0
 
 
 @dataclass(frozen=True)
@@ -18,30 +32,66 @@ class SamplingBatch:
     greedy: torch.Tensor       # [B] bool
     temperature: torch.Tensor  # [B] fp32
     top_p: torch.Tensor        # [B] fp32
+    min_p: torch.Tensor        # [B] fp32
     top_k: torch.Tensor        # [B] int64, vocab size when disabled
     all_greedy: bool
+    seeded: torch.Tensor | None = None     # [S] int64: batch rows with a seed (sampling ones)
+    seed_keys: torch.Tensor | None = None  # [S] int64: 32-bit key of (seed, output index)
+    penalties: PenaltyBatch | None = None  # None: no row has penalties or min_new_tokens pending
+    rows: torch.Tensor | None = None       # [B] int64 request-table rows (for TokenCounts.add)
 
     @classmethod
-    def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> "SamplingBatch":
+    def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device,
+              rows: Sequence[int] | None = None, output_lens: Sequence[int] | None = None) -> "SamplingBatch":
+        """``rows``: the requests' table rows (needed for penalties and counting);
+        ``output_lens``: tokens each already generated (the index being sampled)."""
         greedy = [p.is_greedy for p in params]
+        output_lens = list(output_lens) if output_lens is not None else [0] * len(params)
+        floats = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                               [p.top_p for p in params], [p.min_p for p in params], [float(g) for g in greedy]],
+                              dtype=torch.float32).to(device, non_blocking=True)
+        seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
+        row_ids = _device_ints(rows, device) if rows is not None else None
+        penalties = None
+        if row_ids is not None:
+            penalties = PenaltyBatch.build(params, row_ids, output_lens, device)
+        elif any(p.has_penalties or p.min_new_tokens for p in params):
+            raise ValueError("penalties and min_new_tokens need the requests' table rows")
         return cls(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                     dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            greedy=floats[3] > 0, temperature=floats[0], top_p=floats[1], min_p=floats[2],
             top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
-                               dtype=torch.int64, device=device),
+                               dtype=torch.int64).to(device, non_blocking=True),
             all_greedy=all(greedy),
+            seeded=_device_ints(seeded, device) if seeded else None,
+            seed_keys=_device_ints([seed_key(params[i].seed, output_lens[i]) for i in seeded], device)
+            if seeded else None,
+            penalties=penalties,
+            rows=row_ids,
         )
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[float]]:
-    """logits: [B, V] fp32 -> (token ids, log-probabilities under the tempered distribution)."""
+def _device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64).to(device, non_blocking=True)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           counts: TokenCounts | None = None) -> tuple[list[int], list[float]]:
+    """logits: [B, V] fp32 -> (token ids, log-probabilities under the penalised, tempered distribution).
+
+    With ``counts`` (and ``batch.rows``), the sampled tokens are counted for
+    the next step's penalties; ``logits`` itself is never modified.
+    """
+    if batch.penalties is not None:
+        if counts is None:
+            raise ValueError("this batch has penalties: pass the TokenCounts")
+        logits = counts.apply(logits, batch.penalties)
     scaled = logits / batch.temperature[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
     ids = logits.argmax(dim=-1)
     if not batch.all_greedy:
         ids = torch.where(batch.greedy, ids, _sample_filtered(scaled, batch))
+    if counts is not None and batch.rows is not None:
+        counts.add(batch.rows, ids)
     chosen = logprobs.gather(1, ids[:, None])[:, 0]
     host = torch.stack([ids.to(torch.float64), chosen.to(torch.float64)]).cpu()  # the one copy
     return [int(i) for i in host[0].tolist()], host[1].tolist()
@@ -55,6 +105,49 @@ def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(mass_before >= batch.top_p[:, None], 0.0)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p without a host sync.
-    race = probs / torch.empty_like(probs).exponential_(1.0)
+    # min_p: drop tokens below min_p x the most likely one (which always stays). The
+    # ratio does not change under renormalisation, so the order of the filters is free.
+    probs = probs.masked_fill(probs < batch.min_p[:, None] * probs[:, :1], 0.0)
+    noise = torch.empty_like(probs).exponential_(1.0).clamp_min_(MIN_NOISE)
+    if batch.seeded is not None:
+        # Noise is keyed by token id, so it is gathered into this row's sorted order.
+        keyed = seeded_noise(batch.seed_keys, scaled.shape[-1])
+        noise[batch.seeded] = keyed.gather(1, order[batch.seeded])
+    race = probs / noise
     return order.gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
+
+
+# ---- counter-based noise: lowbias32 (C. Wellons), a bijection on 32-bit values ----
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for x in [0, 2**32) without int64 overflow (tensors or ints)."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & M32
+
+
+def hash32(x):
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int, output_index: int) -> int:
+    """The 32-bit key of one sampling step of a seeded request (any int seed)."""
+    seed &= (1 << 64) - 1
+    key = hash32(hash32(seed & M32) ^ (seed >> 32))
+    return hash32(key ^ hash32((output_index * GOLDEN) & M32))
+
+
+def seeded_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S, V] fp32 Exp(1) noise, entry (s, t) a function of (keys[s], t) only.
+
+    ``key + t * GOLDEN`` is distinct for distinct t (GOLDEN is odd) and hash32
+    is a bijection, so no two tokens of a row share a value; 24 bits of it
+    make u in (0, 1) exactly representable in fp32, never 0 or 1.
+    """
+    tokens = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)[None, :]
+    x = (keys[:, None] + tokens * GOLDEN) & M32
+    bits = hash32(hash32(x)) >> 8
+    u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)

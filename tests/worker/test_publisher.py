@@ -1,0 +1,121 @@
+"""The publisher against a real Redis: stop strings on the text, held text,
+requests a stop ended while the engine still ran them, resumed requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared import codec
+from shared.config import WorkerSettings
+from shared.keys import WORKER_GROUP
+from shared.model_files import load_tokenizer, resolve
+from shared.redis import ensure_group, sync_client
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
+from worker.events import Ended, Released, Started, Token
+from worker.publisher import Publisher
+
+TEXT = " The answer is 42. Done here."
+RID = "r" * 32
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve("default"))
+
+
+@pytest.fixture
+def client(redis_settings):
+    client = sync_client(redis_settings)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def publisher(redis_settings, client, tokenizer):
+    return Publisher(WorkerSettings(redis=redis_settings), client, tokenizer, "w1")
+
+
+@pytest.fixture
+def ids(tokenizer) -> list[int]:
+    ids = tokenizer.encode(TEXT)
+    assert [tokenizer.decode([i]) for i in ids][3:7] == [" ", "4", "2", "."]  # "42." spans three tokens
+    return ids
+
+
+def chunks(client, keys, request_id=RID) -> list[TokenChunk]:
+    return [codec.from_entry(TokenChunk, fields) for _, fields in client.xrange(keys.chunks(request_id))]
+
+
+def tokens(ids, start=0, stop=None, last_reason=None) -> list[Token]:
+    stop = len(ids) if stop is None else stop
+    return [Token(RID, i, ids[i], -0.5, last_reason if i == stop - 1 else None) for i in range(start, stop)]
+
+
+def started(stops=(), resume_ids=(), min_new_tokens=0) -> Started:
+    return Started(RID, [1, 2, 3], list(resume_ids), tuple(stops), min_new_tokens)
+
+
+def test_a_stop_split_across_tokens_ends_the_request(publisher, client, keys, ids):
+    ensure_group(client, keys.inbox("w1"), WORKER_GROUP)
+    inbox_id = client.xadd(keys.inbox("w1"), {"msg": "x"})
+    client.xreadgroup(WORKER_GROUP, "w1", {keys.inbox("w1"): ">"})
+    publisher.publish([started(["42."]), *tokens(ids, 0, 5)])
+    assert "".join(c.text for c in chunks(client, keys)) == " The answer is "  # "4" is held back
+    publisher.publish(tokens(ids, 5, 7))  # "2", "." complete the stop string
+    assert publisher.take_stopped() == [RID] and publisher.take_stopped() == []
+    # The engine runs the request a step or two more, then frees it (as a cancel).
+    publisher.publish([*tokens(ids, 7, 9), Ended(RID, RequestStatus.CANCELLED, "cancelled", 9),
+                       Released(RID, inbox_id)])
+    out = chunks(client, keys)
+    assert [c.index for c in out] == list(range(7))
+    assert "".join(c.text for c in out) == " The answer is "
+    assert out[-1].finished and out[-1].finish_reason == "stop" and out[-1].token_id == ids[6]
+    assert not any(c.finished for c in out[:-1])
+    meta = RequestMeta.from_hash(client.hgetall(keys.meta(RID)))
+    assert meta.status is RequestStatus.FINISHED and meta.finish_reason == "stop" and meta.output_tokens == 7
+    assert client.lrange(keys.output_lengths(), 0, -1) == ["7"]
+    assert client.xlen(keys.inbox("w1")) == 0 and client.xpending(keys.inbox("w1"), WORKER_GROUP)["pending"] == 0
+    assert publisher.ended_by_stop == set() and publisher.outputs == {}
+
+
+def test_held_text_is_released_when_the_output_ends_otherwise(publisher, client, keys, ids):
+    publisher.publish([started(["Done!", "42!"]), *tokens(ids, last_reason="length")])
+    out = chunks(client, keys)
+    assert "".join(c.text for c in out) == TEXT
+    assert [c.text for c in out[4:7]] == ["", "", "42."]  # held while it could become "42!"
+    assert out[-1].finish_reason == "length" and publisher.take_stopped() == []
+
+
+def test_a_stop_on_the_engines_last_token_needs_no_freeing(publisher, client, keys, ids):
+    publisher.publish([started(["."]), *tokens(ids, 0, 7, last_reason="length"), Released(RID, "1-0")])
+    out = chunks(client, keys)
+    assert out[-1].finish_reason == "stop" and "".join(c.text for c in out) == " The answer is 42"
+    assert publisher.take_stopped() == [] and publisher.ended_by_stop == set()
+
+
+def test_stops_wait_for_min_new_tokens(publisher, client, keys, ids):
+    publisher.publish([started([" The", "."], min_new_tokens=2), *tokens(ids, 0, 8)])
+    out = chunks(client, keys)
+    assert out[0].text == " The" and len(out) == 7 and out[-1].finish_reason == "stop"
+
+
+def test_a_resumed_request_gets_back_its_held_text(publisher, client, keys, ids):
+    # An earlier attempt emitted tokens 0-4 and held "4" (it could start "4x").
+    publisher.publish([started(["4x"], resume_ids=ids[:5]), *tokens(ids, 5, 7)])
+    assert [c.text for c in chunks(client, keys)] == ["42", "."]
+
+
+def test_the_thread_publishes_in_order_and_reports_stops(publisher, client, keys, ids):
+    publisher.start()
+    publisher.put([started(["answer"])])
+    for token in tokens(ids, 0, 4):
+        publisher.put([token])
+    publisher.close()
+    assert publisher.take_stopped() == [RID]
+    assert [c.text for c in chunks(client, keys)] == [" The", " "]
+
+
+def test_started_of_carries_the_stop_parameters():
+    msg = GenerateRequest(id=RID, prompt_ids=[1], params=SamplingParams(stop_sequences=("x",), min_new_tokens=3,
+                                                                        max_new_tokens=8), created_ms=0)
+    assert Started.of(msg) == Started(RID, [1], [], ("x",), 3)
