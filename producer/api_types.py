@@ -15,7 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFu
                       field_validator)
 from pydantic_core import PydanticCustomError
 
-from shared.schemas import FinishReason, RequestStatus, SamplingParams
+from shared.schemas import FinishReason, RequestStatus
 
 
 class _Request(BaseModel):
@@ -23,15 +23,29 @@ class _Request(BaseModel):
 
 
 class GenerateParameters(_Request):
-    """LightLLM's ``parameters`` object; keys lightq does not implement are ignored."""
+    """LightLLM's ``parameters`` object; keys lightq does not implement are ignored.
+
+    Ranges are LightLLM's (``SamplingParams.verify``); ``min_p`` is an extra
+    (vLLM, SGLang). Cross-field rules live in ``producer.params``.
+    """
 
     max_new_tokens: int | None = Field(None, ge=1)
+    min_new_tokens: int | None = Field(None, ge=1, description="EOS cannot end the output before this")
     do_sample: bool = False
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
+    min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
     seed: int | None = Field(None, description="-1 or null: unseeded")
+    presence_penalty: float = Field(0.0, ge=0)
+    frequency_penalty: float = Field(0.0, ge=0)
+    repetition_penalty: float = Field(1.0, ge=1)
+    stop_sequences: str | list[str | list[int]] | None = Field(
+        None, description="a string, or a list of strings and token-id lists (at most 10)")
+    best_of: int | None = None
+    n: int | None = None
+    return_details: bool = Field(False, description="/generate: per-token id, text, logprob under 'tokens'")
 
     @field_validator("top_k")
     @classmethod
@@ -39,17 +53,6 @@ class GenerateParameters(_Request):
         if value != -1 and value < 1:
             raise PydanticCustomError("top_k_range", "must be -1 (disabled) or >= 1")
         return value
-
-    def sampling(self, default_max_new_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens or default_max_new_tokens,
-            do_sample=self.do_sample,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            ignore_eos=self.ignore_eos,
-            seed=None if self.seed in (None, -1) else self.seed,
-        )
 
 
 class GenerateBody(_Request):
@@ -92,6 +95,12 @@ BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {
     "schema": _inline_schema(GenerateBody)}}}}
 
 
+class TokenDetail(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+
+
 class GenerateResult(BaseModel):
     """``/generate``'s answer: LightLLM's n=1 shape (list text, scalar siblings)."""
 
@@ -99,14 +108,17 @@ class GenerateResult(BaseModel):
     count_output_tokens: int
     finish_reason: FinishReason | None
     prompt_tokens: int
+    tokens: list[TokenDetail] | None = Field(None, description="with return_details only")
     error: str | None = Field(None, description="set only when the request did not end normally")
 
 
 def dump_without_empty_error(model: BaseModel) -> str:
-    """JSON of a native-route body; LightLLM has no ``error`` key, so it appears only when set."""
+    """JSON of a native-route body; LightLLM has no ``error`` key (nor ``tokens`` without
+    return_details), so they appear only when set."""
     data = model.model_dump(mode="json")
-    if data.get("error") is None:
-        data.pop("error", None)
+    for key in ("error", "tokens"):
+        if data.get(key) is None:
+            data.pop(key, None)
     return json.dumps(data, ensure_ascii=False)
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
 
-from producer import routes_native, routes_requests
+from producer import routes_native, routes_openai, routes_requests
 from producer.deps import Services
 from producer.errors import install_handlers
 from producer.metrics import ProducerMetrics
@@ -17,6 +18,14 @@ from shared.config import ProducerSettings
 from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve
 from shared.redis import async_client
+
+
+def served_model_id(model_dir: str) -> str:
+    """The model's name as OpenAI clients see it: the file or folder name of its source."""
+    try:
+        return resolve(model_dir).name
+    except FileNotFoundError:  # the worker is the one that needs the files
+        return os.path.basename(model_dir.removeprefix("dummy:").rstrip("/")).removesuffix(".gguf") or model_dir
 
 
 def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
@@ -29,7 +38,8 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
             tok = await asyncio.to_thread(load_tokenizer, resolve(settings.model.model_dir))
         redis = async_client(settings.redis)
         app.state.services = Services(settings=settings, keys=Keys(settings.redis.key_prefix),
-                                      redis=redis, tokenizer=tok, metrics=app.state.metrics)
+                                      redis=redis, tokenizer=tok, metrics=app.state.metrics,
+                                      model_id=served_model_id(settings.model.model_dir))
         try:
             yield
         finally:
@@ -40,4 +50,5 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
     install_handlers(app)
     app.include_router(routes_native.router)
     app.include_router(routes_requests.router)
+    app.include_router(routes_openai.router)
     return app

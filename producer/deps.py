@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import redis.asyncio as aioredis
 from fastapi import Depends, Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from producer.api_types import GenerateBody
 from producer.errors import bad_request, from_validation, not_found
@@ -16,6 +16,7 @@ from producer.metrics import ProducerMetrics
 from shared.config import ProducerSettings
 from shared.keys import Keys
 
+Body = TypeVar("Body", bound=BaseModel)
 REQUEST_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex; anything else cannot exist
 
 
@@ -28,21 +29,26 @@ class Services:
     redis: aioredis.Redis
     tokenizer: Any
     metrics: ProducerMetrics
+    model_id: str = "default"  # the served model's name on the OpenAI routes
 
 
 def get_services(request: Request) -> Services:
     return request.app.state.services
 
 
-async def parse_generate_body(request: Request) -> GenerateBody:
+async def parse_body(request: Request, model: type[Body]) -> Body:
     """The JSON body, whatever its Content-Type (LightLLM reads it the same way)."""
     raw = await request.body()
     if not raw.strip():
         raise bad_request("request body is empty", code="empty_body", reason="invalid_json")
     try:
-        return GenerateBody.model_validate_json(raw)
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         raise from_validation(exc.errors(include_url=False)) from None
+
+
+async def parse_generate_body(request: Request) -> GenerateBody:
+    return await parse_body(request, GenerateBody)
 
 
 def valid_request_id(request_id: str) -> str:

@@ -46,10 +46,15 @@ def from_validation(errors: list[dict], *, reason: str = "invalid_request") -> A
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", first.get("msg", ""))
         return bad_request(f"request body is not valid JSON: {detail}", code="json_invalid", reason="invalid_json")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
     param = ".".join(loc) or None
     message = f"{param or 'request body'}: {first.get('msg')}"
     return bad_request(message, param=param, code=first.get("type"), reason=reason)
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the member of a union it tried (``stop.str``, ``prompt.list[int]``): not a field."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"})
 
 
 def error_response(status: int, detail: ErrorDetail) -> JSONResponse:

@@ -14,12 +14,11 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
-from producer import store
-from producer.api_types import BODY_DOC, GenerateResult, dump_without_empty_error
+from producer.api_types import BODY_DOC, GenerateResult, TokenDetail, dump_without_empty_error
 from producer.deps import GenerateBodyDep, Services, ServicesDep
 from producer.errors import ApiError
-from producer.streaming import ChunkFollower, EventStream, native_event, shielded, sse
-from producer.submit import submit
+from producer.streaming import ChunkFollower, EventStream, collect, native_event, sse
+from producer.submit import abandon, submit
 from shared.schemas import TokenChunk
 
 router = APIRouter()
@@ -30,31 +29,20 @@ def _follower(services: Services, request_id: str) -> ChunkFollower:
     return ChunkFollower(services.redis, services.keys, request_id, services.settings.stream_block_ms)
 
 
-async def _abandon(services: Services, request_id: str) -> None:
-    await store.request_cancel(services.redis, services.keys, request_id, services.settings.redis.request_ttl_s)
-    services.metrics.disconnects.inc()
-
-
 @router.post("/generate", response_model=GenerateResult, openapi_extra=BODY_DOC)
 async def generate(request: Request, body: GenerateBodyDep, services: ServicesDep) -> Response:
     queued = await submit(body, "generate", services)
-    follower = _follower(services, queued.id)
-    chunks: list[TokenChunk] = []
-    try:
-        async for _, chunk in follower.follow(request.is_disconnected):
-            chunks.append(chunk)
-    finally:
-        if not follower.finished:
-            await shielded(functools.partial(_abandon, services, queued.id))
-    if not follower.finished:
+    chunks = await collect(_follower(services, queued.id), request.is_disconnected,
+                           functools.partial(abandon, services, queued.id))
+    if chunks is None:
         return Response(status_code=499)  # nobody is listening any more
-    result = generate_result(chunks, queued.num_prompt_tokens)
+    result = generate_result(chunks, queued.num_prompt_tokens, body.params.return_details)
     if result.finish_reason == "error":
         raise ApiError(500, result.error or "generation failed", code="generation_failed", kind="server_error")
     return Response(dump_without_empty_error(result), media_type="application/json")
 
 
-def generate_result(chunks: list[TokenChunk], prompt_tokens: int) -> GenerateResult:
+def generate_result(chunks: list[TokenChunk], prompt_tokens: int, details: bool = False) -> GenerateResult:
     tokens = [chunk for chunk in chunks if chunk.token_id is not None]
     last = chunks[-1]
     return GenerateResult(
@@ -62,6 +50,7 @@ def generate_result(chunks: list[TokenChunk], prompt_tokens: int) -> GenerateRes
         count_output_tokens=len(tokens),
         finish_reason=last.finish_reason,
         prompt_tokens=prompt_tokens,
+        tokens=[TokenDetail(id=c.token_id, text=c.text, logprob=c.logprob) for c in tokens] if details else None,
         error=last.error,
     )
 
@@ -73,7 +62,7 @@ async def generate_stream(request: Request, body: GenerateBodyDep, services: Ser
         _follower(services, queued.id),
         lambda _entry_id, chunk: native_event(chunk, queued.num_prompt_tokens),
         disconnected=request.is_disconnected,
-        on_abandon=functools.partial(_abandon, services, queued.id),
+        on_abandon=functools.partial(abandon, services, queued.id),
     )
     return EventStream(events)
 

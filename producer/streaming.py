@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import redis.asyncio as aioredis
@@ -132,6 +132,42 @@ async def sse(follower: ChunkFollower, render: Callable[[str | None, TokenChunk]
             yield render(entry_id, chunk)
     finally:
         if on_abandon is not None and not follower.finished:
+            await shielded(on_abandon)
+
+
+async def collect(follower: ChunkFollower, disconnected: Check,
+                  on_abandon: Callable[[], Awaitable[Any]]) -> list[TokenChunk] | None:
+    """Every chunk up to the finished one; None (after ``on_abandon``) if the client left first."""
+    chunks: list[TokenChunk] = []
+    try:
+        async for _, chunk in follower.follow(disconnected):
+            chunks.append(chunk)
+    finally:
+        if not follower.finished:
+            await shielded(on_abandon)
+    return chunks if follower.finished else None
+
+
+class Renderer(Protocol):
+    def start(self) -> list[str]: ...
+    def chunk(self, chunk: TokenChunk) -> list[str]: ...
+    def end(self) -> list[str]: ...
+
+
+async def rendered(follower: ChunkFollower, renderer: Renderer, disconnected: Check,
+                   on_abandon: Callable[[], Awaitable[Any]]) -> AsyncIterator[str]:
+    """Like ``sse`` for renderers that frame the stream (an opening event, a closing ``[DONE]``)."""
+    try:
+        for event in renderer.start():
+            yield event
+        async for _, chunk in follower.follow(disconnected):
+            for event in renderer.chunk(chunk):
+                yield event
+        if follower.finished:
+            for event in renderer.end():
+                yield event
+    finally:
+        if not follower.finished:
             await shielded(on_abandon)
 
 

@@ -11,28 +11,29 @@ from producer import store
 from producer.api_types import GenerateBody
 from producer.deps import Services
 from producer.errors import bad_request
+from producer.params import native_sampling
 from shared.config import ProducerSettings
-from shared.schemas import GenerateRequest
+from shared.schemas import GenerateRequest, SamplingParams
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-async def prompt_ids(inputs: str | list[int], tokenizer: Any) -> list[int]:
+async def prompt_ids(inputs: str | list[int], tokenizer: Any, param: str = "inputs") -> list[int]:
     """Token ids of the prompt; text is encoded off the event loop."""
     if not inputs:
-        raise bad_request("inputs is empty", param="inputs", code="empty_input", reason="empty_input")
+        raise bad_request(f"{param} is empty", param=param, code="empty_input", reason="empty_input")
     if isinstance(inputs, str):
         ids = list(await asyncio.to_thread(tokenizer.encode, inputs))
         if not ids:
-            raise bad_request("inputs encodes to no tokens", param="inputs", code="empty_input", reason="empty_input")
+            raise bad_request(f"{param} encodes to no tokens", param=param, code="empty_input", reason="empty_input")
         return ids
     vocab_size = len(tokenizer)
     bad = next((token for token in inputs if not 0 <= token < vocab_size), None)
     if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
-                          param="inputs", code="invalid_token_id", reason="invalid_token_id")
+        raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                          param=param, code="invalid_token_id", reason="invalid_token_id")
     return list(inputs)
 
 
@@ -46,17 +47,31 @@ def check_length(num_prompt_tokens: int, max_new_tokens: int, max_req_total_len:
         )
 
 
-async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings) -> GenerateRequest:
-    params = body.params.sampling(settings.default_max_new_tokens)
-    ids = await prompt_ids(body.inputs, tokenizer)
-    check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)
+def new_request(ids: list[int], params: SamplingParams) -> GenerateRequest:
     return GenerateRequest(id=uuid.uuid4().hex, prompt_ids=ids, params=params, created_ms=now_ms())
 
 
-async def submit(body: GenerateBody, route: str, services: Services) -> GenerateRequest:
-    """Validate and enqueue; raises ApiError (400) before anything is written."""
-    request = await prepare(body, services.tokenizer, services.settings)
+async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings) -> GenerateRequest:
+    params = native_sampling(body.params, settings.default_max_new_tokens, tokenizer)
+    ids = await prompt_ids(body.inputs, tokenizer)
+    check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)
+    return new_request(ids, params)
+
+
+async def enqueue(request: GenerateRequest, route: str, services: Services) -> GenerateRequest:
+    """Write the request (status hash + ingress entry) and count it."""
     await store.enqueue(services.redis, services.keys, request, services.settings.redis.request_ttl_s)
     services.metrics.accepted.labels(route=route).inc()
     services.metrics.prompt_tokens.inc(request.num_prompt_tokens)
     return request
+
+
+async def submit(body: GenerateBody, route: str, services: Services) -> GenerateRequest:
+    """Validate and enqueue; raises ApiError (400) before anything is written."""
+    return await enqueue(await prepare(body, services.tokenizer, services.settings), route, services)
+
+
+async def abandon(services: Services, request_id: str) -> None:
+    """The client left before the end: cancel the request wherever it is."""
+    await store.request_cancel(services.redis, services.keys, request_id, services.settings.redis.request_ttl_s)
+    services.metrics.disconnects.inc()

@@ -11,7 +11,7 @@ from shared.config import ModelSettings, ProducerSettings
 from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve
 from shared.redis import async_client
-from tests.producer.fake_worker import FakeWorker
+from tests.producer.fake_worker import FakeWorker, serving
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +48,18 @@ async def aredis(redis_settings):
 @pytest.fixture
 def worker(aredis, redis_settings) -> FakeWorker:
     return FakeWorker(aredis, Keys(redis_settings.key_prefix))
+
+
+@pytest.fixture
+async def server_url(settings, tokenizer):
+    async with serving(settings, tokenizer) as url:
+        yield url
+
+
+@pytest.fixture
+async def oai(server_url):
+    """The official client, pointed at the producer (only the base URL changes)."""
+    openai = pytest.importorskip("openai")
+    async with openai.AsyncOpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0,
+                                  timeout=30) as client:
+        yield client

@@ -5,18 +5,44 @@ stream, write chunks (durable stream + pub/sub) and status like a worker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
+import uvicorn
 
+from producer.app import create_app
 from shared import codec
+from shared.embedded_redis import free_port
 from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import ensure_group_async
 from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 
 
+Reply = Callable[[GenerateRequest], tuple[list[str], FinishReason]]
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+@contextlib.asynccontextmanager
+async def serving(settings, tokenizer) -> AsyncIterator[str]:
+    """A real uvicorn server of the producer app (real sockets: disconnects, the openai client)."""
+    port = free_port()
+    config = uvicorn.Config(create_app(settings, tokenizer=tokenizer), host="127.0.0.1", port=port,
+                            log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
 
 
 class FakeWorker:
@@ -84,3 +110,26 @@ class FakeWorker:
                 return True
             await asyncio.sleep(0.02)
         return False
+
+    async def serve(self, reply: Reply, seen: list[GenerateRequest]) -> None:
+        """Answer every request with ``reply(request)`` (texts, finish reason) until cancelled."""
+        while True:
+            try:
+                request = await self.take(timeout_s=1.0)
+            except TimeoutError:
+                continue
+            seen.append(request)
+            texts, reason = reply(request)
+            await self.generate(request, texts, finish_reason=reason)
+
+    @contextlib.asynccontextmanager
+    async def answering(self, reply: Reply) -> AsyncIterator[list[GenerateRequest]]:
+        """Run ``serve`` in the background; yields the list of requests it took."""
+        seen: list[GenerateRequest] = []
+        task = asyncio.create_task(self.serve(reply, seen))
+        try:
+            yield seen
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

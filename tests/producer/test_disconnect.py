@@ -4,33 +4,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import httpx
 import pytest
-import uvicorn
 
 from producer import main as producer_main
-from producer.app import create_app
-from shared.embedded_redis import free_port
 from shared.schemas import RequestStatus
-
-
-@contextlib.asynccontextmanager
-async def serving(settings, tokenizer):
-    port = free_port()
-    config = uvicorn.Config(create_app(settings, tokenizer=tokenizer), host="127.0.0.1", port=port,
-                            log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "uvicorn did not start"
-        await asyncio.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+from tests.producer.fake_worker import serving
 
 
 async def test_stream_disconnect_cancels(settings, tokenizer, worker):

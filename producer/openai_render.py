@@ -1,0 +1,156 @@
+"""Token chunks as OpenAI answers: whole responses, and SSE chunks ending in ``[DONE]``.
+
+Chunk text is already incremental and stop strings are already cut by the
+worker, so a choice's text is the concatenation of its chunks' texts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from producer.errors import ApiError
+from producer.openai_types import (ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatMessageOut,
+                                   ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
+                                   Usage)
+from shared.schemas import TokenChunk
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # "abort": vLLM's name
+NO_LOGPROB = -9999.0  # what OpenAI reports for a log-probability too small to show
+
+
+@dataclass(frozen=True)
+class Call:
+    """One OpenAI request as the renderers need it."""
+
+    kind: Literal["completion", "chat"]
+    id: str
+    created: int
+    model: str
+    prompt_tokens: int
+    logprobs: bool
+    include_usage: bool = False
+    echo: str = ""  # completions: the prompt text, when echo is set
+
+
+def _logprob(value: float | None) -> float:
+    return value if value is not None and math.isfinite(value) else NO_LOGPROB
+
+
+def _token_str(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _usage(call: Call, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=call.prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=call.prompt_tokens + completion_tokens)
+
+
+def _raise_if_failed(last: TokenChunk) -> None:
+    if last.finish_reason == "error":
+        raise ApiError(500, last.error or "generation failed", code="generation_failed", kind="server_error")
+
+
+def response(call: Call, chunks: list[TokenChunk], tokenizer: Any) -> CompletionResponse | ChatCompletionResponse:
+    """The non-streaming answer (one choice) from all of a request's chunks."""
+    _raise_if_failed(chunks[-1])
+    tokens = [chunk for chunk in chunks if chunk.token_id is not None]
+    text = "".join(chunk.text for chunk in tokens)
+    reason = FINISH_REASONS.get(chunks[-1].finish_reason or "", chunks[-1].finish_reason)
+    usage = _usage(call, len(tokens))
+    if call.kind == "chat":
+        logprobs = ChatLogprobs(content=[_chat_logprob(tokenizer, c) for c in tokens]) if call.logprobs else None
+        choice = ChatChoice(message=ChatMessageOut(content=text), logprobs=logprobs, finish_reason=reason)
+        return ChatCompletionResponse(id=call.id, created=call.created, model=call.model, choices=[choice],
+                                      usage=usage)
+    logprobs = _completion_logprobs(tokenizer, tokens, len(call.echo)) if call.logprobs else None
+    choice = CompletionChoice(text=call.echo + text, logprobs=logprobs, finish_reason=reason)
+    return CompletionResponse(id=call.id, created=call.created, model=call.model, choices=[choice], usage=usage)
+
+
+def _chat_logprob(tokenizer: Any, chunk: TokenChunk) -> ChatTokenLogprob:
+    token = _token_str(tokenizer, chunk.token_id)
+    return ChatTokenLogprob(token=token, logprob=_logprob(chunk.logprob), bytes=list(token.encode()))
+
+
+def _completion_logprobs(tokenizer: Any, tokens: list[TokenChunk], offset: int) -> CompletionLogprobs:
+    offsets = []
+    for chunk in tokens:
+        offsets.append(offset)
+        offset += len(chunk.text)
+    return CompletionLogprobs(tokens=[_token_str(tokenizer, c.token_id) for c in tokens],
+                              token_logprobs=[_logprob(c.logprob) for c in tokens], text_offset=offsets)
+
+
+def sse_data(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+class StreamRenderer:
+    """SSE events of one streamed request: ``start()``, ``chunk()`` per chunk, ``end()``."""
+
+    def __init__(self, call: Call, tokenizer: Any) -> None:
+        self.call, self.tokenizer = call, tokenizer
+        self.completion_tokens = 0
+        self.offset = 0  # characters streamed so far (completions' text_offset)
+        self.failed = False
+
+    def _event(self, choice: dict[str, Any] | None) -> str:
+        call = self.call
+        body: dict[str, Any] = {"id": call.id, "object": "chat.completion.chunk" if call.kind == "chat"
+                                else "text_completion", "created": call.created, "model": call.model,
+                                "choices": [] if choice is None else [{"index": 0, **choice}]}
+        if call.include_usage:
+            body["usage"] = None
+        return sse_data(body)
+
+    def _text_choice(self, text: str, logprobs: Any = None, finish_reason: str | None = None) -> dict[str, Any]:
+        if self.call.kind == "chat":
+            delta = {"content": text} if text else {}
+            return {"delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def start(self) -> list[str]:
+        if self.call.kind == "chat":  # OpenAI's first chunk names the role
+            return [self._event({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})]
+        if self.call.echo:
+            self.offset = len(self.call.echo)
+            return [self._event(self._text_choice(self.call.echo))]
+        return []
+
+    def chunk(self, chunk: TokenChunk) -> list[str]:
+        if chunk.finish_reason == "error":
+            self.failed = True
+            error = {"message": chunk.error or "generation failed", "type": "server_error", "param": None,
+                     "code": "generation_failed"}
+            return [sse_data({"error": error})]
+        reason = FINISH_REASONS.get(chunk.finish_reason, chunk.finish_reason) if chunk.finished else None
+        logprobs = None
+        if chunk.token_id is not None:
+            self.completion_tokens += 1
+            if self.call.logprobs:
+                logprobs = self._logprobs(chunk)
+        self.offset += len(chunk.text)
+        if not chunk.text and logprobs is None and reason is None:
+            return []  # nothing to tell (text held back, or half a character)
+        return [self._event(self._text_choice(chunk.text, logprobs, reason))]
+
+    def _logprobs(self, chunk: TokenChunk) -> dict[str, Any]:
+        if self.call.kind == "chat":
+            return {"content": [_chat_logprob(self.tokenizer, chunk).model_dump()]}
+        return _completion_logprobs(self.tokenizer, [chunk], self.offset).model_dump()
+
+    def end(self) -> list[str]:
+        events = []
+        if self.call.include_usage and not self.failed:
+            body = {"id": self.call.id, "object": "chat.completion.chunk" if self.call.kind == "chat"
+                    else "text_completion", "created": self.call.created, "model": self.call.model,
+                    "choices": [], "usage": _usage(self.call, self.completion_tokens).model_dump()}
+            events.append(sse_data(body))
+        return [*events, DONE]

@@ -1,0 +1,111 @@
+"""OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+An application written for the official ``openai`` client works by changing
+its base URL. Every check runs before anything is written (as on the native
+routes); the answer then follows the request's chunk stream, streamed as SSE
+ending with ``data: [DONE]`` or collected into one response with ``usage``.
+A client that leaves cancels its request.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from producer.chat import chat_prompt_ids, completion_inputs, prompt_text
+from producer.deps import Services, ServicesDep, parse_body
+from producer.errors import ApiError, bad_request
+from producer.openai_render import Call, StreamRenderer, response
+from producer.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from producer.streaming import ChunkFollower, EventStream, collect, rendered
+from producer.submit import abandon, enqueue, new_request, prompt_ids
+from shared.schemas import GenerateRequest, SamplingParams
+
+router = APIRouter(prefix="/v1")
+STARTED = int(time.time())
+ERRORS = {400: {"description": "invalid parameters (OpenAI error shape)"}, 404: {"description": "unknown model"}}
+
+
+def _card(services: Services) -> ModelCard:
+    return ModelCard(id=services.model_id, created=STARTED, root=services.model_id,
+                     max_model_len=services.settings.model.max_req_total_len)
+
+
+@router.get("/models")
+async def list_models(services: ServicesDep) -> ModelList:
+    return ModelList(data=[_card(services)])
+
+
+@router.get("/models/{model_id:path}", responses={404: ERRORS[404]})
+async def get_model(model_id: str, services: ServicesDep) -> ModelCard:
+    check_model(model_id, services)
+    return _card(services)
+
+
+def check_model(model: str, services: Services) -> None:
+    """The served model answers to its id (and to the ``--model_dir`` it was started with)."""
+    if model not in (services.model_id, services.settings.model.model_dir):
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{services.model_id}'",
+                       param="model", code="model_not_found", reason="unknown_model")
+
+
+def check_context(num_prompt: int, max_new: int, limit: int, where: str) -> None:
+    """OpenAI's wording, with both numbers; chat without max_tokens gets what the prompt leaves."""
+    if num_prompt + max_new > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt + max_new} tokens ({num_prompt} in the {where}, {max_new} in the completion). "
+            f"Please reduce the length of the {where} or completion.",
+            param=where, code="context_length_exceeded", reason="too_long")
+
+
+@router.post("/completions", responses=ERRORS)
+async def completions(request: Request, services: ServicesDep) -> Response:
+    body = await parse_body(request, CompletionRequest)
+    check_model(body.model, services)
+    body.check()
+    inputs = completion_inputs(body.prompt)
+    ids = await prompt_ids(inputs, services.tokenizer, param="prompt")
+    max_new = body.max_tokens or services.settings.default_max_new_tokens
+    check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
+    queued = await _enqueue(ids, body.sampling(max_new, services.tokenizer), "completions", services)
+    call = Call("completion", f"cmpl-{queued.id}", int(time.time()), body.model, len(ids),
+                logprobs=body.logprobs is not None, include_usage=body.include_usage,
+                echo=prompt_text(inputs, services.tokenizer) if body.echo else "")
+    return await _answer(request, services, queued, call, body.stream)
+
+
+@router.post("/chat/completions", responses=ERRORS)
+async def chat_completions(request: Request, services: ServicesDep) -> Response:
+    body = await parse_body(request, ChatCompletionRequest)
+    check_model(body.model, services)
+    body.check()
+    ids = await chat_prompt_ids(body.messages, services.tokenizer)
+    limit = services.settings.model.max_req_total_len
+    # Without a limit the answer may fill the context (LightLLM and vLLM do the same).
+    max_new = body.requested_max_tokens or max(limit - len(ids), 1)
+    check_context(len(ids), max_new, limit, "messages")
+    queued = await _enqueue(ids, body.sampling(max_new, services.tokenizer), "chat", services)
+    call = Call("chat", f"chatcmpl-{queued.id}", int(time.time()), body.model, len(ids),
+                logprobs=body.logprobs, include_usage=body.include_usage)
+    return await _answer(request, services, queued, call, body.stream)
+
+
+async def _enqueue(ids: list[int], params: SamplingParams, route: str, services: Services) -> GenerateRequest:
+    return await enqueue(new_request(ids, params), route, services)
+
+
+async def _answer(request: Request, services: Services, queued: GenerateRequest, call: Call,
+                  stream: bool) -> Response:
+    follower = ChunkFollower(services.redis, services.keys, queued.id, services.settings.stream_block_ms)
+    on_abandon = functools.partial(abandon, services, queued.id)
+    if stream:
+        renderer = StreamRenderer(call, services.tokenizer)
+        return EventStream(rendered(follower, renderer, request.is_disconnected, on_abandon))
+    chunks = await collect(follower, request.is_disconnected, on_abandon)
+    if chunks is None:
+        return Response(status_code=499)  # nobody is listening any more
+    return JSONResponse(response(call, chunks, services.tokenizer).model_dump(mode="json"))
