@@ -70,8 +70,15 @@ class Engine:
         return [Ended(req.id, RequestStatus.CANCELLED, "cancelled", len(req.output_ids)),
                 Released(req.id, req.inbox_id)]
 
+    def stop(self, req: Req) -> list[Event]:
+        """End ``req``, which the publisher found a stop string in (it wrote the end)."""
+        if req.phase is Phase.FINISHED:
+            return []
+        self._release(req, "stop")
+        return [Released(req.id, req.inbox_id)]
+
     def step(self) -> list[Event]:
-        events: list[Event] = [Started(r.id, r.msg.prompt_ids, r.msg.resume_ids) for r in self._admit()]
+        events: list[Event] = [Started.of(r.msg) for r in self._admit()]
         decoding = [r for r in self.running if r.is_prefilled]
         if decoding:
             events += self._sample_and_finish(decoding, self.runner.decode(decoding))

@@ -75,9 +75,10 @@ def build_engine(settings: WorkerSettings, tokenizer=None) -> Engine:
     if device.type == "cuda" and settings.cuda_graphs:
         buckets = default_buckets(min(settings.graph_max_batch_size, settings.running_max_req_size))
         graphs = DecodeGraphs(model, table, cache.hold_slot, config.vocab_size, buckets, device)
-    runner = ModelRunner(model, TokenPool(num_slots), table, config.vocab_size, device, graphs)
+    eos = eos_ids(config, tokenizer)
+    runner = ModelRunner(model, TokenPool(num_slots), table, config.vocab_size, device, eos, graphs)
     limits = EngineLimits(num_slots, settings.batch_max_tokens, settings.running_max_req_size)
-    return Engine(runner, limits, eos_ids(config, tokenizer))
+    return Engine(runner, limits, eos)
 
 
 def run(settings: WorkerSettings) -> None:

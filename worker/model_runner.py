@@ -14,24 +14,30 @@ import torch
 from worker.forward_batch import ForwardBatch
 from worker.req_table import ReqTable
 from worker.request import Req
+from worker.penalties import TokenCounts
 from worker.sampler import SamplingBatch, sample
 from worker.token_pool import TokenPool
 
 
 class ModelRunner:
     def __init__(self, model, pool: TokenPool, table: ReqTable, vocab_size: int, device: torch.device,
-                 graphs=None):
+                 eos_ids: set[int] = frozenset(), graphs=None):
         self.model = model
         self.pool = pool
         self.table = table
         self.vocab_size = vocab_size
         self.device = device
         self.graphs = graphs  # worker.cuda_graphs.DecodeGraphs or None
+        # Per table row token counts, for penalties and min_new_tokens (one row per request).
+        self.counts = TokenCounts(table.hold_row, vocab_size, eos_ids, device)
 
     def start(self, req: Req) -> None:
         req.row = self.table.allocate_row()
         req.slot_ids = np.empty(req.max_tokens_needed, dtype=np.int64)
         req.num_cached = 0
+        params = req.msg.params
+        if params.has_penalties or params.min_new_tokens:  # only they read the row's counts
+            self.counts.start(req.row, req.msg.prompt_ids, req.msg.resume_ids)
 
     def finish(self, req: Req) -> None:
         self.pool.free(req.slot_ids[:req.num_cached])
@@ -82,8 +88,9 @@ class ModelRunner:
         return self._sample(logits[keep], [reqs[i] for i in keep])
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[list[int], list[float]]:
-        params = SamplingBatch.build([r.msg.params for r in reqs], self.vocab_size, self.device)
-        return sample(logits, params)
+        params = SamplingBatch.build([r.msg.params for r in reqs], self.vocab_size, self.device,
+                                     rows=[r.row for r in reqs], output_lens=[len(r.output_ids) for r in reqs])
+        return sample(logits, params, self.counts)
 
     def _batch(self, input_ids, positions, slots, rows, cached, q_lens, is_decode: bool) -> ForwardBatch:
         def dev(values: np.ndarray, dtype=torch.int32) -> torch.Tensor:

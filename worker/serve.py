@@ -60,6 +60,7 @@ class WorkerService:
                 self._check_cancels()
                 if self.engine.has_work:
                     self.publisher.put(self.engine.step())
+                    self._free_stopped()
         finally:
             self.heartbeat.stop()
             self.publisher.close()
@@ -82,6 +83,14 @@ class WorkerService:
                                 Released(msg.id, entry_id)])
             return
         self.engine.add(req)
+
+    def _free_stopped(self) -> None:
+        """Requests the publisher ended on a stop string: free their slots now."""
+        stopped = set(self.publisher.take_stopped())
+        if stopped:
+            for req in self.engine.requests():
+                if req.id in stopped:
+                    self.publisher.put(self.engine.stop(req))
 
     def _check_cancels(self) -> None:
         now = time.monotonic()

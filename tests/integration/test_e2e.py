@@ -170,3 +170,17 @@ def test_killed_worker_request_continues_on_another_with_each_index_once(stack):
     assert [e["index"] for e in received] == list(range(60))
     assert final["worker"] != running["worker"]
     assert final["output_text"] == expected
+
+
+def test_stop_sequence_ends_the_request_and_is_never_emitted(stack):
+    body = {"inputs": "Count: one, two, three, four, five,", "parameters": {"max_new_tokens": 40, "ignore_eos": True}}
+    free = generate(stack, body)["generated_text"][0]
+    stop = free.strip()[:3]  # a string the model is known to produce (greedy)
+    out = generate(stack, {**body, "parameters": {**body["parameters"], "stop_sequences": [stop]}})
+    assert out["finish_reason"] == "stop"
+    assert stop not in out["generated_text"][0]
+    assert free.startswith(out["generated_text"][0])
+    deadline = time.monotonic() + 10
+    while any(load.used_tokens for load in stack.live_workers().values()):
+        assert time.monotonic() < deadline, "KV tokens not freed after a stop string"
+        time.sleep(0.2)

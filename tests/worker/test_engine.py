@@ -139,3 +139,14 @@ def test_chunked_prefill_keeps_decoding_and_matches_transformers(tiny):
     assert tokens["long"] == reference_greedy(ref, long_prompt, 5)
     assert tokens["short"][-9:] == reference_greedy(ref, short, 10)[1:]
     assert engine.runner.pool.num_free == POOL
+
+
+def test_penalties_apply_per_request_in_one_batch(tiny):
+    _, folder = tiny
+    engine = make_engine(folder)
+    prompt = [5, 6, 7]
+    engine.add(req("plain", prompt, 30))
+    engine.add(req("penalised", prompt, 30, presence_penalty=1000.0))
+    tokens = run_to_end(engine, {})
+    assert len(set(tokens["penalised"])) == 30  # never the same token twice
+    assert len(set(tokens["plain"])) < 30  # the tiny random model repeats itself unpenalised
