@@ -1,9 +1,11 @@
-"""Which worker may take a request: the one place the admission rule lives.
+"""Which worker may take a request: the router's side of admission.
 
 A worker's requests (its published ``ReqState`` list, plus the ones this
 router dispatched there that its record does not show yet, plus the
 candidate) must fit its pool by the chosen policy, and their count its
-``running_max_req_size``:
+``running_max_req_size``. The rule is ``shared.peak.check``, beside the
+peak formula so that workers can gate their own queues with the same code
+(and bench/simulate.py runs it too); lengths come from ``shared.history``:
 
 | policy                | projected use                               | limit        |
 |-----------------------|---------------------------------------------|--------------|
@@ -12,26 +14,22 @@ candidate) must fit its pool by the chosen policy, and their count its
 | past_future           | worst peak over K Monte-Carlo length draws  | pool * (1-m) |
 | past_future_quantile  | peak with every length at quantile q        | pool * (1-m) |
 
-The peak is ``shared.peak``'s formula; lengths come from ``shared.history``.
 Published records lag by up to a heartbeat, which is safe for the peak:
 requests that finished since only made the record pessimistic, and a peak
 taken at the record's instant bounds every later step of the same batch.
 A record without request summaries (an older worker) falls back to its
-``committed_tokens``: the conservative check. ``check`` takes plain
-``ReqState`` lists so the simulator (bench/simulate.py) runs this code too.
+``committed_tokens``: the conservative check.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
 
 from shared.history import Estimator
-from shared.peak import ReqState
+from shared.peak import Policy, ReqState, check
 from shared.schemas import GenerateRequest, WorkerLoad
 
-Policy = Literal["conservative", "aggressive", "past_future", "past_future_quantile"]
-AGGRESSIVE_WATERMARK = 0.95
+__all__ = ["check", "check_worker", "choose_worker", "request_state"]
 
 
 def request_state(request: GenerateRequest) -> ReqState:
@@ -39,35 +37,6 @@ def request_state(request: GenerateRequest) -> ReqState:
     done = len(request.resume_ids)
     return ReqState(request.num_prompt_tokens + done, done, request.params.max_new_tokens,
                     int(request.params.ignore_eos))
-
-
-def projected_use(states: Sequence[ReqState], policy: Policy, estimator: Estimator) -> int:
-    if policy == "conservative":
-        return sum(s.conservative_need for s in states)
-    if policy == "aggressive":
-        return sum(s.held for s in states)
-    if policy == "past_future":
-        return estimator.peak_sampled(states)
-    return estimator.peak_quantile(states)
-
-
-def use_limit(max_total_tokens: int, policy: Policy, margin: float) -> float:
-    if policy == "conservative":  # an exact upper bound needs no margin
-        return max_total_tokens
-    if policy == "aggressive":
-        return max_total_tokens * AGGRESSIVE_WATERMARK
-    return max_total_tokens * (1 - margin)
-
-
-def check(states: Sequence[ReqState], candidate: ReqState, max_total_tokens: int, max_requests: int | None,
-          policy: Policy, estimator: Estimator, margin: float) -> float | None:
-    """The resulting use / pool with the candidate added, or None if it does not fit."""
-    if max_requests is not None and len(states) + 1 > max_requests:
-        return None
-    use = projected_use([*states, candidate], policy, estimator)
-    if use > use_limit(max_total_tokens, policy, margin):
-        return None
-    return use / max_total_tokens
 
 
 def check_worker(load: WorkerLoad, reserved: Sequence[ReqState], request: GenerateRequest,

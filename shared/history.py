@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import islice
 
 from shared.peak import ReqState, num_draws, peak_tokens, worst_peak
 
@@ -38,9 +39,9 @@ class OutputLengthHistory:
         self._sorted: list[int] = []
         self.update([])
 
-    def update(self, newest_first: Sequence[int | str]) -> None:
+    def update(self, newest_first: Iterable[int | str]) -> None:
         """Replace the window with the newest lengths (Redis LRANGE order), plus what prior is left."""
-        recent = [int(x) for x in newest_first[: self.window]]
+        recent = [int(x) for x in islice(newest_first, self.window)]
         num_prior = max(0, min(self.window // 2, self.window - len(recent)))
         self._sorted = sorted(recent + [self.prior] * num_prior)
 
@@ -49,24 +50,23 @@ class OutputLengthHistory:
         return list(self._sorted)
 
     def total_at(self, generated: int, max_new_tokens: int, u: float) -> int:
-        """Total output length at inverse-CDF position ``u`` of L | L > generated, capped."""
-        d, cap = generated, max_new_tokens
+        """Total output length at inverse-CDF position ``u`` of L | L > generated, capped.
+
+        Support points, ascending: p_0 = d, then the history values above d,
+        then the cap if it is above them all; ``u`` in [0, 1] maps to
+        u * (points - 1). Hot in the simulator, so no helper calls.
+        """
+        d, cap, hist = generated, max_new_tokens, self._sorted
         if d >= cap:
             return cap
-        first = bisect_right(self._sorted, d)  # first history value > d
-        num_hist = len(self._sorted) - first
-        top = self._sorted[-1] if num_hist else d
-        points = 1 + num_hist + (1 if cap > top else 0)
-
-        def point(i: int) -> int:
-            if i == 0:
-                return d
-            return self._sorted[first + i - 1] if i <= num_hist else cap
-
-        pos = u * (points - 1)
-        i = min(int(pos), points - 2)
-        value = point(i) + (point(i + 1) - point(i)) * (pos - i)
-        return min(cap, math.ceil(value))
+        first = bisect_right(hist, d)  # hist[first:] are the values above d
+        num_hist = len(hist) - first
+        segments = num_hist + (cap > (hist[-1] if num_hist else d))  # points - 1, >= 1 as d < cap
+        pos = u * segments
+        i = min(int(pos), segments - 1)  # segment [p_i, p_i+1]
+        lo = d if i == 0 else hist[first + i - 1]
+        hi = hist[first + i] if i < num_hist else cap
+        return min(cap, math.ceil(lo + (hi - lo) * (pos - i)))
 
 
 class Estimator:
@@ -82,6 +82,7 @@ class Estimator:
             raise ValueError("quantile must be in (0, 1]")
         self.history = history
         self.quantile = quantile
+        self.seed = seed
         self.rng = random.Random(seed)
 
     def _remaining(self, s: ReqState, u: float) -> int:
@@ -99,6 +100,10 @@ class Estimator:
         return self._remaining(s, self.quantile)
 
     def peak_sampled(self, states: Sequence[ReqState]) -> int:
+        # Every check restarts the seeded stream: asking again about the same batch (a blocked
+        # head of line is retried every poll) gives the same answer instead of a fresh lottery
+        # ticket, while the K draws within a check stay independent.
+        self.rng.seed(self.seed)
         exact = all(s.ignore_eos or s.generated >= s.max_new_tokens for s in states)
         # K follows the batch without the candidate, as in the paper.
         draws = 1 if exact else num_draws(len(states) - 1)

@@ -31,7 +31,10 @@ the formula against a step-by-step simulation of random batches.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple, Protocol
+
+Policy = Literal["conservative", "aggressive", "past_future", "past_future_quantile"]
+AGGRESSIVE_WATERMARK = 0.95
 
 
 class ReqState(NamedTuple):
@@ -77,3 +80,40 @@ def num_draws(batch_size: int) -> int:
 def worst_peak(states: Sequence[ReqState], remaining: Callable[[ReqState], int], draws: int) -> int:
     """The largest peak over ``draws`` independent estimates of every remaining length."""
     return max(peak_tokens([(s.held, remaining(s)) for s in states]) for _ in range(max(draws, 1)))
+
+
+class PeakEstimator(Protocol):  # shared.history.Estimator
+    def peak_sampled(self, states: Sequence[ReqState]) -> int: ...
+    def peak_quantile(self, states: Sequence[ReqState]) -> int: ...
+
+
+def projected_use(states: Sequence[ReqState], policy: Policy, estimator: PeakEstimator) -> int:
+    """The tokens ``states`` are expected to need at most, as ``policy`` sees it."""
+    if policy == "conservative":  # TGI's: every request may run to max_new_tokens
+        return sum(s.conservative_need for s in states)
+    if policy == "aggressive":  # what they hold now; overflow is left to pausing
+        return sum(s.held for s in states)
+    if policy == "past_future":
+        return estimator.peak_sampled(states)
+    return estimator.peak_quantile(states)
+
+
+def use_limit(max_total_tokens: int, policy: Policy, margin: float) -> float:
+    if policy == "conservative":  # an exact upper bound needs no margin
+        return max_total_tokens
+    if policy == "aggressive":
+        return max_total_tokens * AGGRESSIVE_WATERMARK
+    return max_total_tokens * (1 - margin)
+
+
+def check(states: Sequence[ReqState], candidate: ReqState, max_total_tokens: int, max_requests: int | None,
+          policy: Policy, estimator: PeakEstimator, margin: float) -> float | None:
+    """Admission of ``candidate`` beside ``states`` on one pool: the resulting use / pool, or
+    None if it does not fit. The router (per worker record) and the simulator call this;
+    a worker gating its own waiting queue should too."""
+    if max_requests is not None and len(states) + 1 > max_requests:
+        return None
+    use = projected_use([*states, candidate], policy, estimator)
+    if use > use_limit(max_total_tokens, policy, margin):
+        return None
+    return use / max_total_tokens
