@@ -3,6 +3,8 @@ in OpenAI's error shape, before anything is written to Redis."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.conftest import keys_with_prefix
@@ -106,7 +108,6 @@ async def test_bad_json_and_template_errors(client):
 
 async def test_the_model_dir_name_is_accepted(client, worker):
     """``--model_dir default`` serves as "default" too, so quick-start commands work."""
-    import asyncio
     task = asyncio.create_task(client.post("/v1/completions", json={**COMPLETION, "model": "default"}))
     await worker.generate(await worker.take(), ["ok"], finish_reason="stop")
     assert (await task).json()["choices"][0]["text"] == "ok"
