@@ -74,7 +74,8 @@ class Estimator:
 
     ``peak_sampled`` is the paper's Monte-Carlo version (K draws, worst
     peak); ``peak_quantile`` the deterministic one (every unknown length at
-    quantile q of its conditional distribution).
+    quantile q of its conditional distribution). Each ``peak_sampled`` call
+    restarts the stream from ``seed``; ``seed=None`` draws afresh every call.
     """
 
     def __init__(self, history: OutputLengthHistory, quantile: float = 0.9, seed: int | None = 0):

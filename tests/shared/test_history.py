@@ -66,6 +66,9 @@ def test_seeded_estimators_draw_the_same():
     states = [ReqState(20 + i, i, 400, 0) for i in range(30)]
     a, b = Estimator(h, seed=7), Estimator(h, seed=7)
     assert [a.peak_sampled(states) for _ in range(5)] == [b.peak_sampled(states) for _ in range(5)]
+    # asking again about the same batch is no new lottery ticket
+    assert len({a.peak_sampled(states) for _ in range(20)}) == 1
+    assert a.peak_sampled(states) != Estimator(h, seed=8).peak_sampled(states)
 
 
 def test_monte_carlo_peak_is_at_least_the_typical_one_and_exact_when_lengths_are_known():
