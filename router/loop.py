@@ -20,6 +20,7 @@ from collections import deque
 import redis
 
 from router.admission import choose_worker, request_state
+from router import liveness
 from router.janitor import reap_dead_worker
 from router.registry import read_registry
 from router.reservations import Reservations
@@ -27,7 +28,7 @@ from shared.codec import entry, from_entry
 from shared.config import RouterSettings
 from shared.history import Estimator, OutputLengthHistory
 from shared.keys import ROUTER_GROUP, Keys
-from shared.redis import ensure_group
+from shared.redis import Backoff, ensure_group
 from shared.request_log import end_request, now_ms
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus
 
@@ -47,25 +48,55 @@ class Router:
         self.queue: deque[tuple[str, GenerateRequest]] = deque()
         self.stop_event = threading.Event()
         self._read_id = "0"  # first our own pending entries (after a restart), then new ones
+        self._next_housekeeping = 0.0
+        self._queued_ids: set[str] = set()
 
     def run(self) -> None:
-        ensure_group(self.client, self.keys.requests(), ROUTER_GROUP)
+        """Step until stopped; ride out Redis outages with exponential backoff."""
         log.info("router %s reading %s", self.router_id, self.keys.requests())
-        while not self.stop_event.is_set():
-            self.step()
+        backoff = Backoff()
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    self.step()
+                    backoff.reset()
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    log.warning("Redis unreachable (%s): retrying in %.1f s", exc, backoff.delay)
+                    self.stop_event.wait(backoff.next())
+        finally:
+            try:  # entries we still hold become claimable by other routers at once
+                liveness.forget(self.client, self.keys, self.router_id)
+            except redis.RedisError:
+                pass
 
     def step(self) -> int:
         """Read, reap, dispatch; returns how many requests were dispatched."""
+        self._housekeeping()
         self._read()
         registry = read_registry(self.client, self.keys, int(self.settings.stale_load_s * 1000))
         for worker_id in registry.dead:
-            reap_dead_worker(self.client, self.keys, worker_id, self.settings.redis.request_ttl_s)
+            reap_dead_worker(self.client, self.keys, worker_id, self.settings.redis.request_ttl_s,
+                             self.settings.max_attempts)
         self.reservations.settle(registry.live)
         self._refresh_history()
         dispatched = self._dispatch(registry.admissible())
         if self.queue and not dispatched:
             self.stop_event.wait(self.settings.poll_ms / 1000)
         return dispatched
+
+    def _housekeeping(self) -> None:
+        """Once per liveness period: say we are alive, take over dead routers' entries.
+
+        Also recreates the consumer group if Redis lost it (a restart without persistence).
+        """
+        now = time.monotonic()
+        if now < self._next_housekeeping:
+            return
+        self._next_housekeeping = now + self.settings.liveness_ttl_s / 3
+        ensure_group(self.client, self.keys.requests(), ROUTER_GROUP)
+        liveness.beat(self.client, self.keys, self.router_id, self.settings.liveness_ttl_s)
+        for entry_id, fields in liveness.claim_from_dead_routers(self.client, self.keys, self.router_id):
+            self._take(entry_id, fields)
 
     def _refresh_history(self) -> None:
         now = time.monotonic()
@@ -95,8 +126,13 @@ class Router:
         return entries
 
     def _take(self, entry_id: str, fields: dict) -> None:
+        # An entry can reach us twice: claimed from a dead router, then re-read from our own
+        # pending list. The queue holds each entry once.
+        if entry_id in self._queued_ids:
+            return
         try:
             self.queue.append((entry_id, from_entry(GenerateRequest, fields)))
+            self._queued_ids.add(entry_id)
         except ValueError as exc:  # unreadable: never retry it, keep it for inspection
             log.error("dead-lettering unreadable entry %s: %s", entry_id, exc)
             pipe = self.client.pipeline(transaction=True)
@@ -109,7 +145,9 @@ class Router:
         while self.queue:
             entry_id, request = self.queue[0]
             if self.client.exists(self.keys.cancel(request.id)):
-                self._finish_cancelled(entry_id, request)
+                self._finish(entry_id, request, RequestStatus.CANCELLED, "cancelled")
+            elif request.deadline_ms is not None and now_ms() > request.deadline_ms:
+                self._finish(entry_id, request, RequestStatus.EXPIRED, "expired")
             else:
                 worker_id = choose_worker(loads, self.reservations.pending(), request, self.settings.admission,
                                           self.estimator, self.settings.admission_margin)
@@ -118,6 +156,7 @@ class Router:
                 self._send(entry_id, request, worker_id)
                 dispatched += 1
             self.queue.popleft()
+            self._queued_ids.discard(entry_id)
         return dispatched
 
     def _send(self, entry_id: str, request: GenerateRequest, worker_id: str) -> None:
@@ -129,9 +168,10 @@ class Router:
         self.reservations.add(worker_id, inbox_id, request_state(request))
         log.debug("request %s -> %s", request.id, worker_id)
 
-    def _finish_cancelled(self, entry_id: str, request: GenerateRequest) -> None:
+    def _finish(self, entry_id: str, request: GenerateRequest, status: RequestStatus, reason) -> None:
+        """End a request that never reached a worker (cancelled or past its deadline)."""
         pipe = self.client.pipeline(transaction=True)
-        end_request(pipe, self.keys, request.id, status=RequestStatus.CANCELLED, reason="cancelled",
+        end_request(pipe, self.keys, request.id, status=status, reason=reason,
                     num_output=len(request.resume_ids), ttl_s=self.settings.redis.request_ttl_s)
         pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
         pipe.execute()

@@ -61,6 +61,8 @@ class RouterSettings(BaseSettings):
     admission_margin: float = Field(0.05, ge=0, lt=1, description="share of a worker's pool past-future keeps free")
     admission_quantile: float = Field(0.9, gt=0, le=1, description="quantile of L | L > d for past_future_quantile")
     admission_seed: int = Field(0, description="seed of the Monte-Carlo length draws")
+    max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it goes to the dead-letter stream")
+    liveness_ttl_s: float = Field(3.0, gt=0, description="a router silent this long is dead: others claim its entries")
     history_window: int = Field(200, ge=2, description="recent output lengths the estimate uses")
     history_prior: int = Field(2048, gt=0, description="pessimistic output length filling the window until requests finish")
     history_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the output-length history")

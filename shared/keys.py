@@ -16,6 +16,7 @@ land in one slot, so a request's status and chunks can be written together.
 | P:{r:ID}:cancel             | string + TTL  | producer -> router, worker |
 | P:outlen                    | capped list   | worker -> router (finished output lengths) |
 | P:{w:ID}:reap               | string + TTL  | router lock while re-dispatching a dead worker's requests |
+| P:{rt:ID}:alive             | string + TTL  | router liveness; a missing key lets other routers claim its pending entries |
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class Keys:
 
     def reap_lock(self, worker_id: str) -> str:
         return f"{self.prefix}:{{w:{worker_id}}}:reap"
+
+    def router_alive(self, router_id: str) -> str:
+        return f"{self.prefix}:{{rt:{router_id}}}:alive"
 
     def output_lengths(self) -> str:
         return f"{self.prefix}:outlen"

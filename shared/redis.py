@@ -45,3 +45,20 @@ def answers(url: str, timeout_s: float = 0.5) -> bool:
             client.close()
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return False
+
+
+class Backoff:
+    """Exponential backoff with a cap: 0.1 s, 0.2 s, ... up to ``cap_s``."""
+
+    def __init__(self, first_s: float = 0.1, cap_s: float = 5.0):
+        self.first_s = first_s
+        self.cap_s = cap_s
+        self.delay = first_s
+
+    def next(self) -> float:
+        delay = self.delay
+        self.delay = min(self.cap_s, self.delay * 2)
+        return delay
+
+    def reset(self) -> None:
+        self.delay = self.first_s

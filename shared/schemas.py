@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "expired"]
 
 
 class RequestStatus(str, Enum):
@@ -21,10 +21,11 @@ class RequestStatus(str, Enum):
     FINISHED = "finished"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    EXPIRED = "expired"  # its deadline passed while it waited; it never ran
 
     @property
     def is_terminal(self) -> bool:
-        return self in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+        return self is not RequestStatus.QUEUED and self is not RequestStatus.RUNNING
 
 
 class _Frozen(BaseModel):
@@ -74,6 +75,7 @@ class GenerateRequest(_Frozen):
     created_ms: int
     attempt: int = 0
     resume_ids: list[int] = Field(default_factory=list)
+    deadline_ms: int | None = None  # Unix ms; a request still queued past it ends ``expired``
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,7 +9,7 @@ def test_every_key_has_one_prefix_and_valid_hash_tags():
     keys = Keys("lightq")
     built = [keys.requests(), keys.dead_letters(), keys.workers(), keys.load("w-1"), keys.inbox("w-1"),
              keys.meta("abc"), keys.chunks("abc"), keys.channel("abc"), keys.cancel("abc"),
-             keys.output_lengths(), keys.reap_lock("w-1")]
+             keys.output_lengths(), keys.reap_lock("w-1"), keys.router_alive("r-1")]
     for key in built:
         assert KEY.match(key), key
         assert "::" not in key

@@ -1,0 +1,46 @@
+"""Router liveness, and taking over what a dead router held.
+
+Entries a router has read stay in its pending list until dispatched, and
+a router may hold them a long time on purpose (no worker has room), so
+idle time alone cannot tell a slow router from a dead one. Each router
+therefore refreshes a key with a TTL; a consumer of the ``routers`` group
+whose key is gone is dead, and a live router claims its pending entries
+(XCLAIM) and removes the consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from shared.keys import ROUTER_GROUP, Keys
+
+log = logging.getLogger("lightq.router")
+
+
+def beat(client: redis.Redis, keys: Keys, router_id: str, ttl_s: float) -> None:
+    client.set(keys.router_alive(router_id), "1", px=int(ttl_s * 1000))
+
+
+def forget(client: redis.Redis, keys: Keys, router_id: str) -> None:
+    """On a clean exit: our pending entries become claimable at once."""
+    client.delete(keys.router_alive(router_id))
+
+
+def claim_from_dead_routers(client: redis.Redis, keys: Keys, router_id: str) -> list[tuple[str, dict]]:
+    """Claim every pending entry of routers whose liveness key expired; returns them in id order."""
+    stream = keys.requests()
+    claimed: list[tuple[str, dict]] = []
+    for consumer in client.xinfo_consumers(stream, ROUTER_GROUP):
+        name = consumer["name"]
+        if name == router_id or client.exists(keys.router_alive(name)):
+            continue
+        pending = client.xpending_range(stream, ROUTER_GROUP, min="-", max="+", count=10_000, consumername=name)
+        ids = [p["message_id"] for p in pending]
+        if ids:
+            claimed += client.xclaim(stream, ROUTER_GROUP, router_id, min_idle_time=0, message_ids=ids)
+        if len(ids) < 10_000:
+            client.xgroup_delconsumer(stream, ROUTER_GROUP, name)
+        log.warning("router %s is gone: took over %d of its entries", name, len(ids))
+    return sorted((c for c in claimed if c[1]), key=lambda c: tuple(map(int, c[0].split("-"))))

@@ -1,0 +1,89 @@
+"""What the router does when workers, routers or deadlines fail (real Redis)."""
+
+import time
+
+from router.loop import Router
+from shared.codec import entry, from_entry
+from shared.config import RouterSettings
+from shared.keys import ROUTER_GROUP
+from shared.request_log import now_ms
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
+from tests.router.helpers import inbox_ids, publish_load, submit
+
+
+def make_router(redis_settings, rclient, name="r1", **settings):
+    return Router(RouterSettings(redis=redis_settings, poll_ms=10, **settings), rclient, name)
+
+
+def meta(rclient, keys, request_id) -> RequestMeta:
+    return RequestMeta.from_hash(rclient.hgetall(keys.meta(request_id)))
+
+
+def kill(rclient, keys, worker_id):
+    rclient.delete(keys.load(worker_id))
+
+
+def test_a_request_whose_workers_keep_dying_is_dead_lettered(redis_settings, rclient, keys):
+    router = make_router(redis_settings, rclient, max_attempts=2)
+    submit(rclient, keys, "poison")
+    for attempt, worker in enumerate(["w1", "w2"]):
+        publish_load(rclient, keys, worker)
+        router.step()
+        router.step()
+        assert inbox_ids(rclient, keys, worker) == ["poison"], attempt
+        kill(rclient, keys, worker)
+    router.step()  # reaps w2: the second death was the last attempt
+    status = meta(rclient, keys, "poison")
+    assert status.status is RequestStatus.FAILED and "dead-lettered" in status.error
+    [(_, fields)] = rclient.xrange(keys.dead_letters())
+    assert from_entry(GenerateRequest, fields).id == "poison" and "died" in fields["reason"]
+    assert rclient.xlen(keys.requests()) == 2  # the original and one re-dispatch, nothing more
+
+
+def test_entries_of_a_dead_router_are_taken_over_by_a_live_one(redis_settings, rclient, keys):
+    first = make_router(redis_settings, rclient, name="r1", liveness_ttl_s=0.3)
+    submit(rclient, keys, "a")
+    submit(rclient, keys, "b")
+    first.step()  # reads both, no worker: both stay in r1's pending list
+    assert rclient.xpending(keys.requests(), ROUTER_GROUP)["consumers"][0]["name"] == "r1"
+    time.sleep(0.4)  # r1 stops beating: its liveness key expires
+    publish_load(rclient, keys, "w1")
+    second = make_router(redis_settings, rclient, name="r2", liveness_ttl_s=0.3)
+    second.step()
+    second.step()
+    assert inbox_ids(rclient, keys, "w1") == ["a", "b"]
+    assert [c["name"] for c in rclient.xinfo_consumers(keys.requests(), ROUTER_GROUP)] == ["r2"]
+
+
+def test_a_live_router_keeps_what_it_holds(redis_settings, rclient, keys):
+    first = make_router(redis_settings, rclient, name="r1", liveness_ttl_s=30)
+    submit(rclient, keys, "a")
+    first.step()
+    second = make_router(redis_settings, rclient, name="r2", liveness_ttl_s=30)
+    second.step()
+    assert len(second.queue) == 0 and len(first.queue) == 1
+
+
+def test_a_request_past_its_deadline_expires_without_running(redis_settings, rclient, keys):
+    router = make_router(redis_settings, rclient)
+    msg = GenerateRequest(id="late", prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=4),
+                          created_ms=now_ms(), deadline_ms=now_ms() - 1)
+    rclient.hset(keys.meta("late"), mapping=RequestMeta.fields(status=RequestStatus.QUEUED))
+    rclient.xadd(keys.requests(), entry(msg))
+    publish_load(rclient, keys, "w1")
+    router.step()
+    assert meta(rclient, keys, "late").status is RequestStatus.EXPIRED
+    assert inbox_ids(rclient, keys, "w1") == []
+    assert rclient.xpending(keys.requests(), ROUTER_GROUP)["pending"] == 0
+
+
+def test_router_recreates_a_lost_consumer_group(redis_settings, rclient, keys):
+    router = make_router(redis_settings, rclient)
+    router.step()
+    rclient.delete(keys.requests())  # what a Redis restart without persistence looks like
+    router._next_housekeeping = 0
+    submit(rclient, keys, "x")
+    publish_load(rclient, keys, "w1")
+    router.step()
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == ["x"]
