@@ -22,6 +22,9 @@ def parser() -> argparse.ArgumentParser:
     add_flags(serve, *SERVICES.values())
     for name, cls in SERVICES.items():
         add_flags(sub.add_parser(name, help=f"run one {name}"), cls)
+    from lightq.top import add_arguments as add_top_arguments
+
+    add_top_arguments(sub.add_parser("top", help="live view of the queue and each worker (--once: one snapshot)"))
     return top
 
 
@@ -29,6 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     flags = given(args)
     command = flags.pop("command")
+    if command == "top":
+        from lightq.top import run as run_top
+
+        sys.exit(run_top(flags))
     if command == "serve":
         from lightq.launcher import serve
 

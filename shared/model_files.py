@@ -6,7 +6,9 @@
 - a directory with config.json, safetensors and tokenizer files;
 - a path to a ``.gguf`` file;
 - ``dummy:<dir>``: random weights for the config.json in ``<dir>``; the
-  tokenizer comes from ``<dir>`` if it has one, else from the default model.
+  tokenizer comes from ``<dir>`` if it has one, else from the default model;
+- ``counting``: a deterministic stand-in model for tests (next token = last + 1)
+  with the default model's tokenizer.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: Literal["hf", "gguf", "dummy"]
+    kind: Literal["hf", "gguf", "dummy", "counting"]
     path: str  # directory for hf/dummy, file for gguf
 
     @property
@@ -43,6 +45,8 @@ def default_gguf_path() -> str:
 def resolve(model_dir: str) -> ModelSource:
     if model_dir == "default":
         return ModelSource("gguf", default_gguf_path())
+    if model_dir == "counting":
+        return ModelSource("counting", "counting")
     if model_dir.startswith("dummy:"):
         return ModelSource("dummy", model_dir.removeprefix("dummy:"))
     if model_dir.endswith(".gguf"):
@@ -61,7 +65,7 @@ def load_tokenizer(source: ModelSource):
     if source.kind == "gguf":
         folder, name = os.path.split(source.path)
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    if source.kind == "dummy" and not _has_tokenizer(source.path):
+    if source.kind == "counting" or (source.kind == "dummy" and not _has_tokenizer(source.path)):
         return load_tokenizer(resolve("default"))
     return AutoTokenizer.from_pretrained(source.path)
 

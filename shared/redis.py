@@ -9,8 +9,15 @@ from shared.config import RedisSettings
 
 
 def async_client(settings: RedisSettings) -> aioredis.Redis:
-    """An asyncio client returning str values; the caller closes it (``aclose``)."""
-    return aioredis.Redis.from_url(settings.url, decode_responses=True, health_check_interval=30)
+    """An asyncio client returning str values; the caller closes it (``aclose``).
+
+    Each open stream's blocking XREAD holds a connection, so the pool is sized
+    by ``max_connections`` and a request past it waits for one instead of failing.
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.url, decode_responses=True, health_check_interval=30,
+        max_connections=settings.max_connections, timeout=30)
+    return aioredis.Redis(connection_pool=pool)
 
 
 def sync_client(settings: RedisSettings) -> redis.Redis:

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import torch
 
 from shared.config import WorkerSettings
+from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
+from worker.counting_model import CountingModel
 from worker.cuda_graphs import DecodeGraphs, default_buckets
 from worker.engine import Engine, EngineLimits
 from worker.kv_cache import KVCache
 from worker.loader import attach_kv_cache, load_model
+from worker.metrics import MeteredEngine, WorkerCollector, WorkerMetrics, serve_metrics
 from worker.model_runner import ModelRunner
 from worker.req_table import ReqTable
 from worker.serve import WorkerService
@@ -59,13 +63,22 @@ def pool_size(settings: WorkerSettings, model, device: torch.device) -> int:
     return int(usable // per_token)
 
 
+def load_model_or_stand_in(settings: WorkerSettings, tokenizer, dtype: torch.dtype, device: torch.device):
+    """The model and its config; ``counting`` gives the deterministic test stand-in."""
+    source = resolve(settings.model.model_dir)
+    if source.kind != "counting":
+        return load_model(source, dtype, device, seed=settings.seed)
+    vocab = len(tokenizer) if tokenizer is not None else 49152
+    return CountingModel(vocab, device), SimpleNamespace(vocab_size=vocab, eos_token_id=None)
+
+
 def build_engine(settings: WorkerSettings, tokenizer=None) -> Engine:
     """Model, pool, table, graphs and engine; ``tokenizer`` only adds its EOS id."""
     if settings.tp != 1:
         raise ValueError(f"--tp {settings.tp} is not supported yet; only --tp 1")
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
-    model, config = load_model(resolve(settings.model.model_dir), dtype, device, seed=settings.seed)
+    model, config = load_model_or_stand_in(settings, tokenizer, dtype, device)
     num_slots = pool_size(settings, model, device)
     cache = attach_kv_cache(model, num_slots, device)
     log.info("model on %s (%s), KV pool %d tokens (%.1f GiB)", device, dtype, num_slots,
@@ -87,11 +100,16 @@ def run(settings: WorkerSettings) -> None:
     tokenizer = load_tokenizer(resolve(settings.model.model_dir))
     engine = build_engine(settings, tokenizer)
     client = sync_client(settings.redis)
-    service = WorkerService(settings, client, engine, tokenizer, worker_id)
+    metrics = WorkerMetrics(worker_id)
+    metrics.registry.register(WorkerCollector(engine, client, Keys(settings.redis.key_prefix), worker_id))
+    server = serve_metrics(metrics.registry, settings.metrics_port)
+    service = WorkerService(settings, client, MeteredEngine(engine, metrics), tokenizer, worker_id)
     stop_on_signals(service.stop_event)
     try:
         service.run()
     finally:
+        if server is not None:
+            server.shutdown()
         client.close()
 
 

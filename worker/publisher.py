@@ -19,12 +19,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import redis
 
 from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP, Keys
+from shared.redis import Backoff
 from shared.request_log import append_chunk, end_request, mark_ended, now_ms
 from shared.schemas import FinishReason, RequestMeta, RequestStatus, TokenChunk
 from worker.detokenizer import IncrementalDecoder, resumed_decoder
@@ -85,13 +87,24 @@ class Publisher:
 
     def _run(self) -> None:
         while (events := self.inbox.get()) is not None:
-            try:
-                self.publish(events)
-            except redis.RedisError:
-                log.exception("publishing %d events failed", len(events))
+            self.publish(events)
 
     def publish(self, events: list[Event]) -> None:
-        pipe = self.client.pipeline(transaction=False)
+        """Turn events into Redis writes once (decoder state moves on exactly once),
+        then send them, retrying through a Redis outage: chunks are never dropped.
+        A retry after a partial write may repeat a chunk; readers drop repeated indexes."""
+        pipe = _Recorder()
+        self._record(events, pipe)
+        backoff = Backoff()
+        while True:
+            try:
+                pipe.replay(self.client)
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("publishing %d events failed (%s): retrying in %.1f s", len(events), exc, backoff.delay)
+                time.sleep(backoff.next())
+
+    def _record(self, events: list[Event], pipe) -> None:
         for event in events:
             if isinstance(event, Started):
                 self._started(pipe, event)
@@ -107,7 +120,6 @@ class Publisher:
                 self.ended_by_stop.discard(event.request_id)
                 pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, event.inbox_id)
                 pipe.xdel(self.keys.inbox(self.worker_id), event.inbox_id)
-        pipe.execute()
 
     def _started(self, pipe, event: Started) -> None:
         matcher = StopMatcher(event.stop_sequences)
@@ -165,3 +177,19 @@ class Publisher:
             pipe.ltrim(self.keys.output_lengths(), 0, OUTPUT_HISTORY_LEN - 1)
         else:
             pipe.hset(self.keys.meta(event.request_id), "output_tokens", num_output)
+
+
+class _Recorder:
+    """Stands in for a pipeline: records the calls, replays them on a fresh one."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+    def replay(self, client: redis.Redis) -> None:
+        pipe = client.pipeline(transaction=False)
+        for name, args, kwargs in self.calls:
+            getattr(pipe, name)(*args, **kwargs)
+        pipe.execute()

@@ -16,8 +16,8 @@ import redis
 from shared.codec import from_entry
 from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP, Keys
-from shared.redis import ensure_group
-from shared.request_log import now_ms
+from shared.redis import Backoff, ensure_group
+from shared.requeue import hand_back_inbox
 from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
 from worker.engine import Engine
 from worker.events import Ended, Released
@@ -45,28 +45,69 @@ class WorkerService:
         self.last_inbox_id = "0-0"
         self._read_id = "0"  # our own pending entries first, then new ones
         self._next_cancel_check = 0.0
+        self._backoff = Backoff()
+        self.draining = False
 
     def load(self, seq: int) -> WorkerLoad:
-        return build_load(self.engine, self.worker_id, seq, self.last_inbox_id)
+        return build_load(self.engine, self.worker_id, seq, self.last_inbox_id, self.draining)
 
     def run(self) -> None:
-        ensure_group(self.client, self.keys.inbox(self.worker_id), WORKER_GROUP)
+        """Serve until SIGTERM, then drain: no new requests, running ones get
+        ``drain_timeout`` to finish, the rest goes back to the ingress stream."""
         self.publisher.start()
         self.heartbeat.start()
         log.info("worker %s serving (pool %d tokens)", self.worker_id, self.engine.limits.max_total_tokens)
         try:
             while not self.stop_event.is_set():
-                self._read_inbox()
-                self._check_cancels()
-                if self.engine.has_work:
-                    self.publisher.put(self.engine.step())
-                    self._free_stopped()
+                self._serve_once()
+            self._drain()
         finally:
+            self.publisher.close()  # every token so far is in Redis before anything is handed back
+            self._hand_back()
             self.heartbeat.stop()
-            self.publisher.close()
             log.info("worker %s stopped", self.worker_id)
 
+    def _serve_once(self) -> None:
+        """One turn of the loop; a Redis outage pauses intake, never running requests."""
+        try:
+            if not self.draining:
+                self._read_inbox()
+            self._check_cancels()
+            self._backoff.reset()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("Redis unreachable (%s)", exc)
+            if not self.engine.has_work:
+                time.sleep(self._backoff.next())
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._read_id = "0"  # Redis lost our inbox group (restarted empty): recreate it
+        if self.engine.has_work:
+            self.publisher.put(self.engine.step())
+            self._free_stopped()
+
+    def _drain(self) -> None:
+        self.draining = True
+        self.heartbeat.beat()  # routers see ``draining`` now and stop dispatching here
+        deadline = time.monotonic() + self.settings.drain_timeout
+        log.info("worker %s draining: %d running", self.worker_id, len(self.engine.running))
+        while self.engine.running and time.monotonic() < deadline:
+            self._serve_once()
+
+    def _hand_back(self) -> None:
+        """Requeue what is still in our inbox (waiting, unfinished, or dispatched late)."""
+        try:
+            count = hand_back_inbox(self.client, self.keys, self.worker_id, self.settings.redis.request_ttl_s,
+                                    self.settings.max_attempts, count_attempt=False)
+        except redis.RedisError as exc:  # the router reaps our inbox once our record expires
+            log.warning("hand-back failed (%s): the router will re-dispatch", exc)
+            return
+        if count:
+            log.info("worker %s handed %d requests back", self.worker_id, count)
+
     def _read_inbox(self) -> None:
+        if self._read_id == "0":  # first turn, or after a Redis restart lost the group
+            ensure_group(self.client, self.keys.inbox(self.worker_id), WORKER_GROUP)
         block = None if self.engine.has_work or self._read_id == "0" else IDLE_BLOCK_MS
         reply = self.client.xreadgroup(WORKER_GROUP, self.worker_id, {self.keys.inbox(self.worker_id): self._read_id},
                                        count=1024, block=block)

@@ -1,0 +1,111 @@
+"""``lightq top``: the queue and every worker, live in the terminal (``--once``: one snapshot).
+
+It reads Redis directly (``producer.cluster``, the numbers the producer's
+``/metrics`` reports): queue depth (lag + pending) and its tokens, the
+backlog in GPU-seconds, the drain and arrival rates and the generation
+throughput over the last minute, and per worker its KV pool use as a bar,
+running and waiting requests and inbox depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections import deque
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from producer.cluster import ClusterSnapshot, read_cluster
+from shared.config import RedisSettings
+from shared.flags import add_flags, build
+from shared.keys import Keys
+from shared.redis import async_client
+
+BAR_WIDTH = 24
+SPARK = " ▁▂▃▄▅▆▇█"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--once", action="store_true", default=None, help="print one snapshot and exit")
+    parser.add_argument("--interval", type=float, default=None, help="seconds between refreshes (default 1)")
+    add_flags(parser, RedisSettings)
+
+
+def bar(ratio: float, width: int = BAR_WIDTH) -> Text:
+    filled = round(max(0.0, min(1.0, ratio)) * width)
+    color = "green" if ratio < 0.7 else "yellow" if ratio < 0.9 else "red"
+    return Text("█" * filled, style=color) + Text("░" * (width - filled), style="dim")
+
+
+def sparkline(values: list[float]) -> str:
+    if not values:
+        return ""
+    top = max(values) or 1.0
+    return "".join(SPARK[round(v / top * (len(SPARK) - 1))] for v in values)
+
+
+def summary(snap: ClusterSnapshot, depths: list[float]) -> Text:
+    q = snap.ingress
+    lines = [
+        f"queue  [bold]{q.total}[/] requests (lag {q.lag}, pending {q.pending}) · [bold]{snap.queue_tokens}[/] tokens "
+        f"(prompt {snap.queue_prompt_tokens} + predicted output {snap.queue_output_tokens}) · "
+        f"backlog [bold]{snap.backlog_gpu_seconds:.1f}[/] GPU-s · dead letters {snap.dead_letters}",
+        f"rates  drain [bold]{snap.drain_rate:.2f}[/] req/s · arrivals {snap.arrival_rate:.2f} req/s · "
+        f"generation [bold]{snap.generation_tokens_per_s:.1f}[/] tok/s · throughput "
+        f"{snap.throughput_tokens_per_s:.1f} tok/s (last {snap.window_s:.0f} s)",
+    ]
+    if len(depths) > 1:
+        lines.append(f"depth  {sparkline(depths)}  (max {max(depths):.0f})")
+    return Text.from_markup("\n".join(lines))
+
+
+def workers_table(snap: ClusterSnapshot) -> Table:
+    table = Table(title=f"{len(snap.loads)} live worker(s)", title_justify="left", expand=False)
+    for name, justify in (("worker", "left"), ("KV usage", "left"), ("used / pool", "right"),
+                          ("running", "right"), ("waiting", "right"), ("inbox", "right")):
+        table.add_column(name, justify=justify)
+    for w in snap.worker_summary():
+        label = w["worker"] + (" (draining)" if w["draining"] else "")
+        table.add_row(label, bar(w["kv_usage"]) + Text(f" {100 * w['kv_usage']:5.1f}%"),
+                      f"{w['used_tokens']} / {w['max_total_tokens']}", str(w["running"]), str(w["waiting"]),
+                      str(w["inbox"]))
+    return table
+
+
+def render(snap: ClusterSnapshot, depths: list[float] | None = None) -> Group:
+    stamp = time.strftime("%H:%M:%S", time.localtime(snap.ts_ms / 1000))
+    return Group(Text(f"lightq top  {stamp}", style="bold"), summary(snap, depths or []), workers_table(snap))
+
+
+async def _loop(settings: RedisSettings, once: bool, interval: float, console: Console) -> None:
+    redis, keys = async_client(settings), Keys(settings.key_prefix)
+    try:
+        if once:
+            console.print(render(await read_cluster(redis, keys)))
+            return
+        depths: deque[float] = deque(maxlen=60)
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                snap = await read_cluster(redis, keys)
+                depths.append(snap.ingress.total)
+                live.update(render(snap, list(depths)), refresh=True)
+                await asyncio.sleep(interval)
+    finally:
+        await redis.aclose()
+
+
+def run(flags: dict[str, Any], console: Console | None = None) -> int:
+    once = bool(flags.pop("once", False))
+    interval = flags.pop("interval", None) or 1.0
+    settings = build(RedisSettings, flags)
+    console = console or Console(width=None if not once else max(Console().width, 120))
+    try:
+        asyncio.run(_loop(settings, once, interval, console))
+    except KeyboardInterrupt:
+        pass
+    return 0

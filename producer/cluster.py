@@ -1,0 +1,259 @@
+"""The pool as Redis shows it: the queue, the workers, recent requests, throughput.
+
+Read on demand by the producer's ``/metrics`` and ``/dashboard/data`` and by
+``lightq top``. Everything comes from records the services already write,
+so every producer replica and every terminal computes the same numbers:
+
+| number                  | from                                                           |
+|-------------------------|----------------------------------------------------------------|
+| ingress lag / pending   | XINFO GROUPS of ``{q}:requests`` (group ``routers``)            |
+| queued tokens           | the queued entries: prompt + estimated output (mean of ``outlen``, capped by max_new_tokens; exactly max_new_tokens with ignore_eos) |
+| per-worker load         | the heartbeat records ``{w:ID}:load``                          |
+| inbox lag / pending     | XINFO GROUPS of ``{w:ID}:inbox`` (group ``worker``)             |
+| recent requests         | the newest ``RECENT_MAX`` ingress entries, then their status hashes |
+| throughput, drain rate  | recent requests finished / dispatched in the last ``window_s`` |
+| backlog GPU-seconds     | queued tokens / throughput (both prompt + output tokens)       |
+
+The ingress entry's id is Redis's clock at enqueue, as are chunk entry ids,
+so latencies measured between them need no clock agreement between hosts.
+Times in the status hashes (``*_ms``) are the writers' clocks (NTP assumed).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from shared.codec import from_entry
+from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk, WorkerLoad
+
+WINDOW_S = 60.0
+RECENT_MAX = 2000  # ingress entries scanned for recent requests (bounds a scrape's cost)
+QUEUE_SCAN_MAX = 10_000  # queued entries whose tokens are counted
+HISTORY_LEN = 200  # output lengths the estimate averages
+MIN_THROUGHPUT = 1.0  # tokens/s assumed when nothing finished lately: a backlog with no drain stays large
+_ID = re.compile(r'"id":"([^"]+)"')
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """A consumer group's unfinished entries: lag (never delivered) and pending (delivered, unacked)."""
+
+    lag: int = 0
+    pending: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.lag + self.pending
+
+
+@dataclass(frozen=True)
+class RecentRequest:
+    id: str
+    enqueued_ms: int  # Redis's clock at the first ingress entry
+    status: str
+    prompt_tokens: int
+    max_new_tokens: int
+    output_tokens: int
+    worker: str | None
+    created_ms: int
+    dispatched_ms: int | None
+    started_ms: int | None
+    finished_ms: int | None
+
+    @property
+    def is_terminal(self) -> bool:
+        return RequestStatus(self.status).is_terminal
+
+
+@dataclass
+class ClusterSnapshot:
+    ts_ms: int
+    ingress: Backlog = field(default_factory=Backlog)
+    queue_prompt_tokens: int = 0
+    queue_output_tokens: int = 0  # estimated
+    loads: list[WorkerLoad] = field(default_factory=list)
+    inboxes: dict[str, Backlog] = field(default_factory=dict)
+    dead_letters: int = 0
+    recent: list[RecentRequest] = field(default_factory=list)
+    window_s: float = WINDOW_S
+
+    @property
+    def queue_tokens(self) -> int:
+        return self.queue_prompt_tokens + self.queue_output_tokens
+
+    def _since(self) -> int:
+        return self.ts_ms - int(self.window_s * 1000)
+
+    def finished_in_window(self) -> list[RecentRequest]:
+        return [r for r in self.recent if r.status == RequestStatus.FINISHED.value
+                and r.finished_ms is not None and r.finished_ms >= self._since()]
+
+    @property
+    def throughput_tokens_per_s(self) -> float:
+        """Prompt + output tokens of the requests finished in the window, per second."""
+        return sum(r.prompt_tokens + r.output_tokens for r in self.finished_in_window()) / self.window_s
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        return sum(r.output_tokens for r in self.finished_in_window()) / self.window_s
+
+    @property
+    def drain_rate(self) -> float:
+        """Requests that left the ingress queue (dispatched) per second over the window."""
+        since = self._since()
+        return sum(1 for r in self.recent if r.dispatched_ms is not None and r.dispatched_ms >= since) / self.window_s
+
+    @property
+    def arrival_rate(self) -> float:
+        since = self._since()
+        return sum(1 for r in self.recent if r.enqueued_ms >= since) / self.window_s
+
+    @property
+    def backlog_gpu_seconds(self) -> float:
+        """Seconds the pool needs to drain the queue at its recent throughput: the autoscaling signal."""
+        return self.queue_tokens / max(self.throughput_tokens_per_s, MIN_THROUGHPUT)
+
+    def worker_summary(self) -> list[dict]:
+        return [{"worker": load.worker_id, "running": load.num_running, "waiting": load.num_waiting,
+                 "used_tokens": load.used_tokens, "committed_tokens": load.committed_tokens,
+                 "max_total_tokens": load.max_total_tokens, "kv_usage": kv_usage(load),
+                 "inbox": self.inboxes.get(load.worker_id, Backlog()).total, "draining": load.draining}
+                for load in sorted(self.loads, key=lambda item: item.worker_id)]
+
+
+def kv_usage(load: WorkerLoad) -> float:
+    return load.used_tokens / load.max_total_tokens if load.max_total_tokens else 0.0
+
+
+async def read_cluster(redis: aioredis.Redis, keys: Keys, window_s: float = WINDOW_S,
+                       recent_max: int = RECENT_MAX) -> ClusterSnapshot:
+    snap = ClusterSnapshot(ts_ms=int(time.time() * 1000), window_s=window_s)
+    snap.ingress, queued = await queued_requests(redis, keys)
+    mean_len = await mean_output_length(redis, keys)
+    snap.queue_prompt_tokens = sum(r.num_prompt_tokens for r in queued)
+    snap.queue_output_tokens = sum(estimated_output(r, mean_len) for r in queued)
+    snap.loads = await live_workers(redis, keys)
+    for load in snap.loads:
+        snap.inboxes[load.worker_id] = await group_backlog(redis, keys.inbox(load.worker_id), WORKER_GROUP)
+    snap.dead_letters = int(await redis.xlen(keys.dead_letters()))
+    snap.recent = await recent_requests(redis, keys, recent_max)
+    return snap
+
+
+async def _group_info(redis: aioredis.Redis, stream: str, group: str) -> dict | None:
+    """The group's XINFO entry; {} when the stream exists without it; None without the stream."""
+    try:
+        groups = await redis.xinfo_groups(stream)
+    except ResponseError:  # no such key
+        return None
+    return next((g for g in groups if g["name"] == group), {})
+
+
+async def group_backlog(redis: aioredis.Redis, stream: str, group: str) -> Backlog:
+    """Without the group every entry is lag; without the stream there is none."""
+    info = await _group_info(redis, stream, group)
+    if info is None:
+        return Backlog()
+    if not info:
+        return Backlog(lag=int(await redis.xlen(stream)))
+    lag = info.get("lag")
+    if lag is None:  # Redis cannot tell after deletions: count what follows the last delivery
+        lag = len(await redis.xrange(stream, min=f"({info['last-delivered-id']}", count=100_000))
+    return Backlog(lag=int(lag), pending=int(info["pending"]))
+
+
+async def queued_requests(redis: aioredis.Redis, keys: Keys) -> tuple[Backlog, list[GenerateRequest]]:
+    """The ingress backlog and the requests in it (the first ``QUEUE_SCAN_MAX`` of each kind)."""
+    stream = keys.requests()
+    backlog = await group_backlog(redis, stream, ROUTER_GROUP)
+    if backlog.total == 0:
+        return backlog, []
+    info = await _group_info(redis, stream, ROUTER_GROUP)
+    after = f"({info['last-delivered-id']}" if info else "-"
+    entries = await redis.xrange(stream, min=after, count=QUEUE_SCAN_MAX) if backlog.lag else []
+    if backlog.pending:
+        pending = await redis.xpending_range(stream, ROUTER_GROUP, min="-", max="+", count=QUEUE_SCAN_MAX)
+        pipe = redis.pipeline(transaction=False)
+        for item in pending:
+            pipe.xrange(stream, min=item["message_id"], max=item["message_id"])
+        entries += [e for found in await pipe.execute() for e in found]
+    requests = []
+    for _entry_id, fields in entries:
+        try:
+            requests.append(from_entry(GenerateRequest, fields))
+        except ValueError:
+            continue  # unreadable: the router dead-letters it
+    return backlog, requests
+
+
+async def mean_output_length(redis: aioredis.Redis, keys: Keys) -> float | None:
+    lengths = [int(x) for x in await redis.lrange(keys.output_lengths(), 0, HISTORY_LEN - 1)]
+    return sum(lengths) / len(lengths) if lengths else None
+
+
+def estimated_output(request: GenerateRequest, mean_len: float | None) -> int:
+    """Output tokens still to come: max_new_tokens with ignore_eos or no history, else the recent mean."""
+    remaining = request.params.max_new_tokens - len(request.resume_ids)
+    if request.params.ignore_eos or mean_len is None:
+        return remaining
+    return max(1, min(remaining, round(mean_len) - len(request.resume_ids)))
+
+
+async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerLoad]:
+    """Registered workers whose heartbeat (load key with TTL) still exists."""
+    worker_ids = await redis.zrange(keys.workers(), 0, -1)
+    if not worker_ids:
+        return []
+    pipe = redis.pipeline(transaction=False)  # load keys live in different slots
+    for worker_id in worker_ids:
+        pipe.get(keys.load(worker_id))
+    loads = []
+    for raw in await pipe.execute():
+        if raw is not None:
+            try:
+                loads.append(WorkerLoad.model_validate_json(raw))
+            except ValueError:
+                continue  # a heartbeat from an incompatible worker: not ours to show
+    return loads
+
+
+async def recent_requests(redis: aioredis.Redis, keys: Keys, limit: int = RECENT_MAX) -> list[RecentRequest]:
+    """Newest first, each request once (a re-dispatched one has several entries), expired ones left out."""
+    first_entry: dict[str, int] = {}
+    for entry_id, fields in await redis.xrevrange(keys.requests(), count=limit):
+        match = _ID.search(next(iter(fields.values()), ""))
+        if match:
+            first_entry[match.group(1)] = int(entry_id.partition("-")[0])  # older entries overwrite
+    pipe = redis.pipeline(transaction=False)
+    for request_id in first_entry:
+        pipe.hgetall(keys.meta(request_id))
+    out = []
+    for (request_id, enqueued_ms), data in zip(first_entry.items(), await pipe.execute()):
+        if data:
+            meta = RequestMeta.from_hash(data)
+            out.append(RecentRequest(
+                id=request_id, enqueued_ms=enqueued_ms, status=meta.status.value, prompt_tokens=meta.prompt_tokens,
+                max_new_tokens=meta.max_new_tokens, output_tokens=meta.output_tokens, worker=meta.worker,
+                created_ms=meta.created_ms, dispatched_ms=meta.dispatched_ms, started_ms=meta.started_ms,
+                finished_ms=meta.finished_ms))
+    return out
+
+
+def token_times_ms(entries: list[tuple[str, dict]]) -> list[int]:
+    """Redis time of each output token's chunk, by index, first copy wins (a migrated request repeats none)."""
+    seen: dict[int, int] = {}
+    for entry_id, fields in entries:
+        chunk = from_entry(TokenChunk, fields)
+        if chunk.token_id is not None:
+            seen.setdefault(chunk.index, int(entry_id.partition("-")[0]))
+    return [seen[i] for i in sorted(seen)]
+
+
+def as_json(request: RecentRequest) -> dict:
+    return asdict(request)

@@ -1,0 +1,150 @@
+"""The router's Prometheus endpoint (``--metrics_port``): its own queue and decisions.
+
+Counters come from ``MeteredRouter.step`` (the loop's one public step);
+everything else is read when scraped, on the HTTP server's thread, from
+the router's public state (``queue``, ``reservations``, ``history``) and
+from Redis (the workers' records, the ingress group, the dead letters).
+The loop thread may change the queue mid-copy; a copy that races is
+retried rather than locked, so the loop never waits for a scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.loop import Router
+from router.registry import read_registry
+from shared.keys import ROUTER_GROUP
+from shared.peak import ReqState
+from shared.schemas import WorkerLoad
+
+log = logging.getLogger("lightq.router")
+PORT_TRIES = 64
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class RouterMetrics:
+    def __init__(self, router_id: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"router": router_id}
+        self.dispatches = Counter("lightq:router_dispatches", "requests sent to a worker's inbox",
+                                  ["router"], registry=self.registry).labels(**labels)
+        self.pauses = Counter("lightq:router_pauses", "steps that ended with the head of the queue fitting "
+                              "no worker (everything behind it waits)", ["router"], registry=self.registry).labels(**labels)
+        self.dispatch_step = Histogram("lightq:router_dispatch_step_seconds", "duration of a step that "
+                                       "dispatched (read, reap, admit, send)", ["router"], buckets=STEP_BUCKETS,
+                                       registry=self.registry).labels(**labels)
+
+
+class MeteredRouter(Router):
+    """The router with its steps counted; behaviour unchanged."""
+
+    def __init__(self, *args, metrics: RouterMetrics, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.metrics = metrics
+
+    def step(self) -> int:
+        start = time.perf_counter()
+        dispatched = super().step()
+        if dispatched:
+            self.metrics.dispatches.inc(dispatched)
+            self.metrics.dispatch_step.observe(time.perf_counter() - start)
+        elif self.queue:
+            self.metrics.pauses.inc()
+        return dispatched
+
+
+def _copy(items: Iterable, tries: int = 5) -> list:
+    for _ in range(tries):
+        try:
+            return list(items)
+        except RuntimeError:  # mutated by the loop thread while copying
+            continue
+    return []
+
+
+class RouterCollector(Collector):
+    def __init__(self, router: Router):
+        self.router = router
+
+    def collect(self) -> Iterable[Metric]:
+        router, rid = self.router, self.router.router_id
+        yield from self._queue(router, rid)
+        registry = read_registry(router.client, router.keys, int(router.settings.stale_load_s * 1000))
+        workers = GaugeMetricFamily("lightq:router_workers", "workers by state as this router sees them",
+                                    labels=["router", "state"])
+        fresh = registry.admissible()
+        workers.add_metric([rid, "live"], len(fresh))
+        workers.add_metric([rid, "stale"], len(registry.live) - len(fresh))
+        workers.add_metric([rid, "dead"], len(registry.dead))
+        yield workers
+        yield self._peaks(registry.live.values())
+        yield from self._ingress(router)
+
+    def _queue(self, router: Router, rid: str) -> Iterable[Metric]:
+        queued = [request for _, request in _copy(router.queue)]
+        values = router.history.values
+        mean_len = sum(values) / len(values) if values else None
+        prompt = sum(r.num_prompt_tokens for r in queued)
+        output = sum(min(r.params.max_new_tokens, round(mean_len)) if mean_len and not r.params.ignore_eos
+                     else r.params.max_new_tokens for r in queued)
+        yield _gauge("lightq:router_queue_requests", "requests this router read and has not dispatched",
+                     ["router"], [([rid], len(queued))])
+        yield _gauge("lightq:router_queue_tokens", "tokens of this router's queue: prompt, and predicted output "
+                     "(mean of its output-length history, capped)", ["router", "kind"],
+                     [([rid, "prompt"], prompt), ([rid, "predicted_output"], output)])
+        reserved = _copy(router.reservations.tokens().items())
+        yield _gauge("lightq:router_reserved_tokens", "tokens dispatched to a worker that its heartbeat does not "
+                     "show yet (prompt + max_new_tokens)", ["router", "worker"], [([rid, w], n) for w, n in reserved])
+
+    def _peaks(self, loads: Iterable[WorkerLoad]) -> Metric:
+        family = GaugeMetricFamily("lightq:worker_estimated_peak_ratio", "estimated peak KV use of the worker's "
+                                   "batch (past-future quantile estimate) / its pool", labels=["worker"])
+        for load in loads:
+            if load.requests is None:
+                peak = load.committed_tokens
+            else:
+                peak = self.router.estimator.peak_quantile([ReqState(*state) for state in load.requests])
+            family.add_metric([load.worker_id], peak / load.max_total_tokens if load.max_total_tokens else 0.0)
+        return family
+
+    def _ingress(self, router: Router) -> Iterable[Metric]:
+        stream, client = router.keys.requests(), router.client
+        groups = client.xinfo_groups(stream) if client.exists(stream) else []
+        info = next((g for g in groups if g["name"] == ROUTER_GROUP), None)
+        lag = int(info["lag"] or 0) if info else int(client.xlen(stream))
+        pending = int(info["pending"]) if info else 0
+        labels = [stream, ROUTER_GROUP]
+        yield _gauge("lightq:stream_lag", "entries never delivered to the group", ["stream", "group"], [(labels, lag)])
+        yield _gauge("lightq:stream_pending", "entries delivered, not acknowledged", ["stream", "group"],
+                     [(labels, pending)])
+        yield _gauge("lightq:dead_letters", "entries in the dead-letter stream", [],
+                     [([], client.xlen(router.keys.dead_letters()))])
+
+
+def _gauge(name: str, doc: str, labels: list[str], values: list[tuple[list[str], float]]) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=labels)
+    for label_values, value in values:
+        family.add_metric(label_values, value)
+    return family
+
+
+def serve_metrics(registry: CollectorRegistry, port: int) -> WSGIServer | None:
+    """Serve ``registry`` on ``port``, or the next free port above it; None when ``port`` is 0."""
+    if not port:
+        return None
+    for candidate in range(port, min(port + PORT_TRIES, 65536)):
+        try:
+            server, _thread = start_http_server(candidate, registry=registry)
+        except OSError:
+            continue
+        log.info("metrics on :%d/metrics", candidate)
+        return server
+    raise OSError(f"no free metrics port in {port}..{port + PORT_TRIES - 1}")

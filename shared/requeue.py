@@ -1,0 +1,64 @@
+"""Sending a worker's inbox back to the ingress stream: shared by the router
+(a dead worker's inbox) and the worker itself (a graceful stop).
+
+The request's durable chunk stream is the source of truth for what the
+client already has: a request goes back with those tokens as
+``resume_ids``, so the next worker continues after them and each output
+index reaches the client once. Requests that already ended are left alone.
+A death counts as an attempt; a graceful hand-back does not.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from shared.codec import entry, from_entry
+from shared.keys import Keys
+from shared.request_log import emitted_chunks, end_request, mark_ended, now_ms
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus
+
+
+def hand_back_inbox(client: redis.Redis, keys: Keys, worker_id: str, ttl_s: int, max_attempts: int,
+                    count_attempt: bool) -> int:
+    """Requeue every request in ``worker_id``'s inbox, deleting each entry; returns how many went back."""
+    requeued = 0
+    for entry_id, fields in client.xrange(keys.inbox(worker_id)):
+        request = from_entry(GenerateRequest, fields)
+        requeued += requeue(client, keys, request, ttl_s, max_attempts, count_attempt)
+        client.xdel(keys.inbox(worker_id), entry_id)
+    return requeued
+
+
+def requeue(client: redis.Redis, keys: Keys, request: GenerateRequest, ttl_s: int, max_attempts: int,
+            count_attempt: bool = True) -> int:
+    raw = client.hgetall(keys.meta(request.id))
+    if not raw or RequestMeta.from_hash(raw).status.is_terminal:
+        return 0
+    chunks = emitted_chunks(client, keys, request.id)
+    tokens = [c.token_id for c in chunks if c.token_id is not None]
+    attempt = request.attempt + 1 if count_attempt else request.attempt
+    pipe = client.pipeline(transaction=True)
+    if chunks and chunks[-1].finished:  # it ended; only the status write was lost
+        mark_ended(pipe, keys, request.id, status=RequestStatus.FINISHED,
+                   reason=chunks[-1].finish_reason or "stop", num_output=len(tokens), ttl_s=ttl_s)
+    elif client.exists(keys.cancel(request.id)):
+        end_request(pipe, keys, request.id, status=RequestStatus.CANCELLED, reason="cancelled",
+                    num_output=len(tokens), ttl_s=ttl_s)
+    elif attempt >= max_attempts:  # a request that keeps killing workers stops here
+        dead_letter(pipe, keys, request, f"its worker died on each of {max_attempts} attempts", len(tokens), ttl_s)
+    else:
+        pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, attempt=attempt))
+        pipe.hdel(keys.meta(request.id), "worker")
+        pipe.xadd(keys.requests(), entry(request.model_copy(update={"attempt": attempt, "resume_ids": tokens})))
+        pipe.execute()
+        return 1
+    pipe.execute()
+    return 0
+
+
+def dead_letter(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest, reason: str,
+                num_output: int, ttl_s: int) -> None:
+    """Park the request in the dead-letter stream and end it ``failed`` with the reason."""
+    pipe.xadd(keys.dead_letters(), {**entry(request), "reason": reason, "failed_ms": str(now_ms())})
+    end_request(pipe, keys, request.id, status=RequestStatus.FAILED, reason="error", num_output=num_output,
+                ttl_s=ttl_s, error=f"dead-lettered: {reason}")

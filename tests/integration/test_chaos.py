@@ -1,0 +1,112 @@
+"""Chaos against real processes: ``lightq serve`` with 3 workers on the
+deterministic counting model (``--model_dir counting``: next token = last + 1),
+so every request's exact output is known in advance."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from shared.embedded_redis import start_embedded_redis
+from tests.integration.stack import start_stack
+from worker.counting_model import expected_tokens
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 49152  # the default tokenizer's, which the counting model uses
+NEW_TOKENS = 200
+
+
+@pytest.fixture
+def redis_server():
+    server = start_embedded_redis(appendonly=True)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def stack(redis_server, tmp_path):
+    stack = start_stack(str(tmp_path / "serve.log"), redis_url=redis_server.url, prefix="lightq-chaos", workers=3,
+                        extra=["--model_dir", "counting", "--max_total_token_num", "60000",
+                               "--max_req_total_len", "1024", "--liveness_ttl_s", "1.5"])
+    yield stack
+    stack.stop()
+
+
+async def stream_one(client: httpx.AsyncClient, http: str, prompt: list[int]) -> list[int]:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+    tokens = []
+    async with client.stream("POST", f"{http}/generate_stream", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                event = json.loads(line[5:])
+                tokens.append(event["token"]["id"])
+    return tokens
+
+
+def pid_of(service_id: str) -> int:
+    return int(service_id.rsplit("-", 1)[1])
+
+
+async def kill_a_worker_and_the_router(stack, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    client = stack.client()
+    worker = sorted(stack.live_workers())[0]
+    routers = [k.split(":")[-2].strip("{}").removeprefix("rt:")
+               for k in client.scan_iter(match=f"{stack.keys.prefix}:{{rt:*}}:alive")]
+    os.kill(pid_of(worker), signal.SIGKILL)
+    for router in routers:
+        os.kill(pid_of(router), signal.SIGKILL)
+    client.close()
+
+
+def test_killing_a_worker_and_the_router_mid_stream_loses_and_repeats_nothing(stack):
+    prompts = [[100 + i, 2000 + i] for i in range(200)]
+
+    async def run():
+        limits = httpx.Limits(max_connections=250)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            chaos = asyncio.create_task(kill_a_worker_and_the_router(stack, 2.0))
+            results = await asyncio.gather(*(stream_one(client, stack.http, p) for p in prompts))
+            await chaos
+            return results
+
+    results = asyncio.run(run())
+    for prompt, tokens in zip(prompts, results):
+        assert tokens == expected_tokens(prompt[-1], NEW_TOKENS, VOCAB)
+    log = open(stack.log_path).read()
+    assert "worker" in log and "starting another" in log  # the kills happened mid-run
+
+
+def test_redis_restart_mid_load_leaves_no_request_hanging(stack, redis_server):
+    ids = []
+    for i in range(60):
+        body = {"inputs": [300 + i], "parameters": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+        ids.append(httpx.post(f"{stack.http}/v1/requests", json=body, timeout=30).json()["id"])
+    time.sleep(1.0)
+    port = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
+    redis_server.stop(keep_data=True)
+    time.sleep(2.0)
+    restarted = start_embedded_redis(port=port, appendonly=True, workdir=redis_server.workdir)
+    redis_server.process = restarted.process
+    deadline = time.monotonic() + 180
+    final = {}
+    while len(final) < len(ids) and time.monotonic() < deadline:
+        for request_id in ids:
+            if request_id in final:
+                continue
+            response = httpx.get(f"{stack.http}/v1/requests/{request_id}", timeout=10)
+            if response.status_code == 200 and response.json()["status"] not in ("queued", "running"):
+                final[request_id] = response.json()
+        time.sleep(0.5)
+    assert len(final) == len(ids), f"{len(ids) - len(final)} requests still not final after a Redis restart"
+    finished = [f for f in final.values() if f["status"] == "finished"]
+    assert all(f["output_tokens"] == NEW_TOKENS for f in finished)
+    assert len(finished) == len(ids)  # with append-only persistence nothing is lost

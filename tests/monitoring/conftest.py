@@ -1,0 +1,21 @@
+"""Monitoring fixtures: the producer tests' app, client, async Redis and fake worker."""
+
+from tests.producer.conftest import aredis, app, client, settings, tokenizer, worker  # noqa: F401
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def parse(text: str) -> dict[tuple[str, tuple], float]:
+    """Exposition text -> {(sample name, sorted labels): value}."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+@pytest.fixture
+def scrape(client):
+    async def scrape_once() -> dict[tuple[str, tuple], float]:
+        response = await client.get("/metrics")
+        assert response.status_code == 200
+        return parse(response.text)
+    return scrape_once

@@ -1,0 +1,51 @@
+"""/dashboard serves one self-contained page; /dashboard/data carries the /metrics numbers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from shared.schemas import WorkerLoad
+
+
+async def test_page_is_self_contained(client):
+    response = await client.get("/dashboard")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+    html = response.text
+    assert "dashboard/data" in html and "<svg" in html
+    # Nothing fetched from elsewhere: no external scripts, styles, fonts or images.
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
+    assert "http://" not in html.replace("http://www.w3.org/2000/svg", "") and "https://" not in html
+
+
+async def test_data_equals_metrics(client, scrape, worker, aredis, keys):
+    load = WorkerLoad(worker_id="w1", seq=1, ts_ms=1, max_total_tokens=2000, used_tokens=500,
+                      committed_tokens=700, num_running=3, num_waiting=1)
+    await aredis.zadd(keys.workers(), {"w1": 1})
+    await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
+    await aredis.xadd(keys.dead_letters(), {"msg": "x", "reason": "test"})
+    await client.post("/v1/requests", json={"inputs": [1, 2, 3], "parameters": {"max_new_tokens": 2}})
+    request = await worker.take()
+    await worker.generate(request, ["a", "b"])
+    await client.post("/v1/requests", json={"inputs": [4, 5], "parameters": {"max_new_tokens": 7}})
+
+    data = (await client.get("/dashboard/data")).json()
+    samples = await scrape()
+    assert data["queue"]["depth"] == samples[("lightq:ingress_queue_depth", ())] == 1
+    assert data["queue"]["prompt_tokens"] == samples[("lightq:queue_tokens", (("kind", "prompt"),))] == 2
+    assert data["queue"]["predicted_output_tokens"] == samples[("lightq:queue_tokens", (("kind", "predicted_output"),))]
+    assert data["backlog_gpu_seconds"] == pytest.approx(samples[("lightq:backlog_gpu_seconds", ())])
+    assert data["dead_letters"] == samples[("lightq:dead_letters", ())] == 1
+    assert data["live_workers"] == samples[("lightq:live_workers", ())] == 1
+    assert data["rates"]["generation_tokens_per_s"] == pytest.approx(
+        samples[("lightq:generation_tokens_per_second", ())])
+    assert data["totals"]["generation_tokens"] == samples[("lightq:generation_tokens_total", ())] == 2
+    [w1] = data["workers"]
+    assert w1["kv_usage"] == samples[("lightq:worker_kv_usage_ratio", (("worker", "w1"),))] == 0.25
+    assert (w1["running"], w1["waiting"], w1["max_total_tokens"]) == (3, 1, 2000)
+    statuses = {row["id"]: row for row in data["recent"]}
+    assert statuses[request.id]["status"] == "finished" and statuses[request.id]["output_tokens"] == 2
+    assert statuses[request.id]["ttft_s"] is not None
+    assert [row["status"] for row in data["recent"]] == ["queued", "finished"]  # newest first
+    assert data["history"] and data["history"][-1]["queue_depth"] == 1

@@ -1,0 +1,109 @@
+"""The router's and the worker's own endpoints (``--metrics_port``) against a real Redis."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+from prometheus_client import CollectorRegistry, generate_latest
+
+from router.metrics import MeteredRouter, RouterCollector, RouterMetrics
+from router.metrics import serve_metrics as serve_router_metrics
+from shared.config import RouterSettings
+from shared.embedded_redis import free_port
+from shared.keys import ROUTER_GROUP, WORKER_GROUP
+from shared.redis import ensure_group
+from tests.monitoring.conftest import parse
+from tests.router.helpers import publish_load, submit
+from worker.engine import EngineLimits, LoadSnapshot
+from worker.events import Ended, Started, Token
+from worker.metrics import MeteredEngine, WorkerCollector, WorkerMetrics
+from worker.metrics import serve_metrics as serve_worker_metrics
+
+
+def samples(registry: CollectorRegistry) -> dict:
+    return parse(generate_latest(registry).decode())
+
+
+def metered_router(redis_settings, rclient) -> MeteredRouter:
+    metrics = RouterMetrics("r1")
+    router = MeteredRouter(RouterSettings(redis=redis_settings, poll_ms=10, admission="conservative"),
+                           rclient, "r1", metrics=metrics)
+    metrics.registry.register(RouterCollector(router))
+    ensure_group(rclient, router.keys.requests(), ROUTER_GROUP)
+    return router
+
+
+def test_router_counts_dispatches_and_pauses_and_reports_its_queue(redis_settings, rclient, keys):
+    publish_load(rclient, keys, "w1", max_total=100, requests=[(30, 0, 20, 1)])
+    router = metered_router(redis_settings, rclient)
+    submit(rclient, keys, "q0", 10, 10)
+    submit(rclient, keys, "big", 40, 40)  # 80 > the 50 left after q0: waits at the head
+    submit(rclient, keys, "q2", 5, 5)
+    router.step()
+    router.step()
+    s, r1 = samples(router.metrics.registry), (("router", "r1"),)
+    assert s[("lightq:router_dispatches_total", r1)] == 1
+    assert s[("lightq:router_pauses_total", r1)] == 1
+    assert s[("lightq:router_dispatch_step_seconds_count", r1)] == 1
+    assert s[("lightq:router_queue_requests", r1)] == 2
+    assert s[("lightq:router_queue_tokens", (("kind", "prompt"), ("router", "r1")))] == 45
+    assert s[("lightq:router_reserved_tokens", (("router", "r1"), ("worker", "w1")))] == 20
+    assert s[("lightq:router_workers", (("router", "r1"), ("state", "live")))] == 1
+    # The worker's own batch, ignore_eos: 30 held + 20 to come at the peak.
+    assert s[("lightq:worker_estimated_peak_ratio", (("worker", "w1"),))] == 0.5
+    ingress = (("group", ROUTER_GROUP), ("stream", keys.requests()))
+    assert s[("lightq:stream_pending", ingress)] == 2 and s[("lightq:stream_lag", ingress)] == 0
+    assert s[("lightq:dead_letters", ())] == 0
+
+
+class StubEngine:
+    """What the collector and the wrapper read of ``worker.engine.Engine``."""
+
+    limits = EngineLimits(max_total_tokens=1000, batch_max_tokens=64, running_max_req_size=8)
+    has_work = True
+
+    def __init__(self, events):
+        self.events = events
+
+    def snapshot(self) -> LoadSnapshot:
+        return LoadSnapshot(used_tokens=400, committed_tokens=600, num_running=2, num_waiting=5)
+
+    def step(self):
+        return self.events
+
+
+def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys):
+    events = [Started("a", [1, 2, 3], [7]), Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length"),
+              Ended("c", "cancelled", "cancelled", 2)]
+    metrics, engine = WorkerMetrics("w1"), StubEngine(events)
+    metrics.registry.register(WorkerCollector(engine, rclient, keys, "w1"))
+    metered = MeteredEngine(engine, metrics)
+    assert metered.step() == events and metered.has_work and metered.limits is engine.limits
+    ensure_group(rclient, keys.inbox("w1"), WORKER_GROUP)
+    rclient.xadd(keys.inbox("w1"), {"msg": "x"})
+    s, w1 = samples(metrics.registry), (("worker", "w1"),)
+    assert s[("lightq:worker_generation_tokens_total", w1)] == 2
+    assert s[("lightq:worker_prompt_tokens_total", w1)] == 4
+    assert s[("lightq:worker_requests_ended_total", (("reason", "length"), ("worker", "w1")))] == 1
+    assert s[("lightq:worker_requests_ended_total", (("reason", "cancelled"), ("worker", "w1")))] == 1
+    assert s[("lightq:worker_step_seconds_count", w1)] == 1
+    assert s[("lightq:worker_kv_usage_ratio", w1)] == 0.4
+    assert (s[("lightq:worker_running_requests", w1)], s[("lightq:worker_waiting_requests", w1)]) == (2, 5)
+    assert s[("lightq:stream_lag", (("group", WORKER_GROUP), ("stream", keys.inbox("w1"))))] == 1
+
+
+def test_metrics_port_zero_is_off_and_a_taken_port_moves_up():
+    registry = CollectorRegistry()
+    assert serve_router_metrics(registry, 0) is None and serve_worker_metrics(registry, 0) is None
+    port = free_port()
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", port))
+    taken.listen()
+    server = serve_worker_metrics(registry, port)
+    try:
+        assert server.server_port > port
+        assert httpx.get(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5).status_code == 200
+    finally:
+        server.shutdown()
+        taken.close()

@@ -1,0 +1,128 @@
+"""The worker's Prometheus endpoint (``--metrics_port``): its batch, pool and tokens.
+
+Gauges are read when scraped, on the HTTP server's thread, from the
+engine's public state (``snapshot()``, ``limits``, ``requests()``: the same
+reads the heartbeat thread makes) and from Redis (the inbox group).
+Counters come from ``MeteredEngine``, which wraps ``Engine.step`` and
+counts the events it returns; every other attribute is the engine's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from wsgiref.simple_server import WSGIServer
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shared.keys import WORKER_GROUP, Keys
+from worker.engine import Engine
+from worker.events import Ended, Event, Started, Token
+
+log = logging.getLogger("lightq.worker")
+PORT_TRIES = 64
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class WorkerMetrics:
+    def __init__(self, worker_id: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg, worker = self.registry, {"worker": worker_id}
+        self.generation_tokens = Counter("lightq:worker_generation_tokens", "output tokens sampled",
+                                         ["worker"], registry=reg).labels(**worker)
+        self.prompt_tokens = Counter("lightq:worker_prompt_tokens", "tokens prefilled (prompt + resumed output)",
+                                     ["worker"], registry=reg).labels(**worker)
+        self.ended = Counter("lightq:worker_requests_ended", "requests that ended here, by finish reason",
+                             ["worker", "reason"], registry=reg)
+        self.step_time = Histogram("lightq:worker_step_seconds", "one engine step (prefill chunk + decode)",
+                                   ["worker"], buckets=STEP_BUCKETS, registry=reg).labels(**worker)
+        self.worker_id = worker_id
+
+    def count(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, Token):
+                self.generation_tokens.inc()
+                if event.finish_reason is not None:
+                    self.ended.labels(worker=self.worker_id, reason=event.finish_reason).inc()
+            elif isinstance(event, Started):
+                self.prompt_tokens.inc(len(event.prompt_ids) + len(event.resume_ids))
+            elif isinstance(event, Ended):
+                self.ended.labels(worker=self.worker_id, reason=event.reason).inc()
+
+
+class MeteredEngine:
+    """``Engine`` with its steps timed and their events counted; a pass-through otherwise."""
+
+    def __init__(self, engine: Engine, metrics: WorkerMetrics):
+        self._engine = engine
+        self._metrics = metrics
+
+    def step(self) -> list[Event]:
+        start = time.perf_counter()
+        events = self._engine.step()
+        self._metrics.step_time.observe(time.perf_counter() - start)
+        self._metrics.count(events)
+        return events
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+class WorkerCollector(Collector):
+    def __init__(self, engine: Engine, client: redis.Redis, keys: Keys, worker_id: str):
+        self.engine = engine
+        self.client = client
+        self.keys = keys
+        self.worker_id = worker_id
+
+    def collect(self) -> Iterable[Metric]:
+        snap, limits, w = self.engine.snapshot(), self.engine.limits, [self.worker_id]
+        pool = limits.max_total_tokens
+        yield _gauge("lightq:worker_running_requests", "requests in the running batch", w, snap.num_running)
+        yield _gauge("lightq:worker_waiting_requests", "requests taken in, not yet admitted to the batch", w,
+                     snap.num_waiting)
+        yield _gauge("lightq:worker_used_tokens", "KV pool tokens holding a request's K/V", w, snap.used_tokens)
+        yield _gauge("lightq:worker_committed_tokens", "prompt + max_new_tokens over running and waiting "
+                     "requests", w, snap.committed_tokens)
+        yield _gauge("lightq:worker_max_total_tokens", "KV pool size in tokens", w, pool)
+        yield _gauge("lightq:worker_kv_usage_ratio", "KV pool tokens in use / pool size", w,
+                     snap.used_tokens / pool if pool else 0.0)
+        yield from self._inbox()
+
+    def _inbox(self) -> Iterable[Metric]:
+        stream = self.keys.inbox(self.worker_id)
+        try:
+            groups = self.client.xinfo_groups(stream)
+        except redis.ResponseError:  # no inbox yet
+            groups = []
+        info = next((g for g in groups if g["name"] == WORKER_GROUP), None)
+        labels = ["stream", "group"]
+        yield _gauge("lightq:stream_lag", "entries never delivered to the group", [stream, WORKER_GROUP],
+                     int(info["lag"] or 0) if info else 0, labels)
+        yield _gauge("lightq:stream_pending", "entries delivered, not acknowledged", [stream, WORKER_GROUP],
+                     int(info["pending"]) if info else 0, labels)
+
+
+def _gauge(name: str, doc: str, label_values: list[str], value: float, labels: list[str] | None = None) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=labels or ["worker"])
+    family.add_metric(label_values, value)
+    return family
+
+
+def serve_metrics(registry: CollectorRegistry, port: int) -> WSGIServer | None:
+    """Serve ``registry`` on ``port``, or the next free port above it (several workers on one
+    host given one port); None when ``port`` is 0."""
+    if not port:
+        return None
+    for candidate in range(port, min(port + PORT_TRIES, 65536)):
+        try:
+            server, _thread = start_http_server(candidate, registry=registry)
+        except OSError:
+            continue
+        log.info("metrics on :%d/metrics", candidate)
+        return server
+    raise OSError(f"no free metrics port in {port}..{port + PORT_TRIES - 1}")
