@@ -1,0 +1,119 @@
+"""The dashboard in a real headless browser (Debian's chromium, driven by Playwright)
+against a running ``lightq serve``: the numbers on the page equal what /metrics says.
+
+Needs ``apt-get install -y chromium`` (skipped, saying so, where /usr/bin/chromium
+is absent). Playwright's own browser download is never used: it drives the
+system chromium through ``executable_path``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from shared.embedded_redis import free_port
+from tests.integration.stack import start_stack
+from tests.monitoring.conftest import parse
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is absent: apt-get install -y chromium"),
+]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, redis_url):
+    metrics_port = free_port()
+    log = str(tmp_path_factory.mktemp("dashboard") / "serve.log")
+    stack = start_stack(log, redis_url=redis_url, prefix=f"lightq-dash-{os.getpid()}", workers=2,
+                        extra=["--model_dir", "counting", "--max_total_token_num", "4096",
+                               "--metrics_port", str(metrics_port)])
+    stack.metrics_port = metrics_port
+    yield stack
+    client = stack.client()
+    try:
+        assert stack.stop() == 0, open(log).read()[-3000:]
+    finally:
+        leftovers = list(client.scan_iter(match=f"{stack.keys.prefix}:*", count=1000))
+        if leftovers:
+            client.delete(*leftovers)
+        client.close()
+
+
+def scrape(url: str) -> dict:
+    return parse(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def wait_idle(stack, num_requests: int) -> dict:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        samples = scrape(stack.http)
+        ended = samples.get(("lightq:requests_ended_total", (("status", "finished"),)), 0)
+        if ended == num_requests and samples[("lightq:ingress_queue_depth", ())] == 0:
+            return samples
+        time.sleep(0.3)
+    raise AssertionError("requests did not finish")
+
+
+def test_router_and_workers_serve_their_own_metrics(stack):
+    bodies = []
+    for port in range(stack.metrics_port, stack.metrics_port + 16):
+        try:
+            bodies.append(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text)
+        except httpx.HTTPError:
+            continue
+    assert sum("lightq:router_dispatches_total" in b for b in bodies) == 1
+    assert sum("lightq:worker_kv_usage_ratio{" in b and "lightq:worker_step_seconds" in b for b in bodies) == 2
+
+
+def test_page_shows_what_metrics_says(stack, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    lengths = [3, 5, 8, 4, 6, 7]
+    for n in lengths:
+        body = {"inputs": [11, 12, 13], "parameters": {"max_new_tokens": n, "ignore_eos": True}}
+        assert httpx.post(f"{stack.http}/generate", json=body, timeout=60).status_code == 200
+    client = stack.client()
+    client.xadd(stack.keys.dead_letters(), {"msg": "{}", "reason": "test"})
+    client.close()
+    wait_idle(stack, len(lengths))
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.goto(f"{stack.http}/dashboard")
+            page.wait_for_function("document.querySelectorAll('#recent tr').length >= 6 && "
+                                   "document.querySelectorAll('#workers tr').length == 2", timeout=20_000)
+            shown = {name: page.inner_text(f"#{name}") for name in
+                     ("queue-depth", "queue-tokens", "dead-letters", "live-workers", "generation-tokens",
+                      "generation-rate", "drain-rate", "backlog")}
+            workers = page.eval_on_selector_all("#workers tr", "rows => rows.map(r => [r.dataset.worker, "
+                                                "r.querySelector('.pct').textContent, r.querySelector('.tokens').textContent])")
+            statuses = page.eval_on_selector_all("#recent tr", "rows => rows.map(r => r.cells[1].textContent)")
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        finally:
+            browser.close()
+    samples = scrape(stack.http)
+
+    assert shown["queue-depth"] == f"{samples[('lightq:ingress_queue_depth', ())]:.0f}" == "0"
+    assert shown["dead-letters"] == f"{samples[('lightq:dead_letters', ())]:.0f}" == "1"
+    assert shown["live-workers"] == f"{samples[('lightq:live_workers', ())]:.0f}" == "2"
+    assert shown["generation-tokens"] == f"{samples[('lightq:generation_tokens_total', ())]:.0f}" == str(sum(lengths))
+    assert shown["generation-rate"] == f"{samples[('lightq:generation_tokens_per_second', ())]:.2f}"
+    assert shown["drain-rate"] == f"{samples[('lightq:queue_drain_requests_per_second', ())]:.2f}"
+    assert shown["backlog"] == f"{samples[('lightq:backlog_gpu_seconds', ())]:.2f}"
+    queued = sum(samples[("lightq:queue_tokens", (("kind", kind),))] for kind in ("prompt", "predicted_output"))
+    assert shown["queue-tokens"] == f"{queued:.0f}"
+    for worker, pct, tokens in workers:
+        label = (("worker", worker),)
+        assert pct == f"{100 * samples[('lightq:worker_kv_usage_ratio', label)]:.1f}%"
+        assert tokens == (f"{samples[('lightq:worker_used_tokens', label)]:.0f} / "
+                          f"{samples[('lightq:worker_max_total_tokens', label)]:.0f}")
+    assert statuses.count("finished") == samples[("lightq:requests_ended_total", (("status", "finished"),))]
