@@ -8,10 +8,11 @@ import argparse
 import sys
 
 from shared.flags import add_flags, build, given
-from shared.config import ProducerSettings, RouterSettings, WorkerSettings
+from shared.config import ProducerSettings, RedisSettings, RouterSettings, RqWorkerSettings, WorkerSettings
 from shared.service import setup_logging
 
-SERVICES = {"producer": ProducerSettings, "router": RouterSettings, "worker": WorkerSettings}
+SERVICES = {"producer": ProducerSettings, "router": RouterSettings, "worker": WorkerSettings,
+            "rq-worker": RqWorkerSettings}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,6 +26,13 @@ def parser() -> argparse.ArgumentParser:
     from lightq.top import add_arguments as add_top_arguments
 
     add_top_arguments(sub.add_parser("top", help="live view of the queue and each worker (--once: one snapshot)"))
+    from lightq.batch import add_arguments as add_batch_arguments
+
+    add_batch_arguments(sub.add_parser("batch", help="submit a JSONL batch file and follow it (progress bar)"))
+    dead = sub.add_parser("dead-letters", help="list dead-lettered requests, or requeue them")
+    dead.add_argument("action", choices=["list", "requeue"], help="requeue: give entries fresh attempts")
+    dead.add_argument("entry_ids", nargs="*", help="dead-letter entry ids to requeue (default: all)")
+    add_flags(dead, RedisSettings)
     return top
 
 
@@ -36,6 +44,16 @@ def main(argv: list[str] | None = None) -> None:
         from lightq.top import run as run_top
 
         sys.exit(run_top(flags))
+    if command == "dead-letters":
+        from lightq.dead_letters import main as dead_letters
+
+        action, entry_ids = flags.pop("action"), flags.pop("entry_ids", [])
+        dead_letters(build(RedisSettings, flags), action, entry_ids)
+        return
+    if command == "batch":
+        from lightq.batch import run as run_batch
+
+        sys.exit(run_batch(flags))
     if command == "serve":
         from lightq.launcher import serve
 
@@ -49,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         from producer.main import run
     elif command == "router":
         from router.main import run
+    elif command == "rq-worker":
+        from lightq.rq_worker import run
     else:
         from worker.main import run
     run(settings)

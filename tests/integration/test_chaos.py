@@ -34,7 +34,8 @@ def redis_server():
 def stack(redis_server, tmp_path):
     stack = start_stack(str(tmp_path / "serve.log"), redis_url=redis_server.url, prefix="lightq-chaos", workers=3,
                         extra=["--model_dir", "counting", "--max_total_token_num", "60000",
-                               "--max_req_total_len", "1024", "--liveness_ttl_s", "1.5"])
+                               "--max_req_total_len", "1024", "--liveness_ttl_s", "1.5",
+                               "--drain_timeout", "2"])
     yield stack
     stack.stop()
 
@@ -110,3 +111,29 @@ def test_redis_restart_mid_load_leaves_no_request_hanging(stack, redis_server):
     finished = [f for f in final.values() if f["status"] == "finished"]
     assert all(f["output_tokens"] == NEW_TOKENS for f in finished)
     assert len(finished) == len(ids)  # with append-only persistence nothing is lost
+
+
+def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
+    ids, prompts = [], []
+    for i in range(40):
+        prompts.append([500 + i])
+        body = {"inputs": prompts[-1], "parameters": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+        ids.append(httpx.post(f"{stack.http}/v1/requests", json=body, timeout=30).json()["id"])
+    time.sleep(1.0)
+    victim = sorted(stack.live_workers())[0]
+    os.kill(pid_of(victim), signal.SIGTERM)
+    finals = []
+    for request_id in ids:
+        deadline = time.monotonic() + 120
+        while (status := httpx.get(f"{stack.http}/v1/requests/{request_id}", timeout=10).json())["status"] in (
+                "queued", "running"):
+            assert time.monotonic() < deadline, status
+            time.sleep(0.2)
+        finals.append(status)
+    assert all(f["status"] == "finished" and f["output_tokens"] == NEW_TOKENS for f in finals)
+    deadline = time.monotonic() + 20
+    while f"(pid {pid_of(victim)}) exited with 0" not in (log := open(stack.log_path).read()):
+        assert time.monotonic() < deadline, "a drained worker must exit with 0"
+        time.sleep(0.5)
+    assert f"worker {victim} draining" in log
+    assert f"worker {victim} handed" in log  # 2 s is too short for 200 tokens: the rest went back

@@ -1,0 +1,63 @@
+"""``lightq dead-letters``: list the dead-letter stream, or send entries back.
+
+A dead letter is a request whose workers died ``max_attempts`` times (or an
+unreadable ingress entry). Requeueing one gives it fresh attempts: its status
+goes back to ``queued``, its terminal error chunk is removed (so readers
+resume at the same index), and it re-enters the ingress stream with the
+tokens it already emitted, continuing where it stopped.
+"""
+
+from __future__ import annotations
+
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from shared.codec import FIELD, decode, entry
+from shared.config import RedisSettings
+from shared.keys import Keys
+from shared.request_log import emitted_chunks
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+
+
+def list_dead(client: redis.Redis, keys: Keys) -> list[tuple[str, dict]]:
+    return client.xrange(keys.dead_letters())
+
+
+def requeue_dead(client: redis.Redis, keys: Keys, entry_ids: list[str], ttl_s: int) -> int:
+    """Requeue the given dead-letter entries (all when empty); returns how many went back."""
+    count = 0
+    for entry_id, fields in list_dead(client, keys):
+        if (entry_ids and entry_id not in entry_ids) or FIELD not in fields:
+            continue
+        request = decode(GenerateRequest, fields[FIELD])
+        tokens = [c.token_id for c in emitted_chunks(client, keys, request.id) if c.token_id is not None]
+        terminal = [i for i, f in client.xrange(keys.chunks(request.id))
+                    if decode(TokenChunk, f[FIELD]).token_id is None]
+        pipe = client.pipeline(transaction=True)
+        if terminal:
+            pipe.xdel(keys.chunks(request.id), *terminal)
+        pipe.hdel(keys.meta(request.id), "error", "finish_reason", "finished_ms", "worker")
+        pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, attempt=0))
+        for key in keys.all_request_keys(request.id):
+            pipe.expire(key, ttl_s)
+        pipe.xadd(keys.requests(), entry(request.model_copy(update={"attempt": 0, "resume_ids": tokens})))
+        pipe.xdel(keys.dead_letters(), entry_id)
+        pipe.execute()
+        count += 1
+    return count
+
+
+def main(settings: RedisSettings, action: str, entry_ids: list[str]) -> None:
+    client = redis.Redis.from_url(settings.url, decode_responses=True)
+    keys = Keys(settings.key_prefix)
+    console = Console()
+    if action == "requeue":
+        console.print(f"requeued {requeue_dead(client, keys, entry_ids, settings.request_ttl_s)} dead letter(s)")
+        return
+    table = Table("entry", "request", "attempts", "prompt tokens", "reason")
+    for entry_id, fields in list_dead(client, keys):
+        request = decode(GenerateRequest, fields[FIELD]) if FIELD in fields else None
+        table.add_row(entry_id, request.id if request else "-", str(request.attempt + 1) if request else "-",
+                      str(len(request.prompt_ids)) if request else "-", fields.get("reason", ""))
+    console.print(table)

@@ -1,0 +1,44 @@
+"""``lightq dead-letters``: list and requeue against a real Redis."""
+
+import subprocess
+import sys
+
+from lightq.dead_letters import requeue_dead
+from router.loop import Router
+from shared.codec import from_entry
+from shared.config import RouterSettings
+from shared.request_log import append_chunk
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from tests.router.helpers import publish_load, submit
+
+
+def dead_letter_one(redis_settings, rclient, keys) -> None:
+    router = Router(RouterSettings(redis=redis_settings, poll_ms=10, max_attempts=1), rclient, "r1")
+    submit(rclient, keys, "p")
+    publish_load(rclient, keys, "w1")
+    router.step()
+    router.step()
+    pipe = rclient.pipeline()
+    append_chunk(pipe, keys, TokenChunk(request_id="p", index=0, token_id=42, text="x"))
+    pipe.execute()
+    rclient.delete(keys.load("w1"))
+    router.step()
+
+
+def test_requeue_gives_fresh_attempts_and_keeps_emitted_tokens(redis_settings, rclient, keys):
+    dead_letter_one(redis_settings, rclient, keys)
+    assert RequestMeta.from_hash(rclient.hgetall(keys.meta("p"))).status is RequestStatus.FAILED
+    assert requeue_dead(rclient, keys, [], ttl_s=60) == 1
+    assert rclient.xlen(keys.dead_letters()) == 0
+    meta = RequestMeta.from_hash(rclient.hgetall(keys.meta("p")))
+    assert meta.status is RequestStatus.QUEUED and meta.error is None
+    again = from_entry(GenerateRequest, rclient.xrange(keys.requests())[-1][1])
+    assert again.attempt == 0 and again.resume_ids == [42]
+    assert all(from_entry(TokenChunk, f).token_id is not None for _, f in rclient.xrange(keys.chunks("p")))
+
+
+def test_cli_lists_dead_letters(redis_settings, rclient, keys):
+    dead_letter_one(redis_settings, rclient, keys)
+    out = subprocess.run([sys.executable, "-m", "lightq.cli", "dead-letters", "list", "--redis_url", redis_settings.url,
+                          "--redis_key_prefix", redis_settings.key_prefix], capture_output=True, text=True, check=True)
+    assert "p" in out.stdout and "died" in out.stdout
