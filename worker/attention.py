@@ -17,7 +17,8 @@ from worker.kv_cache import KVCache
 
 class AttentionBackend(Protocol):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, alibi_slopes: torch.Tensor | None = None,
+                window: int | None = None) -> torch.Tensor:
         """Store this step's K/V, then attend.
 
         q: [T, Hq, D]; k, v: [T, Hkv, D] (rotary already applied). Writes k, v
@@ -25,8 +26,31 @@ class AttentionBackend(Protocol):
         attends its new queries over its first ``seq_lens[b]`` pool tokens read
         through ``req_table``, causally (query i of b sees positions
         <= cached_lens[b] + i). Returns [T, Hq, D].
+
+        Position rules (see ``position_scores``), both model constants:
+        alibi_slopes [Hq] fp32 adds ALiBi's ``slope[h] * (key_pos - query_pos)``
+        to the scaled scores (BLOOM); window W hides keys with
+        ``key_pos <= query_pos - W`` (Mistral's sliding window).
         """
         ...
+
+
+def position_scores(scores: torch.Tensor, rel: torch.Tensor, alibi_slopes: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
+    """The one statement of the position rules, shared by this backend and the kernels' references.
+
+    scores [Q, Hq, L] fp32, already scaled; rel [Q, L] = key position - query
+    position. Adds ALiBi ``slope[h] * rel`` (<= 0 where visible: the same
+    softmax as BLOOM's ``slope * key_pos``, as softmax ignores a per-row
+    shift, but small at any context length), and sets -inf where the key is in
+    the future (rel > 0) or has left the window (rel <= -window).
+    """
+    if alibi_slopes is not None:
+        scores = scores + alibi_slopes.float()[None, :, None] * rel[:, None, :].float()
+    hidden = rel > 0
+    if window is not None:
+        hidden = hidden | (rel <= -window)
+    return scores.masked_fill(hidden[:, None, :], float("-inf"))
 
 
 class TorchAttention:
@@ -42,37 +66,48 @@ class TorchAttention:
         self.cache = cache
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, alibi_slopes: torch.Tensor | None = None,
+                window: int | None = None) -> torch.Tensor:
         buf = self.cache.buffer[layer]  # [S+1, 2Hkv, D]
         buf[batch.out_slots.long()] = torch.cat((k, v), dim=1).to(buf.dtype)
+        rules = dict(alibi_slopes=alibi_slopes, window=window)
         if batch.is_decode:
-            return self._decode(buf, q, batch)
-        return self._prefill(buf, q, batch)
+            return self._decode(buf, q, batch, rules)
+        return self._prefill(buf, q, batch, rules)
 
     def _split_kv(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hkv = self.cache.num_kv_heads
         return kv[..., :hkv, :].float(), kv[..., hkv:, :].float()
 
-    def _decode(self, buf: torch.Tensor, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _probs(self, q: torch.Tensor, keys: torch.Tensor, rel: torch.Tensor, rules: dict) -> torch.Tensor:
+        """Softmax [Q, Hq, L] of queries q [Q, Hq, D] over keys [Q, L, Hkv, D] (each its
+        own) or [L, Hkv, D] (shared by all; no per-query copy)."""
+        Q, Hq, D = q.shape
+        hkv = keys.shape[-2]
+        qg = q.float().view(Q, hkv, Hq // hkv, D)  # [Q, Hkv, G, D]
+        scores = torch.einsum(f"qhgd,{_kv_dims(keys)}->qhgl", qg, keys) / math.sqrt(D)
+        return torch.softmax(position_scores(scores.reshape(Q, Hq, -1), rel, **rules), dim=-1)
+
+    def _weighted(self, probs: torch.Tensor, values: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """probs [Q, Hq, L] x values [Q, L, Hkv, D] or [L, Hkv, D] -> [Q, Hq, D]."""
+        Q, Hq, L = probs.shape
+        hkv = values.shape[-2]
+        pg = probs.view(Q, hkv, Hq // hkv, L)  # [Q, Hkv, G, L]
+        out = torch.einsum(f"qhgl,{_kv_dims(values)}->qhgd", pg, values)
+        return out.reshape(Q, Hq, -1).to(out_dtype)
+
+    def _decode(self, buf: torch.Tensor, q: torch.Tensor, batch: ForwardBatch, rules: dict) -> torch.Tensor:
         """One query per request: all requests at once, keys padded to max_seq_len."""
-        B, Hq, D = q.shape  # T == B
-        hkv = self.cache.num_kv_heads
         L = batch.max_seq_len
         slots = batch.req_table[batch.req_rows.long(), :L].long()  # [B, L]
         keys, values = self._split_kv(buf[slots])  # [B, L, Hkv, D] each
-        valid = torch.arange(L, device=q.device)[None, :] < batch.seq_lens[:, None]  # [B, L]
-        values = values.masked_fill(~valid[:, :, None, None], 0.0)
-        qg = q.float().view(B, hkv, Hq // hkv, D)  # [B, Hkv, G, D]
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) / math.sqrt(D)
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bhgl,blhd->bhgd", probs, values)  # [B, Hkv, G, D]
-        return out.reshape(B, Hq, D).to(q.dtype)
+        # The query sits at seq_len - 1, so padding past seq_len has rel > 0: hidden.
+        rel = torch.arange(L, device=q.device)[None, :] - (batch.seq_lens[:, None] - 1)  # [B, L]
+        values = values.masked_fill((rel > 0)[:, :, None, None], 0.0)
+        return self._weighted(self._probs(q, keys, rel, rules), values, q.dtype)
 
-    def _prefill(self, buf: torch.Tensor, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _prefill(self, buf: torch.Tensor, q: torch.Tensor, batch: ForwardBatch, rules: dict) -> torch.Tensor:
         """A loop over requests: each attends its q_lens[b] queries causally."""
-        T, Hq, D = q.shape
-        hkv = self.cache.num_kv_heads
         out = torch.empty_like(q)
         rows = batch.req_rows.tolist()
         starts, lens = batch.q_starts.tolist(), batch.q_lens.tolist()
@@ -80,14 +115,14 @@ class TorchAttention:
         for row, s, n, c, L in zip(rows, starts, lens, cached, seqs):
             slots = batch.req_table[row, :L].long()  # [L]
             keys, values = self._split_kv(buf[slots])  # [L, Hkv, D] each
-            qg = q[s:s + n].float().view(n, hkv, Hq // hkv, D)  # [n, Hkv, G, D]
-            scores = torch.einsum("nhgd,lhd->hgnl", qg, keys) / math.sqrt(D)
-            # query i sits at position c + i and sees keys at positions <= c + i
-            future = torch.arange(L, device=q.device)[None, :] > (c + torch.arange(n, device=q.device))[:, None]
-            scores = scores.masked_fill(future, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            out[s:s + n] = torch.einsum("hgnl,lhd->nhgd", probs, values).reshape(n, Hq, D).to(q.dtype)
+            # query i sits at position c + i
+            rel = torch.arange(L, device=q.device)[None, :] - (c + torch.arange(n, device=q.device))[:, None]
+            out[s:s + n] = self._weighted(self._probs(q[s:s + n], keys, rel, rules), values, q.dtype)
         return out
+
+
+def _kv_dims(kv: torch.Tensor) -> str:
+    return "qlhd" if kv.dim() == 4 else "lhd"
 
 
 def make_backend(cache: KVCache, device: torch.device | str) -> AttentionBackend:

@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family decoder, numerically matching transformers.
+"""Building blocks of lightq's decoders (Llama family, BLOOM), numerically matching transformers.
 
 Parameters are allocated uninitialised (``torch.empty``) on the target device
 and dtype, never on CPU first: a checkpoint or the dummy initialiser fills
@@ -7,6 +7,8 @@ No autograd: parameters have ``requires_grad=False``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,20 @@ class RMSNorm(nn.Module):
         from worker.kernels.rmsnorm import rmsnorm
 
         return rmsnorm(x.contiguous(), self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / std * weight + bias over the last dim: F.layer_norm, as
+    transformers' nn.LayerNorm (the statistics are fp32 inside on CUDA too)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden_size, dtype=dtype, device=device)
+        self.bias = _param(hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -152,3 +168,15 @@ def rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     half = cos.shape[-1] // 2
     rotary_embedding(q, k, cos[:, 0, :half].contiguous(), sin[:, 0, :half].contiguous())
     return q, k
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes [num_heads] fp32 (Press et al.; BLOOM's exact values).
+
+    For a power of two n: 2^(-8/n), 2^(-16/n), ... For other n, the slopes
+    of the next lower power of two, then every other slope of twice that.
+    """
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * i / closest) for i in range(1, closest + 1)]
+    extra = [2.0 ** (-4.0 * i / closest) for i in range(1, 2 * (num_heads - closest), 2)]
+    return torch.tensor(slopes + extra, dtype=torch.float32)

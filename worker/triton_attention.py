@@ -34,7 +34,8 @@ class TritonAttention:
         self.sm_scale = sm_scale  # None: 1 / sqrt(D)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, alibi_slopes: torch.Tensor | None = None,
+                window: int | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; see AttentionBackend.forward."""
         pool = self.kv_cache.buffer[layer]  # [num_slots + 1, 2 * Hkv, D]
         num_kv_heads = pool.shape[1] // 2
@@ -45,9 +46,9 @@ class TritonAttention:
         if batch.is_decode:
             # q_lens == 1, so token b is request b's query: q is [B, Hq, D].
             decode_attention(q, k_cache, v_cache, o, batch.req_rows, batch.seq_lens, batch.req_table,
-                             batch.max_seq_len, sm_scale=self.sm_scale)
+                             batch.max_seq_len, sm_scale=self.sm_scale, alibi_slopes=alibi_slopes, window=window)
         else:
             context_attention(q, k_cache, v_cache, o, batch.q_starts, batch.q_lens, batch.cached_lens,
                               batch.seq_lens, batch.req_rows, batch.req_table, batch.max_q_len,
-                              sm_scale=self.sm_scale)
+                              sm_scale=self.sm_scale, alibi_slopes=alibi_slopes, window=window)
         return o

@@ -16,6 +16,12 @@ derived from them, num_splits and split_len. Everything per request
 stays valid while every seq_lens[b] <= the max_seq_len it was captured with.
 A longer request would silently lose its tail (stage 2 clamps to num_splits
 rather than read out of bounds), so capture at the longest allowed context.
+
+Position rules (worker.attention.position_scores), constexpr switches so the
+Llama path compiles as before: ALiBi adds slope[h] * (key_pos - query_pos),
+the query sitting at seq_len - 1 (BLOOM); a sliding window W keeps only the
+last W positions, so stage 1 starts at seq_len - W and splits wholly before
+it exit at once, and stage 2 merges only the splits from there on (Mistral).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from worker.attention import position_scores
+from worker.kernels.context_attention import check_position_rules
 
 LOG2E = 1.4426950408889634
 # Split choice and tiles from a sweep on an H200 (Llama-3-8B shapes, bf16, CUDA graphs):
@@ -39,20 +48,23 @@ DEFAULT_BLOCK_N = 128
 @triton.jit
 def _decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr, req_rows_ptr, seq_lens_ptr, table_ptr, part_o_ptr, part_lse_ptr,
-    qk_scale, split_len,
+    qk_scale, split_len, slopes_ptr, window,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     split_start = s * split_len
-    # Grid sized for max_seq_len: splits past this request's end have no work.
-    if split_start >= seq_len:
-        return
     split_end = tl.minimum(split_start + split_len, seq_len)
+    if HAS_WINDOW:
+        split_start = tl.maximum(split_start, seq_len - window)  # positions before it left the window
+    # Grid sized for max_seq_len: splits past this request's end (or before its window) have no work.
+    if split_start >= split_end:
+        return
     row = tl.load(req_rows_ptr + b).to(tl.int64)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -61,6 +73,9 @@ def _decode_stage1_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None], other=0.0)  # [BLOCK_H, D]
+    if HAS_ALIBI:
+        # log2 units, as qk_scale; padding rows get slope 0 (their output is never stored).
+        slopes = tl.load(slopes_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634  # [BLOCK_H]
 
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -73,6 +88,8 @@ def _decode_stage1_kernel(
         k = tl.load(k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None],
                     mask=n_mask[None, :], other=0.0)  # [D, BLOCK_N]
         qk = tl.dot(q, k) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        if HAS_ALIBI:
+            qk += slopes[:, None] * (offs_n - (seq_len - 1)).to(tl.float32)[None, :]
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -91,9 +108,9 @@ def _decode_stage1_kernel(
 
 @triton.jit
 def _decode_stage2_kernel(
-    part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, split_len, num_splits,
+    part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, split_len, num_splits, window,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -102,6 +119,8 @@ def _decode_stage2_kernel(
     num_used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < num_used
+    if HAS_WINDOW:
+        s_mask = s_mask & (offs_s >= tl.maximum(seq_len - window, 0) // split_len)
     offs_d = tl.arange(0, HEAD_DIM)
     lse = tl.load(part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
                   mask=s_mask, other=float("-inf"))  # [BLOCK_S]
@@ -159,13 +178,16 @@ def _check_inputs(q, k_cache, v_cache, o, req_rows, seq_lens, req_table) -> None
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
                      req_rows: torch.Tensor, seq_lens: torch.Tensor, req_table: torch.Tensor,
                      max_seq_len: int, sm_scale: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None, window: int | None = None,
                      num_splits: int | None = None, block_n: int = DEFAULT_BLOCK_N) -> None:
     """o[B, Hq, D] = attention of request b's one query over its first seq_lens[b] pool tokens.
 
     k_cache / v_cache: [S, Hkv, D] views of one pool layer. max_seq_len (host
     int, >= every seq_lens[b]) sizes the split grid; no host sync happens here.
+    alibi_slopes [Hq] fp32 / window: the position rules, None for none.
     """
     _check_inputs(q, k_cache, v_cache, o, req_rows, seq_lens, req_table)
+    check_position_rules(q, alibi_slopes, window)
     batch, num_heads, head_dim = q.shape  # q: [B, Hq, D]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -179,22 +201,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
+        # Without ALiBi, q stands in for the slopes pointer: never read, but a tensor either way.
         q, k_cache, v_cache, req_rows, seq_lens, req_table, part_o, part_lse, scale * LOG2E, split_len,
+        q if alibi_slopes is None else alibi_slopes, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_table.stride(0), *part_o.stride()[:3], *part_lse.stride()[:2],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        **stage1_config(head_dim),
+        HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=window is not None, **stage1_config(head_dim),
     )
     _decode_stage2_kernel[(batch, num_heads)](
-        part_o, part_lse, seq_lens, o, split_len, num_splits,
+        part_o, part_lse, seq_lens, o, split_len, num_splits, window or 0,
         *part_o.stride()[:3], *part_lse.stride()[:2], o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), HAS_WINDOW=window is not None,
+        num_warps=4,
     )
 
 
-def decode_attention_ref(q, k_cache, v_cache, req_rows, seq_lens, req_table,
-                         sm_scale: float | None = None) -> torch.Tensor:
-    """Plain PyTorch in fp32, one request at a time. Returns [B, Hq, D] in q's dtype."""
+def decode_attention_ref(q, k_cache, v_cache, req_rows, seq_lens, req_table, sm_scale: float | None = None,
+                         alibi_slopes: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Plain PyTorch in fp32, one request at a time. Returns [B, Hq, D] in q's dtype.
+    ALiBi and the window: worker.attention.position_scores, as the model tests check it."""
     batch, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -203,6 +229,9 @@ def decode_attention_ref(q, k_cache, v_cache, req_rows, seq_lens, req_table,
         slots = req_table[int(req_rows[b]), :int(seq_lens[b])].long()
         k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [seq, Hq, D]
         v = v_cache[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,khd->hk", q[b].float(), k) * scale  # [Hq, seq]
-        out[b] = torch.einsum("hk,khd->hd", scores.softmax(-1), v).to(q.dtype)
+        seq = slots.shape[0]
+        scores = torch.einsum("hd,khd->hk", q[b].float(), k)[None] * scale  # [1, Hq, seq]
+        rel = (torch.arange(seq, device=q.device) - (seq - 1))[None]  # [1, seq]: the query is the last token
+        scores = position_scores(scores, rel, alibi_slopes, window)
+        out[b] = torch.einsum("hk,khd->hd", scores[0].softmax(-1), v).to(q.dtype)
     return out
