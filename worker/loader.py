@@ -34,6 +34,7 @@ from tqdm import tqdm
 from shared.model_files import ModelSource, load_config
 from worker.attention import make_backend
 from worker.kv_cache import KVCache
+from worker.layers import LayerNorm, RMSNorm
 from worker.models import model_class
 
 WeightStream = Iterator[tuple[str, torch.Tensor]]
@@ -110,12 +111,18 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights drawn on the parameters' own device and dtype, reproducible by seed.
 
     Matrices and biases ~ N(0, 0.02) (never zeros: zeros would make every
-    logit equal); norm weights 1, as a trained model's are near 1.
+    logit equal); norm weights 1, as a trained model's are near 1, and norm
+    biases 0. Norms are found by module type: BLOOM's are named ``ln_f`` too.
     """
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm))]
+    norm_weights = {id(m.weight) for m in norms}
+    norm_biases = {id(m.bias) for m in norms if getattr(m, "bias", None) is not None}
+    for param in model.parameters():
+        if id(param) in norm_weights:
             param.fill_(1.0)
+        elif id(param) in norm_biases:
+            param.zero_()
         else:
             param.normal_(0.0, 0.02, generator=generator)

@@ -1,19 +1,18 @@
-"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral-like dense models).
+"""Llama-architecture decoder (Llama 2/3, SmolLM), and the base of the Llama-like
+families (Qwen2, Mistral), which differ only in the switches at the end of
+``LlamaForCausalLM``: projection biases and a per-layer sliding window.
 
 Runs on one step's packed tokens (a ``ForwardBatch``), no padding: every
 tensor is ``[T, ...]`` with T the new tokens of all requests together. K/V
-go to and come from the TokenAttention pool through the attention backend,
-which is set after construction (``set_backend``) because the pool is sized
-from the memory left once the weights are in place.
+go to and come from the TokenAttention pool through the attention backend
+(see ``worker.models.base``).
 
 Parameter names follow transformers' Llama, except that q/k/v are fused into
 ``qkv_proj`` (rows [q; k; v]) and gate/up into ``gate_up_proj`` (rows
-[gate; up]) so each is one matmul; ``load_weights`` maps checkpoint names.
+[gate; up]) so each is one matmul; ``checkpoint_target`` maps checkpoint names.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -21,150 +20,123 @@ from torch import nn
 from worker.attention import AttentionBackend
 from worker.forward_batch import ForwardBatch
 from worker.layers import Linear, RMSNorm, Rotary, SwiGLU, on_cuda, rotate_torch, rotate_triton
+from worker.models.base import CausalLM
 
 # checkpoint projection name -> (fused parameter's module name, shard index)
 _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
-# Checkpoint tensors that carry no weights (recomputed from the config).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D] of this step's positions
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config, layer: int, arch: type[LlamaForCausalLM], dtype: torch.dtype,
+                 device: torch.device | str):
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
-        bias = getattr(config, "attention_bias", False)
+        self.window = arch.sliding_window(config, layer)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.shard_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias, dtype, device)
-        self.o_proj = Linear(q_size, config.hidden_size, bias, dtype, device)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, arch.qkv_bias(config), dtype, device)
+        self.o_proj = Linear(q_size, config.hidden_size, arch.o_bias(config), dtype, device)
         self.rotate = rotate_triton if on_cuda(device) else rotate_torch
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
         q, k = self.rotate(q.view(T, self.num_heads, self.head_dim),  # [T, Hq, D]
-                           k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+                           k.view(T, self.num_kv_heads, self.head_dim), *rope)  # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        out = backend.forward(self.layer, q, k, v, batch)  # [T, Hq, D]
+        out = backend.forward(self.layer, q, k, v, batch, window=self.window)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, -1))  # [T, H]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config, layer: int, arch: type[LlamaForCausalLM], dtype: torch.dtype,
+                 device: torch.device | str):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer, dtype, device)
-        self.mlp = SwiGLU(hidden, config.intermediate_size, getattr(config, "mlp_bias", False), dtype, device)
+        self.self_attn = LlamaAttention(config, layer, arch, dtype, device)
+        self.mlp = SwiGLU(hidden, config.intermediate_size, arch.mlp_bias(config), dtype, device)
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                backend: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, backend)
+    def forward(self, h: torch.Tensor, rope: Rope, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, batch, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config, arch: type[LlamaForCausalLM], dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         # Passing _weight skips nn.Embedding's random init (weights are loaded later).
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, i, arch, dtype, device) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary = Rotary(config, head_dim_of(config), device)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """forward(batch) -> fp32 logits [B, vocab] of each request's last new token."""
+
+    ignored_suffixes = ("rotary_emb.inv_freq",)
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device | str,
                  backend: AttentionBackend | None = None):
-        super().__init__()
-        self.config = config
-        self.dtype = dtype
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, dtype, device)
+        super().__init__(config, dtype, config.num_key_value_heads, head_dim_of(config), backend)
+        self.model = LlamaModel(config, type(self), dtype, device)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        if self.tied:
-            # One tensor, two names: named_parameters() lists it once, as the embedding.
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.backend = backend
+        self.tie_lm_head(self.model.embed_tokens)
 
-    def set_backend(self, backend: AttentionBackend) -> None:
-        self.backend = backend
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.backend is None:
-            raise RuntimeError("no attention backend: call set_backend() once the KV cache exists")
+    def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, Rope]:
         h = self.model.embed_tokens(batch.input_ids.long())  # [T, H]
-        cos, sin = self.model.rotary(batch.positions, h.dtype)  # [T, 1, D] each
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, batch, self.backend)
-        # Only the last new token of each request is sampled from; the final
-        # norm is per token, so selecting first saves the rest of the work.
-        last = self.model.norm(h[batch.last_token_index.long()])  # [B, H]
-        return self.lm_head(last).float()  # [B, V]
+        return h, self.model.rotary(batch.positions, h.dtype)  # cos, sin [T, 1, D]
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (transformers names) into the parameters.
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
 
-        Consumes the iterable one tensor at a time, so the caller can stream
-        from disk. Raises KeyError on an unknown name, ValueError on a shape
-        mismatch or when a parameter (or a shard of a fused one) was never given.
-        """
-        params = dict(self.named_parameters())
-        filled: dict[str, set[int]] = {}
-        for name, tensor in named_tensors:
-            if name.endswith(_IGNORED_SUFFIXES) or (self.tied and name == "lm_head.weight"):
-                continue
-            target, shard = self._target(name)
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name} matches no parameter of {type(self).__name__}")
-            dst = self._shard_view(params[target], target, shard)
-            if dst.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            filled.setdefault(target, set()).add(shard)
-        self._check_filled(params, filled)
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(h)
 
-    def _target(self, name: str) -> tuple[str, int]:
-        """Checkpoint name -> (our parameter name, shard index; 0 when unfused)."""
+    def checkpoint_target(self, name: str) -> tuple[str, int]:
         for proj, (fused, shard) in _FUSED.items():
             if f".{proj}." in name:
                 return name.replace(f".{proj}.", f".{fused}."), shard
         return name, 0
 
-    def _shard_view(self, param: torch.Tensor, name: str, shard: int) -> torch.Tensor:
-        """The rows of ``param`` that shard ``shard`` of a fused projection owns."""
+    def shard_sizes(self, name: str, param: torch.Tensor) -> list[int] | None:
         if ".qkv_proj." in name:
-            sizes = [self.config.num_attention_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
-        elif ".gate_up_proj." in name:
-            sizes = [param.shape[0] // 2] * 2
-        else:
-            return param.data
-        return param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+            kv_size = self.num_kv_heads * self.head_dim
+            return [self.config.num_attention_heads * self.head_dim, kv_size, kv_size]
+        if ".gate_up_proj." in name:
+            return [param.shape[0] // 2] * 2
+        return None
 
-    def _check_filled(self, params: dict[str, torch.Tensor], filled: dict[str, set[int]]) -> None:
-        missing = []
-        for name in params:
-            shards = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
-            if len(filled.get(name, ())) < shards:
-                missing.append(name)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:4]}")
+    # --- what the Llama-like families change (classmethods: read while building the layers) ---
+
+    @classmethod
+    def qkv_bias(cls, config) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    @classmethod
+    def o_bias(cls, config) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    @classmethod
+    def mlp_bias(cls, config) -> bool:
+        return bool(getattr(config, "mlp_bias", False))
+
+    @classmethod
+    def sliding_window(cls, config, layer: int) -> int | None:
+        """Layer ``layer``'s attention window (keys within the last W positions), None for full."""
+        return None
 
 
 def head_dim_of(config) -> int:
