@@ -4,32 +4,95 @@ Parameters are allocated uninitialised (``torch.empty``) on the target device
 and dtype, never on CPU first: a checkpoint or the dummy initialiser fills
 every one of them (the loader checks), so initialising would be wasted work.
 No autograd: parameters have ``requires_grad=False``.
+
+Tensor parallelism (``TensorParallel``, size N > 1): a ``Linear`` built with
+split="column" holds rank r's rows of W (its share of the outputs: heads, MLP
+columns), split="row" holds rank r's columns and sums the partial products
+over the group (one all-reduce). A split parameter carries ``tp_dim``, the
+dim the loader slices checkpoint tensors along.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group (one process per GPU).
+
+    size 1, the default, never touches torch.distributed; otherwise the
+    process group (``group``, None for the default one) must be initialised.
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: object = None  # torch.distributed ProcessGroup
+
+    def part(self, n: int, what: str) -> int:
+        """This rank's share of n (heads, features, vocabulary rows)."""
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) must be divisible by the tensor-parallel size {self.size}")
+        return n // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """In-place sum over the group."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] from each rank -> [..., size * n], rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = TensorParallel()
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b), W: [out, in]; the same names as nn.Linear."""
+    """y = x W^T (+ b), W: [out, in]; the same names as nn.Linear.
+
+    split="column": W holds out/N rows (b too), y is this rank's out/N outputs.
+    split="row": W holds in/N columns, x is this rank's in/N inputs, y the
+    full sum over ranks; b is whole and added once, after the sum.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, tp: TensorParallel = SINGLE, split: str | None = None):
         super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
-        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+        assert split in (None, "column", "row"), split
+        if split == "column":
+            out_features = tp.part(out_features, "output features")
+        elif split == "row":
+            in_features = tp.part(in_features, "input features")
+        self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
+        if split is not None:
+            self.weight.tp_dim = 0 if split == "column" else 1
+        if split == "column" and bias:
+            self.bias.tp_dim = 0
+        self.tp = tp
+        self.reduce = split == "row" and tp.size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if not self.reduce:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out], summed over ranks
+        return y if self.bias is None else y + self.bias
 
 
 def on_cuda(device: torch.device | str) -> bool:
@@ -43,7 +106,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.eps = eps
-        self.weight = _param(hidden_size, dtype=dtype, device=device)
+        self.weight = empty_param(hidden_size, dtype=dtype, device=device)
         self._impl = self._triton if on_cuda(device) else self._torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,21 +130,23 @@ class LayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.eps = eps
-        self.weight = _param(hidden_size, dtype=dtype, device=device)
-        self.bias = _param(hidden_size, dtype=dtype, device=device)
+        self.weight = empty_param(hidden_size, dtype=dtype, device=device)
+        self.bias = empty_param(hidden_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up fused in one matmul: rows [gate; up]."""
+    """down(silu(gate(x)) * up(x)), gate and up fused in one matmul: rows [gate; up].
+    Tensor parallel: each rank holds its I/N columns of gate and of up, and of down's inputs."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+        tp.part(intermediate_size, "intermediate_size")  # gate and up split alike
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device, tp, "column")
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device, tp, "row")
         self._act = _silu_and_mul_triton if on_cuda(device) else _silu_and_mul_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -34,20 +34,22 @@ from tqdm import tqdm
 from shared.model_files import ModelSource, load_config
 from worker.attention import make_backend
 from worker.kv_cache import KVCache
-from worker.layers import LayerNorm, RMSNorm
+from worker.layers import SINGLE, LayerNorm, RMSNorm, TensorParallel
 from worker.models import model_class
 
 WeightStream = Iterator[tuple[str, torch.Tensor]]
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str,
-               seed: int = 0) -> tuple[nn.Module, object]:
+               seed: int = 0, tp: TensorParallel = SINGLE) -> tuple[nn.Module, object]:
     """(model with weights on ``device``, no attention backend yet; its transformers config).
 
-    ``seed`` only matters for dummy weights.
+    ``seed`` only matters for dummy weights. ``tp``: this process's rank in a
+    tensor-parallel group (initialised by the caller); the model keeps its
+    shard of every split weight and ``model.num_kv_heads`` is its share.
     """
     config = load_config(source)
-    model = model_class(config)(config, dtype=dtype, device=device)
+    model = model_class(config)(config, dtype=dtype, device=device, tp=tp)
     if source.kind == "hf":
         model.load_weights(safetensors_weights(source.path))
     elif source.kind == "gguf":
@@ -113,6 +115,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     Matrices and biases ~ N(0, 0.02) (never zeros: zeros would make every
     logit equal); norm weights 1, as a trained model's are near 1, and norm
     biases 0. Norms are found by module type: BLOOM's are named ``ln_f`` too.
+    Under tensor parallelism every rank draws the same sequence, so the
+    replicated parameters (norms, row-parallel biases) agree across ranks.
     """
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)

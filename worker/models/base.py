@@ -6,6 +6,13 @@ three hooks (``embed``, ``decoder_layers``, ``final_norm``) plus ``lm_head``;
 its parameter names follow its transformers checkpoint, and where it fuses
 projections into one matmul it maps checkpoint names onto row ranges
 (shards) of the fused parameter with ``checkpoint_target`` / ``shard_sizes``.
+
+Tensor parallel (``tp.size`` N > 1, one process per GPU, each running the
+same forward on the same batch): attention heads and MLP columns are split
+(column- then row-parallel linears, see ``worker.layers``), the vocabulary is
+split for the embedding and the output layer, and ``num_kv_heads`` is this
+rank's share, so each rank's KV pool holds its heads only. Each rank reads
+the whole checkpoint and keeps its slice of every split parameter.
 """
 
 from __future__ import annotations
@@ -17,6 +24,49 @@ from torch import nn
 
 from worker.attention import AttentionBackend
 from worker.forward_batch import ForwardBatch
+from worker.layers import SINGLE, TensorParallel, empty_param
+
+
+class VocabEmbedding(nn.Module):
+    """Token embeddings [V, H]; tensor parallel, rank r holds rows [r V/N, (r+1) V/N).
+
+    A rank looks up the ids it holds and gives zeros for the others; the
+    all-reduce then adds the owner's row, so every rank ends with every row.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.rows = tp.part(vocab_size, "vocab_size")
+        self.start = tp.rank * self.rows
+        self.weight = empty_param(self.rows, hidden_size, dtype=dtype, device=device)
+        self.weight.tp_dim = 0
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, H]."""
+        if self.tp.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.rows)  # [T]
+        h = nn.functional.embedding(local.clamp(0, self.rows - 1), self.weight)
+        return self.tp.all_reduce(h.masked_fill_(~mine[:, None], 0))
+
+
+class VocabHead(nn.Module):
+    """The output layer, logits = h W^T [B, V] (no bias); tensor parallel, rank r
+    computes its V/N vocabulary rows and an all-gather joins them. The split is
+    the embedding's, so a tied head is the embedding's own shard."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.weight = empty_param(tp.part(vocab_size, "vocab_size"), hidden_size, dtype=dtype, device=device)
+        self.weight.tp_dim = 0
+        self.tp = tp
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather(nn.functional.linear(h, self.weight))  # [B, V/N] per rank -> [B, V]
 
 
 class CausalLM(nn.Module):
@@ -30,13 +80,14 @@ class CausalLM(nn.Module):
     ignored_suffixes: tuple[str, ...] = ()
 
     def __init__(self, config, dtype: torch.dtype, num_kv_heads: int, head_dim: int,
-                 backend: AttentionBackend | None):
+                 backend: AttentionBackend | None, tp: TensorParallel):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        # What the loader sizes the KV pool with.
+        self.tp = tp
+        # What the loader sizes the KV pool with: this rank's KV heads.
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = num_kv_heads
+        self.num_kv_heads = tp.part(num_kv_heads, "key-value heads")
         self.head_dim = head_dim
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.backend = backend
@@ -104,6 +155,7 @@ class CausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name} matches no parameter of {type(self).__name__}")
             dst = self._shard_view(params[target], target, shard)
+            tensor = self._rank_slice(params[target], tensor, dst)
             if dst.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(tensor)
@@ -116,6 +168,16 @@ class CausalLM(nn.Module):
         if sizes is None:
             return param.data
         return param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+    def _rank_slice(self, param: torch.Tensor, tensor: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a whole checkpoint tensor, along the parameter's tp_dim."""
+        dim = getattr(param, "tp_dim", None)
+        if dim is None or self.tp.size == 1:
+            return tensor
+        n = dst.shape[dim]
+        if tensor.shape[dim] != n * self.tp.size:
+            return tensor  # the shape check that follows names the mismatch
+        return tensor.narrow(dim, self.tp.rank * n, n)
 
     def _check_filled(self, params: dict[str, torch.Tensor], filled: dict[str, set[int]]) -> None:
         missing = [name for name, p in params.items()

@@ -13,6 +13,9 @@ What differs from Llama, each as transformers' modeling_bloom does it:
   makes the residual branch start from the normed states.
 Parameter names are the checkpoint's; bigscience's own files drop the
 ``transformer.`` prefix (saved from BloomModel), transformers' saves keep it.
+Tensor parallel: the per-head layout makes rank r's heads one block of
+query_key_value's rows, so the column split needs no reordering; each rank
+keeps those heads' ALiBi slopes.
 """
 
 from __future__ import annotations
@@ -23,21 +26,22 @@ from torch import nn
 
 from worker.attention import AttentionBackend
 from worker.forward_batch import ForwardBatch
-from worker.layers import LayerNorm, Linear, alibi_slopes
-from worker.models.base import CausalLM
+from worker.layers import SINGLE, LayerNorm, Linear, TensorParallel, alibi_slopes
+from worker.models.base import CausalLM, VocabEmbedding, VocabHead
 
 
 class BloomAttention(nn.Module):
-    def __init__(self, config, layer: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config, layer: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel):
         super().__init__()
         hidden = config.hidden_size
         self.layer = layer
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.query_key_value = Linear(hidden, 3 * hidden, True, dtype, device)  # rows [Hq, 3, D]
-        self.dense = Linear(hidden, hidden, True, dtype, device)
+        self.num_heads = tp.part(config.num_attention_heads, "attention heads")  # this rank's
+        self.head_dim = hidden // config.num_attention_heads
+        self.query_key_value = Linear(hidden, 3 * hidden, True, dtype, device, tp, "column")  # rows [Hq, 3, D]
+        self.dense = Linear(hidden, hidden, True, dtype, device, tp, "row")
         # fp32 whatever the model dtype: the kernels add slope * distance in fp32.
-        self.register_buffer("alibi_slopes", alibi_slopes(self.num_heads).to(device), persistent=False)
+        slopes = alibi_slopes(config.num_attention_heads).view(tp.size, self.num_heads)[tp.rank]
+        self.register_buffer("alibi_slopes", slopes.contiguous().to(device), persistent=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
@@ -48,10 +52,10 @@ class BloomAttention(nn.Module):
 
 
 class BloomMLP(nn.Module):
-    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel):
         super().__init__()
-        self.dense_h_to_4h = Linear(hidden, 4 * hidden, True, dtype, device)
-        self.dense_4h_to_h = Linear(4 * hidden, hidden, True, dtype, device)
+        self.dense_h_to_4h = Linear(hidden, 4 * hidden, True, dtype, device, tp, "column")
+        self.dense_4h_to_h = Linear(4 * hidden, hidden, True, dtype, device, tp, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # BLOOM's GELU is the tanh approximation (its constant 0.79788456 is sqrt(2/pi) to 8 digits).
@@ -59,13 +63,13 @@ class BloomMLP(nn.Module):
 
 
 class BloomBlock(nn.Module):
-    def __init__(self, config, layer: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config, layer: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel):
         super().__init__()
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
         self.input_layernorm = LayerNorm(hidden, eps, dtype, device)
-        self.self_attention = BloomAttention(config, layer, dtype, device)
+        self.self_attention = BloomAttention(config, layer, dtype, device, tp)
         self.post_attention_layernorm = LayerNorm(hidden, eps, dtype, device)
-        self.mlp = BloomMLP(hidden, dtype, device)
+        self.mlp = BloomMLP(hidden, dtype, device, tp)
         self.residual_from_norm = bool(config.apply_residual_connection_post_layernorm)
 
     def forward(self, h: torch.Tensor, extra: None, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
@@ -76,14 +80,12 @@ class BloomBlock(nn.Module):
 
 
 class BloomModel(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel):
         super().__init__()
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
-        # Passing _weight skips nn.Embedding's random init (weights are loaded later).
-        weight = torch.empty(config.vocab_size, hidden, dtype=dtype, device=device)
-        self.word_embeddings = nn.Embedding(config.vocab_size, hidden, _weight=weight, _freeze=True)
+        self.word_embeddings = VocabEmbedding(config.vocab_size, hidden, dtype, device, tp)
         self.word_embeddings_layernorm = LayerNorm(hidden, eps, dtype, device)
-        self.h = nn.ModuleList(BloomBlock(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.h = nn.ModuleList(BloomBlock(config, i, dtype, device, tp) for i in range(config.num_hidden_layers))
         self.ln_f = LayerNorm(hidden, eps, dtype, device)
 
 
@@ -91,12 +93,12 @@ class BloomForCausalLM(CausalLM):
     """forward(batch) -> fp32 logits [B, vocab] of each request's last new token."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device | str,
-                 backend: AttentionBackend | None = None):
-        # Multi-head: the pool holds every head's K/V.
+                 backend: AttentionBackend | None = None, tp: TensorParallel = SINGLE):
+        # Multi-head: the pool holds every (of this rank's) head's K/V.
         super().__init__(config, dtype, config.num_attention_heads,
-                         config.hidden_size // config.num_attention_heads, backend)
-        self.transformer = BloomModel(config, dtype, device)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+                         config.hidden_size // config.num_attention_heads, backend, tp)
+        self.transformer = BloomModel(config, dtype, device, tp)
+        self.lm_head = VocabHead(config.hidden_size, config.vocab_size, dtype, device, tp)
         self.tie_lm_head(self.transformer.word_embeddings)
 
     def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, None]:

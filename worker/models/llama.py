@@ -19,8 +19,8 @@ from torch import nn
 
 from worker.attention import AttentionBackend
 from worker.forward_batch import ForwardBatch
-from worker.layers import Linear, RMSNorm, Rotary, SwiGLU, on_cuda, rotate_torch, rotate_triton
-from worker.models.base import CausalLM
+from worker.layers import SINGLE, Linear, RMSNorm, Rotary, SwiGLU, TensorParallel, on_cuda, rotate_torch, rotate_triton
+from worker.models.base import CausalLM, VocabEmbedding, VocabHead
 
 # checkpoint projection name -> (fused parameter's module name, shard index)
 _FUSED = {
@@ -32,18 +32,21 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D] of this step's po
 
 
 class LlamaAttention(nn.Module):
+    """Tensor parallel: this rank's Hq/N query and Hkv/N KV heads (column), o_proj row-parallel."""
+
     def __init__(self, config, layer: int, arch: type[LlamaForCausalLM], dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, tp: TensorParallel):
         super().__init__()
         self.layer = layer
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = tp.part(config.num_attention_heads, "attention heads")
+        self.num_kv_heads = tp.part(config.num_key_value_heads, "key-value heads")
         self.head_dim = head_dim_of(config)
         self.window = arch.sliding_window(config, layer)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim  # this rank's
         self.shard_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, arch.qkv_bias(config), dtype, device)
-        self.o_proj = Linear(q_size, config.hidden_size, arch.o_bias(config), dtype, device)
+        hidden, n = config.hidden_size, tp.size
+        self.qkv_proj = Linear(hidden, n * (q_size + 2 * kv_size), arch.qkv_bias(config), dtype, device, tp, "column")
+        self.o_proj = Linear(n * q_size, hidden, arch.o_bias(config), dtype, device, tp, "row")
         self.rotate = rotate_triton if on_cuda(device) else rotate_torch
 
     def forward(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
@@ -58,11 +61,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer: int, arch: type[LlamaForCausalLM], dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, tp: TensorParallel):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer, arch, dtype, device)
-        self.mlp = SwiGLU(hidden, config.intermediate_size, arch.mlp_bias(config), dtype, device)
+        self.self_attn = LlamaAttention(config, layer, arch, dtype, device, tp)
+        self.mlp = SwiGLU(hidden, config.intermediate_size, arch.mlp_bias(config), dtype, device, tp)
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
 
@@ -72,13 +75,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, arch: type[LlamaForCausalLM], dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config, arch: type[LlamaForCausalLM], dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel):
         super().__init__()
-        # Passing _weight skips nn.Embedding's random init (weights are loaded later).
-        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, arch, dtype, device) for i in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, i, arch, dtype, device, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary = Rotary(config, head_dim_of(config), device)
 
@@ -89,10 +91,10 @@ class LlamaForCausalLM(CausalLM):
     ignored_suffixes = ("rotary_emb.inv_freq",)
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device | str,
-                 backend: AttentionBackend | None = None):
-        super().__init__(config, dtype, config.num_key_value_heads, head_dim_of(config), backend)
-        self.model = LlamaModel(config, type(self), dtype, device)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+                 backend: AttentionBackend | None = None, tp: TensorParallel = SINGLE):
+        super().__init__(config, dtype, config.num_key_value_heads, head_dim_of(config), backend, tp)
+        self.model = LlamaModel(config, type(self), dtype, device, tp)
+        self.lm_head = VocabHead(config.hidden_size, config.vocab_size, dtype, device, tp)
         self.tie_lm_head(self.model.embed_tokens)
 
     def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, Rope]:
@@ -114,7 +116,8 @@ class LlamaForCausalLM(CausalLM):
     def shard_sizes(self, name: str, param: torch.Tensor) -> list[int] | None:
         if ".qkv_proj." in name:
             kv_size = self.num_kv_heads * self.head_dim
-            return [self.config.num_attention_heads * self.head_dim, kv_size, kv_size]
+            return [self.tp.part(self.config.num_attention_heads, "attention heads") * self.head_dim,
+                    kv_size, kv_size]
         if ".gate_up_proj." in name:
             return [param.shape[0] // 2] * 2
         return None
