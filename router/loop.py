@@ -26,7 +26,7 @@ from router.registry import read_registry
 from router.reservations import Reservations
 from shared.codec import entry, from_entry
 from shared.config import RouterSettings
-from shared.history import Estimator, OutputLengthHistory
+from shared.admission import AdmissionRule
 from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import Backoff, ensure_group
 from shared.request_log import end_request, now_ms
@@ -42,8 +42,7 @@ class Router:
         self.keys = Keys(settings.redis.key_prefix)
         self.router_id = router_id
         self.reservations = Reservations(settings.reservation_ttl_s)
-        self.history = OutputLengthHistory(settings.history_window, settings.history_prior)
-        self.estimator = Estimator(self.history, settings.admission_quantile, settings.admission_seed)
+        self.rule = AdmissionRule(settings.past_future)
         self._next_history_read = 0.0
         self.queue: deque[tuple[str, GenerateRequest]] = deque()
         self.stop_event = threading.Event()
@@ -102,8 +101,8 @@ class Router:
         now = time.monotonic()
         if now < self._next_history_read:
             return
-        self._next_history_read = now + self.settings.history_refresh_s
-        self.history.update(self.client.lrange(self.keys.output_lengths(), 0, self.history.window - 1))
+        self._next_history_read = now + self.settings.past_future.history_refresh_s
+        self.rule.learn(self.client.lrange(self.keys.output_lengths(), 0, self.rule.history.window - 1))
 
     def _read(self) -> None:
         room = self.settings.read_batch - len(self.queue)
@@ -149,8 +148,8 @@ class Router:
             elif request.deadline_ms is not None and now_ms() > request.deadline_ms:
                 self._finish(entry_id, request, RequestStatus.EXPIRED, "expired")
             else:
-                worker_id = choose_worker(loads, self.reservations.pending(), request, self.settings.admission,
-                                          self.estimator, self.settings.admission_margin)
+                worker_id = choose_worker(loads, self.reservations.pending(), request, self.rule.policy,
+                                          self.rule.estimator, self.rule.margin)
                 if worker_id is None:
                     break
                 self._send(entry_id, request, worker_id)

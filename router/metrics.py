@@ -90,7 +90,7 @@ class RouterCollector(Collector):
 
     def _queue(self, router: Router, rid: str) -> Iterable[Metric]:
         queued = [request for _, request in _copy(router.queue)]
-        values = router.history.values
+        values = router.rule.history.values
         mean_len = sum(values) / len(values) if values else None
         prompt = sum(r.num_prompt_tokens for r in queued)
         output = sum(min(r.params.max_new_tokens, round(mean_len)) if mean_len and not r.params.ignore_eos
@@ -111,7 +111,7 @@ class RouterCollector(Collector):
             if load.requests is None:
                 peak = load.committed_tokens
             else:
-                peak = self.router.estimator.peak_quantile([ReqState(*state) for state in load.requests])
+                peak = self.router.rule.estimator.peak_quantile([ReqState(*state) for state in load.requests])
             family.add_metric([load.worker_id], peak / load.max_total_tokens if load.max_total_tokens else 0.0)
         return family
 

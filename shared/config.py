@@ -86,6 +86,21 @@ class ProducerSettings(BaseSettings):
     batch: BatchSettings = Field(default_factory=BatchSettings)
 
 
+class AdmissionSettings(BaseSettings):
+    """The admission rule; router and worker apply the same one (shared.peak.check)."""
+
+    model_config = _frozen("LIGHTQ_")
+    admission: Literal["conservative", "aggressive", "past_future", "past_future_quantile"] = Field(
+        "past_future", description="admission policy: conservative (prompt + max_new_tokens), aggressive "
+                                   "(current use under 95 percent), past_future (Monte-Carlo peak), past_future_quantile")
+    admission_margin: float = Field(0.05, ge=0, lt=1, description="share of a worker's pool past-future keeps free")
+    admission_quantile: float = Field(0.9, gt=0, le=1, description="quantile of L | L > d for past_future_quantile")
+    admission_seed: int = Field(0, description="seed of the Monte-Carlo length draws")
+    history_window: int = Field(200, ge=2, description="recent output lengths the estimate uses")
+    history_prior: int = Field(2048, gt=0, description="pessimistic output length filling the window until requests finish")
+    history_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the output-length history")
+
+
 class RouterSettings(BaseSettings):
     model_config = _frozen("LIGHTQ_")
     redis: RedisSettings = Field(default_factory=RedisSettings)
@@ -93,17 +108,9 @@ class RouterSettings(BaseSettings):
     read_batch: int = Field(64, gt=0, description="ingress entries read per XREADGROUP")
     poll_ms: int = Field(100, gt=0, description="idle wait between admission attempts")
     reservation_ttl_s: float = Field(5.0, gt=0, description="how long a dispatch counts against a worker before its heartbeat shows it")
-    admission: Literal["conservative", "aggressive", "past_future", "past_future_quantile"] = Field(
-        "past_future", description="admission policy: conservative (prompt + max_new_tokens), aggressive "
-                                   "(current use under 95 percent), past_future (Monte-Carlo peak), past_future_quantile")
-    admission_margin: float = Field(0.05, ge=0, lt=1, description="share of a worker's pool past-future keeps free")
-    admission_quantile: float = Field(0.9, gt=0, le=1, description="quantile of L | L > d for past_future_quantile")
-    admission_seed: int = Field(0, description="seed of the Monte-Carlo length draws")
+    past_future: AdmissionSettings = Field(default_factory=AdmissionSettings)
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it goes to the dead-letter stream")
     liveness_ttl_s: float = Field(3.0, gt=0, description="a router silent this long is dead: others claim its entries")
-    history_window: int = Field(200, ge=2, description="recent output lengths the estimate uses")
-    history_prior: int = Field(2048, gt=0, description="pessimistic output length filling the window until requests finish")
-    history_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the output-length history")
     stale_load_s: float = Field(5.0, gt=0, description="a load record older than this counts as full")
     metrics_port: int = Field(0, ge=0, le=65535, description="port of this service's Prometheus /metrics "
                               "(0: none; when taken, the next free port above it)")
@@ -125,6 +132,7 @@ class WorkerSettings(BaseSettings):
     graph_max_batch_size: int = Field(256, gt=0, description="largest decode batch captured as a graph")
     tp: int = Field(1, description="tensor parallel degree (only 1 is supported for now)")
     heartbeat_s: float = Field(0.5, gt=0, description="seconds between load records")
+    past_future: AdmissionSettings = Field(default_factory=AdmissionSettings)
     drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds running requests get to finish "
                                                           "before the rest is handed back")
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it is dead-lettered")

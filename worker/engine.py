@@ -4,9 +4,13 @@ A step decodes one token for every prefilled request (one forward, a CUDA
 graph on GPU) and prefills prompt chunks of at most ``batch_max_tokens``
 tokens in total (a second forward), so a long prompt is spread over steps
 and never stalls everyone's decode. Admission is the worker's own check on
-its pool: the conservative need (prompt + max_new_tokens) of everything
-running must fit, so a running request can never run out of KV slots.
-Finished and cancelled requests free their slots the moment they end.
+its pool, by the same rule the router applies (``shared.admission``):
+conservative (prompt + max_new_tokens of everything running fits, so the
+pool can never run out) or past-future (the estimated peak fits). When an
+estimate was wrong and the pool cannot hold this step's tokens, the newest
+running request is paused: its slots are freed and it waits at the head of
+the queue with its output kept, to be prefilled again (prompt + output) and
+continue. Finished and cancelled requests free their slots at once.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.schemas import RequestStatus
+from shared.admission import AdmissionRule
+from shared.config import AdmissionSettings
 from worker.events import Ended, Event, Released, Started, Token
+from worker.load import req_state
 from worker.request import Phase, Req
 
 
@@ -36,10 +43,12 @@ class LoadSnapshot:
 
 
 class Engine:
-    def __init__(self, runner, limits: EngineLimits, eos_ids: set[int]):
+    def __init__(self, runner, limits: EngineLimits, eos_ids: set[int], rule: AdmissionRule | None = None):
         self.runner = runner
         self.limits = limits
         self.eos_ids = eos_ids
+        self.rule = rule or AdmissionRule(AdmissionSettings(admission="conservative"))
+        self.num_pauses = 0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._committed = 0  # sum of max_tokens_needed over running + waiting
@@ -78,7 +87,10 @@ class Engine:
         return [Released(req.id, req.inbox_id)]
 
     def step(self) -> list[Event]:
-        events: list[Event] = [Started.of(r.msg) for r in self._admit()]
+        events: list[Event] = [Started.of(r.msg) for r in self._admit() if not r.is_paused]
+        for req in self.running:
+            req.is_paused = False
+        self._pause_overflow()
         decoding = [r for r in self.running if r.is_prefilled]
         if decoding:
             events += self._sample_and_finish(decoding, self.runner.decode(decoding))
@@ -90,23 +102,36 @@ class Engine:
         return events
 
     def _admit(self) -> list[Req]:
-        """Move waiting requests into the running set while the pool and count allow."""
+        """Move waiting requests into the running set, in order, while the rule allows."""
         admitted: list[Req] = []
-        running_need = sum(r.max_tokens_needed for r in self.running)
+        states = [req_state(r) for r in self.running]
         with self._lock:
             while self.waiting:
                 req = self.waiting[0]
-                if running_need + req.max_tokens_needed > self.limits.max_total_tokens:
-                    break
-                if len(self.running) >= self.limits.running_max_req_size:
+                candidate = req_state(req)
+                if not self.rule.fits(states, candidate, self.limits.max_total_tokens,
+                                      self.limits.running_max_req_size):
                     break
                 self.waiting.popleft()
                 self.runner.start(req)
                 req.phase = Phase.RUNNING
                 self.running.append(req)
                 admitted.append(req)
-                running_need += req.max_tokens_needed
+                states.append(candidate)
         return admitted
+
+    def _pause_overflow(self) -> None:
+        """Free slots for this step's tokens by pausing the newest requests (an estimate was wrong)."""
+        need = sum(1 for r in self.running if r.is_prefilled) + any(not r.is_prefilled for r in self.running)
+        while self.runner.pool.num_free < need and len(self.running) > 1:
+            victim = self.running[-1]
+            with self._lock:
+                self.running.pop()
+                self.runner.finish(victim)
+                victim.phase, victim.is_prefilled, victim.is_paused = Phase.WAITING, False, True
+                self.waiting.appendleft(victim)
+            self.num_pauses += 1
+            need = sum(1 for r in self.running if r.is_prefilled) + any(not r.is_prefilled for r in self.running)
 
     def _prefill_chunks(self) -> list[tuple[Req, int]]:
         """(request, tokens to prefill now), oldest first, within ``batch_max_tokens``."""
@@ -116,7 +141,9 @@ class Engine:
             if budget <= 0:
                 break
             if not req.is_prefilled:
-                n = min(req.num_uncached, budget)
+                n = min(req.num_uncached, budget, self.runner.pool.num_free - sum(c for _, c in chunks))
+                if n <= 0:
+                    break
                 chunks.append((req, n))
                 budget -= n
         return chunks

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
+from shared.admission import AdmissionRule
 from shared.config import WorkerSettings
 from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve
@@ -91,7 +92,7 @@ def build_engine(settings: WorkerSettings, tokenizer=None) -> Engine:
     eos = eos_ids(config, tokenizer)
     runner = ModelRunner(model, TokenPool(num_slots), table, config.vocab_size, device, eos, graphs)
     limits = EngineLimits(num_slots, settings.batch_max_tokens, settings.running_max_req_size)
-    return Engine(runner, limits, eos)
+    return Engine(runner, limits, eos, AdmissionRule(settings.past_future))
 
 
 def run(settings: WorkerSettings) -> None:

@@ -37,7 +37,7 @@ class ModelRunner:
         req.num_cached = 0
         params = req.msg.params
         if params.has_penalties or params.min_new_tokens:  # only they read the row's counts
-            self.counts.start(req.row, req.msg.prompt_ids, req.msg.resume_ids)
+            self.counts.start(req.row, req.msg.prompt_ids, req.output_ids)  # output: resumed or paused
 
     def finish(self, req: Req) -> None:
         self.pool.free(req.slot_ids[:req.num_cached])

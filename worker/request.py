@@ -29,6 +29,9 @@ class Req:
     # Set once the whole prompt (plus resumed output) is in the pool and a token
     # was sampled from it; from then on the request feeds one token a step.
     is_prefilled: bool = False
+    # Paused (its slots taken back) and waiting to be prefilled again: its Started
+    # event was already sent, so re-admission must not send another.
+    is_paused: bool = False
     finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:

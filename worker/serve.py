@@ -45,6 +45,7 @@ class WorkerService:
         self.last_inbox_id = "0-0"
         self._read_id = "0"  # our own pending entries first, then new ones
         self._next_cancel_check = 0.0
+        self._next_history_read = 0.0
         self._backoff = Backoff()
         self.draining = False
 
@@ -73,6 +74,7 @@ class WorkerService:
             if not self.draining:
                 self._read_inbox()
             self._check_cancels()
+            self._refresh_history()
             self._backoff.reset()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("Redis unreachable (%s)", exc)
@@ -132,6 +134,15 @@ class WorkerService:
             for req in self.engine.requests():
                 if req.id in stopped:
                     self.publisher.put(self.engine.stop(req))
+
+    def _refresh_history(self) -> None:
+        """The output lengths past-future admission estimates from, re-read now and then."""
+        now = time.monotonic()
+        if now < self._next_history_read:
+            return
+        rule = self.engine.rule
+        self._next_history_read = now + rule.settings.history_refresh_s
+        rule.learn(self.client.lrange(self.keys.output_lengths(), 0, rule.history.window - 1))
 
     def _check_cancels(self) -> None:
         now = time.monotonic()

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from router.metrics import MeteredRouter, RouterCollector, RouterMetrics
 from router.metrics import serve_metrics as serve_router_metrics
-from shared.config import RouterSettings
+from shared.config import AdmissionSettings, RouterSettings
 from shared.embedded_redis import free_port
 from shared.keys import ROUTER_GROUP, WORKER_GROUP
 from shared.redis import ensure_group
@@ -27,7 +27,8 @@ def samples(registry: CollectorRegistry) -> dict:
 
 def metered_router(redis_settings, rclient) -> MeteredRouter:
     metrics = RouterMetrics("r1")
-    router = MeteredRouter(RouterSettings(redis=redis_settings, poll_ms=10, admission="conservative"),
+    router = MeteredRouter(RouterSettings(redis=redis_settings, poll_ms=10,
+                                                past_future=AdmissionSettings(admission="conservative")),
                            rclient, "r1", metrics=metrics)
     metrics.registry.register(RouterCollector(router))
     ensure_group(rclient, router.keys.requests(), ROUTER_GROUP)

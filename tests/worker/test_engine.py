@@ -150,3 +150,20 @@ def test_penalties_apply_per_request_in_one_batch(tiny):
     tokens = run_to_end(engine, {})
     assert len(set(tokens["penalised"])) == 30  # never the same token twice
     assert len(set(tokens["plain"])) < 30  # the tiny random model repeats itself unpenalised
+
+
+def test_past_future_overcommits_pauses_and_still_matches_transformers(tiny):
+    from shared.admission import AdmissionRule
+    from shared.config import AdmissionSettings
+
+    ref, folder = tiny
+    engine = make_engine(folder)
+    # The history says outputs are short (5 tokens); these run 40: the pool (200) overflows.
+    engine.rule = AdmissionRule(AdmissionSettings(admission="past_future", history_window=10, history_prior=5))
+    engine.rule.learn([5] * 10)
+    prompts = {f"r{i}": [3 + i, 7, 11 + i, 13, 17] for i in range(8)}
+    tokens = run_to_end(engine, {0: [req(rid, p, 40) for rid, p in prompts.items()]})
+    assert engine.num_pauses > 0
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == reference_greedy(ref, prompt, 40), rid
+    assert engine.runner.pool.num_free == POOL
