@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from producer.cluster import ClusterSnapshot, read_cluster
+from producer.cluster import ClusterSnapshot, RequestTracker, read_cluster
 from shared.config import RedisSettings
 from shared.flags import add_flags, build
 from shared.keys import Keys
@@ -89,9 +89,10 @@ async def _loop(settings: RedisSettings, once: bool, interval: float, console: C
             console.print(render(await read_cluster(redis, keys)))
             return
         depths: deque[float] = deque(maxlen=60)
+        tracker = RequestTracker()
         with Live(console=console, auto_refresh=False) as live:
             while True:
-                snap = await read_cluster(redis, keys)
+                snap = await read_cluster(redis, keys, tracker)
                 depths.append(snap.ingress.total)
                 live.update(render(snap, list(depths)), refresh=True)
                 await asyncio.sleep(interval)

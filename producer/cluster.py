@@ -10,7 +10,7 @@ so every producer replica and every terminal computes the same numbers:
 | queued tokens           | the queued entries: prompt + estimated output (mean of ``outlen``, capped by max_new_tokens; exactly max_new_tokens with ignore_eos) |
 | per-worker load         | the heartbeat records ``{w:ID}:load``                          |
 | inbox lag / pending     | XINFO GROUPS of ``{w:ID}:inbox`` (group ``worker``)             |
-| recent requests         | the newest ``RECENT_MAX`` ingress entries, then their status hashes |
+| recent requests         | ingress entries as they arrive (``RequestTracker``), then their status hashes |
 | throughput, drain rate  | recent requests finished / dispatched in the last ``window_s`` |
 | backlog GPU-seconds     | queued tokens / throughput (both prompt + output tokens)       |
 
@@ -131,8 +131,9 @@ def kv_usage(load: WorkerLoad) -> float:
     return load.used_tokens / load.max_total_tokens if load.max_total_tokens else 0.0
 
 
-async def read_cluster(redis: aioredis.Redis, keys: Keys, window_s: float = WINDOW_S,
-                       recent_max: int = RECENT_MAX) -> ClusterSnapshot:
+async def read_cluster(redis: aioredis.Redis, keys: Keys, tracker: RequestTracker | None = None,
+                       window_s: float = WINDOW_S) -> ClusterSnapshot:
+    """One snapshot; pass the same ``tracker`` every time to remember trimmed requests."""
     snap = ClusterSnapshot(ts_ms=int(time.time() * 1000), window_s=window_s)
     snap.ingress, queued = await queued_requests(redis, keys)
     mean_len = await mean_output_length(redis, keys)
@@ -142,7 +143,7 @@ async def read_cluster(redis: aioredis.Redis, keys: Keys, window_s: float = WIND
     for load in snap.loads:
         snap.inboxes[load.worker_id] = await group_backlog(redis, keys.inbox(load.worker_id), WORKER_GROUP)
     snap.dead_letters = int(await redis.xlen(keys.dead_letters()))
-    snap.recent = await recent_requests(redis, keys, recent_max)
+    snap.recent = await (tracker or RequestTracker(window_s)).refresh(redis, keys, snap.ts_ms)
     return snap
 
 
@@ -223,26 +224,57 @@ async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerLoad]:
     return loads
 
 
-async def recent_requests(redis: aioredis.Redis, keys: Keys, limit: int = RECENT_MAX) -> list[RecentRequest]:
-    """Newest first, each request once (a re-dispatched one has several entries), expired ones left out."""
-    first_entry: dict[str, int] = {}
-    for entry_id, fields in await redis.xrevrange(keys.requests(), count=limit):
-        match = _ID.search(next(iter(fields.values()), ""))
-        if match:
-            first_entry[match.group(1)] = int(entry_id.partition("-")[0])  # older entries overwrite
-    pipe = redis.pipeline(transaction=False)
-    for request_id in first_entry:
-        pipe.hgetall(keys.meta(request_id))
-    out = []
-    for (request_id, enqueued_ms), data in zip(first_entry.items(), await pipe.execute()):
-        if data:
-            meta = RequestMeta.from_hash(data)
-            out.append(RecentRequest(
-                id=request_id, enqueued_ms=enqueued_ms, status=meta.status.value, prompt_tokens=meta.prompt_tokens,
-                max_new_tokens=meta.max_new_tokens, output_tokens=meta.output_tokens, worker=meta.worker,
-                created_ms=meta.created_ms, dispatched_ms=meta.dispatched_ms, started_ms=meta.started_ms,
-                finished_ms=meta.finished_ms))
-    return out
+class RequestTracker:
+    """Requests seen on the ingress stream, followed until they end and ``keep_s`` after.
+
+    Housekeeping trims dispatched entries off the ingress stream, so a reader
+    that refreshes more often than it trims (a minute) remembers every
+    request from the first time it sees its entry. A fresh tracker (``lightq
+    top --once``) knows only the entries still in the stream.
+    """
+
+    def __init__(self, keep_s: float = WINDOW_S, limit: int = RECENT_MAX):
+        self.keep_s = keep_s
+        self.limit = limit
+        self.last_id: str | None = None
+        self.enqueued: dict[str, int] = {}  # request id -> Redis ms of its first entry, oldest first
+
+    async def _read_new(self, redis: aioredis.Redis, keys: Keys) -> None:
+        if self.last_id is None:
+            entries = list(reversed(await redis.xrevrange(keys.requests(), count=self.limit)))
+        else:
+            entries = await redis.xrange(keys.requests(), min=f"({self.last_id}", count=10 * self.limit)
+        for entry_id, fields in entries:
+            match = _ID.search(next(iter(fields.values()), ""))
+            if match:
+                self.enqueued.setdefault(match.group(1), int(entry_id.partition("-")[0]))
+            self.last_id = entry_id
+
+    async def refresh(self, redis: aioredis.Redis, keys: Keys, now_ms: int) -> list[RecentRequest]:
+        """Every tracked request with its status now, newest first."""
+        await self._read_new(redis, keys)
+        pipe = redis.pipeline(transaction=False)
+        for request_id in self.enqueued:
+            pipe.hgetall(keys.meta(request_id))
+        out = []
+        for (request_id, enqueued_ms), data in zip(list(self.enqueued.items()), await pipe.execute()):
+            request = _recent(request_id, enqueued_ms, data) if data else None
+            if request is None or (request.is_terminal and (request.finished_ms or 0) < now_ms - self.keep_s * 1000):
+                del self.enqueued[request_id]  # expired, or ended long enough ago
+            else:
+                out.append(request)
+        for request_id in list(self.enqueued)[:max(0, len(self.enqueued) - self.limit)]:
+            del self.enqueued[request_id]  # over the limit: forget the oldest
+        return out[::-1][:self.limit]
+
+
+def _recent(request_id: str, enqueued_ms: int, data: dict) -> RecentRequest:
+    meta = RequestMeta.from_hash(data)
+    return RecentRequest(
+        id=request_id, enqueued_ms=enqueued_ms, status=meta.status.value, prompt_tokens=meta.prompt_tokens,
+        max_new_tokens=meta.max_new_tokens, output_tokens=meta.output_tokens, worker=meta.worker,
+        created_ms=meta.created_ms, dispatched_ms=meta.dispatched_ms, started_ms=meta.started_ms,
+        finished_ms=meta.finished_ms)
 
 
 def token_times_ms(entries: list[tuple[str, dict]]) -> list[int]:

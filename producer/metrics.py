@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from producer.cluster import ClusterSnapshot, RecentRequest, kv_usage, read_cluster, token_times_ms
+from producer.cluster import ClusterSnapshot, RecentRequest, RequestTracker, kv_usage, read_cluster, token_times_ms
 from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
 
 WORKER_FIELDS = {
@@ -60,6 +60,7 @@ class ProducerMetrics:
         self._latency_metrics(reg)
         self.history: deque[dict] = deque(maxlen=HISTORY_S)
         self.latencies: dict[str, Latency] = {}  # ended requests already observed
+        self.tracker = RequestTracker()
         self._lock = asyncio.Lock()
 
     def _cluster_gauges(self, reg: CollectorRegistry) -> None:
@@ -99,7 +100,7 @@ class ProducerMetrics:
     async def refresh(self, redis: aioredis.Redis, keys: Keys) -> ClusterSnapshot:
         """Read the cluster, observe newly ended requests, set every gauge; one at a time."""
         async with self._lock:
-            snap = await read_cluster(redis, keys)
+            snap = await read_cluster(redis, keys, self.tracker)
             await self._observe_ended(redis, keys, snap.recent)
             self._apply(snap, keys)
             self._sample(snap)

@@ -123,3 +123,15 @@ async def test_backlog_is_queued_tokens_over_recent_throughput(client, scrape, w
     assert samples[("lightq:queue_tokens", (("kind", "predicted_output"),))] == 60
     assert samples[("lightq:throughput_tokens_per_second", ())] == pytest.approx(throughput)
     assert samples[("lightq:backlog_gpu_seconds", ())] == pytest.approx(queued / max(throughput, 1.0))
+
+
+async def test_requests_trimmed_off_the_ingress_stream_are_still_followed(client, scrape, worker, aredis, keys):
+    await client.post("/v1/requests", json=body([1, 2], 2))
+    request = await worker.take()
+    assert (await scrape())[("lightq:ingress_queue_depth", ())] == 0  # seen once, dispatched
+    await aredis.xtrim(keys.requests(), maxlen=0)  # what housekeeping does to dispatched entries
+    await worker.generate(request, ["a", "b"])
+    samples = await scrape()
+    assert samples[("lightq:e2e_request_latency_seconds_count", ())] == 1
+    assert samples[("lightq:generation_tokens_total", ())] == 2
+    assert samples[("lightq:generation_tokens_per_second", ())] == pytest.approx(2 / 60)

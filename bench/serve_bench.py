@@ -1,0 +1,178 @@
+"""Serving benchmark against a running lightq (LightLLM's benchmark_sharegpt.py, done fully).
+
+    .venv/bin/python -m bench.serve_bench --base-url http://127.0.0.1:8000 \\
+        --num-prompts 200 --request-rate 16 --goodput ttft:50 tpot:12
+
+Workload: a ShareGPT JSON file (``--dataset``), sampled and filtered as
+vLLM's ``sample_sharegpt_requests`` does (first human turn -> prompt, the
+reply's token count -> output length; prompt and output >= 4 tokens,
+prompt <= 1024, prompt + output <= 2048), or without one the synthetic
+ShareGPT-like lengths of ``bench/sharegpt.py`` with random token-id prompts
+(``ignore_eos``, so each request emits exactly its drawn length). Requests
+go through ``/generate_stream`` (LightLLM's SSE) or, with ``--endpoint
+completions``, OpenAI's streaming ``/v1/completions``; arrivals are Poisson
+at ``--request-rate`` (``inf``: all at once), at most ``--concurrency`` in
+flight. One warm-up request goes first. The numbers follow vLLM's
+definitions (``bench/serve_metrics.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import numpy as np
+
+from bench.serve_metrics import Outcome, calculate, parse_slos, report
+from bench.sharegpt import describe, sharegpt_lengths
+
+Request = tuple[str | list[int], int, int]  # (prompt, prompt tokens, output tokens)
+
+
+def synthetic_requests(n: int, seed: int, vocab: int, output_len: int | None) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(3, vocab, size=i).tolist(), i, output_len or o) for i, o in sharegpt_lengths(n, seed)]
+
+
+def sharegpt_requests(path: str, n: int, seed: int, tokenizer, output_len: int | None) -> list[Request]:
+    with open(path) as f:
+        conversations = [c["conversations"] for c in json.load(f) if len(c.get("conversations", [])) >= 2]
+    random.Random(seed).shuffle(conversations)
+    picked: list[Request] = []
+    for turns in conversations:
+        if len(picked) == n:
+            break
+        prompt, completion = turns[0]["value"], turns[1]["value"]
+        prompt_len = len(tokenizer.encode(prompt))
+        out_len = output_len or len(tokenizer.encode(completion))
+        if prompt_len < 4 or out_len < 4 or prompt_len > 1024 or prompt_len + out_len > 2048:
+            continue
+        picked.append((prompt, prompt_len, out_len))
+    return picked
+
+
+def payload(endpoint: str, prompt: str | list[int], out_len: int, ignore_eos: bool) -> tuple[str, dict]:
+    if endpoint == "completions":
+        return "/v1/completions", {"model": "default", "prompt": prompt, "max_tokens": out_len, "stream": True,
+                                   "temperature": 0, "ignore_eos": ignore_eos,
+                                   "stream_options": {"include_usage": True}}
+    return "/generate_stream", {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": ignore_eos}}
+
+
+def tokens_in(endpoint: str, event: dict) -> tuple[int, int | None]:
+    """(chunks carrying text or a token, server-reported output count if this event has one)."""
+    if endpoint == "completions":
+        usage = event.get("usage") or {}
+        return int(bool(event.get("choices"))), usage.get("completion_tokens")
+    token = event.get("token") or {}
+    return int(token.get("id") is not None), token.get("count_output_tokens") if event.get("finished") else None
+
+
+async def send(client: httpx.AsyncClient, endpoint: str, req: Request, ignore_eos: bool) -> Outcome:
+    prompt, prompt_len, out_len = req
+    path, body = payload(endpoint, prompt, out_len, ignore_eos)
+    outcome, chunks, reported, last = Outcome(prompt_len=prompt_len), 0, None, None
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                outcome.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return outcome
+            async for line in response.aiter_lines():
+                data = line[5:].strip() if line.startswith("data:") else ""
+                if not data or data == "[DONE]":
+                    continue
+                count, server_count = tokens_in(endpoint, json.loads(data))
+                now = time.perf_counter()
+                if count:
+                    if chunks == 0:
+                        outcome.ttft = now - start
+                    else:
+                        outcome.itl.append(now - last)
+                    chunks, last = chunks + 1, now
+                reported = server_count if server_count is not None else reported
+        outcome.latency = (last or time.perf_counter()) - start
+        outcome.output_tokens = reported if reported is not None else chunks
+        outcome.success = chunks > 0
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        outcome.error = repr(exc)
+    return outcome
+
+
+async def run(args, requests: list[Request]) -> tuple[list[Outcome], float]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(None), limits=limits) as client:
+        warm = await send(client, args.endpoint, (requests[0][0], requests[0][1], min(8, requests[0][2])),
+                          args.ignore_eos)
+        if not warm.success:
+            raise SystemExit(f"warm-up request failed: {warm.error}")
+        gate = asyncio.Semaphore(args.concurrency or len(requests))
+        rng = np.random.default_rng(args.seed)
+
+        async def one(req: Request) -> Outcome:
+            async with gate:
+                return await send(client, args.endpoint, req, args.ignore_eos)
+
+        tasks = []
+        start = time.perf_counter()
+        for req in requests:
+            tasks.append(asyncio.create_task(one(req)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+        outcomes = await asyncio.gather(*tasks)
+        return outcomes, time.perf_counter() - start
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", choices=["generate_stream", "completions"], default="generate_stream")
+    p.add_argument("--dataset", help="ShareGPT JSON (ShareGPT_V3_unfiltered_cleaned_split.json); default: synthetic")
+    p.add_argument("--tokenizer", default="default", help="--model_dir whose tokenizer measures dataset prompts")
+    p.add_argument("--vocab-size", type=int, default=49152, help="token ids of synthetic prompts are below this")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    p.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="every request's output length")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: on for the synthetic workload, off for a dataset")
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs: ttft, tpot, e2el (vLLM), mtpot (Past-Future)")
+    p.add_argument("--percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-json", help="also write the numbers here")
+    args = p.parse_args(argv)
+    if args.ignore_eos is None:
+        args.ignore_eos = args.dataset is None
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    slos = parse_slos(args.goodput)
+    if args.dataset:
+        from shared.model_files import load_tokenizer, resolve
+
+        tokenizer = load_tokenizer(resolve(args.tokenizer))
+        requests = sharegpt_requests(args.dataset, args.num_prompts, args.seed, tokenizer, args.sharegpt_output_len)
+    else:
+        requests = synthetic_requests(args.num_prompts, args.seed, args.vocab_size, args.sharegpt_output_len)
+    print(f"{len(requests)} requests; input {describe([r[1] for r in requests])}; "
+          f"output {describe([r[2] for r in requests])}; rate {args.request_rate}/s, concurrency {args.concurrency}")
+    outcomes, duration = asyncio.run(run(args, requests))
+    result = calculate(outcomes, duration, slos, [float(p) for p in args.percentiles.split(",")])
+    print(report(result, slos))
+    errors = [o.error for o in outcomes if not o.success]
+    if errors:
+        print(f"first error: {errors[0]}")
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
