@@ -5,7 +5,8 @@ redis-server started here and stopped on exit. Then ``--workers N`` workers,
 one router and the producer, each a separate process configured through
 ``LIGHTQ_*`` environment variables. Ctrl-C or SIGTERM stops every child
 (SIGTERM, then SIGKILL after a grace period); a child that dies on its own
-is replaced if it was a worker or a router (up to MAX_RESTARTS times in all);
+is replaced if it was a worker, a router or the rq worker (batch jobs and
+housekeeping; up to MAX_RESTARTS times in all);
 a dead producer brings the rest down too, so a broken pool never looks alive.
 """
 
@@ -64,6 +65,7 @@ def serve(flags: dict[str, Any], num_workers: int) -> int:
     try:
         children += [("worker", spawn("worker", env)) for _ in range(num_workers)]
         children += [("router", spawn("router", env)), ("producer", spawn("producer", env))]
+        children.append(("rq-worker", spawn("rq-worker", env)))  # batch jobs and housekeeping
         return watch(children, stop, Readiness(url, flags, num_workers), env)
     finally:
         stop_all(children)
@@ -105,7 +107,7 @@ def watch(children: list[tuple[str, subprocess.Popen]], stop: threading.Event, r
         for i, (role, child) in enumerate(children):
             if child.poll() is None:
                 continue
-            if role in ("worker", "router") and restarts < MAX_RESTARTS:
+            if role in ("worker", "router", "rq-worker") and restarts < MAX_RESTARTS:
                 restarts += 1
                 log.warning("%s (pid %d) exited with %d: starting another", role, child.pid, child.returncode)
                 children[i] = (role, spawn(role, env))

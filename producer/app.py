@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from producer import dashboard, routes_native, routes_openai, routes_requests
+from producer import routes_batches
 from producer.deps import Services
 from producer.errors import install_handlers
 from producer.metrics import ProducerMetrics
@@ -52,4 +53,5 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
     app.include_router(routes_requests.router)
     app.include_router(routes_openai.router)
     app.include_router(dashboard.router)
+    app.include_router(routes_batches.router)
     return app

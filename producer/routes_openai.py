@@ -22,7 +22,7 @@ from producer.openai_render import Call, StreamRenderer, response
 from producer.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from producer.streaming import ChunkFollower, EventStream, collect, rendered
 from producer.submit import abandon, enqueue, new_request, prompt_ids
-from shared.schemas import GenerateRequest, SamplingParams
+from shared.schemas import GenerateRequest
 
 router = APIRouter(prefix="/v1")
 STARTED = int(time.time())
@@ -65,22 +65,36 @@ def check_context(num_prompt: int, max_new: int, limit: int, where: str) -> None
 @router.post("/completions", responses=ERRORS)
 async def completions(request: Request, services: ServicesDep) -> Response:
     body = await parse_body(request, CompletionRequest)
+    queued, call = await prepare_completion(body, services)
+    await enqueue(queued, "completions", services)
+    return await _answer(request, services, queued, call, body.stream)
+
+
+async def prepare_completion(body: CompletionRequest, services: Services) -> tuple[GenerateRequest, Call]:
+    """Every check and the tokenisation of a completion; nothing is written (batches share it)."""
     check_model(body.model, services)
     body.check()
     inputs = completion_inputs(body.prompt)
     ids = await prompt_ids(inputs, services.tokenizer, param="prompt")
     max_new = body.max_tokens or services.settings.default_max_new_tokens
     check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
-    queued = await _enqueue(ids, body.sampling(max_new, services.tokenizer), "completions", services)
+    queued = new_request(ids, body.sampling(max_new, services.tokenizer))
     call = Call("completion", f"cmpl-{queued.id}", int(time.time()), body.model, len(ids),
                 logprobs=body.logprobs is not None, include_usage=body.include_usage,
                 echo=prompt_text(inputs, services.tokenizer) if body.echo else "")
-    return await _answer(request, services, queued, call, body.stream)
+    return queued, call
 
 
 @router.post("/chat/completions", responses=ERRORS)
 async def chat_completions(request: Request, services: ServicesDep) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
+    queued, call = await prepare_chat(body, services)
+    await enqueue(queued, "chat", services)
+    return await _answer(request, services, queued, call, body.stream)
+
+
+async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple[GenerateRequest, Call]:
+    """Every check and the chat template of a chat completion; nothing is written (batches share it)."""
     check_model(body.model, services)
     body.check()
     ids = await chat_prompt_ids(body.messages, services.tokenizer)
@@ -88,14 +102,10 @@ async def chat_completions(request: Request, services: ServicesDep) -> Response:
     # Without a limit the answer may fill the context (LightLLM and vLLM do the same).
     max_new = body.requested_max_tokens or max(limit - len(ids), 1)
     check_context(len(ids), max_new, limit, "messages")
-    queued = await _enqueue(ids, body.sampling(max_new, services.tokenizer), "chat", services)
+    queued = new_request(ids, body.sampling(max_new, services.tokenizer))
     call = Call("chat", f"chatcmpl-{queued.id}", int(time.time()), body.model, len(ids),
                 logprobs=body.logprobs, include_usage=body.include_usage)
-    return await _answer(request, services, queued, call, body.stream)
-
-
-async def _enqueue(ids: list[int], params: SamplingParams, route: str, services: Services) -> GenerateRequest:
-    return await enqueue(new_request(ids, params), route, services)
+    return queued, call
 
 
 async def _answer(request: Request, services: Services, queued: GenerateRequest, call: Call,

@@ -17,6 +17,12 @@ land in one slot, so a request's status and chunks can be written together.
 | P:outlen                    | capped list   | worker -> router (finished output lengths) |
 | P:{w:ID}:reap               | string + TTL  | router lock while re-dispatching a dead worker's requests |
 | P:{rt:ID}:alive             | string + TTL  | router liveness; a missing key lets other routers claim its pending entries |
+| P:{b:ID}:batch              | hash + TTL    | producer, rq batch job -> producer (batch status and counts) |
+| P:{b:ID}:input              | string + TTL  | producer -> rq batch job (the JSONL as submitted) |
+| P:{b:ID}:inflight           | hash + TTL    | rq batch job (line -> request id, while it runs) |
+| P:{b:ID}:results            | hash + TTL    | rq batch job (line -> output line, until the output is written) |
+| P:{b:ID}:output             | string + TTL  | rq batch job -> producer (the output JSONL) |
+| P:housekeeping:cursor       | string        | rq housekeeping (SCAN cursor of the request-record sweep) |
 """
 
 from __future__ import annotations
@@ -63,6 +69,28 @@ class Keys:
 
     def router_alive(self, router_id: str) -> str:
         return f"{self.prefix}:{{rt:{router_id}}}:alive"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:batch"
+
+    def batch_input(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:input"
+
+    def batch_inflight(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:inflight"
+
+    def batch_results(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:results"
+
+    def batch_output(self, batch_id: str) -> str:
+        return f"{self.prefix}:{{b:{batch_id}}}:output"
+
+    def all_batch_keys(self, batch_id: str) -> list[str]:
+        return [self.batch(batch_id), self.batch_input(batch_id), self.batch_inflight(batch_id),
+                self.batch_results(batch_id), self.batch_output(batch_id)]
+
+    def housekeeping_cursor(self) -> str:
+        return f"{self.prefix}:housekeeping:cursor"
 
     def output_lengths(self) -> str:
         return f"{self.prefix}:outlen"

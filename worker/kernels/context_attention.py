@@ -152,7 +152,8 @@ def check_position_rules(q: torch.Tensor, alibi_slopes: torch.Tensor | None, win
     if alibi_slopes is not None:
         assert alibi_slopes.shape == (q.shape[1],) and alibi_slopes.dtype == torch.float32, (
             f"alibi_slopes {tuple(alibi_slopes.shape)} {alibi_slopes.dtype}: want fp32 [{q.shape[1]}]")
-        assert alibi_slopes.device == q.device and alibi_slopes.stride(0) == 1, "alibi_slopes: contiguous, on q's device"
+        assert alibi_slopes.device == q.device and alibi_slopes.stride(0) == 1, (
+            "alibi_slopes: contiguous, on q's device")
     assert window is None or window >= 1, f"window {window}: want None or >= 1"
 
 

@@ -95,7 +95,7 @@ class CausalLM(nn.Module):
     def set_backend(self, backend: AttentionBackend) -> None:
         self.backend = backend
 
-    def tie_lm_head(self, embedding: nn.Embedding) -> None:
+    def tie_lm_head(self, embedding: VocabEmbedding) -> None:
         """One tensor, two names: named_parameters() lists it once, as the embedding."""
         if self.tied:
             self.lm_head.weight = embedding.weight

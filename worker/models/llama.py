@@ -19,7 +19,8 @@ from torch import nn
 
 from worker.attention import AttentionBackend
 from worker.forward_batch import ForwardBatch
-from worker.layers import SINGLE, Linear, RMSNorm, Rotary, SwiGLU, TensorParallel, on_cuda, rotate_torch, rotate_triton
+from worker.layers import (SINGLE, Linear, RMSNorm, Rotary, SwiGLU, TensorParallel, on_cuda, rotate_torch,
+                           rotate_triton)
 from worker.models.base import CausalLM, VocabEmbedding, VocabHead
 
 # checkpoint projection name -> (fused parameter's module name, shard index)

@@ -1,0 +1,104 @@
+"""Batch fixtures: the producer app on the test's own key prefix and rq queues
+of its own (rq keeps its keys under ``rq:``, so they are removed by name
+afterwards), an in-process rq worker, and the fake worker from the producer
+tests playing the pool's side."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import redis
+from rq.serializers import JSONSerializer
+
+from lightq.rq_worker import queue
+from producer import batch_job
+from producer.app import create_app
+from shared.config import BatchSettings, HousekeepingSettings, ModelSettings, ProducerSettings, RqWorkerSettings
+from shared.keys import Keys
+from shared.model_files import load_tokenizer, resolve
+from shared.redis import async_client
+from tests.batches.helpers import ThreadWorker
+from tests.producer.fake_worker import FakeWorker
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    tok = load_tokenizer(resolve("default"))
+    batch_job._tokenizers["default"] = tok  # the in-process job uses this one too
+    return tok
+
+
+@pytest.fixture
+def rq_names(redis_settings):
+    """rq queue names of this test's own; every rq key naming them (or the test's prefix) goes afterwards."""
+    tag = redis_settings.key_prefix
+    yield SimpleNamespace(batch=f"{tag}-batch", janitor=f"{tag}-janitor", tag=tag)
+    client = redis.Redis.from_url(redis_settings.url)
+    stale = list(client.scan_iter(match=f"rq:*{tag}*", count=1000))
+    if stale:
+        client.delete(*stale)
+    for member in client.smembers("rq:queues"):
+        if tag.encode() in member:
+            client.srem("rq:queues", member)
+    client.close()
+
+
+@pytest.fixture
+def settings(redis_settings, rq_names) -> ProducerSettings:
+    return ProducerSettings(redis=redis_settings, model=ModelSettings(max_req_total_len=2048),
+                            default_max_new_tokens=16, stream_block_ms=100,
+                            batch=BatchSettings(queue=rq_names.batch, max_in_flight=2, retries=1))
+
+
+@pytest.fixture
+def rq_settings(redis_settings, rq_names) -> RqWorkerSettings:
+    return RqWorkerSettings(redis=redis_settings, batch=BatchSettings(queue=rq_names.batch),
+                            housekeeping=HousekeepingSettings(queue=rq_names.janitor, interval_s=1))
+
+
+@pytest.fixture
+async def app(settings, tokenizer):
+    app = create_app(settings, tokenizer=tokenizer)
+    async with app.router.lifespan_context(app):
+        yield app
+
+
+@pytest.fixture
+async def client(app):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer", timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+async def aredis(redis_settings):
+    client = async_client(redis_settings)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def worker(aredis, redis_settings) -> FakeWorker:
+    return FakeWorker(aredis, Keys(redis_settings.key_prefix))
+
+
+@pytest.fixture
+def rq_conn(redis_settings):
+    connection = redis.Redis.from_url(redis_settings.url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def run_rq(rq_conn, rq_names):
+    """``await run_rq()``: an rq worker in a thread works a queue (the batch one) until it is empty."""
+
+    async def run(queue_name: str | None = None, **work) -> bool:
+        worker = ThreadWorker([queue(queue_name or rq_names.batch, rq_conn)], connection=rq_conn,
+                              name=f"{rq_names.tag}-{uuid.uuid4().hex[:6]}", serializer=JSONSerializer)
+        return await asyncio.to_thread(worker.work, burst=True, logging_level="WARNING", **work)
+
+    return run

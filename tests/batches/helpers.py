@@ -1,0 +1,88 @@
+"""What the batch tests share: the in-thread rq worker, batch-file lines, waiting for a batch."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from rq import SimpleWorker
+from rq.timeouts import TimerDeathPenalty
+
+from shared.schemas import GenerateRequest, RequestStatus
+from tests.producer.fake_worker import FakeWorker
+
+MODEL = "default"  # the served model answers to its --model_dir too
+
+
+class ThreadWorker(SimpleWorker):
+    """rq's in-process worker, runnable off the main thread (no signal handlers, timer timeouts)."""
+
+    death_penalty_class = TimerDeathPenalty
+
+    def _install_signal_handlers(self) -> None:
+        pass
+
+
+def jsonl(*lines: dict) -> str:
+    return "".join(json.dumps(line) + "\n" for line in lines)
+
+
+def completion_line(custom_id: str, prompt: str = "Hello", **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": MODEL, "prompt": prompt, "max_tokens": 4, **body}}
+
+
+def chat_line(custom_id: str, text: str = "Hi") -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": text}],
+                     "max_tokens": 4}}
+
+
+def generate_line(custom_id: str, text: str = "What is AI?") -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/generate",
+            "body": {"inputs": text, "parameters": {"max_new_tokens": 4}}}
+
+
+async def wait_batch(client: httpx.AsyncClient, batch_id: str, done=("completed", "failed", "cancelled"),
+                     timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        view = (await client.get(f"/v1/batches/{batch_id}")).json()
+        if view["status"] in done or time.monotonic() > deadline:
+            return view
+        await asyncio.sleep(0.05)
+
+
+def output_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@contextlib.asynccontextmanager
+async def pool(worker: FakeWorker, *, texts=(" a", " b"), fail_max_new: int | None = None, delay_s: float = 0.0,
+               seen: list | None = None) -> AsyncIterator[list[GenerateRequest]]:
+    """The fake worker answers every request (``texts``); one with ``max_new_tokens == fail_max_new`` fails."""
+    taken: list[GenerateRequest] = [] if seen is None else seen
+
+    async def serve() -> None:
+        while True:
+            try:
+                request = await worker.take(timeout_s=1.0)
+            except TimeoutError:
+                continue
+            taken.append(request)
+            if request.params.max_new_tokens == fail_max_new:
+                await worker.end(request.id, 0, RequestStatus.FAILED, "error", error="the worker broke")
+            else:
+                await worker.generate(request, list(texts), finish_reason="length", delay_s=delay_s)
+
+    task = asyncio.create_task(serve())
+    try:
+        yield taken
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

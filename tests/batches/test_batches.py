@@ -1,0 +1,168 @@
+"""``/v1/batches`` with real Redis, a real rq worker (in-process) and the fake worker as the pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+from lightq.rq_worker import queue
+from producer.batch_job import on_failure
+from shared.codec import from_entry
+from shared.schemas import GenerateRequest
+from tests.batches.helpers import chat_line, completion_line, generate_line, jsonl, output_lines, pool
+
+
+async def submit(client, text: str) -> dict:
+    response = await client.post("/v1/batches", content=text, headers={"Content-Type": "application/jsonl"})
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+async def test_a_batch_answers_every_url_like_its_route_in_input_order(client, worker, run_rq, rclient, keys):
+    text = jsonl(completion_line("c1"), chat_line("c2"), generate_line("g3"), completion_line("bad", max_tokens=5))
+    view = await submit(client, text)
+    assert view["status"] == "queued" and view["endpoint"] == "mixed"
+    assert view["request_counts"] == {"total": 4, "completed": 0, "failed": 0}
+    assert view["status_counts"] == {"pending": 4, "queued": 0, "running": 0, "completed": 0, "failed": 0}
+    assert view["output_url"] is None
+
+    async with pool(worker, fail_max_new=5):
+        assert await run_rq()
+
+    view = (await client.get(f"/v1/batches/{view['id']}")).json()
+    assert view["status"] == "completed"
+    assert view["request_counts"] == {"total": 4, "completed": 3, "failed": 1}
+    assert view["created_at"] <= view["in_progress_at"] <= view["completed_at"]
+    out = output_lines((await client.get(view["output_url"])).text)
+    assert [line["custom_id"] for line in out] == ["c1", "c2", "g3", "bad"]
+    c1, c2, g3, bad = out
+    assert all(line["id"] == f"batch_req_{line['response']['request_id']}" for line in out)
+    assert c1["response"]["status_code"] == 200 and c1["error"] is None
+    assert c1["response"]["body"]["object"] == "text_completion"
+    assert c1["response"]["body"]["id"] == f"cmpl-{c1['response']['request_id']}"
+    assert c1["response"]["body"]["choices"][0]["text"] == " a b"
+    assert c1["response"]["body"]["usage"]["completion_tokens"] == 2
+    assert c2["response"]["body"]["choices"][0]["message"]["content"] == " a b"
+    assert g3["response"]["body"]["generated_text"] == [" a b"]
+    assert g3["response"]["body"]["count_output_tokens"] == 2
+    assert bad["response"]["status_code"] == 500
+    assert bad["response"]["body"]["error"]["code"] == "generation_failed"
+    # Working records are gone; what stays has a TTL.
+    assert not rclient.exists(keys.batch_results(view["id"]), keys.batch_inflight(view["id"]))
+    assert all(rclient.ttl(key) > 0 for key in (keys.batch(view["id"]), keys.batch_input(view["id"]),
+                                                 keys.batch_output(view["id"])))
+
+
+async def test_no_more_than_max_in_flight_requests_are_in_the_pool(client, worker, run_rq, aredis, keys, settings):
+    assert settings.batch.max_in_flight == 2
+    view = await submit(client, jsonl(*[completion_line(f"r{i}") for i in range(6)]))
+    peak = 0
+
+    async def unanswered() -> int:
+        ids = [from_entry(GenerateRequest, fields).id for _, fields in await aredis.xrange(keys.requests())]
+        lasts = [await aredis.xrevrange(keys.chunks(rid), count=1) for rid in ids]
+        return sum(not last or '"finished":true' not in last[0][1]["msg"] for last in lasts)
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, await unanswered())
+            await asyncio.sleep(0.005)
+
+    sampler = asyncio.create_task(sample())
+    async with pool(worker, delay_s=0.03) as taken:
+        await run_rq()
+    sampler.cancel()
+    assert len(taken) == 6
+    assert peak == 2
+    assert (await client.get(f"/v1/batches/{view['id']}")).json()["request_counts"]["completed"] == 6
+
+
+async def test_progress_counts_lines_by_where_they_are(client, worker, run_rq):
+    view = await submit(client, jsonl(*[completion_line(f"r{i}") for i in range(5)]))
+    job = asyncio.create_task(run_rq())
+    for _ in range(200):  # nobody answers yet: two sent, three waiting
+        view = (await client.get(f"/v1/batches/{view['id']}")).json()
+        if view["status_counts"]["queued"] == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert view["status"] == "in_progress"
+    assert view["status_counts"] == {"pending": 3, "queued": 2, "running": 0, "completed": 0, "failed": 0}
+    async with pool(worker):
+        await job
+    view = (await client.get(f"/v1/batches/{view['id']}")).json()
+    assert view["status_counts"] == {"pending": 0, "queued": 0, "running": 0, "completed": 5, "failed": 0}
+
+
+async def test_a_restarted_job_resumes_without_sending_anything_twice(client, worker, run_rq, aredis, keys,
+                                                                      app):
+    from producer.batches import parse_lines, prepare_line
+    from producer.submit import enqueue
+
+    text = jsonl(completion_line("done"), completion_line("sent"), completion_line("new"))
+    batch_id = (await submit(client, text))["id"]
+    # As an interrupted run leaves it: line 0 answered, line 1's request in the pool, line 2 not sent.
+    await aredis.hset(keys.batch_results(batch_id), "0", '{"custom_id": "done", "from": "the first run"}')
+    await aredis.hincrby(keys.batch(batch_id), "completed", 1)
+    services = app.state.services
+    sent = await prepare_line(parse_lines(text, 10)[1], services)
+    await aredis.hset(keys.batch_inflight(batch_id), "1", sent.request.id)
+    await enqueue(sent.request, "batch", services)
+
+    async with pool(worker) as taken:
+        await run_rq()
+    assert len(taken) == 2  # the one already sent, and the new one
+    view = (await client.get(f"/v1/batches/{batch_id}")).json()
+    assert view["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    out = output_lines((await client.get(f"/v1/batches/{batch_id}/output")).text)
+    assert out[0] == {"custom_id": "done", "from": "the first run"}
+    assert out[1]["response"]["request_id"] == sent.request.id
+    assert out[2]["response"]["body"]["choices"][0]["text"] == " a b"
+
+
+async def test_cancel_stops_sending_and_cancels_what_is_in_the_pool(client, worker, run_rq, settings):
+    from shared.schemas import RequestStatus
+
+    view = await submit(client, jsonl(*[completion_line(f"r{i}") for i in range(4)]))
+    job = asyncio.create_task(run_rq())
+    first = await worker.take()
+    second = await worker.take()
+    cancelled = (await client.post(f"/v1/batches/{view['id']}/cancel")).json()
+    assert cancelled["status"] == "cancelling" and cancelled["cancelling_at"]
+    for request in (first, second):
+        assert await worker.wait_cancel(request.id)
+        await worker.token(request.id, 0, " x")
+        await worker.end(request.id, 1, RequestStatus.CANCELLED, "cancelled")
+    await job
+    view = (await client.get(f"/v1/batches/{view['id']}")).json()
+    assert view["status"] == "cancelled" and view["cancelled_at"]
+    assert view["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+    out = output_lines((await client.get(view["output_url"])).text)
+    assert [line["response"]["body"]["choices"][0]["finish_reason"] for line in out[:2]] == ["abort", "abort"]
+    assert [line["response"]["body"]["choices"][0]["text"] for line in out[:2]] == [" x", " x"]
+    assert [line["error"]["code"] for line in out[2:]] == ["batch_cancelled", "batch_cancelled"]
+    assert all(line["response"] is None for line in out[2:])
+
+
+async def test_unknown_batches_are_404_and_unfinished_output_is_409(client):
+    missing = "batch_" + "0" * 32
+    for path in (f"/v1/batches/{missing}", f"/v1/batches/{missing}/output", "/v1/batches/nope"):
+        response = await client.get(path)
+        assert response.status_code == 404, path
+        assert response.json()["error"]["code"] == "not_found"
+    assert (await client.post(f"/v1/batches/{missing}/cancel")).status_code == 404
+    view = await submit(client, jsonl(completion_line("a")))
+    response = await client.get(f"/v1/batches/{view['id']}/output")
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "batch_not_finished"
+
+
+async def test_a_job_out_of_retries_marks_its_batch_failed(client, settings, rq_conn, rq_names):
+    view = await submit(client, jsonl(completion_line("a")))
+    job = queue(rq_names.batch, rq_conn).jobs[0]
+    assert job.retries_left == settings.batch.retries
+    job.retries_left = 0
+    on_failure(job, rq_conn, RuntimeError, RuntimeError("boom"), None)
+    view = (await client.get(f"/v1/batches/{view['id']}")).json()
+    assert view["status"] == "failed" and view["failed_at"]
+    assert "RuntimeError: boom" in view["error"]
+    assert (await client.get(f"/v1/batches/{view['id']}/output")).status_code == 409

@@ -1,0 +1,49 @@
+"""End to end: ``lightq serve`` (embedded Redis, one worker on SmolLM2, the rq worker it
+starts) and ``lightq batch submit --wait`` run as a separate process, with 3 tiny requests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from shared.embedded_redis import free_port
+from shared.redis import answers
+from tests.batches.helpers import chat_line, completion_line, generate_line, jsonl
+from tests.integration.stack import start_stack
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert not answers(url)
+    log = str(tmp_path_factory.mktemp("e2e-batch") / "serve.log")
+    stack = start_stack(log, redis_url=url, prefix="lightq-e2e-batch", workers=1,
+                        extra=["--max_total_token_num", "4096", "--max_req_total_len", "1024"])
+    yield stack
+    assert stack.stop() == 0, open(log).read()[-3000:]
+
+
+def test_lightq_batch_submit_wait_through_lightq_serve(stack, tmp_path):
+    batch_file, out_file = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    batch_file.write_text(jsonl(completion_line("cmpl", "The capital of France is"),
+                                chat_line("chat", "Say hello."), generate_line("gen", "What is AI?")))
+    done = subprocess.run([sys.executable, "-m", "lightq.cli", "batch", "submit", str(batch_file), "--wait",
+                           "--url", stack.http, "--output", str(out_file)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + open(stack.log_path).read()[-3000:]
+    batch_id = done.stdout.strip()
+    out = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert [line["custom_id"] for line in out] == ["cmpl", "chat", "gen"]
+    assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in out)
+    cmpl, chat, gen = (line["response"]["body"] for line in out)
+    assert cmpl["choices"][0]["text"] and cmpl["usage"]["completion_tokens"] == 4
+    assert chat["choices"][0]["message"]["content"]
+    assert gen["generated_text"][0] and gen["count_output_tokens"] == 4
+    view = httpx.get(f"{stack.http}/v1/batches/{batch_id}", timeout=10).json()
+    assert view["status"] == "completed" and view["request_counts"] == {"total": 3, "completed": 3, "failed": 0}

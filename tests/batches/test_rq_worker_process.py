@@ -1,0 +1,91 @@
+"""``lightq rq-worker`` as a real process: batches, housekeeping, SIGTERM, and a batch that
+resumes in the next rq-worker after the first was stopped in the middle of it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from rq import Worker
+from rq.registry import StartedJobRegistry
+
+from lightq.rq_worker import queue
+from tests.batches.helpers import completion_line, jsonl, output_lines, pool, wait_batch
+
+
+def start_rq_worker(rq_settings, log_path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "lightq.cli", "rq-worker", "--redis_url", rq_settings.redis.url,
+            "--redis_key_prefix", rq_settings.redis.key_prefix, "--batch_queue", rq_settings.batch.queue,
+            "--housekeeping_queue", rq_settings.housekeeping.queue, "--housekeeping_interval_s", "1"]
+    log = open(log_path, "a")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+async def stop(process: subprocess.Popen, log_path) -> int:
+    process.send_signal(signal.SIGTERM)
+    code = await asyncio.to_thread(process.wait, 20)
+    assert code == 0, open(log_path).read()[-3000:]
+    return code
+
+
+async def test_the_service_runs_batches_and_housekeeping_and_stops_at_once(client, worker, rq_settings, rq_conn,
+                                                                          rq_names, rclient, keys, tmp_path):
+    log_path = tmp_path / "rq-worker.log"
+    process = start_rq_worker(rq_settings, log_path)
+    try:
+        view = (await client.post("/v1/batches", content=jsonl(*[completion_line(f"r{i}") for i in range(3)]))).json()
+        async with pool(worker) as taken:
+            view = await wait_batch(client, view["id"], timeout_s=90)
+        assert view["status"] == "completed", open(log_path).read()[-3000:]
+        assert len(taken) == 3
+        deadline = time.monotonic() + 10
+        while rclient.xlen(keys.requests()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # housekeeping (every second here) trims the acknowledged entries
+        assert rclient.xlen(keys.requests()) == 0
+        assert len(Worker.all(queue=queue(rq_names.janitor, rq_conn))) == 1  # the housekeeping child
+    finally:
+        started = time.monotonic()
+        await stop(process, log_path)
+    assert time.monotonic() - started < 10
+    assert Worker.all(queue=queue(rq_names.batch, rq_conn)) == []
+    deadline = time.monotonic() + 10
+    while Worker.all(queue=queue(rq_names.janitor, rq_conn)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert Worker.all(queue=queue(rq_names.janitor, rq_conn)) == []
+
+
+async def test_a_batch_stopped_midway_resumes_in_the_next_rq_worker(client, worker, rq_settings, rq_conn,
+                                                                   rq_names, tmp_path):
+    log_path = tmp_path / "rq-worker.log"
+    batch = queue(rq_names.batch, rq_conn)
+    view = (await client.post("/v1/batches", content=jsonl(*[completion_line(f"r{i}") for i in range(6)]))).json()
+    async with pool(worker, delay_s=0.15) as taken:
+        process = start_rq_worker(rq_settings, log_path)
+        try:
+            for _ in range(600):
+                view = (await client.get(f"/v1/batches/{view['id']}")).json()
+                if view["request_counts"]["completed"] >= 2:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await stop(process, log_path)
+        assert (await client.get(f"/v1/batches/{view['id']}")).json()["status"] == "in_progress"
+        registry = StartedJobRegistry(queue=batch)
+        assert len(registry.get_job_ids(cleanup=False)) == 1  # left started: its job process was killed
+        registry.cleanup(timestamp=time.time() + 3600)  # as housekeeping does once its heartbeat lapses
+        assert batch.count == 1  # retried
+        process = start_rq_worker(rq_settings, log_path)
+        try:
+            view = await wait_batch(client, view["id"], timeout_s=90)
+        finally:
+            await stop(process, log_path)
+    assert view["status"] == "completed", open(log_path).read()[-3000:]
+    assert view["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert len(taken) == 6  # nothing was sent twice
+    out = output_lines((await client.get(f"/v1/batches/{view['id']}/output")).text)
+    assert [line["custom_id"] for line in out] == [f"r{i}" for i in range(6)]
+    assert len({line["response"]["request_id"] for line in out}) == 6

@@ -1,0 +1,60 @@
+"""A bad batch file gets a 400 naming its first bad line, and nothing is written or enqueued."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from lightq.rq_worker import queue
+from tests.batches.helpers import MODEL, chat_line, completion_line, generate_line, jsonl
+from tests.conftest import keys_with_prefix
+
+GOOD = json.dumps(completion_line("ok")) + "\n"
+
+CASES = {
+    "not json": (GOOD + "{not json\n", "line 2: the line is not valid JSON"),
+    "not an object": ("[1, 2]\n", "line 1: "),
+    "wrong method": (jsonl({**completion_line("a"), "method": "GET"}), "line 1: method"),
+    "unknown url": (jsonl({**completion_line("a"), "url": "/v1/embeddings"}), "line 1: url"),
+    "no custom_id": (jsonl({k: v for k, v in completion_line("a").items() if k != "custom_id"}), "line 1: custom_id"),
+    "duplicate custom_id": (jsonl(completion_line("a"), chat_line("b"), generate_line("a")),
+                            "line 3: custom_id 'a' is already used on line 1"),
+    "blank lines count": ("\n" + GOOD + "\n" + jsonl({**completion_line("x"), "url": "/nope"}), "line 4: url"),
+    "unknown model": (GOOD + jsonl(completion_line("b", model="gpt-9")), "line 2: /v1/completions (custom_id 'b'): "
+                                                                          "The model 'gpt-9' does not exist"),
+    "too long": (jsonl(completion_line("a", max_tokens=5000)), "maximum context length is 2048"),
+    "bad parameter": (jsonl(generate_line("a"), {**generate_line("b"), "body": {"inputs": "x", "parameters": {
+        "top_p": 7}}}), "line 2: /generate (custom_id 'b'): parameters.top_p"),
+    "empty prompt": (jsonl(chat_line("a"), {**chat_line("b"), "body": {"model": MODEL, "messages": []}}),
+                     "line 2: /v1/chat/completions (custom_id 'b'): messages"),
+    "stream": (jsonl(completion_line("a", stream=True)), "line 1: /v1/completions (custom_id 'a'): stream"),
+    "empty file": ("\n\n", "the file has no requests"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_a_bad_file_is_refused_whole_naming_the_line(case, client, rclient, redis_settings, rq_conn,
+                                                           rq_names):
+    text, message = CASES[case]
+    response = await client.post("/v1/batches", content=text)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+    assert keys_with_prefix(rclient, redis_settings.key_prefix) == []  # no batch records, no ingress entries
+    assert queue(rq_names.batch, rq_conn).count == 0
+
+
+async def test_a_file_that_is_not_utf8_is_refused(client):
+    response = await client.post("/v1/batches", content=b"\xff\xfe" + GOOD.encode())
+    assert response.status_code == 400
+    assert "UTF-8" in response.json()["error"]["message"]
+
+
+async def test_too_many_requests_are_refused(app, client, settings):
+    text = jsonl(*[completion_line(f"r{i}") for i in range(3)])
+    limited = settings.model_copy(update={"batch": settings.batch.model_copy(update={"max_requests": 2})})
+    app.state.services = replace(app.state.services, settings=limited)
+    response = await client.post("/v1/batches", content=text)
+    assert response.status_code == 400
+    assert "more than 2 requests" in response.json()["error"]["message"]
