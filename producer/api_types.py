@@ -19,7 +19,16 @@ from shared.schemas import FinishReason, RequestStatus
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    # No NaN or infinity: JSON cannot carry them on to the router (they would arrive as null).
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
+
+
+# Bounds that keep a value representable where it goes (int64 seeds, int32 top-k tensors).
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_TIMEOUT_S = 86_400.0
+TIMEOUT_DOC = ("seconds the request may wait in the queue; one still queued after that is not run and "
+               "ends with finish_reason 'expired'")
 
 
 class GenerateParameters(_Request):
@@ -34,10 +43,10 @@ class GenerateParameters(_Request):
     do_sample: bool = False
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
+    top_k: int = Field(-1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
-    seed: int | None = Field(None, description="-1 or null: unseeded")
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description="-1 or null: unseeded")
     presence_penalty: float = Field(0.0, ge=0)
     frequency_penalty: float = Field(0.0, ge=0)
     repetition_penalty: float = Field(1.0, ge=1)
@@ -46,6 +55,7 @@ class GenerateParameters(_Request):
     best_of: int | None = None
     n: int | None = None
     return_details: bool = Field(False, description="/generate: per-token id, text, logprob under 'tokens'")
+    timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description=TIMEOUT_DOC)
 
     @field_validator("top_k")
     @classmethod
@@ -90,9 +100,12 @@ def _inline_schema(model: type[BaseModel]) -> dict:
     return inline(schema)
 
 
-# The generate routes parse their body themselves (any Content-Type); this documents it.
-BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {
-    "schema": _inline_schema(GenerateBody)}}}}
+def body_doc(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` documenting a body a route parses itself (any Content-Type)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _inline_schema(model)}}}}
+
+
+BODY_DOC = body_doc(GenerateBody)
 
 
 class TokenDetail(BaseModel):

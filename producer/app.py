@@ -8,17 +8,20 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from producer import dashboard, routes_native, routes_openai, routes_requests
 from producer import routes_batches
+from producer.auth import authenticate, key_hashes
+from producer.backlog import Gate
+from producer.body_limit import BodyLimit
 from producer.deps import Services
 from producer.errors import install_handlers
 from producer.metrics import ProducerMetrics
+from producer.redis_client import producer_client
 from shared.config import ProducerSettings
 from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve
-from shared.redis import async_client
 
 
 def served_model_id(model_dir: str) -> str:
@@ -37,16 +40,22 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
         tok = tokenizer
         if tok is None:
             tok = await asyncio.to_thread(load_tokenizer, resolve(settings.model.model_dir))
-        redis = async_client(settings.redis)
-        app.state.services = Services(settings=settings, keys=Keys(settings.redis.key_prefix),
+        redis = producer_client(settings)
+        keys = Keys(settings.redis.key_prefix)
+        app.state.services = Services(settings=settings, keys=keys,
                                       redis=redis, tokenizer=tok, metrics=app.state.metrics,
-                                      model_id=served_model_id(settings.model.model_dir))
+                                      model_id=served_model_id(settings.model.model_dir),
+                                      gate=Gate(redis, keys, settings.max_queue_tokens, settings.reject_without_workers),
+                                      api_key_hashes=key_hashes(settings.api_keys))
         try:
             yield
         finally:
             await redis.aclose()
 
-    app = FastAPI(title="lightq producer", lifespan=lifespan)
+    # authenticate runs before every route (those added later too); it lets OPEN_PATHS through.
+    app = FastAPI(title="lightq producer", lifespan=lifespan, dependencies=[Depends(authenticate)])
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                       larger={"/v1/batches": settings.max_batch_body_bytes})
     app.state.metrics = ProducerMetrics()  # before the lifespan: error handlers count rejections
     install_handlers(app)
     app.include_router(routes_native.router)

@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
 from producer.api_types import GenerateBody
+from producer.backlog import Gate
 from producer.errors import bad_request, from_validation, not_found
 from producer.metrics import ProducerMetrics
 from shared.config import ProducerSettings
@@ -30,6 +31,8 @@ class Services:
     tokenizer: Any
     metrics: ProducerMetrics
     model_id: str = "default"  # the served model's name on the OpenAI routes
+    gate: Gate | None = None  # overload checks before enqueue (None: no limits, e.g. outside the app)
+    api_key_hashes: frozenset[str] = frozenset()  # producer.auth; empty: no keys needed
 
 
 def get_services(request: Request) -> Services:

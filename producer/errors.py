@@ -1,9 +1,14 @@
 """Every error this service answers, in OpenAI's shape, and the handlers that
-make sure no validation problem turns into a 500."""
+make sure no validation problem turns into a 500.
+
+Refusals a client should retry (429, 503) carry ``Retry-After`` (seconds) and
+``X-Lightq-Reject-Reason`` (the same machine-readable reason as ``error.code``).
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +20,8 @@ from starlette.exceptions import HTTPException
 from producer.api_types import ErrorBody, ErrorDetail
 
 log = logging.getLogger(__name__)
+REJECT_REASON_HEADER = "X-Lightq-Reject-Reason"
+REDIS_RETRY_AFTER_S = 1  # a restarting Redis is usually back within seconds
 
 
 class ApiError(Exception):
@@ -22,11 +29,12 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, kind: str = "invalid_request_error",
-                 reason: str | None = None) -> None:
+                 reason: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.detail = ErrorDetail(message=message, type=kind, param=param, code=code)
         self.reason = reason
+        self.headers = headers
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None,
@@ -36,6 +44,13 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 
 def not_found(request_id: str) -> ApiError:
     return ApiError(404, f"no request {request_id}", param="id", code="not_found", kind="not_found_error")
+
+
+def retry_later(status: int, message: str, code: str, retry_after_s: float,
+                kind: str = "server_error") -> ApiError:
+    """A 429 or 503 the client should retry: ``code`` doubles as the rejection reason."""
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s))), REJECT_REASON_HEADER: code}
+    return ApiError(status, message, code=code, kind=kind, reason=code, headers=headers)
 
 
 def from_validation(errors: list[dict], *, reason: str = "invalid_request") -> ApiError:
@@ -57,15 +72,15 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"})
 
 
-def error_response(status: int, detail: ErrorDetail) -> JSONResponse:
-    return JSONResponse(ErrorBody(error=detail).model_dump(mode="json"), status_code=status)
+def error_response(status: int, detail: ErrorDetail, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(ErrorBody(error=detail).model_dump(mode="json"), status_code=status, headers=headers)
 
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     metrics = getattr(request.app.state, "metrics", None)
     if exc.reason is not None and metrics is not None:
         metrics.rejected.labels(reason=exc.reason).inc()
-    return error_response(exc.status, exc.detail)
+    return error_response(exc.status, exc.detail, exc.headers)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -79,14 +94,16 @@ async def _pydantic_error(request: Request, exc: ValidationError) -> JSONRespons
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     detail = ErrorDetail(message=str(exc.detail), type=kind, code=str(exc.status_code))
-    return error_response(exc.status_code, detail)
+    return error_response(exc.status_code, detail, exc.headers)
 
 
 async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
+    # Timeouts on the producer's client (producer.redis_client) make an unreachable Redis end
+    # here within seconds; the pool reconnects on the next command once Redis is back.
+    # Not counted as a rejection: it may be a status poll, or a request already queued.
     log.warning("Redis error on %s %s: %s", request.method, request.url.path, exc)
-    detail = ErrorDetail(message="request queue unavailable, retry later", type="server_error",
-                         code="redis_unavailable")
-    return error_response(503, detail)
+    error = retry_later(503, "request queue unavailable, retry later", "redis_unavailable", REDIS_RETRY_AFTER_S)
+    return error_response(error.status, error.detail, error.headers)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from producer.api_types import INT32_MAX, INT64_MAX, MAX_TIMEOUT_S, TIMEOUT_DOC
 from producer.errors import bad_request
 from producer.params import check_min_tokens, stop_strings
 from shared.schemas import SamplingParams
@@ -22,7 +23,7 @@ GREEDY_BELOW = 1e-5  # temperature 0 (or this close) means greedy, as in LightLL
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -42,15 +43,16 @@ class _SamplingFields(_Request):
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # Extras (vLLM's names); top_k 0 or -1 disables it there, so both do here.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description=TIMEOUT_DOC)  # lightq's own
 
     def check_common(self) -> None:
         _single("n", self.n)

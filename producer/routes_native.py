@@ -15,9 +15,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
 from producer.api_types import BODY_DOC, GenerateResult, TokenDetail, dump_without_empty_error
-from producer.deps import GenerateBodyDep, Services, ServicesDep
+from producer.auth import CallerDep
+from producer.deps import GenerateBodyDep, ServicesDep
 from producer.errors import ApiError
-from producer.streaming import ChunkFollower, EventStream, collect, native_event, sse
+from producer.streaming import EventStream, collect, follower, native_event, sse
 from producer.submit import abandon, submit
 from shared.schemas import TokenChunk
 
@@ -25,14 +26,10 @@ router = APIRouter()
 HEALTH_TIMEOUT_S = 2.0
 
 
-def _follower(services: Services, request_id: str) -> ChunkFollower:
-    return ChunkFollower(services.redis, services.keys, request_id, services.settings.stream_block_ms)
-
-
 @router.post("/generate", response_model=GenerateResult, openapi_extra=BODY_DOC)
-async def generate(request: Request, body: GenerateBodyDep, services: ServicesDep) -> Response:
-    queued = await submit(body, "generate", services)
-    chunks = await collect(_follower(services, queued.id), request.is_disconnected,
+async def generate(request: Request, body: GenerateBodyDep, services: ServicesDep, caller: CallerDep) -> Response:
+    queued = await submit(body, "generate", services, caller.key_hash)
+    chunks = await collect(follower(services, queued.id), request.is_disconnected,
                            functools.partial(abandon, services, queued.id))
     if chunks is None:
         return Response(status_code=499)  # nobody is listening any more
@@ -56,10 +53,11 @@ def generate_result(chunks: list[TokenChunk], prompt_tokens: int, details: bool 
 
 
 @router.post("/generate_stream", openapi_extra=BODY_DOC, response_class=EventStream)
-async def generate_stream(request: Request, body: GenerateBodyDep, services: ServicesDep) -> EventStream:
-    queued = await submit(body, "generate_stream", services)
+async def generate_stream(request: Request, body: GenerateBodyDep, services: ServicesDep,
+                          caller: CallerDep) -> EventStream:
+    queued = await submit(body, "generate_stream", services, caller.key_hash)
     events = sse(
-        _follower(services, queued.id),
+        follower(services, queued.id),
         lambda _entry_id, chunk: native_event(chunk, queued.num_prompt_tokens),
         disconnected=request.is_disconnected,
         on_abandon=functools.partial(abandon, services, queued.id),

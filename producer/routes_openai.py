@@ -15,12 +15,14 @@ import time
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from producer.api_types import body_doc
+from producer.auth import CallerDep
 from producer.chat import chat_prompt_ids, completion_inputs, prompt_text
 from producer.deps import Services, ServicesDep, parse_body
 from producer.errors import ApiError, bad_request
 from producer.openai_render import Call, StreamRenderer, response
 from producer.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from producer.streaming import ChunkFollower, EventStream, collect, rendered
+from producer.streaming import EventStream, collect, follower, rendered
 from producer.submit import abandon, enqueue, new_request, prompt_ids
 from shared.schemas import GenerateRequest
 
@@ -62,11 +64,11 @@ def check_context(num_prompt: int, max_new: int, limit: int, where: str) -> None
             param=where, code="context_length_exceeded", reason="too_long")
 
 
-@router.post("/completions", responses=ERRORS)
-async def completions(request: Request, services: ServicesDep) -> Response:
+@router.post("/completions", responses=ERRORS, openapi_extra=body_doc(CompletionRequest))
+async def completions(request: Request, services: ServicesDep, caller: CallerDep) -> Response:
     body = await parse_body(request, CompletionRequest)
     queued, call = await prepare_completion(body, services)
-    await enqueue(queued, "completions", services)
+    await enqueue(queued, "completions", services, caller.key_hash)
     return await _answer(request, services, queued, call, body.stream)
 
 
@@ -78,18 +80,18 @@ async def prepare_completion(body: CompletionRequest, services: Services) -> tup
     ids = await prompt_ids(inputs, services.tokenizer, param="prompt")
     max_new = body.max_tokens or services.settings.default_max_new_tokens
     check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
-    queued = new_request(ids, body.sampling(max_new, services.tokenizer))
+    queued = new_request(ids, body.sampling(max_new, services.tokenizer), body.timeout)
     call = Call("completion", f"cmpl-{queued.id}", int(time.time()), body.model, len(ids),
                 logprobs=body.logprobs is not None, include_usage=body.include_usage,
                 echo=prompt_text(inputs, services.tokenizer) if body.echo else "")
     return queued, call
 
 
-@router.post("/chat/completions", responses=ERRORS)
-async def chat_completions(request: Request, services: ServicesDep) -> Response:
+@router.post("/chat/completions", responses=ERRORS, openapi_extra=body_doc(ChatCompletionRequest))
+async def chat_completions(request: Request, services: ServicesDep, caller: CallerDep) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     queued, call = await prepare_chat(body, services)
-    await enqueue(queued, "chat", services)
+    await enqueue(queued, "chat", services, caller.key_hash)
     return await _answer(request, services, queued, call, body.stream)
 
 
@@ -102,7 +104,7 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     # Without a limit the answer may fill the context (LightLLM and vLLM do the same).
     max_new = body.requested_max_tokens or max(limit - len(ids), 1)
     check_context(len(ids), max_new, limit, "messages")
-    queued = new_request(ids, body.sampling(max_new, services.tokenizer))
+    queued = new_request(ids, body.sampling(max_new, services.tokenizer), body.timeout)
     call = Call("chat", f"chatcmpl-{queued.id}", int(time.time()), body.model, len(ids),
                 logprobs=body.logprobs, include_usage=body.include_usage)
     return queued, call
@@ -110,12 +112,12 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
 
 async def _answer(request: Request, services: Services, queued: GenerateRequest, call: Call,
                   stream: bool) -> Response:
-    follower = ChunkFollower(services.redis, services.keys, queued.id, services.settings.stream_block_ms)
+    reader = follower(services, queued.id)
     on_abandon = functools.partial(abandon, services, queued.id)
     if stream:
         renderer = StreamRenderer(call, services.tokenizer)
-        return EventStream(rendered(follower, renderer, request.is_disconnected, on_abandon))
-    chunks = await collect(follower, request.is_disconnected, on_abandon)
+        return EventStream(rendered(reader, renderer, request.is_disconnected, on_abandon))
+    chunks = await collect(reader, request.is_disconnected, on_abandon)
     if chunks is None:
         return Response(status_code=499)  # nobody is listening any more
     return JSONResponse(response(call, chunks, services.tokenizer).model_dump(mode="json"))

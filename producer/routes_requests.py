@@ -1,7 +1,8 @@
 """Submit-and-poll: ``/v1/requests`` (submit), ``/{id}`` (status, cancel), ``/{id}/stream`` (replay).
 
 Unlike the native routes, nothing here cancels a request when a client
-leaves: the request lives on and can be polled or streamed again.
+leaves: the request lives on and can be polled or streamed again. With API
+keys, a request is only visible to the key that submitted it (``producer.auth``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from fastapi import APIRouter, Header, Response
 
 from producer import store
 from producer.api_types import BODY_DOC, RequestView, SubmitAccepted
+from producer.auth import Caller, CallerDep
 from producer.deps import GenerateBodyDep, RequestIdDep, Services, ServicesDep
 from producer.errors import bad_request, not_found
-from producer.streaming import ChunkFollower, EventStream, replay_event, sse
+from producer.streaming import EventStream, follower, replay_event, sse
 from producer.submit import submit
 from shared.schemas import RequestMeta
 
@@ -25,23 +27,23 @@ CANCEL_POLL_S = 0.05
 
 
 @router.post("", status_code=202, openapi_extra=BODY_DOC)
-async def submit_request(body: GenerateBodyDep, services: ServicesDep) -> SubmitAccepted:
-    queued = await submit(body, "requests", services)
+async def submit_request(body: GenerateBodyDep, services: ServicesDep, caller: CallerDep) -> SubmitAccepted:
+    queued = await submit(body, "requests", services, caller.key_hash)
     base = f"/v1/requests/{queued.id}"
     return SubmitAccepted(id=queued.id, status_url=base, stream_url=f"{base}/stream")
 
 
-async def _meta_or_404(services: Services, request_id: str) -> RequestMeta:
+async def _meta_or_404(services: Services, request_id: str, caller: Caller) -> RequestMeta:
     meta = await store.read_meta(services.redis, services.keys, request_id)
-    if meta is None:
+    if meta is None or not caller.owns(meta.key_hash):  # another key's request looks unknown
         raise not_found(request_id)
     return meta
 
 
 async def request_view(services: Services, request_id: str, meta: RequestMeta) -> RequestView:
     """The status hash plus the (de-duplicated) output so far."""
-    follower = ChunkFollower(services.redis, services.keys, request_id, services.settings.stream_block_ms)
-    delivered = [follower.accept(chunk) for _, chunk in
+    reader = follower(services, request_id)
+    delivered = [reader.accept(chunk) for _, chunk in
                  await store.read_range(services.redis, services.keys, request_id)]
     tokens = [chunk for chunk in delivered if chunk is not None and chunk.token_id is not None]
     return RequestView(
@@ -61,15 +63,16 @@ async def request_view(services: Services, request_id: str, meta: RequestMeta) -
 
 
 @router.get("/{request_id}", responses={404: {"description": "unknown id"}})
-async def get_request(request_id: RequestIdDep, services: ServicesDep) -> RequestView:
-    return await request_view(services, request_id, await _meta_or_404(services, request_id))
+async def get_request(request_id: RequestIdDep, services: ServicesDep, caller: CallerDep) -> RequestView:
+    return await request_view(services, request_id, await _meta_or_404(services, request_id, caller))
 
 
 @router.delete("/{request_id}", responses={202: {"description": "cancel requested, not yet done"},
                                            404: {"description": "unknown id"}})
-async def cancel_request(request_id: RequestIdDep, services: ServicesDep, response: Response) -> RequestView:
+async def cancel_request(request_id: RequestIdDep, services: ServicesDep, caller: CallerDep,
+                         response: Response) -> RequestView:
     """Set the cancel key and wait (briefly) for the holder to finalise the request."""
-    meta = await _meta_or_404(services, request_id)
+    meta = await _meta_or_404(services, request_id, caller)
     if not meta.status.is_terminal:
         ttl_s = services.settings.redis.request_ttl_s
         await store.request_cancel(services.redis, services.keys, request_id, ttl_s)
@@ -87,14 +90,14 @@ async def _wait_terminal(services: Services, request_id: str, meta: RequestMeta)
 
 
 @router.get("/{request_id}/stream", response_class=EventStream, responses={404: {"description": "unknown id"}})
-async def stream_request(request_id: RequestIdDep, services: ServicesDep,
+async def stream_request(request_id: RequestIdDep, services: ServicesDep, caller: CallerDep,
                          last_event_id: str | None = Header(None)) -> EventStream:
     """Replay the chunks as SSE (``id:`` = stream entry id), after ``Last-Event-ID`` if given."""
-    await _meta_or_404(services, request_id)
-    follower = ChunkFollower(services.redis, services.keys, request_id, services.settings.stream_block_ms)
+    await _meta_or_404(services, request_id, caller)
+    reader = follower(services, request_id)
     if last_event_id:
-        await follower.resume_after(_entry_id(last_event_id))
-    return EventStream(sse(follower, replay_event))
+        await reader.resume_after(_entry_id(last_event_id))
+    return EventStream(sse(reader, replay_event))
 
 
 def _entry_id(value: str) -> str:

@@ -1,34 +1,101 @@
 """The producer's side of the Redis protocol (see shared/keys.py for the layout).
 
-The producer writes a request's status hash and its ingress entry, sets the
-cancel key, and reads the status hash and the durable chunk stream. It never
+The producer writes a request's status hash and its ingress entry (with the
+backlog check, in one script), sets the cancel key, and reads the status
+hash and the durable chunk stream. It never
 reads the pub/sub channel: the stream has every chunk, in order, resumable.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import redis.asyncio as aioredis
 
 from shared import codec
-from shared.keys import Keys
+from shared.keys import ROUTER_GROUP, Keys
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 
 StreamEntry = tuple[str, TokenChunk]  # (stream entry id, chunk)
 
 
-async def enqueue(redis: aioredis.Redis, keys: Keys, request: GenerateRequest, ttl_s: int) -> None:
-    """Create the status hash (queued) and the ingress entry in one transaction."""
+# Enqueue, with the backlog check, in one script: producers on many hosts cannot overshoot
+# --max_queue_tokens together. The counter KEYS[2] is the total cost ever enqueued; every
+# entry records the total before it ("tokens_before"), so the queued cost is the total less
+# the first unfinished entry's "tokens_before". Routers finish entries in arrival order (an
+# entry is pending until dispatched), so the first unfinished one is the oldest pending
+# entry, else the first never delivered. Entries a router re-queued carry no count (their
+# tokens were paid for once) and are skipped. Returns {accepted 0/1, queued cost, total}.
+ENQUEUE_LUA = """
+local stream, counter, meta = KEYS[1], KEYS[2], KEYS[3]
+local limit, cost = tonumber(ARGV[2]), tonumber(ARGV[3])
+local total = tonumber(redis.call('GET', counter) or '0')
+
+local function first_unfinished()
+  if redis.call('EXISTS', stream) == 0 then return nil end
+  for _, group in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local info = {}
+    for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+    if info['name'] == ARGV[1] then
+      if tonumber(info['pending']) > 0 then return redis.call('XPENDING', stream, ARGV[1])[2] end
+      return '(' .. info['last-delivered-id']
+    end
+  end
+  return '-'
+end
+
+local function queued()
+  local start = first_unfinished()
+  for _ = 1, 4 do
+    if not start then return 0 end
+    local entries = redis.call('XRANGE', stream, start, '+', 'COUNT', 64)
+    for _, e in ipairs(entries) do
+      for i = 1, #e[2], 2 do
+        if e[2][i] == 'tokens_before' then return math.max(0, total - tonumber(e[2][i + 1])) end
+      end
+    end
+    start = #entries > 0 and ('(' .. entries[#entries][1]) or nil
+  end
+  return 0
+end
+
+local backlog = -1
+if limit > 0 then
+  backlog = queued()
+  -- An empty queue takes any request, so one larger than the limit is not refused forever.
+  if backlog > 0 and backlog + cost > limit then return {0, backlog, total} end
+end
+redis.call('SET', counter, total + cost)
+redis.call('HSET', meta, unpack(ARGV, 7))
+redis.call('EXPIRE', meta, ARGV[6])
+redis.call('XADD', stream, '*', ARGV[4], ARGV[5], 'tokens_before', total)
+return {1, backlog, total}
+"""
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    accepted: bool
+    queued_tokens: int  # the backlog before this request; -1 when not measured (no limit)
+    total_tokens: int  # cost ever enqueued before this request
+
+
+async def enqueue(redis: aioredis.Redis, keys: Keys, request: GenerateRequest, ttl_s: int, *,
+                  cost: int = 0, max_queue_tokens: int = 0, key_hash: str | None = None) -> Enqueued:
+    """Create the status hash (queued) and the ingress entry, unless the backlog is full."""
     meta = RequestMeta.fields(
         status=RequestStatus.QUEUED,
         prompt_tokens=request.num_prompt_tokens,
         max_new_tokens=request.params.max_new_tokens,
         created_ms=request.created_ms,
+        key_hash=key_hash,
     )
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.meta(request.id), mapping=meta)
-        pipe.expire(keys.meta(request.id), ttl_s)
-        pipe.xadd(keys.requests(), codec.entry(request))
-        await pipe.execute()
+    args = [ROUTER_GROUP, max_queue_tokens, cost, codec.FIELD, codec.encode(request), ttl_s]
+    args += [item for pair in meta.items() for item in pair]
+    script = redis.register_script(ENQUEUE_LUA)  # cheap: EVALSHA, loaded again after a Redis restart
+    accepted, queued, total = await script(keys=[keys.requests(), keys.enqueued_tokens(), keys.meta(request.id)],
+                                           args=args)
+    return Enqueued(bool(accepted), int(queued), int(total))
 
 
 async def request_cancel(redis: aioredis.Redis, keys: Keys, request_id: str, ttl_s: int) -> None:

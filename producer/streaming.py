@@ -5,7 +5,8 @@ index it already delivered (a re-dispatched request may repeat indexes) and
 stops after the finished chunk. Entry ids double as SSE ids, so a client
 resumes with ``Last-Event-ID``. When the stream stays quiet it looks at the
 status hash, so a request that ended (or expired) without a terminal chunk
-cannot leave a client waiting forever.
+cannot leave a client waiting forever. Reads ride out a Redis outage of up
+to ``redis_outage_s`` (reconnecting with backoff) before they give up.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from starlette.types import Receive, Scope, Send
 
 from producer import store
 from producer.api_types import StreamEvent, StreamToken
+from producer.deps import Services
+from producer.redis_client import with_reconnect
 from shared import codec
 from shared.keys import Keys
 from shared.schemas import FinishReason, RequestMeta, RequestStatus, TokenChunk
@@ -31,14 +34,17 @@ Check = Callable[[], Awaitable[bool]]
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 FINISH_BY_STATUS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED: "stop", RequestStatus.CANCELLED: "cancelled", RequestStatus.FAILED: "error",
+    RequestStatus.EXPIRED: "expired",
 }
 
 
 class ChunkFollower:
     """One reader of one request's chunk stream; ``finished`` once it saw the end."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, request_id: str, block_ms: int) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, request_id: str, block_ms: int,
+                 outage_s: float = 0.0) -> None:
         self.redis, self.keys, self.request_id, self.block_ms = redis, keys, request_id, block_ms
+        self.outage_s = outage_s
         self.last_id = "0-0"
         self.next_index = 0
         self.finished = False
@@ -65,9 +71,9 @@ class ChunkFollower:
         while not self.finished:
             if disconnected is not None and await disconnected():
                 return
-            entries = await store.read_after(self.redis, self.keys, self.request_id, self.last_id, self.block_ms)
+            entries = await with_reconnect(self._read_next, self.outage_s)
             if not entries:
-                ending = await self._ending_without_chunk()
+                ending = await with_reconnect(self._ending_without_chunk, self.outage_s)
                 if ending is not None:
                     yield None, ending
                 continue
@@ -79,6 +85,9 @@ class ChunkFollower:
                 if self.finished:
                     return
 
+    async def _read_next(self) -> list[store.StreamEntry]:
+        return await store.read_after(self.redis, self.keys, self.request_id, self.last_id, self.block_ms)
+
     async def _ending_without_chunk(self) -> TokenChunk | None:
         """A terminal chunk made from the status hash when the stream has none."""
         meta = await store.read_meta(self.redis, self.keys, self.request_id)
@@ -88,6 +97,13 @@ class ChunkFollower:
         if late:  # the terminal chunk arrived just after the status: read it normally
             return None
         return self.accept(ending_from_meta(self.request_id, self.next_index, meta))
+
+
+def follower(services: Services, request_id: str) -> ChunkFollower:
+    """A follower with the app's settings (block time, outage grace)."""
+    settings = services.settings
+    return ChunkFollower(services.redis, services.keys, request_id, settings.stream_block_ms,
+                         settings.redis_outage_s)
 
 
 def ending_from_meta(request_id: str, index: int, meta: RequestMeta | None) -> TokenChunk:

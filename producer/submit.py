@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from typing import Any
 
 from producer import store
 from producer.api_types import GenerateBody
+from producer.backlog import Gate
 from producer.deps import Services
 from producer.errors import bad_request
 from producer.params import native_sampling
@@ -47,28 +49,41 @@ def check_length(num_prompt_tokens: int, max_new_tokens: int, max_req_total_len:
         )
 
 
-def new_request(ids: list[int], params: SamplingParams) -> GenerateRequest:
-    return GenerateRequest(id=uuid.uuid4().hex, prompt_ids=ids, params=params, created_ms=now_ms())
+def new_request(ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> GenerateRequest:
+    """A new request; its id (uuid4: 122 random bits) is unguessable, which status URLs rely on.
+
+    ``timeout_s`` becomes an absolute ``deadline_ms`` the router checks while the request waits.
+    """
+    created = now_ms()
+    deadline = None if timeout_s is None else created + math.ceil(timeout_s * 1000)
+    return GenerateRequest(id=uuid.uuid4().hex, prompt_ids=ids, params=params, created_ms=created,
+                           deadline_ms=deadline)
 
 
 async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings) -> GenerateRequest:
     params = native_sampling(body.params, settings.default_max_new_tokens, tokenizer)
     ids = await prompt_ids(body.inputs, tokenizer)
     check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)
-    return new_request(ids, params)
+    return new_request(ids, params, body.params.timeout)
 
 
-async def enqueue(request: GenerateRequest, route: str, services: Services) -> GenerateRequest:
-    """Write the request (status hash + ingress entry) and count it."""
-    await store.enqueue(services.redis, services.keys, request, services.settings.redis.request_ttl_s)
+async def enqueue(request: GenerateRequest, route: str, services: Services,
+                  key_hash: str | None = None) -> GenerateRequest:
+    """Write the request (status hash + ingress entry) and count it; 429/503 when overloaded.
+
+    ``key_hash`` (``producer.auth``) marks the request as the submitting key's own.
+    """
+    # Without the app's gate (a caller outside it) the request is still counted in the backlog.
+    gate = services.gate or Gate(services.redis, services.keys, max_queue_tokens=0, require_workers=False)
+    await gate.enqueue(request, services.settings.redis.request_ttl_s, key_hash)
     services.metrics.accepted.labels(route=route).inc()
     services.metrics.prompt_tokens.inc(request.num_prompt_tokens)
     return request
 
 
-async def submit(body: GenerateBody, route: str, services: Services) -> GenerateRequest:
+async def submit(body: GenerateBody, route: str, services: Services, key_hash: str | None = None) -> GenerateRequest:
     """Validate and enqueue; raises ApiError (400) before anything is written."""
-    return await enqueue(await prepare(body, services.tokenizer, services.settings), route, services)
+    return await enqueue(await prepare(body, services.tokenizer, services.settings), route, services, key_hash)
 
 
 async def abandon(services: Services, request_id: str) -> None:

@@ -77,6 +77,8 @@ class ProducerSettings(BaseSettings):
     redis_outage_s: float = Field(15.0, ge=0, description="how long a reader follows a request through a Redis "
                                                           "outage, reconnecting with backoff, before it gives up")
     max_body_bytes: int = Field(2 * 1024 * 1024, gt=0, description="largest request body (413 past it)")
+    max_batch_body_bytes: int = Field(200 * 1024 * 1024, gt=0, description="largest batch file upload "
+                                                                          "(POST /v1/batches; OpenAI's limit)")
     max_queue_tokens: int = Field(0, ge=0, description="backlog limit in queued prompt + estimated output "
                                                        "tokens; past it new requests get 429 (0: no limit)")
     reject_without_workers: bool = Field(False, description="answer 503 (no_workers) while no worker is live")

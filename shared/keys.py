@@ -15,6 +15,8 @@ land in one slot, so a request's status and chunks can be written together.
 | P:{r:ID}:tokens             | pub/sub       | worker -> anyone (live chunks) |
 | P:{r:ID}:cancel             | string + TTL  | producer -> router, worker |
 | P:outlen                    | capped list   | worker -> router (finished output lengths) |
+| P:{q}:enqueued_tokens       | counter       | producer (cost ever enqueued; ingress entries carry the total before them) |
+| P:{k:HASH}:rpm:MINUTE       | counter + TTL | producer (requests of one API key in one minute) |
 | P:{w:ID}:reap               | string + TTL  | router lock while re-dispatching a dead worker's requests |
 | P:{rt:ID}:alive             | string + TTL  | router liveness; a missing key lets other routers claim its pending entries |
 | P:{b:ID}:batch              | hash + TTL    | producer, rq batch job -> producer (batch status and counts) |
@@ -91,6 +93,12 @@ class Keys:
 
     def housekeeping_cursor(self) -> str:
         return f"{self.prefix}:housekeeping:cursor"
+
+    def enqueued_tokens(self) -> str:
+        return f"{self.prefix}:{{q}}:enqueued_tokens"
+
+    def rate_limit(self, key_hash: str, minute: int) -> str:
+        return f"{self.prefix}:{{k:{key_hash}}}:rpm:{minute}"
 
     def output_lengths(self) -> str:
         return f"{self.prefix}:outlen"
