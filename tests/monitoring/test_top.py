@@ -1,0 +1,57 @@
+"""``lightq top --once``: one snapshot of the queue and the workers, read from Redis."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+from rich.console import Console
+
+from lightq.top import bar, run, sparkline
+from shared.codec import encode
+from shared.keys import ROUTER_GROUP
+from shared.redis import ensure_group
+from shared.request_log import now_ms
+from shared.schemas import WorkerLoad
+from tests.router.helpers import submit
+
+
+def seed(rclient, keys) -> None:
+    for worker_id, used in (("gpu-a", 750), ("gpu-b", 100)):
+        load = WorkerLoad(worker_id=worker_id, seq=1, ts_ms=now_ms(), max_total_tokens=1000, used_tokens=used,
+                          committed_tokens=used, num_running=3, num_waiting=1)
+        rclient.set(keys.load(worker_id), encode(load), ex=60)
+        rclient.zadd(keys.workers(), {worker_id: now_ms()})
+    ensure_group(rclient, keys.requests(), ROUTER_GROUP)
+    for i in range(3):
+        submit(rclient, keys, f"q{i}", prompt_len=10, max_new=20, ignore_eos=True)
+    rclient.xadd(keys.dead_letters(), {"msg": "x", "reason": "test"})
+
+
+def test_once_prints_queue_and_workers(rclient, keys, redis_settings):
+    seed(rclient, keys)
+    out = io.StringIO()
+    assert run({"once": True, "redis_url": redis_settings.url, "redis_key_prefix": keys.prefix},
+               console=Console(file=out, width=160, color_system=None)) == 0
+    text = out.getvalue()
+    assert "queue  3 requests (lag 3, pending 0)" in text
+    assert "90 tokens (prompt 30 + predicted output 60)" in text
+    assert "backlog 90.0 GPU-s" in text and "dead letters 1" in text
+    assert "2 live worker(s)" in text
+    a = next(line for line in text.splitlines() if "gpu-a" in line)
+    assert "75.0%" in a and "750 / 1000" in a and "█" * 18 in a
+    assert "10.0%" in next(line for line in text.splitlines() if "gpu-b" in line)
+
+
+def test_cli_once(rclient, keys, redis_settings):
+    seed(rclient, keys)
+    result = subprocess.run([sys.executable, "-m", "lightq.cli", "top", "--once", "--redis_url", redis_settings.url,
+                             "--redis_key_prefix", keys.prefix], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "gpu-a" in result.stdout and "queue  3 requests" in result.stdout
+
+
+def test_bar_and_sparkline():
+    assert bar(0.5, 10).plain == "█████░░░░░" and bar(2.0, 4).plain == "████"
+    assert sparkline([0, 1, 2]) == " ▄█" and sparkline([]) == ""
