@@ -8,6 +8,7 @@ keys, a request is only visible to the key that submitted it (``producer.auth``)
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 from fastapi import APIRouter, Header, Response
@@ -24,6 +25,8 @@ from shared.schemas import RequestMeta
 router = APIRouter(prefix="/v1/requests")
 CANCEL_WAIT_S = 3.0
 CANCEL_POLL_S = 0.05
+ENTRY_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{0,20}))?")
+UINT64_MAX = 2**64 - 1
 
 
 @router.post("", status_code=202, openapi_extra=BODY_DOC)
@@ -101,7 +104,9 @@ async def stream_request(request_id: RequestIdDep, services: ServicesDep, caller
 
 
 def _entry_id(value: str) -> str:
-    ms, _, seq = value.strip().partition("-")
-    if not ms.isdigit() or (seq and not seq.isdigit()):
-        raise bad_request(f"Last-Event-ID {value!r} is not a stream entry id", param="Last-Event-ID")
-    return f"{ms}-{seq or 0}"
+    """``ms-seq`` as Redis takes it: ASCII digits (``isdigit`` also passes '²'), each part a uint64."""
+    match = ENTRY_ID.fullmatch(value.strip())
+    if match is None or any(int(part or 0) > UINT64_MAX for part in match.groups()):
+        raise bad_request(f"Last-Event-ID {value[:64]!r} is not a stream entry id", param="Last-Event-ID")
+    ms, seq = match.groups()
+    return f"{int(ms)}-{int(seq or 0)}"

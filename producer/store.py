@@ -46,9 +46,9 @@ end
 
 local function queued()
   local start = first_unfinished()
-  for _ = 1, 4 do
+  for _, count in ipairs({1, 8, 64, 256}) do  -- usually the first entry has its count
     if not start then return 0 end
-    local entries = redis.call('XRANGE', stream, start, '+', 'COUNT', 64)
+    local entries = redis.call('XRANGE', stream, start, '+', 'COUNT', count)
     for _, e in ipairs(entries) do
       for i = 1, #e[2], 2 do
         if e[2][i] == 'tokens_before' then return math.max(0, total - tonumber(e[2][i + 1])) end

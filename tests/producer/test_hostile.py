@@ -119,3 +119,11 @@ def test_batch_files_have_their_own_limit():
     limit = BodyLimit(None, max_bytes=1000, larger={"/v1/batches": 10**6})
     assert limit.limit("/v1/batches") == limit.limit("/v1/batches/abc/cancel") == 10**6
     assert limit.limit("/v1/requests") == limit.limit("/generate") == 1000
+
+
+@pytest.mark.parametrize("last_event_id", ["9" * 30 + "-0", "1-" + "9" * 30, "18446744073709551616-0", "²-1",
+                                           "1-2-3", "-1", "0x10"])
+async def test_bad_last_event_id_is_400(client, last_event_id):
+    submitted = (await client.post("/v1/requests", json={"inputs": "hi"})).json()
+    headers = [(b"last-event-id", last_event_id.encode("latin-1"))]
+    assert_refused(await client.get(submitted["stream_url"], headers=headers), (400,))
