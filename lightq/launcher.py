@@ -42,6 +42,13 @@ def spawn(role: str, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "lightq.cli", role], env=env)
 
 
+def worker_env(env: dict[str, str], num_workers: int) -> dict[str, str]:
+    """Workers share the machine's cores: N workers each running torch on every
+    core oversubscribe a CPU many times over (seen: 25x slower decode steps)."""
+    threads = str(max(1, (os.cpu_count() or 1) // num_workers))
+    return {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", threads)}
+
+
 def start_redis(url: str) -> tuple[str, EmbeddedRedis | None]:
     """The Redis at ``url`` if it answers; else an embedded one, on the same
     port when ``url`` is local (so clients configured with it still reach it)."""
@@ -63,7 +70,7 @@ def serve(flags: dict[str, Any], num_workers: int) -> int:
         signal.signal(sig, lambda *_: stop.set())
     children: list[tuple[str, subprocess.Popen]] = []
     try:
-        children += [("worker", spawn("worker", env)) for _ in range(num_workers)]
+        children += [("worker", spawn("worker", worker_env(env, num_workers))) for _ in range(num_workers)]
         children += [("router", spawn("router", env)), ("producer", spawn("producer", env))]
         children.append(("rq-worker", spawn("rq-worker", env)))  # batch jobs and housekeeping
         return watch(children, stop, Readiness(url, flags, num_workers), env)
