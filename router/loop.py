@@ -148,8 +148,10 @@ class Router:
             elif request.deadline_ms is not None and now_ms() > request.deadline_ms:
                 self._finish(entry_id, request, RequestStatus.EXPIRED, "expired")
             else:
+                started = time.perf_counter()
                 worker_id = choose_worker(loads, self.reservations.pending(), request, self.rule.policy,
                                           self.rule.estimator, self.rule.margin)
+                self.on_decision(request, worker_id, time.perf_counter() - started)
                 if worker_id is None:
                     break
                 self._send(entry_id, request, worker_id)
@@ -167,6 +169,12 @@ class Router:
         self.reservations.add(worker_id, inbox_id, request_state(request))
         log.debug("request %s -> %s", request.id, worker_id)
 
+    def on_decision(self, request: GenerateRequest, worker_id: str | None, seconds: float) -> None:
+        """Hook for metrics: one admission decision (worker None: the request waits)."""
+
+    def on_finish(self, request: GenerateRequest, status: RequestStatus) -> None:
+        """Hook for metrics: a request ended here without reaching a worker."""
+
     def _finish(self, entry_id: str, request: GenerateRequest, status: RequestStatus, reason) -> None:
         """End a request that never reached a worker (cancelled or past its deadline)."""
         pipe = self.client.pipeline(transaction=True)
@@ -174,3 +182,4 @@ class Router:
                     num_output=len(request.resume_ids), ttl_s=self.settings.redis.request_ttl_s)
         pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
         pipe.execute()
+        self.on_finish(request, status)
