@@ -2,8 +2,8 @@
 
 The producer writes a request's status hash and its ingress entry (with the
 backlog check, in one script), sets the cancel key, and reads the status
-hash and the durable chunk stream. It never
-reads the pub/sub channel: the stream has every chunk, in order, resumable.
+hash and the durable chunk stream. It never reads the pub/sub channel: the
+stream has every chunk, in order, resumable.
 """
 
 from __future__ import annotations
