@@ -36,6 +36,19 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def check_tp(flags: dict) -> None:
+    """``--tp`` above 1 (flag or LIGHTQ_TP): fail now, clearly, not in workers restarted over and over."""
+    settings = build(WorkerSettings, flags)
+    if settings.tp == 1:
+        return
+    from worker.main import check_tp as check_worker_tp
+
+    try:
+        check_worker_tp(settings)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.exit(f"lightq: {exc}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     flags = given(args)
@@ -59,8 +72,7 @@ def main(argv: list[str] | None = None) -> None:
 
         setup_logging()
         workers = flags.pop("workers")
-        if flags.get("tp", 1) != 1:
-            sys.exit(f"--tp {flags['tp']} is not supported yet; only --tp 1")
+        check_tp(flags)
         sys.exit(serve(flags, workers))
     settings = build(SERVICES[command], flags)
     if command == "producer":

@@ -1,8 +1,13 @@
-"""``lightq worker``: load the model, size the pool, serve the inbox."""
+"""``lightq worker``: load the model, size the pool, serve the inbox.
+
+With ``--tp N`` the worker is N processes (``worker.tp``): this one is rank 0
+and serves; ranks 1..N-1 (``follower``) load their slice and run its forwards.
+"""
 
 from __future__ import annotations
 
 import logging
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -10,16 +15,19 @@ import torch
 from shared.admission import AdmissionRule
 from shared.config import WorkerSettings
 from shared.keys import Keys
-from shared.model_files import load_tokenizer, resolve
+from shared.model_files import load_config, load_tokenizer, resolve
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
+from worker import tp as tensor_parallel
 from worker.counting_model import CountingModel
 from worker.cuda_graphs import DecodeGraphs, default_buckets
 from worker.engine import Engine, EngineLimits
 from worker.kv_cache import KVCache
+from worker.layers import SINGLE, TensorParallel
 from worker.loader import attach_kv_cache, load_model
 from worker.metrics import MeteredEngine, WorkerCollector, WorkerMetrics, serve_metrics
 from worker.model_runner import ModelRunner
+from worker.models import model_class
 from worker.req_table import ReqTable
 from worker.serve import WorkerService
 from worker.token_pool import TokenPool
@@ -34,6 +42,36 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def rank_device(settings: WorkerSettings, rank: int) -> torch.device:
+    """Rank r of a tensor-parallel worker on CUDA uses the r-th GPU from ``--device``'s (0 by default)."""
+    device = pick_device(settings.device)
+    if settings.tp == 1 or device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def check_tp(settings: WorkerSettings) -> None:
+    """``--tp N``: N splits the model's heads, KV heads, MLP and vocabulary evenly; on CUDA, N GPUs exist."""
+    n = settings.tp
+    if n < 1:
+        raise ValueError(f"--tp must be at least 1, not {n}")
+    if n == 1:
+        return
+    source = resolve(settings.model.model_dir)
+    if source.kind == "counting":
+        raise ValueError("--tp above 1 needs a real model, not the counting stand-in")
+    config = load_config(source)
+    try:  # the model checks every split it makes; on the meta device that costs no memory
+        model_class(config)(config, dtype=torch.float32, device="meta", tp=TensorParallel(0, n))
+    except ValueError as exc:
+        raise ValueError(f"--tp {n} does not fit {settings.model.model_dir}: {exc}") from None
+    device = pick_device(settings.device)
+    if device.type == "cuda":
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + n > count:
+            raise ValueError(f"--tp {n} on {device} needs GPUs {first}..{first + n - 1}; {count} visible")
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -64,42 +102,81 @@ def pool_size(settings: WorkerSettings, model, device: torch.device) -> int:
     return int(usable // per_token)
 
 
-def load_model_or_stand_in(settings: WorkerSettings, tokenizer, dtype: torch.dtype, device: torch.device):
-    """The model and its config; ``counting`` gives the deterministic test stand-in."""
+def load_model_or_stand_in(settings: WorkerSettings, tokenizer, dtype: torch.dtype, device: torch.device,
+                           tp: TensorParallel = SINGLE):
+    """The model (this rank's slice) and its config; ``counting`` gives the deterministic test stand-in."""
     source = resolve(settings.model.model_dir)
     if source.kind != "counting":
-        return load_model(source, dtype, device, seed=settings.seed)
+        return load_model(source, dtype, device, seed=settings.seed, tp=tp)
     vocab = len(tokenizer) if tokenizer is not None else 49152
     return CountingModel(vocab, device), SimpleNamespace(vocab_size=vocab, eos_token_id=None)
 
 
-def build_engine(settings: WorkerSettings, tokenizer=None) -> Engine:
-    """Model, pool, table, graphs and engine; ``tokenizer`` only adds its EOS id."""
-    if settings.tp != 1:
-        raise ValueError(f"--tp {settings.tp} is not supported yet; only --tp 1")
-    device = pick_device(settings.device)
+def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[ModelRunner, set[int]]:
+    """Model, pool, table and graphs of this rank (``group``: a ``worker.tp.TPGroup``, None for --tp 1),
+    and the EOS ids; ``tokenizer`` only adds its EOS id. Every rank builds the same, in the same order."""
+    rank = group.rank if group is not None else 0
+    device = rank_device(settings, rank)
     dtype = pick_dtype(settings.dtype, device)
-    model, config = load_model_or_stand_in(settings, tokenizer, dtype, device)
+    model, config = load_model_or_stand_in(settings, tokenizer, dtype, device, group.tp if group else SINGLE)
     num_slots = pool_size(settings, model, device)
+    if group is not None:
+        num_slots = group.min(num_slots)  # every rank's pool the same size: the smallest that fits
     cache = attach_kv_cache(model, num_slots, device)
-    log.info("model on %s (%s), KV pool %d tokens (%.1f GiB)", device, dtype, num_slots,
+    log.info("rank %d: model on %s (%s), KV pool %d tokens (%.1f GiB)", rank, device, dtype, num_slots,
              cache.buffer.numel() * cache.buffer.element_size() / 2**30)
     table = ReqTable(settings.running_max_req_size, settings.model.max_req_total_len + 8, cache.hold_slot, device)
     graphs = None
-    if device.type == "cuda" and settings.cuda_graphs:
+    if device.type == "cuda" and settings.cuda_graphs:  # the same buckets on every rank, collectives inside
         buckets = default_buckets(min(settings.graph_max_batch_size, settings.running_max_req_size))
         graphs = DecodeGraphs(model, table, cache.hold_slot, config.vocab_size, buckets, device)
     eos = eos_ids(config, tokenizer)
     runner = ModelRunner(model, TokenPool(num_slots), table, config.vocab_size, device, eos, graphs)
-    limits = EngineLimits(num_slots, settings.batch_max_tokens, settings.running_max_req_size)
+    if group is not None and rank == 0:
+        runner.on_forward = group.send_step  # each forward runs on the followers too
+    return runner, eos
+
+
+def build_engine(settings: WorkerSettings, tokenizer=None, group=None) -> Engine:
+    """The engine on rank 0's runner (see ``build_runner``)."""
+    runner, eos = build_runner(settings, tokenizer, group)
+    limits = EngineLimits(runner.pool.num_slots, settings.batch_max_tokens, settings.running_max_req_size)
     return Engine(runner, limits, eos, AdmissionRule(settings.past_future))
+
+
+def follower(rank: int, size: int, port: int, settings: WorkerSettings) -> None:
+    """A tensor-parallel follower process (ranks 1..N-1): load its slice, then run rank 0's steps."""
+    tensor_parallel.start_follower()
+    setup_logging()
+    group = tensor_parallel.init_rank(rank, size, port, rank_device(settings, rank))
+    runner, _ = build_runner(settings, None, group)
+    tensor_parallel.follow(group, runner)
 
 
 def run(settings: WorkerSettings) -> None:
     setup_logging()
+    try:
+        check_tp(settings)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.exit(f"lightq worker: {exc}")
+    group = None
+    if settings.tp > 1:
+        group = tensor_parallel.launch(settings.tp, rank_device(settings, 0), follower, settings)
+    try:
+        run_service(settings, group)
+    except BaseException:
+        if group is not None:
+            group.abort()
+        raise
+    if group is not None:
+        group.close()
+
+
+def run_service(settings: WorkerSettings, group=None) -> None:
+    """Rank 0 (or the only rank): the engine behind the service loop, until a signal stops it."""
     worker_id = default_id(settings.worker_id)
     tokenizer = load_tokenizer(resolve(settings.model.model_dir))
-    engine = build_engine(settings, tokenizer)
+    engine = build_engine(settings, tokenizer, group)
     client = sync_client(settings.redis)
     metrics = WorkerMetrics(worker_id)
     metrics.registry.register(WorkerCollector(engine, client, Keys(settings.redis.key_prefix), worker_id))

@@ -4,9 +4,16 @@ It owns the TokenAttention bookkeeping on the device side: pool slots are
 taken from the ``TokenPool`` for every new token, recorded in the request
 -> token table, and handed back when the request ends. Decode steps go
 through CUDA graphs when a ``DecodeGraphs`` is attached (GPU), else eager.
+
+Every forward goes through ``forward(step)`` with the step's host arrays
+(``StepInputs``): it writes the table and runs the model. Under tensor
+parallelism rank 0's runner has ``on_forward`` set (``worker.tp``), which
+hands each step to the other ranks first; they call ``forward`` with it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,6 +26,19 @@ from worker.sampler import SamplingBatch, sample
 from worker.token_pool import TokenPool
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """One forward's inputs on the host: all a tensor-parallel follower needs to run it too."""
+
+    input_ids: np.ndarray  # [T] int64, packed new tokens
+    positions: np.ndarray  # [T] their positions
+    slots: np.ndarray  # [T] their pool slots
+    rows: np.ndarray  # [B] request-table rows
+    cached: np.ndarray  # [B] tokens of each request already in the pool
+    q_lens: np.ndarray  # [B] new tokens of each request
+    is_decode: bool
+
+
 class ModelRunner:
     def __init__(self, model, pool: TokenPool, table: ReqTable, vocab_size: int, device: torch.device,
                  eos_ids: set[int] = frozenset(), graphs=None):
@@ -28,6 +48,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.graphs = graphs  # worker.cuda_graphs.DecodeGraphs or None
+        self.on_forward = None  # tensor parallel, rank 0: StepInputs -> None, called before each forward
         # Per table row token counts, for penalties and min_new_tokens (one row per request).
         self.counts = TokenCounts(table.hold_row, vocab_size, eos_ids, device)
 
@@ -55,12 +76,8 @@ class ModelRunner:
         for req, slot in zip(reqs, slots):
             req.slot_ids[req.num_cached] = slot
             req.num_cached += 1
-        if self.graphs is not None and self.graphs.can_run(len(reqs)):
-            logits = self.graphs.run(input_ids, positions, slots, rows)
-        else:
-            self.table.write_scattered(rows, positions, slots)
-            ones = np.ones(len(reqs), dtype=np.int64)
-            logits = self.model.forward(self._batch(input_ids, positions, slots, rows, positions, ones, True))
+        ones = np.ones(len(reqs), dtype=np.int64)
+        logits = self.forward(StepInputs(input_ids, positions, slots, rows, positions, ones, True))
         return self._sample(logits, reqs)
 
     @torch.inference_mode()
@@ -74,18 +91,35 @@ class ModelRunner:
         for req, n, start in zip(reqs, num_new, cached):
             new = slots[offset:offset + n]
             req.slot_ids[start:start + n] = new
-            self.table.write(req.row, int(start), new)
             input_ids.extend(req.all_ids[start:start + n])
             req.num_cached += n
             offset += n
         positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, q_lens)])
         rows = np.array([r.row for r in reqs], dtype=np.int64)
-        logits = self.model.forward(self._batch(np.array(input_ids), positions, slots, rows, cached, q_lens, False))
+        logits = self.forward(StepInputs(np.array(input_ids, dtype=np.int64), positions, slots, rows, cached,
+                                         q_lens, False))
         if not completing:
             return [], []
         completing_set = set(completing)
         keep = [i for i, r in enumerate(reqs) if r in completing_set]
         return self._sample(logits[keep], [reqs[i] for i in keep])
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Table writes, then the forward (a CUDA graph for a decode that fits one): logits [B, vocab]."""
+        if self.on_forward is not None:
+            self.on_forward(step)
+        if step.is_decode and self.graphs is not None and self.graphs.can_run(len(step.rows)):
+            return self.graphs.run(step.input_ids, step.positions, step.slots, step.rows)
+        if step.is_decode:
+            self.table.write_scattered(step.rows, step.positions, step.slots)
+        else:
+            offset = 0
+            for row, start, n in zip(step.rows, step.cached, step.q_lens):
+                self.table.write(int(row), int(start), step.slots[offset:offset + n])
+                offset += n
+        return self.model.forward(self._batch(step.input_ids, step.positions, step.slots, step.rows, step.cached,
+                                              step.q_lens, step.is_decode))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[list[int], list[float]]:
         params = SamplingBatch.build([r.msg.params for r in reqs], self.vocab_size, self.device,
