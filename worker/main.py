@@ -115,7 +115,9 @@ def load_model_or_stand_in(settings: WorkerSettings, tokenizer, dtype: torch.dty
 def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[ModelRunner, set[int]]:
     """Model, pool, table and graphs of this rank (``group``: a ``worker.tp.TPGroup``, None for --tp 1),
     and the EOS ids; ``tokenizer`` only adds its EOS id. Every rank builds the same, in the same order."""
-    rank = group.rank if group is not None else 0
+    size, rank = (group.size, group.rank) if group is not None else (1, 0)
+    if size != settings.tp:
+        raise ValueError(f"--tp {settings.tp} needs a process group of {settings.tp} (worker.tp.launch), not {size}")
     device = rank_device(settings, rank)
     dtype = pick_dtype(settings.dtype, device)
     model, config = load_model_or_stand_in(settings, tokenizer, dtype, device, group.tp if group else SINGLE)

@@ -118,6 +118,31 @@ def test_cancel_mid_flight_tp2_equals_tp1(engines):
     assert_idle(engines[1])
 
 
+def test_paused_and_re_prefilled_requests_tp2_equal_transformers(tiny, engines):
+    from shared.admission import AdmissionRule
+    from shared.config import AdmissionSettings
+
+    ref, _ = tiny
+    engine = engines[1]
+    rule, eos = engine.rule, engine.eos_ids
+    # The history says outputs are short (5 tokens); these run 40: the pool (200) overflows and the
+    # newest requests are paused, then prefilled again (prompt + output) over rows the followers reused.
+    # (No EOS rather than ignore_eos: the estimate knows an ignore_eos request runs to its limit.)
+    engine.rule = AdmissionRule(AdmissionSettings(admission="past_future", history_window=10, history_prior=5))
+    engine.rule.learn([5] * 10)
+    engine.eos_ids = set()
+    pauses = engine.num_pauses
+    try:
+        prompts = {f"r{i}": [3 + i, 7, 11 + i, 13, 17] for i in range(8)}
+        tokens = run_to_end(engine, {0: [req(rid, p, 40) for rid, p in prompts.items()]})
+    finally:
+        engine.rule, engine.eos_ids = rule, eos
+    assert engine.num_pauses > pauses
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == reference_greedy(ref, prompt, 40), rid
+    assert_idle(engine)
+
+
 def test_tp_must_divide_the_heads_and_find_its_gpus(tiny):
     _, folder = tiny
     with pytest.raises(ValueError, match=r"--tp 3 does not fit .*divisible by the tensor-parallel size 3"):
