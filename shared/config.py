@@ -132,7 +132,7 @@ class WorkerSettings(BaseSettings):
     running_max_req_size: int = Field(256, gt=0, description="max requests running at once")
     cuda_graphs: bool = Field(True, description="capture decode steps as CUDA graphs (GPU only)")
     graph_max_batch_size: int = Field(256, gt=0, description="largest decode batch captured as a graph")
-    tp: int = Field(1, description="tensor parallel degree (only 1 is supported for now)")
+    tp: int = Field(1, ge=1, description="tensor parallel degree: processes (GPUs) per worker")
     heartbeat_s: float = Field(0.5, gt=0, description="seconds between load records")
     past_future: AdmissionSettings = Field(default_factory=AdmissionSettings)
     drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds running requests get to finish "
