@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from router.loop import Router
 from router.registry import read_registry
+from shared.redis import group_backlog
 from shared.keys import ROUTER_GROUP
 from shared.peak import ReqState
 from shared.schemas import WorkerLoad
@@ -32,7 +33,8 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 class RouterMetrics:
     def __init__(self, router_id: str):
-        self.registry = CollectorRegistry(auto_describe=True)
+        # No collect() at registration: a collector reads Redis, which may be down at start-up.
+        self.registry = CollectorRegistry(auto_describe=False)
         labels = {"router": router_id}
         self.dispatches = Counter("lightq:router_dispatches", "requests sent to a worker's inbox",
                                   ["router"], registry=self.registry).labels(**labels)
@@ -117,10 +119,7 @@ class RouterCollector(Collector):
 
     def _ingress(self, router: Router) -> Iterable[Metric]:
         stream, client = router.keys.requests(), router.client
-        groups = client.xinfo_groups(stream) if client.exists(stream) else []
-        info = next((g for g in groups if g["name"] == ROUTER_GROUP), None)
-        lag = int(info["lag"] or 0) if info else int(client.xlen(stream))
-        pending = int(info["pending"]) if info else 0
+        lag, pending = group_backlog(client, stream, ROUTER_GROUP)
         labels = [stream, ROUTER_GROUP]
         yield _gauge("lightq:stream_lag", "entries never delivered to the group", ["stream", "group"], [(labels, lag)])
         yield _gauge("lightq:stream_pending", "entries delivered, not acknowledged", ["stream", "group"],

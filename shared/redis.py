@@ -69,3 +69,20 @@ class Backoff:
 
     def reset(self) -> None:
         self.delay = self.first_s
+
+
+def group_backlog(client: redis.Redis, stream: str, group: str) -> tuple[int, int]:
+    """(lag, pending) of a consumer group: entries never delivered, and delivered but not acked.
+
+    Without the group every entry is lag. Redis before 7.0 reports no ``lag``
+    (and 7.x cannot after deletions): then count what follows the last delivery.
+    """
+    if not client.exists(stream):
+        return 0, 0
+    info = next((g for g in client.xinfo_groups(stream) if g["name"] == group), None)
+    if info is None:
+        return int(client.xlen(stream)), 0
+    lag = info.get("lag")
+    if lag is None:
+        lag = len(client.xrange(stream, min=f"({info['last-delivered-id']}", count=100_000))
+    return int(lag), int(info["pending"])

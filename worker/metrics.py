@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shared.redis import group_backlog
 from shared.keys import WORKER_GROUP, Keys
 from worker.engine import Engine
 from worker.events import Ended, Event, Started, Token
@@ -30,7 +31,8 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
 
 class WorkerMetrics:
     def __init__(self, worker_id: str):
-        self.registry = CollectorRegistry(auto_describe=True)
+        # No collect() at registration: a collector reads Redis, which may be down at start-up.
+        self.registry = CollectorRegistry(auto_describe=False)
         reg, worker = self.registry, {"worker": worker_id}
         self.generation_tokens = Counter("lightq:worker_generation_tokens", "output tokens sampled",
                                          ["worker"], registry=reg).labels(**worker)
@@ -95,16 +97,12 @@ class WorkerCollector(Collector):
 
     def _inbox(self) -> Iterable[Metric]:
         stream = self.keys.inbox(self.worker_id)
-        try:
-            groups = self.client.xinfo_groups(stream)
-        except redis.ResponseError:  # no inbox yet
-            groups = []
-        info = next((g for g in groups if g["name"] == WORKER_GROUP), None)
+        lag, pending = group_backlog(self.client, stream, WORKER_GROUP)
         labels = ["stream", "group"]
         yield _gauge("lightq:stream_lag", "entries never delivered to the group", [stream, WORKER_GROUP],
-                     int(info["lag"] or 0) if info else 0, labels)
+                     lag, labels)
         yield _gauge("lightq:stream_pending", "entries delivered, not acknowledged", [stream, WORKER_GROUP],
-                     int(info["pending"]) if info else 0, labels)
+                     pending, labels)
 
 
 def _gauge(name: str, doc: str, label_values: list[str], value: float, labels: list[str] | None = None) -> Metric:
