@@ -4,10 +4,12 @@ Redis: the one at ``--redis_url`` when it answers, else an embedded
 redis-server started here and stopped on exit. Then ``--workers N`` workers,
 one router and the producer, each a separate process configured through
 ``LIGHTQ_*`` environment variables. Ctrl-C or SIGTERM stops every child
-(SIGTERM, then SIGKILL after a grace period); a child that dies on its own
-is replaced if it was a worker, a router or the rq worker (batch jobs and
-housekeeping; up to MAX_RESTARTS times in all);
-a dead producer brings the rest down too, so a broken pool never looks alive.
+(SIGTERM, then SIGKILL after a grace period). A child that dies on its own
+is replaced, whichever it was: no request lives in a process (the queue,
+every request's status and its tokens are in Redis), so a new producer,
+router or worker carries on where the dead one stopped. Children dying
+over and over (MAX_RESTARTS in all) stop the pool, so a broken pool never
+looks alive.
 """
 
 from __future__ import annotations
@@ -36,9 +38,13 @@ log = logging.getLogger("lightq.serve")
 
 GRACE_S = 10.0
 MAX_RESTARTS = 5
+NUM_WORKERS_VAR = "LIGHTQ_SERVE_WORKERS"  # how many workers share this machine's cores
 
 
 def spawn(role: str, env: dict[str, str]) -> subprocess.Popen:
+    """``env`` is the pool's; a worker's gets its share of the CPU threads on top."""
+    if role == "worker":
+        env = worker_env(env, int(env.get(NUM_WORKERS_VAR, "1")))
     return subprocess.Popen([sys.executable, "-m", "lightq.cli", role], env=env)
 
 
@@ -70,7 +76,8 @@ def serve(flags: dict[str, Any], num_workers: int) -> int:
         signal.signal(sig, lambda *_: stop.set())
     children: list[tuple[str, subprocess.Popen]] = []
     try:
-        children += [("worker", spawn("worker", worker_env(env, num_workers))) for _ in range(num_workers)]
+        env[NUM_WORKERS_VAR] = str(num_workers)
+        children += [("worker", spawn("worker", env)) for _ in range(num_workers)]
         children += [("router", spawn("router", env)), ("producer", spawn("producer", env))]
         children.append(("rq-worker", spawn("rq-worker", env)))  # batch jobs and housekeeping
         return watch(children, stop, Readiness(url, flags, num_workers), env)
@@ -105,16 +112,16 @@ class Readiness:
 
 def watch(children: list[tuple[str, subprocess.Popen]], stop: threading.Event, readiness: Readiness,
           env: dict[str, str]) -> int:
-    """Until stopped: a dead worker or router is replaced (the router re-dispatches a
-    dead worker's requests; a new router takes over a dead one's entries), so the
-    pool carries on; a dead producer, or children dying over and over, stops it."""
+    """Until stopped, replace dead children (the router re-dispatches a dead worker's
+    requests, a new router takes over a dead one's entries, clients of a dead
+    producer resume their streams by id); dying over and over stops the pool."""
     restarts = 0
     while not stop.wait(0.5):
         readiness.check()
         for i, (role, child) in enumerate(children):
             if child.poll() is None:
                 continue
-            if role in ("worker", "router", "rq-worker") and restarts < MAX_RESTARTS:
+            if restarts < MAX_RESTARTS:
                 restarts += 1
                 log.warning("%s (pid %d) exited with %d: starting another", role, child.pid, child.returncode)
                 children[i] = (role, spawn(role, env))

@@ -137,3 +137,71 @@ def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
         time.sleep(0.5)
     assert f"worker {victim} draining" in log
     assert f"worker {victim} handed" in log  # 2 s is too short for 1,000 tokens: the rest went back
+
+
+def child_pid(parent: int, role: str) -> int:
+    """The pid of ``lightq serve``'s child running ``role``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline").read().split("\0")
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if ppid == parent and cmdline[-2:] == [role, ""] and "lightq.cli" in cmdline:
+            return int(entry)
+    raise LookupError(f"no {role} under pid {parent}")
+
+
+def wait_finished(http: str, request_id: str, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            status = httpx.get(f"{http}/v1/requests/{request_id}", timeout=5).json()
+            if status["status"] not in ("queued", "running"):
+                return status
+        except httpx.HTTPError:  # the producer is being replaced
+            pass
+        assert time.monotonic() < deadline, f"{request_id} never finished"
+        time.sleep(0.3)
+
+
+def test_killing_the_producer_loses_no_request(stack):
+    ids = []
+    for i in range(50):
+        body = {"inputs": [700 + i], "parameters": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+        ids.append(httpx.post(f"{stack.http}/v1/requests", json=body, timeout=30).json()["id"])
+    os.kill(child_pid(stack.process.pid, "producer"), signal.SIGKILL)
+    finals = [wait_finished(stack.http, request_id) for request_id in ids]
+    assert all(f["status"] == "finished" and f["output_tokens"] == NEW_TOKENS for f in finals)
+    with httpx.stream("GET", f"{stack.http}/v1/requests/{ids[0]}/stream", timeout=30) as response:
+        indexes = [json.loads(line[5:])["index"] for line in response.iter_lines() if line.startswith("data:")]
+    assert indexes == list(range(NEW_TOKENS))
+    assert "producer (pid" in open(stack.log_path).read()
+
+
+@pytest.fixture
+def small_backlog_stack(redis_server, tmp_path):
+    stack = start_stack(str(tmp_path / "serve.log"), redis_url=redis_server.url, prefix="lightq-burst", workers=1,
+                        extra=["--model_dir", "counting", "--max_total_token_num", "60000",
+                               "--max_queue_tokens", "2000"])
+    yield stack
+    stack.stop()
+
+
+def test_a_burst_past_the_backlog_gets_429_and_every_accepted_request_completes(small_backlog_stack):
+    http = small_backlog_stack.http
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = lambda i: {"inputs": [900 + i], "parameters": {"max_new_tokens": 100, "ignore_eos": True}}  # noqa
+            return await asyncio.gather(*(client.post(f"{http}/v1/requests", json=body(i)) for i in range(80)))
+
+    responses = asyncio.run(burst())
+    accepted = [r.json()["id"] for r in responses if r.status_code == 202]
+    refused = [r for r in responses if r.status_code == 429]
+    assert accepted and refused and len(accepted) + len(refused) == 80
+    assert all(int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["code"] == "queue_full" for r in refused)
+    finals = [wait_finished(http, request_id) for request_id in accepted]
+    assert all(f["status"] == "finished" and f["output_tokens"] == 100 for f in finals)
