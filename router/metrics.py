@@ -10,12 +10,10 @@ retried rather than locked, so the loop never waits for a scrape.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -26,8 +24,6 @@ from shared.keys import ROUTER_GROUP
 from shared.peak import ReqState
 from shared.schemas import WorkerLoad
 
-log = logging.getLogger("lightq.router")
-PORT_TRIES = 64
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -133,17 +129,3 @@ def _gauge(name: str, doc: str, labels: list[str], values: list[tuple[list[str],
     for label_values, value in values:
         family.add_metric(label_values, value)
     return family
-
-
-def serve_metrics(registry: CollectorRegistry, port: int) -> WSGIServer | None:
-    """Serve ``registry`` on ``port``, or the next free port above it; None when ``port`` is 0."""
-    if not port:
-        return None
-    for candidate in range(port, min(port + PORT_TRIES, 65536)):
-        try:
-            server, _thread = start_http_server(candidate, registry=registry)
-        except OSError:
-            continue
-        log.info("metrics on :%d/metrics", candidate)
-        return server
-    raise OSError(f"no free metrics port in {port}..{port + PORT_TRIES - 1}")

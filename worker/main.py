@@ -25,7 +25,8 @@ from worker.engine import Engine, EngineLimits
 from worker.kv_cache import KVCache
 from worker.layers import SINGLE, TensorParallel
 from worker.loader import attach_kv_cache, load_model
-from worker.metrics import MeteredEngine, WorkerCollector, WorkerMetrics, serve_metrics
+from shared.metrics_server import serve_metrics
+from worker.metrics import MeteredEngine, WorkerCollector, WorkerMetrics
 from worker.model_runner import ModelRunner
 from worker.models import model_class
 from worker.req_table import ReqTable

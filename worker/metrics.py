@@ -9,13 +9,11 @@ counts the events it returns; every other attribute is the engine's own.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
-from wsgiref.simple_server import WSGIServer
 
 import redis
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -24,8 +22,6 @@ from shared.keys import WORKER_GROUP, Keys
 from worker.engine import Engine
 from worker.events import Ended, Event, Started, Token
 
-log = logging.getLogger("lightq.worker")
-PORT_TRIES = 64
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -109,18 +105,3 @@ def _gauge(name: str, doc: str, label_values: list[str], value: float, labels: l
     family = GaugeMetricFamily(name, doc, labels=labels or ["worker"])
     family.add_metric(label_values, value)
     return family
-
-
-def serve_metrics(registry: CollectorRegistry, port: int) -> WSGIServer | None:
-    """Serve ``registry`` on ``port``, or the next free port above it (several workers on one
-    host given one port); None when ``port`` is 0."""
-    if not port:
-        return None
-    for candidate in range(port, min(port + PORT_TRIES, 65536)):
-        try:
-            server, _thread = start_http_server(candidate, registry=registry)
-        except OSError:
-            continue
-        log.info("metrics on :%d/metrics", candidate)
-        return server
-    raise OSError(f"no free metrics port in {port}..{port + PORT_TRIES - 1}")

@@ -8,7 +8,7 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 
 from router.metrics import MeteredRouter, RouterCollector, RouterMetrics
-from router.metrics import serve_metrics as serve_router_metrics
+from shared.metrics_server import serve_metrics as serve_router_metrics
 from shared.config import AdmissionSettings, RouterSettings
 from shared.embedded_redis import free_port
 from shared.keys import ROUTER_GROUP, WORKER_GROUP
@@ -18,7 +18,7 @@ from tests.router.helpers import publish_load, submit
 from worker.engine import EngineLimits, LoadSnapshot
 from worker.events import Ended, Started, Token
 from worker.metrics import MeteredEngine, WorkerCollector, WorkerMetrics
-from worker.metrics import serve_metrics as serve_worker_metrics
+from shared.metrics_server import serve_metrics as serve_worker_metrics
 
 
 def samples(registry: CollectorRegistry) -> dict:
