@@ -15,6 +15,7 @@ continue. Finished and cancelled requests free their slots at once.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from shared.config import AdmissionSettings
 from worker.events import Ended, Event, Released, Started, Token
 from worker.load import req_state
 from worker.request import Phase, Req
+
+log = logging.getLogger("lightq.worker")
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ class Engine:
                 victim.phase, victim.is_prefilled, victim.is_paused = Phase.WAITING, False, True
                 self.waiting.appendleft(victim)
             self.num_pauses += 1
+            log.info("paused %s (%d tokens out) to free KV slots: an estimate was short", victim.id,
+                     len(victim.output_ids))
             need = sum(1 for r in self.running if r.is_prefilled) + any(not r.is_prefilled for r in self.running)
 
     def _prefill_chunks(self) -> list[tuple[Req, int]]:
