@@ -125,8 +125,7 @@ class Engine:
 
     def _pause_overflow(self) -> None:
         """Free slots for this step's tokens by pausing the newest requests (an estimate was wrong)."""
-        need = sum(1 for r in self.running if r.is_prefilled) + any(not r.is_prefilled for r in self.running)
-        while self.runner.pool.num_free < need and len(self.running) > 1:
+        while self.runner.pool.num_free < self._slots_needed() and len(self.running) > 1:
             victim = self.running[-1]
             with self._lock:
                 self.running.pop()
@@ -136,7 +135,10 @@ class Engine:
             self.num_pauses += 1
             log.info("paused %s (%d tokens out) to free KV slots: an estimate was short", victim.id,
                      len(victim.output_ids))
-            need = sum(1 for r in self.running if r.is_prefilled) + any(not r.is_prefilled for r in self.running)
+
+    def _slots_needed(self) -> int:
+        """Slots this step must have: one per decoding request, one for any prefill to progress."""
+        return sum(r.is_prefilled for r in self.running) + any(not r.is_prefilled for r in self.running)
 
     def _prefill_chunks(self) -> list[tuple[Req, int]]:
         """(request, tokens to prefill now), oldest first, within ``batch_max_tokens``."""

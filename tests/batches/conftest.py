@@ -9,20 +9,17 @@ import asyncio
 import uuid
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import redis
 from rq.serializers import JSONSerializer
 
 from lightq.rq_worker import queue
 from producer import batch_job
-from producer.app import create_app
 from shared.config import BatchSettings, HousekeepingSettings, ModelSettings, ProducerSettings, RqWorkerSettings
-from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve
-from shared.redis import async_client
 from tests.batches.helpers import ThreadWorker
-from tests.producer.fake_worker import FakeWorker
+# The producer's app, client, async Redis and fake-worker fixtures, on this folder's settings.
+from tests.producer.conftest import aredis, app, client, worker  # noqa: F401
 
 
 @pytest.fixture(scope="session")
@@ -58,31 +55,6 @@ def settings(redis_settings, rq_names) -> ProducerSettings:
 def rq_settings(redis_settings, rq_names) -> RqWorkerSettings:
     return RqWorkerSettings(redis=redis_settings, batch=BatchSettings(queue=rq_names.batch),
                             housekeeping=HousekeepingSettings(queue=rq_names.janitor, interval_s=1))
-
-
-@pytest.fixture
-async def app(settings, tokenizer):
-    app = create_app(settings, tokenizer=tokenizer)
-    async with app.router.lifespan_context(app):
-        yield app
-
-
-@pytest.fixture
-async def client(app):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer", timeout=30) as c:
-        yield c
-
-
-@pytest.fixture
-async def aredis(redis_settings):
-    client = async_client(redis_settings)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
-def worker(aredis, redis_settings) -> FakeWorker:
-    return FakeWorker(aredis, Keys(redis_settings.key_prefix))
 
 
 @pytest.fixture
