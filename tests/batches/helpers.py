@@ -13,7 +13,7 @@ from rq import SimpleWorker
 from rq.timeouts import TimerDeathPenalty
 
 from shared.schemas import GenerateRequest, RequestStatus
-from tests.producer.fake_worker import FakeWorker
+from tests.producer.fake_worker import FakeWorker, stop_task
 
 MODEL = "default"  # the served model answers to its --model_dir too
 
@@ -67,10 +67,12 @@ async def pool(worker: FakeWorker, *, texts=(" a", " b"), fail_max_new: int | No
     """The fake worker answers every request (``texts``); one with ``max_new_tokens == fail_max_new`` fails."""
     taken: list[GenerateRequest] = [] if seen is None else seen
 
+    stop = asyncio.Event()
+
     async def serve() -> None:
-        while True:
+        while not stop.is_set():
             try:
-                request = await worker.take(timeout_s=1.0)
+                request = await worker.take(timeout_s=0.3)
             except TimeoutError:
                 continue
             taken.append(request)
@@ -83,6 +85,4 @@ async def pool(worker: FakeWorker, *, texts=(" a", " b"), fail_max_new: int | No
     try:
         yield taken
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await stop_task(task, stop)

@@ -31,19 +31,13 @@ def test_definitions_follow_vllm():
 
 @pytest.mark.parametrize("endpoint", ["generate_stream", "completions"])
 async def test_run_against_a_producer(settings, tokenizer, worker, endpoint, capsys):
-    served = []
-
     def reply(request):
         return [f"t{i}" for i in range(request.params.max_new_tokens)], "length"
 
-    task = asyncio.create_task(worker.serve(reply, served))
-    try:
-        async with serving(settings, tokenizer) as url:
-            args = ["--base-url", url, "--num-prompts", "6", "--request-rate", "50", "--sharegpt-output-len", "4",
-                    "--endpoint", endpoint, "--goodput", "ttft:5000", "e2el:10000"]
-            result = await asyncio.to_thread(bench_main, args)
-    finally:
-        task.cancel()
+    async with worker.answering(reply) as served, serving(settings, tokenizer) as url:
+        args = ["--base-url", url, "--num-prompts", "6", "--request-rate", "50", "--sharegpt-output-len", "4",
+                "--endpoint", endpoint, "--goodput", "ttft:5000", "e2el:10000"]
+        result = await asyncio.to_thread(bench_main, args)
     assert result["completed"] == 6 and result["failed"] == 0
     assert result["total_output_tokens"] == 24 and result["goodput_req_s"] > 0
     assert len(served) == 7  # the warm-up and six measured requests

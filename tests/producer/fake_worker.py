@@ -23,6 +23,22 @@ from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestSt
 Reply = Callable[[GenerateRequest], tuple[list[str], FinishReason]]
 
 
+async def stop_task(task: asyncio.Task, stop: asyncio.Event, timeout_s: float = 10.0) -> None:
+    """Ask a background loop to stop and wait for it, without ever hanging the test.
+
+    Neither ``task.cancel()`` nor ``suppress(CancelledError)`` here: a cancel
+    can be lost inside the Redis client's read (CI once hung 600 s that way),
+    and suppressing CancelledError around ``await task`` would also swallow a
+    cancel aimed at the test itself.
+    """
+    stop.set()
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        raise AssertionError(f"the background loop did not stop within {timeout_s} s")
+    task.result()  # its own error, if it had one
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -111,11 +127,11 @@ class FakeWorker:
             await asyncio.sleep(0.02)
         return False
 
-    async def serve(self, reply: Reply, seen: list[GenerateRequest]) -> None:
-        """Answer every request with ``reply(request)`` (texts, finish reason) until cancelled."""
-        while True:
+    async def serve(self, reply: Reply, seen: list[GenerateRequest], stop: asyncio.Event) -> None:
+        """Answer every request with ``reply(request)`` (texts, finish reason) until ``stop`` is set."""
+        while not stop.is_set():
             try:
-                request = await self.take(timeout_s=1.0)
+                request = await self.take(timeout_s=0.3)
             except TimeoutError:
                 continue
             seen.append(request)
@@ -126,10 +142,9 @@ class FakeWorker:
     async def answering(self, reply: Reply) -> AsyncIterator[list[GenerateRequest]]:
         """Run ``serve`` in the background; yields the list of requests it took."""
         seen: list[GenerateRequest] = []
-        task = asyncio.create_task(self.serve(reply, seen))
+        stop = asyncio.Event()
+        task = asyncio.create_task(self.serve(reply, seen, stop))
         try:
             yield seen
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task, stop)
