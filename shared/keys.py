@@ -24,6 +24,7 @@ land in one slot, so a request's status and chunks can be written together.
 | P:{b:ID}:inflight           | hash + TTL    | rq batch job (line -> request id, while it runs) |
 | P:{b:ID}:results            | hash + TTL    | rq batch job (line -> output line, until the output is written) |
 | P:{b:ID}:output             | string + TTL  | rq batch job -> producer (the output JSONL) |
+| P:batches:OWNER             | zset          | producer (an owner's batch ids by creation time; expired ones pruned on listing) |
 | P:housekeeping:cursor       | string        | rq housekeeping (SCAN cursor of the request-record sweep) |
 """
 
@@ -86,6 +87,10 @@ class Keys:
 
     def batch_output(self, batch_id: str) -> str:
         return f"{self.prefix}:{{b:{batch_id}}}:output"
+
+    def batch_index(self, owner: str) -> str:
+        """``owner``: the API key's hash, or ``open`` when keys are off."""
+        return f"{self.prefix}:batches:{owner}"
 
     def all_batch_keys(self, batch_id: str) -> list[str]:
         return [self.batch(batch_id), self.batch_input(batch_id), self.batch_inflight(batch_id),
