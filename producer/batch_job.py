@@ -81,6 +81,7 @@ class Feeder:
         self.limit = services.settings.batch.max_in_flight
         self._cancelled = False
         self._checked_at = 0.0
+        self.key_hash: str | None = None  # the submitting API key's: every request of the batch is its own
 
     async def run(self) -> dict:
         raw = await self.redis.hgetall(self.keys.batch(self.batch_id))
@@ -91,6 +92,7 @@ class Feeder:
         record = BatchRecord.model_validate(raw)
         if record.status.is_terminal:
             return {"status": record.status.value}
+        self.key_hash = record.key_hash
         await self._set(status=BatchStatus.IN_PROGRESS, in_progress_at=record.in_progress_at or now_s())
         lines = parse_lines(text, self.services.settings.batch.max_requests)
         await self._feed(lines)
@@ -132,7 +134,7 @@ class Feeder:
         if sent_id is not None and await self.redis.exists(self.keys.meta(sent_id)):
             return sent_id
         await self.redis.hset(self.keys.batch_inflight(self.batch_id), str(index), prepared.request.id)
-        await enqueue(prepared.request, ROUTE, self.services)
+        await enqueue(prepared.request, ROUTE, self.services, self.key_hash)
         return prepared.request.id
 
     async def _follow(self, request_id: str) -> list[TokenChunk]:

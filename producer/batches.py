@@ -191,6 +191,7 @@ class BatchRecord(BaseModel):
     cancelling_at: int | None = None  # set by a cancel request; the job then stops sending
     cancelled_at: int | None = None
     error: str | None = None
+    key_hash: str | None = None  # the submitting API key's hash (None: keys are off); only it sees the batch
 
     @staticmethod
     def fields(**values: Any) -> dict[str, str]:
