@@ -38,14 +38,49 @@ log = logging.getLogger("lightq.serve")
 
 GRACE_S = 10.0
 MAX_RESTARTS = 5
-NUM_WORKERS_VAR = "LIGHTQ_SERVE_WORKERS"  # how many workers share this machine's cores
 
 
-def spawn(role: str, env: dict[str, str]) -> subprocess.Popen:
-    """``env`` is the pool's; a worker's gets its share of the CPU threads on top."""
-    if role == "worker":
-        env = worker_env(env, int(env.get(NUM_WORKERS_VAR, "1")))
-    return subprocess.Popen([sys.executable, "-m", "lightq.cli", role], env=env)
+Child = tuple[str, dict[str, str], subprocess.Popen]  # role, its environment (kept for a restart), process
+
+
+def spawn(role: str, env: dict[str, str]) -> Child:
+    return role, env, subprocess.Popen([sys.executable, "-m", "lightq.cli", role], env=env)
+
+
+def visible_gpus(env: dict[str, str]) -> list[str]:
+    """The GPU ids this pool may use: ``CUDA_VISIBLE_DEVICES`` if set, else every GPU torch sees."""
+    if env.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [gpu.strip() for gpu in env["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def gpu_slices(env: dict[str, str], num_workers: int, gpus: list[str]) -> list[str | None]:
+    """Each worker's own ``CUDA_VISIBLE_DEVICES``: worker i gets GPUs [i*tp, (i+1)*tp).
+
+    Without this every worker of ``--workers 2`` would load onto cuda:0. None
+    (leave the environment alone) without GPUs, or when ``--device`` pins one
+    explicitly (``cuda:N``, ``cpu``). Too few GPUs fail here, before anything starts.
+    """
+    tp = int(env.get("LIGHTQ_TP", "1"))
+    if not gpus or env.get("LIGHTQ_DEVICE", "auto") not in ("auto", "cuda"):
+        return [None] * num_workers
+    if len(gpus) < num_workers * tp:
+        raise SystemExit(f"--workers {num_workers} x --tp {tp} needs {num_workers * tp} GPUs; "
+                         f"{len(gpus)} visible ({','.join(gpus)})")
+    return [",".join(gpus[i * tp:(i + 1) * tp]) for i in range(num_workers)]
+
+
+def worker_envs(env: dict[str, str], num_workers: int, gpus: list[str]) -> list[dict[str, str]]:
+    """One environment per worker: its GPUs, and its share of the CPU threads."""
+    envs = []
+    for gpu_slice in gpu_slices(env, num_workers, gpus):
+        own = worker_env(env, num_workers)
+        if gpu_slice is not None:
+            own["CUDA_VISIBLE_DEVICES"] = gpu_slice
+        envs.append(own)
+    return envs
 
 
 def worker_env(env: dict[str, str], num_workers: int) -> dict[str, str]:
@@ -74,13 +109,12 @@ def serve(flags: dict[str, Any], num_workers: int) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    children: list[tuple[str, subprocess.Popen]] = []
+    children: list[Child] = []
     try:
-        env[NUM_WORKERS_VAR] = str(num_workers)
-        children += [("worker", spawn("worker", env)) for _ in range(num_workers)]
-        children += [("router", spawn("router", env)), ("producer", spawn("producer", env))]
-        children.append(("rq-worker", spawn("rq-worker", env)))  # batch jobs and housekeeping
-        return watch(children, stop, Readiness(url, flags, num_workers), env)
+        children += [spawn("worker", own) for own in worker_envs(env, num_workers, visible_gpus(env))]
+        children += [spawn("router", env), spawn("producer", env)]
+        children.append(spawn("rq-worker", env))  # batch jobs and housekeeping
+        return watch(children, stop, Readiness(url, flags, num_workers))
     finally:
         stop_all(children)
         if embedded is not None:
@@ -110,33 +144,32 @@ class Readiness:
             log.info("lightq ready: %d worker(s), producer at %s", live, self.http)
 
 
-def watch(children: list[tuple[str, subprocess.Popen]], stop: threading.Event, readiness: Readiness,
-          env: dict[str, str]) -> int:
+def watch(children: list[Child], stop: threading.Event, readiness: Readiness) -> int:
     """Until stopped, replace dead children (the router re-dispatches a dead worker's
     requests, a new router takes over a dead one's entries, clients of a dead
     producer resume their streams by id); dying over and over stops the pool."""
     restarts = 0
     while not stop.wait(0.5):
         readiness.check()
-        for i, (role, child) in enumerate(children):
+        for i, (role, env, child) in enumerate(children):
             if child.poll() is None:
                 continue
             if restarts < MAX_RESTARTS:
                 restarts += 1
                 log.warning("%s (pid %d) exited with %d: starting another", role, child.pid, child.returncode)
-                children[i] = (role, spawn(role, env))
+                children[i] = spawn(role, env)  # a worker's own environment: the same GPUs
                 continue
             log.error("%s (pid %d) exited with %d: stopping the pool", role, child.pid, child.returncode)
             return child.returncode or 1
     return 0
 
 
-def stop_all(children: list[tuple[str, subprocess.Popen]]) -> None:
-    for _, child in children:
+def stop_all(children: list[Child]) -> None:
+    for _, _, child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
-    for role, child in children:
+    for role, _, child in children:
         try:
             child.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

@@ -1,0 +1,33 @@
+"""``lightq serve --workers M --tp N`` on a GPU host: each worker gets its own N GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightq.launcher import gpu_slices, worker_envs
+
+
+def test_each_worker_gets_its_own_consecutive_gpus():
+    env = {"LIGHTQ_TP": "2"}
+    assert gpu_slices(env, 2, ["0", "1", "2", "3"]) == ["0,1", "2,3"]
+    assert gpu_slices({}, 3, ["4", "6", "7"]) == ["4", "6", "7"]  # tp 1, from CUDA_VISIBLE_DEVICES' own ids
+
+
+def test_spare_gpus_stay_unused_and_too_few_fail_before_anything_starts():
+    assert gpu_slices({"LIGHTQ_TP": "2"}, 1, ["0", "1", "2"]) == ["0,1"]
+    with pytest.raises(SystemExit, match="needs 4 GPUs; 3 visible"):
+        gpu_slices({"LIGHTQ_TP": "2"}, 2, ["0", "1", "2"])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:1"])
+def test_no_gpus_or_a_pinned_device_leave_the_environment_alone(device):
+    assert gpu_slices({}, 2, []) == [None, None]
+    assert gpu_slices({"LIGHTQ_DEVICE": device}, 2, ["0", "1"]) == [None, None]
+
+
+def test_worker_environments_carry_their_gpus_and_a_share_of_the_cores(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    envs = worker_envs({"LIGHTQ_TP": "1", "PATH": "/bin"}, 2, ["2", "3"])
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "3"]
+    assert all(e["OMP_NUM_THREADS"] == "4" and e["PATH"] == "/bin" for e in envs)
+    assert "CUDA_VISIBLE_DEVICES" not in worker_envs({}, 2, [])[0]
