@@ -29,7 +29,7 @@ class AdmissionRule:
         """Replace the window with the newest finished output lengths (from Redis)."""
         self.history.update(newest_first)
 
-    def fits(self, states: Sequence[ReqState], candidate: ReqState, max_total_tokens: int,
+    def fits(self, states: Sequence[ReqState], candidate: ReqState | Sequence[ReqState], max_total_tokens: int,
              max_requests: int | None) -> bool:
         return check(states, candidate, max_total_tokens, max_requests, self.policy, self.estimator,
                      self.margin) is not None

@@ -56,6 +56,17 @@ class ReqState(NamedTuple):
         return self.held - self.generated + self.max_new_tokens
 
 
+def group_states(prompt_tokens: int, outputs: Sequence[int], max_new_tokens: int,
+                 ignore_eos: int) -> list[ReqState]:
+    """The states of a group's samples (one per entry of ``outputs``, its tokens so far)
+    that share one copy of the prompt: it is counted once, with the first sample, so
+    the conservative need is prompt + n x max_new_tokens. (The peak then assumes the
+    prompt leaves with the first sample, which holds only if it is not the first to
+    end; a group's samples draw their remaining lengths independently, as do requests.)"""
+    return [ReqState(out + (prompt_tokens if i == 0 else 0), out, max_new_tokens, ignore_eos)
+            for i, out in enumerate(outputs)]
+
+
 def peak_tokens(pairs: Iterable[tuple[int, int]]) -> int:
     """max over future steps of the tokens the batch holds; see the module doc."""
     held = peak = 0
@@ -106,14 +117,16 @@ def use_limit(max_total_tokens: int, policy: Policy, margin: float) -> float:
     return max_total_tokens * (1 - margin)
 
 
-def check(states: Sequence[ReqState], candidate: ReqState, max_total_tokens: int, max_requests: int | None,
-          policy: Policy, estimator: PeakEstimator, margin: float) -> float | None:
+def check(states: Sequence[ReqState], candidate: ReqState | Sequence[ReqState], max_total_tokens: int,
+          max_requests: int | None, policy: Policy, estimator: PeakEstimator, margin: float) -> float | None:
     """Admission of ``candidate`` beside ``states`` on one pool: the resulting use / pool, or
     None if it does not fit. The router (per worker record) and the simulator call this;
-    a worker gating its own waiting queue should too."""
-    if max_requests is not None and len(states) + 1 > max_requests:
+    a worker gating its own waiting queue should too. A group is admitted whole: pass its
+    samples' states (``group_states``) as ``candidate``."""
+    candidates = [candidate] if isinstance(candidate, ReqState) else list(candidate)
+    if max_requests is not None and len(states) + len(candidates) > max_requests:
         return None
-    use = projected_use([*states, candidate], policy, estimator)
+    use = projected_use([*states, *candidates], policy, estimator)
     if use > use_limit(max_total_tokens, policy, margin):
         return None
     return use / max_total_tokens

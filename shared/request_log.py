@@ -44,9 +44,17 @@ def mark_ended(pipe: redis.client.Pipeline, keys: Keys, request_id: str, *, stat
 
 
 def emitted_chunks(client: redis.Redis, keys: Keys, request_id: str) -> list[TokenChunk]:
-    """The request's chunks so far, each index once, in order (first copy wins)."""
-    seen: dict[int, TokenChunk] = {}
+    """The request's chunks so far, each (choice, index) once, by choice then index (first copy wins)."""
+    seen: dict[tuple[int, int], TokenChunk] = {}
     for _, fields in client.xrange(keys.chunks(request_id)):
         chunk = from_entry(TokenChunk, fields)
-        seen.setdefault(chunk.index, chunk)
-    return [seen[i] for i in sorted(seen)]
+        seen.setdefault((chunk.choice, chunk.index), chunk)
+    return [seen[k] for k in sorted(seen)]
+
+
+def has_ended(chunks: list[TokenChunk], n: int) -> bool:
+    """Whether these chunks end the request: each of its ``n`` choices finished, or a
+    chunk without a token (cancelled, failed, expired) ended them all."""
+    if any(c.finished and c.token_id is None for c in chunks):
+        return True
+    return len({c.choice for c in chunks if c.finished}) >= n

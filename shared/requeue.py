@@ -6,6 +6,11 @@ client already has: a request goes back with those tokens as
 ``resume_ids``, so the next worker continues after them and each output
 index reaches the client once. Requests that already ended are left alone.
 A death counts as an attempt; a graceful hand-back does not.
+
+A group (n > 1) goes back whole and starts again from its prompt: the
+tokens its samples already emitted are regenerated (greedy, or seeded: the
+producer gives every sampled group a seed) and readers drop the repeated
+(choice, index) pairs.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import redis
 
 from shared.codec import entry, from_entry
 from shared.keys import Keys
-from shared.request_log import emitted_chunks, end_request, mark_ended, now_ms
+from shared.request_log import emitted_chunks, end_request, has_ended, mark_ended, now_ms
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus
 
 
@@ -38,7 +43,7 @@ def requeue(client: redis.Redis, keys: Keys, request: GenerateRequest, ttl_s: in
     tokens = [c.token_id for c in chunks if c.token_id is not None]
     attempt = request.attempt + 1 if count_attempt else request.attempt
     pipe = client.pipeline(transaction=True)
-    if chunks and chunks[-1].finished:  # it ended; only the status write was lost
+    if has_ended(chunks, request.n):  # it ended; only the status write was lost
         mark_ended(pipe, keys, request.id, status=RequestStatus.FINISHED,
                    reason=chunks[-1].finish_reason or "stop", num_output=len(tokens), ttl_s=ttl_s)
     elif client.exists(keys.cancel(request.id)):
@@ -49,7 +54,8 @@ def requeue(client: redis.Redis, keys: Keys, request: GenerateRequest, ttl_s: in
     else:
         pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, attempt=attempt))
         pipe.hdel(keys.meta(request.id), "worker")
-        pipe.xadd(keys.requests(), entry(request.model_copy(update={"attempt": attempt, "resume_ids": tokens})))
+        resume_ids = tokens if request.n == 1 else []
+        pipe.xadd(keys.requests(), entry(request.model_copy(update={"attempt": attempt, "resume_ids": resume_ids})))
         pipe.execute()
         return 1
     pipe.execute()

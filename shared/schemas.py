@@ -66,6 +66,12 @@ class GenerateRequest(_Frozen):
     ``resume_ids`` are output tokens an earlier attempt already emitted (and
     the client already saw); a worker continues after them, numbering its
     chunks from ``len(resume_ids)``.
+
+    ``n`` > 1 makes a group: n samples of one prompt (``n``/``best_of``),
+    carried as this one message so they land on one worker together, which
+    prefills the prompt once and shares its KV slots between the samples.
+    Their chunks carry ``choice`` 0..n-1. A group goes back to the queue
+    whole and starts again (``resume_ids`` stays empty; see shared.requeue).
     """
 
     kind: Literal["generate"] = "generate"
@@ -76,6 +82,7 @@ class GenerateRequest(_Frozen):
     attempt: int = 0
     resume_ids: list[int] = Field(default_factory=list)
     deadline_ms: int | None = None  # Unix ms; a request still queued past it ends ``expired``
+    n: int = Field(1, ge=1, description="samples of this prompt (a group when > 1), prompt held once")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,22 +90,27 @@ class GenerateRequest(_Frozen):
 
     @property
     def max_tokens_needed(self) -> int:
-        """Most KV tokens this request can ever hold (the conservative need)."""
-        return len(self.prompt_ids) + self.params.max_new_tokens
+        """Most KV tokens this request (all its samples) can ever hold: the prompt once,
+        each sample's output (the conservative need)."""
+        return len(self.prompt_ids) + self.n * self.params.max_new_tokens
 
 
 class TokenChunk(_Frozen):
-    """One generated token; ``index`` is its 0-based position in the output.
+    """One generated token; ``index`` is its 0-based position in the output
+    of sample ``choice`` (always 0 unless the request is a group, n > 1).
 
-    The last chunk of a request has ``finished`` set. A request that ends
-    without a token of its own (cancelled, failed) ends with a chunk whose
-    ``token_id`` is None, ``text`` empty and ``index`` the count of tokens
-    before it. Readers drop a chunk whose index they already delivered.
+    The last chunk of a sample has ``finished`` set; a request is done when
+    every choice is. A request that ends without a token of its own
+    (cancelled, failed, expired) gets a chunk whose ``token_id`` is None,
+    ``text`` empty and ``index`` the count of tokens before it: such a chunk
+    ends every choice of the request that has not finished. Readers drop a
+    chunk whose (choice, index) they already delivered.
     """
 
     kind: Literal["chunk"] = "chunk"
     request_id: str
     index: int
+    choice: int = 0
     token_id: int | None
     text: str = ""
     logprob: float | None = None

@@ -11,6 +11,15 @@ estimate was wrong and the pool cannot hold this step's tokens, the newest
 running request is paused: its slots are freed and it waits at the head of
 the queue with its output kept, to be prefilled again (prompt + output) and
 continue. Finished and cancelled requests free their slots at once.
+
+A group (n samples of one prompt, ``worker.request``) is admitted whole,
+its prompt counted once (``worker.load.request_states``); its leader
+prefills the prompt and the step that completes it forks the other samples,
+which share the prompt's slots. From then on each sample is a request of
+its own here: it decodes, finishes, is cancelled or paused alone (a paused
+sample lets go of the shared prompt and is prefilled again on its own copy,
+simpler than pausing whole groups and as correct). The inbox entry is
+released with the group's last sample.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from shared.schemas import RequestStatus
 from shared.admission import AdmissionRule
 from shared.config import AdmissionSettings
 from worker.events import Ended, Event, Released, Started, Token
-from worker.load import req_state
+from worker.load import request_states
 from worker.request import Phase, Req
 
 log = logging.getLogger("lightq.worker")
@@ -54,7 +63,6 @@ class Engine:
         self.num_pauses = 0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self._committed = 0  # sum of max_tokens_needed over running + waiting
         self._lock = threading.Lock()  # guards what the heartbeat thread reads
 
     @property
@@ -64,7 +72,6 @@ class Engine:
     def add(self, req: Req) -> None:
         with self._lock:
             self.waiting.append(req)
-            self._committed += req.max_tokens_needed
 
     def requests(self) -> list[Req]:
         with self._lock:
@@ -72,22 +79,24 @@ class Engine:
 
     def snapshot(self) -> LoadSnapshot:
         with self._lock:
-            return LoadSnapshot(self.runner.pool.num_used, self._committed, len(self.running), len(self.waiting))
+            # committed: prompt + max_new_tokens of every sample, each group's prompt once
+            committed = sum(s.conservative_need for s in request_states([*self.running, *self.waiting]))
+            return LoadSnapshot(self.runner.pool.num_used, committed, len(self.running), len(self.waiting))
 
     def cancel(self, req: Req) -> list[Event]:
-        """End ``req`` now (wherever it is) and free its slots."""
+        """End ``req`` now (wherever it is) and free its slots; an unforked group ends every sample."""
         if req.phase is Phase.FINISHED:
             return []
-        self._release(req, "cancelled")
-        return [Ended(req.id, RequestStatus.CANCELLED, "cancelled", len(req.output_ids)),
-                Released(req.id, req.inbox_id)]
+        choices = range(req.group.size) if req.is_unforked_leader else [req.choice]
+        events: list[Event] = [Ended(req.id, RequestStatus.CANCELLED, "cancelled", len(req.output_ids), choice=c)
+                               for c in choices]
+        return events + self._release(req, "cancelled")
 
     def stop(self, req: Req) -> list[Event]:
         """End ``req``, which the publisher found a stop string in (it wrote the end)."""
         if req.phase is Phase.FINISHED:
             return []
-        self._release(req, "stop")
-        return [Released(req.id, req.inbox_id)]
+        return self._release(req, "stop")
 
     def step(self) -> list[Event]:
         events: list[Event] = [Started.of(r.msg) for r in self._admit() if not r.is_paused]
@@ -101,17 +110,30 @@ class Engine:
         if chunks:
             reqs = [r for r, _ in chunks]
             completing = [r for r, n in chunks if n == r.num_uncached]
-            events += self._sample_and_finish(completing, self.runner.prefill(reqs, [n for _, n in chunks], completing))
+            forks = {r: r.fork_members() for r in completing if r.is_unforked_leader}
+            sampled = self.runner.prefill(reqs, [n for _, n in chunks], completing, forks)
+            self._join_forks(forks)
+            sampling = [r for leader in completing for r in [leader, *forks.get(leader, [])]]
+            events += self._sample_and_finish(sampling, sampled)
         return events
+
+    def _join_forks(self, forks: dict[Req, list[Req]]) -> None:
+        """A forked group's new samples run from now on (the runner gave them rows and the prompt)."""
+        with self._lock:
+            for leader, members in forks.items():
+                leader.group.live += len(members)
+                for member in members:
+                    member.phase = Phase.RUNNING
+                    self.running.append(member)
 
     def _admit(self) -> list[Req]:
         """Move waiting requests into the running set, in order, while the rule allows."""
         admitted: list[Req] = []
-        states = [req_state(r) for r in self.running]
+        states = request_states(self.running)
         with self._lock:
             while self.waiting:
                 req = self.waiting[0]
-                candidate = req_state(req)
+                candidate = request_states([req])  # a group: all its samples, the prompt once
                 if not self.rule.fits(states, candidate, self.limits.max_total_tokens,
                                       self.limits.running_max_req_size):
                     break
@@ -120,7 +142,7 @@ class Engine:
                 req.phase = Phase.RUNNING
                 self.running.append(req)
                 admitted.append(req)
-                states.append(candidate)
+                states += candidate
         return admitted
 
     def _pause_overflow(self) -> None:
@@ -161,10 +183,9 @@ class Engine:
             req.is_prefilled = True
             req.output_ids.append(token_id)
             reason = self._finish_reason(req, token_id)
-            events.append(Token(req.id, len(req.output_ids) - 1, token_id, logprob, reason))
+            events.append(Token(req.id, len(req.output_ids) - 1, token_id, logprob, reason, req.choice))
             if reason is not None:
-                self._release(req, reason)
-                events.append(Released(req.id, req.inbox_id))
+                events += self._release(req, reason)
         return events
 
     def _finish_reason(self, req: Req, token_id: int):
@@ -174,13 +195,18 @@ class Engine:
             return "length"
         return None
 
-    def _release(self, req: Req, reason) -> None:
+    def _release(self, req: Req, reason) -> list[Event]:
+        """Free ``req``; its inbox entry goes when it was its group's last live sample."""
         with self._lock:
             if req.phase is Phase.RUNNING:
                 self.running.remove(req)
                 self.runner.finish(req)
             else:
                 self.waiting.remove(req)
-            self._committed -= req.max_tokens_needed
             req.phase = Phase.FINISHED
             req.finish_reason = reason
+        if req.group is not None:
+            req.group.live -= 1
+            if req.group.live > 0:
+                return []
+        return [Released(req.id, req.inbox_id)]

@@ -9,17 +9,19 @@ from shared.schemas import FinishReason, GenerateRequest, RequestStatus
 
 @dataclass(frozen=True)
 class Started:
-    """A request was admitted; the publisher sets up its decoder and stop matcher."""
+    """A request was admitted; the publisher sets up a decoder and stop matcher per sample."""
 
     request_id: str
     prompt_ids: list[int]
     resume_ids: list[int]
     stop_sequences: tuple[str, ...] = ()
     min_new_tokens: int = 0  # stop strings are not matched before this many tokens
+    n: int = 1  # samples (choices 0..n-1)
 
     @classmethod
     def of(cls, msg: GenerateRequest) -> "Started":
-        return cls(msg.id, msg.prompt_ids, msg.resume_ids, msg.params.stop_sequences, msg.params.min_new_tokens)
+        return cls(msg.id, msg.prompt_ids, msg.resume_ids, msg.params.stop_sequences, msg.params.min_new_tokens,
+                   msg.n)
 
 
 @dataclass(frozen=True)
@@ -28,23 +30,25 @@ class Token:
     index: int
     token_id: int
     logprob: float
-    finish_reason: FinishReason | None  # set on the request's last token
+    finish_reason: FinishReason | None  # set on the sample's last token
+    choice: int = 0
 
 
 @dataclass(frozen=True)
 class Ended:
-    """A request that stopped without a final token (cancelled, failed)."""
+    """A request's sample that stopped without a final token (cancelled, failed)."""
 
     request_id: str
     status: RequestStatus
     reason: FinishReason
     num_output: int
     error: str | None = None
+    choice: int = 0
 
 
 @dataclass(frozen=True)
 class Released:
-    """The request's inbox entry can go: it finished or ended here."""
+    """The request's inbox entry can go: it (every sample of a group) finished or ended here."""
 
     request_id: str
     inbox_id: str

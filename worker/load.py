@@ -5,32 +5,41 @@ Besides the pool totals it lists, for every running or waiting request, the
 ignore_eos] from which the router estimates each request's remaining
 length and the batch's peak (router/admission.py). A waiting request is
 listed with the tokens it will hold once prefilled: the peak counts them
-from the start. Runs on the heartbeat thread while the model loop changes
+from the start. A group counts its prompt once (``shared.peak.group_states``):
+before its fork as n states, after it with the prompt on the first member
+still sharing it. Runs on the heartbeat thread while the model loop changes
 the engine's lists, so it reads a copy and tolerates a request appearing in
 both lists for an instant (it is listed once).
 """
 
 from __future__ import annotations
 
-from shared.peak import ReqState
+from shared.peak import ReqState, group_states
 from shared.request_log import now_ms
 from shared.schemas import WorkerLoad
 from worker.request import Phase, Req
 
 
-def req_state(req: Req) -> ReqState:
-    params = req.msg.params
-    return ReqState(req.num_tokens, len(req.output_ids), params.max_new_tokens, int(params.ignore_eos))
-
-
-def request_states(reqs: list[Req]) -> list[tuple[int, int, int, int]]:
+def request_states(reqs: list[Req]) -> list[ReqState]:
+    """One state per sample; each group's shared prompt counted once."""
     seen: set[int] = set()
-    states = []
+    carried: set[int] = set()  # groups whose shared prompt is already counted
+    states: list[ReqState] = []
     for req in reqs:
         if id(req) in seen or req.phase is Phase.FINISHED:
             continue
         seen.add(id(req))
-        states.append(tuple(req_state(req)))
+        params = req.msg.params
+        if req.is_unforked_leader:
+            states += group_states(req.num_tokens, [0] * req.group.size, params.max_new_tokens,
+                                   int(params.ignore_eos))
+            continue
+        held = req.num_tokens
+        if req.num_shared:  # a member reading the group's prompt: count it with the first one only
+            if id(req.group) in carried:
+                held -= req.num_shared
+            carried.add(id(req.group))
+        states.append(ReqState(held, len(req.output_ids), params.max_new_tokens, int(params.ignore_eos)))
     return states
 
 
@@ -42,4 +51,4 @@ def build_load(engine, worker_id: str, seq: int, last_inbox_id: str, draining: b
                       committed_tokens=snap.committed_tokens, num_running=snap.num_running,
                       num_waiting=snap.num_waiting, last_inbox_id=last_inbox_id, draining=draining,
                       running_max_req_size=engine.limits.running_max_req_size,
-                      requests=request_states(engine.requests()))
+                      requests=[tuple(s) for s in request_states(engine.requests())])

@@ -9,11 +9,17 @@ Every forward goes through ``forward(step)`` with the step's host arrays
 (``StepInputs``): it writes the table and runs the model. Under tensor
 parallelism rank 0's runner has ``on_forward`` set (``worker.tp``), which
 hands each step to the other ranks first; they call ``forward`` with it.
+
+A group's prompt is prefilled once, by its leader; the step that completes
+it also forks the other samples (``prefill``'s ``forks``): their table rows
+get a copy of the leader's prompt positions (``StepInputs.forks``, so
+tensor-parallel followers copy too), and each samples its first token from
+the leader's last-position logits. No K/V is copied.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +43,9 @@ class StepInputs:
     cached: np.ndarray  # [B] tokens of each request already in the pool
     q_lens: np.ndarray  # [B] new tokens of each request
     is_decode: bool
+    # [F, 3] (member row, leader row, prompt length): table[member, :len] = table[leader, :len],
+    # after this step's writes (prefill steps only).
+    forks: np.ndarray = field(default_factory=lambda: np.empty((0, 3), dtype=np.int64))
 
 
 class ModelRunner:
@@ -54,17 +63,36 @@ class ModelRunner:
 
     def start(self, req: Req) -> None:
         req.row = self.table.allocate_row()
-        req.slot_ids = np.empty(req.max_tokens_needed, dtype=np.int64)
-        req.num_cached = 0
+        req.slot_ids = np.empty(req.max_len, dtype=np.int64)
+        req.num_cached = req.num_shared = 0
         params = req.msg.params
         if params.has_penalties or params.min_new_tokens:  # only they read the row's counts
             self.counts.start(req.row, req.msg.prompt_ids, req.output_ids)  # output: resumed or paused
 
     def finish(self, req: Req) -> None:
-        self.pool.free(req.slot_ids[:req.num_cached])
+        """Free the request's row and own slots; a group's prompt slots go with their last holder."""
+        self.pool.free(req.slot_ids[req.num_shared:req.num_cached])
+        if req.num_shared:
+            group = req.group
+            group.holders -= 1
+            if group.holders == 0:
+                self.pool.free(group.prompt_slots)
+                group.prompt_slots = None
         self.table.free_row(req.row)
         req.row = None
-        req.num_cached = 0
+        req.num_cached = req.num_shared = 0
+
+    def _fork(self, leader: Req, members: list[Req]) -> list[tuple[int, int, int]]:
+        """Share the leader's (complete) prompt with ``members``: rows, not K/V, are copied."""
+        group, n = leader.group, len(leader.msg.prompt_ids)
+        group.forked, group.prompt_slots = True, leader.slot_ids[:n].copy()
+        group.holders = 1 + len(members)
+        leader.num_shared = n
+        for member in members:
+            self.start(member)
+            member.slot_ids[:n] = group.prompt_slots
+            member.num_cached = member.num_shared = n
+        return [(m.row, leader.row, n) for m in members]
 
     @torch.inference_mode()
     def decode(self, reqs: list[Req]) -> tuple[list[int], list[float]]:
@@ -81,8 +109,11 @@ class ModelRunner:
         return self._sample(logits, reqs)
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Req], num_new: list[int], completing: list[Req]) -> tuple[list[int], list[float]]:
-        """Feed ``num_new[i]`` uncached tokens of each request; sample for those in ``completing``."""
+    def prefill(self, reqs: list[Req], num_new: list[int], completing: list[Req],
+                forks: dict[Req, list[Req]] | None = None) -> tuple[list[int], list[float]]:
+        """Feed ``num_new[i]`` uncached tokens of each request; sample for those in ``completing``
+        and, right after each leader in ``forks`` (which must complete), for its new members."""
+        forks = forks or {}
         slots = self.pool.allocate(sum(num_new))
         cached = np.array([r.num_cached for r in reqs], dtype=np.int64)
         q_lens = np.array(num_new, dtype=np.int64)
@@ -96,13 +127,19 @@ class ModelRunner:
             offset += n
         positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, q_lens)])
         rows = np.array([r.row for r in reqs], dtype=np.int64)
+        copies = [c for leader, members in forks.items() for c in self._fork(leader, members)]
         logits = self.forward(StepInputs(np.array(input_ids, dtype=np.int64), positions, slots, rows, cached,
-                                         q_lens, False))
+                                         q_lens, False, np.array(copies, dtype=np.int64).reshape(-1, 3)))
         if not completing:
             return [], []
-        completing_set = set(completing)
-        keep = [i for i, r in enumerate(reqs) if r in completing_set]
-        return self._sample(logits[keep], [reqs[i] for i in keep])
+        # Each completing request samples from its own last logits, a fork's members from their leader's.
+        position = {r: i for i, r in enumerate(reqs)}
+        keep, sampling = [], []
+        for req in completing:
+            for r in [req, *forks.get(req, [])]:
+                keep.append(position[req])
+                sampling.append(r)
+        return self._sample(logits[keep], sampling)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
@@ -118,6 +155,8 @@ class ModelRunner:
             for row, start, n in zip(step.rows, step.cached, step.q_lens):
                 self.table.write(int(row), int(start), step.slots[offset:offset + n])
                 offset += n
+            for member, leader, n in step.forks.tolist():
+                self.table.table[member, :n] = self.table.table[leader, :n]
         return self.model.forward(self._batch(step.input_ids, step.positions, step.slots, step.rows, step.cached,
                                               step.q_lens, step.is_decode))
 

@@ -12,6 +12,11 @@ text up to the stop string), and its id goes to ``take_stopped()`` so the
 serve loop frees it; tokens the engine generates after that are dropped.
 Every published token still gets its chunk (maybe with empty text while
 text is held back), so chunk indexes stay one per token.
+
+A group's samples (``choice`` 0..n-1) each have their own decoder and stop
+matcher and write into the request's one chunk stream; the status hash
+says finished (with the samples' total output tokens) when the last one
+ends. Each sample's length joins the output-length history.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import redis
 from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP, Keys
 from shared.redis import Backoff
-from shared.request_log import append_chunk, end_request, mark_ended, now_ms
+from shared.request_log import append_chunk, mark_ended, now_ms
 from shared.schemas import FinishReason, RequestMeta, RequestStatus, TokenChunk
 from worker.detokenizer import IncrementalDecoder, resumed_decoder
 from worker.events import Ended, Event, Released, Started, Token
@@ -40,11 +45,22 @@ OUTPUT_HISTORY_LEN = 1000
 
 @dataclass
 class _Output:
-    """One running request's text state on the publisher thread."""
+    """One running sample's text state on the publisher thread."""
 
     decoder: IncrementalDecoder
     matcher: StopMatcher
     min_new_tokens: int = 0
+
+
+@dataclass
+class _Group:
+    """A group's samples still running here, and the output tokens of those that ended."""
+
+    remaining: int
+    num_output: int = 0
+
+
+Sample = tuple[str, int]  # (request id, choice)
 
 
 class Publisher:
@@ -54,11 +70,12 @@ class Publisher:
         self.ttl_s = settings.redis.request_ttl_s
         self.tokenizer = tokenizer
         self.worker_id = worker_id
-        self.outputs: dict[str, _Output] = {}
-        # Requests a stop string finished while the engine still runs them: their later
-        # Token/Ended events are dropped until their Released event (the engine's last).
-        self.ended_by_stop: set[str] = set()
-        self._stopped: list[str] = []  # for the serve loop to free; guarded by _stopped_lock
+        self.outputs: dict[Sample, _Output] = {}
+        self.groups: dict[str, _Group] = {}  # requests with n > 1, from Started to their last sample's end
+        # Samples a stop string finished while the engine still runs them: their later Token/Ended
+        # events are dropped until the request's Released event (the engine's last for it).
+        self.ended_by_stop: set[Sample] = set()
+        self._stopped: list[Sample] = []  # for the serve loop to free; guarded by _stopped_lock
         self._stopped_lock = threading.Lock()
         self.inbox: queue.Queue[list[Event] | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="publisher", daemon=True)
@@ -70,8 +87,8 @@ class Publisher:
         if events:
             self.inbox.put(events)
 
-    def take_stopped(self) -> list[str]:
-        """Ids of requests a stop string ended since the last call (thread-safe).
+    def take_stopped(self) -> list[Sample]:
+        """(request id, choice) of samples a stop string ended since the last call (thread-safe).
 
         The serve loop frees each one's slots (the engine does not know it ended);
         whatever the engine emits for it meanwhile is dropped here.
@@ -109,25 +126,35 @@ class Publisher:
             if isinstance(event, Started):
                 self._started(pipe, event)
             elif isinstance(event, Token):
-                if event.request_id not in self.ended_by_stop:
+                if (event.request_id, event.choice) not in self.ended_by_stop:
                     self._token(pipe, event)
             elif isinstance(event, Ended):
-                self.outputs.pop(event.request_id, None)
-                if event.request_id not in self.ended_by_stop:
-                    end_request(pipe, self.keys, event.request_id, status=event.status, reason=event.reason,
-                                num_output=event.num_output, ttl_s=self.ttl_s, error=event.error)
+                sample = (event.request_id, event.choice)
+                running = self.outputs.pop(sample, None) is not None
+                # A group's sample that already ended (its last token) is not ended twice; a request
+                # that never started here (refused on arrival) still gets its end.
+                if sample not in self.ended_by_stop and (running or event.request_id not in self.groups):
+                    append_chunk(pipe, self.keys, TokenChunk(
+                        request_id=event.request_id, index=event.num_output, choice=event.choice, token_id=None,
+                        finished=True, finish_reason=event.reason, error=event.error))
+                    self._sample_ended(pipe, event.request_id, event.status, event.reason, event.num_output,
+                                       event.error)
             elif isinstance(event, Released):
-                self.ended_by_stop.discard(event.request_id)
+                self.ended_by_stop = {s for s in self.ended_by_stop if s[0] != event.request_id}
+                self.groups.pop(event.request_id, None)
                 pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, event.inbox_id)
                 pipe.xdel(self.keys.inbox(self.worker_id), event.inbox_id)
 
     def _started(self, pipe, event: Started) -> None:
-        matcher = StopMatcher(event.stop_sequences)
-        if matcher and event.resume_ids:
-            decoder = self._replay(event, matcher)
-        else:
-            decoder = resumed_decoder(self.tokenizer, event.prompt_ids, event.resume_ids)
-        self.outputs[event.request_id] = _Output(decoder, matcher, event.min_new_tokens)
+        for choice in range(event.n):  # a group's samples start alike (a group never resumes)
+            matcher = StopMatcher(event.stop_sequences)
+            if matcher and event.resume_ids:
+                decoder = self._replay(event, matcher)
+            else:
+                decoder = resumed_decoder(self.tokenizer, event.prompt_ids, event.resume_ids)
+            self.outputs[(event.request_id, choice)] = _Output(decoder, matcher, event.min_new_tokens)
+        if event.n > 1:
+            self.groups[event.request_id] = _Group(remaining=event.n)
         pipe.hset(self.keys.meta(event.request_id), mapping=RequestMeta.fields(
             status=RequestStatus.RUNNING, started_ms=now_ms(), worker=self.worker_id))
 
@@ -143,7 +170,8 @@ class Publisher:
         return decoder
 
     def _token(self, pipe, event: Token) -> None:
-        output = self.outputs[event.request_id]
+        sample = (event.request_id, event.choice)
+        output = self.outputs[sample]
         text = output.decoder.push(event.token_id)
         reason = event.finish_reason
         if reason is not None:
@@ -158,25 +186,37 @@ class Publisher:
                 text += output.matcher.flush()
         self._write_token(pipe, event, text, reason)
         if reason is not None:
-            del self.outputs[event.request_id]
+            del self.outputs[sample]
         if stopped_here:
-            self.ended_by_stop.add(event.request_id)
+            self.ended_by_stop.add(sample)
             with self._stopped_lock:
-                self._stopped.append(event.request_id)
+                self._stopped.append(sample)
 
     def _write_token(self, pipe, event: Token, text: str, reason: FinishReason | None) -> None:
         finished = reason is not None
         append_chunk(pipe, self.keys, TokenChunk(
-            request_id=event.request_id, index=event.index, token_id=event.token_id, text=text,
-            logprob=event.logprob, finished=finished, finish_reason=reason))
+            request_id=event.request_id, index=event.index, choice=event.choice, token_id=event.token_id,
+            text=text, logprob=event.logprob, finished=finished, finish_reason=reason))
         num_output = event.index + 1
         if finished:
-            mark_ended(pipe, self.keys, event.request_id, status=RequestStatus.FINISHED,
-                       reason=reason, num_output=num_output, ttl_s=self.ttl_s)
             pipe.lpush(self.keys.output_lengths(), num_output)
             pipe.ltrim(self.keys.output_lengths(), 0, OUTPUT_HISTORY_LEN - 1)
-        else:
+            self._sample_ended(pipe, event.request_id, RequestStatus.FINISHED, reason, num_output)
+        elif event.request_id not in self.groups:  # a group's count is written once, at its end
             pipe.hset(self.keys.meta(event.request_id), "output_tokens", num_output)
+
+    def _sample_ended(self, pipe, request_id: str, status: RequestStatus, reason: FinishReason,
+                      num_output: int, error: str | None = None) -> None:
+        """The request ends with its last sample: status, total output tokens, TTLs."""
+        group = self.groups.get(request_id)
+        if group is not None:
+            group.remaining -= 1
+            group.num_output += num_output
+            if group.remaining > 0:
+                return
+            num_output = group.num_output
+        mark_ended(pipe, self.keys, request_id, status=status, reason=reason, num_output=num_output,
+                   ttl_s=self.ttl_s, error=error)
 
 
 class _Recorder:

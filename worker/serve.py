@@ -132,7 +132,7 @@ class WorkerService:
         stopped = set(self.publisher.take_stopped())
         if stopped:
             for req in self.engine.requests():
-                if req.id in stopped:
+                if (req.id, req.choice) in stopped:
                     self.publisher.put(self.engine.stop(req))
 
     def _refresh_history(self) -> None:

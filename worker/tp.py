@@ -9,9 +9,10 @@ the weights and their share of the KV heads and do nothing but forwards::
     rank r:   recv_step() ---------------------------> runner.forward(step) -> model
                                                          (all-reduces join the two)
 
-A step travels as one broadcast of a fixed int64 header ``[kind, B, T]``
+A step travels as one broadcast of a fixed int64 header ``[kind, B, T, F]``
 and, for a forward, one of its payload: input ids, positions, slots [T each],
-table rows, cached lengths, new lengths [B each]. Each rank writes its own
+table rows, cached lengths, new lengths [B each], and a group fork's row
+copies [F x 3]. Each rank writes its own
 request table from them and runs the same forward (a CUDA graph for the same
 bucket on every rank), so the ranks stay in lock-step. Steps go over a gloo
 group on the host (no device copies, no stream ordering to think about);
@@ -74,18 +75,18 @@ class TPGroup:
     def send_step(self, step: StepInputs) -> None:
         """Rank 0, before each of its forwards: the followers run the same one."""
         kind = FORWARD_DECODE if step.is_decode else FORWARD_PREFILL
-        self._broadcast(np.array([kind, len(step.rows), len(step.input_ids)], dtype=np.int64))
-        self._broadcast(np.concatenate([step.input_ids, step.positions, step.slots,
-                                        step.rows, step.cached, step.q_lens]).astype(np.int64, copy=False))
+        self._broadcast(np.array([kind, len(step.rows), len(step.input_ids), len(step.forks)], dtype=np.int64))
+        self._broadcast(np.concatenate([step.input_ids, step.positions, step.slots, step.rows, step.cached,
+                                        step.q_lens, step.forks.reshape(-1)]).astype(np.int64, copy=False))
 
     def recv_step(self) -> StepInputs | None:
         """A follower: the next step, None on shutdown."""
-        kind, b, t = self._receive(3)
+        kind, b, t, f = self._receive(4)
         if kind == SHUTDOWN:
             return None
-        payload = self._receive(3 * t + 3 * b)
-        ids, positions, slots, rows, cached, q_lens = np.split(payload, np.cumsum([t, t, t, b, b]))
-        return StepInputs(ids, positions, slots, rows, cached, q_lens, kind == FORWARD_DECODE)
+        payload = self._receive(3 * t + 3 * b + 3 * f)
+        ids, positions, slots, rows, cached, q_lens, forks = np.split(payload, np.cumsum([t, t, t, b, b, b]))
+        return StepInputs(ids, positions, slots, rows, cached, q_lens, kind == FORWARD_DECODE, forks.reshape(-1, 3))
 
     def _broadcast(self, values: np.ndarray) -> None:
         dist.broadcast(torch.from_numpy(np.ascontiguousarray(values)), src=0, group=self.control)
@@ -99,7 +100,7 @@ class TPGroup:
         """Rank 0, on a clean exit: tell the followers to leave, wait for them, leave the group."""
         self.closing = True
         try:
-            self._broadcast(np.array([SHUTDOWN, 0, 0], dtype=np.int64))
+            self._broadcast(np.array([SHUTDOWN, 0, 0, 0], dtype=np.int64))
         finally:
             self._reap(JOIN_TIMEOUT_S)
             dist.destroy_process_group()

@@ -34,7 +34,7 @@ class FakeEngine:
     def snapshot(self):
         reqs = self.requests()
         return LoadSnapshot(used_tokens=sum(r.num_tokens for r in self.running),
-                            committed_tokens=sum(r.max_tokens_needed for r in reqs),
+                            committed_tokens=sum(r.msg.max_tokens_needed for r in reqs),
                             num_running=len(self.running), num_waiting=len(self.waiting))
 
 

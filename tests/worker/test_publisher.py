@@ -62,7 +62,7 @@ def test_a_stop_split_across_tokens_ends_the_request(publisher, client, keys, id
     publisher.publish([started(["42."]), *tokens(ids, 0, 5)])
     assert "".join(c.text for c in chunks(client, keys)) == " The answer is "  # "4" is held back
     publisher.publish(tokens(ids, 5, 7))  # "2", "." complete the stop string
-    assert publisher.take_stopped() == [RID] and publisher.take_stopped() == []
+    assert publisher.take_stopped() == [(RID, 0)] and publisher.take_stopped() == []
     # The engine runs the request a step or two more, then frees it (as a cancel).
     publisher.publish([*tokens(ids, 7, 9), Ended(RID, RequestStatus.CANCELLED, "cancelled", 9),
                        Released(RID, inbox_id)])
@@ -111,7 +111,7 @@ def test_the_thread_publishes_in_order_and_reports_stops(publisher, client, keys
     for token in tokens(ids, 0, 4):
         publisher.put([token])
     publisher.close()
-    assert publisher.take_stopped() == [RID]
+    assert publisher.take_stopped() == [(RID, 0)]
     assert [c.text for c in chunks(client, keys)] == [" The", " "]
 
 
@@ -119,3 +119,25 @@ def test_started_of_carries_the_stop_parameters():
     msg = GenerateRequest(id=RID, prompt_ids=[1], params=SamplingParams(stop_sequences=("x",), min_new_tokens=3,
                                                                         max_new_tokens=8), created_ms=0)
     assert Started.of(msg) == Started(RID, [1], [], ("x",), 3)
+
+
+def test_a_groups_samples_have_their_own_text_stops_and_one_end(publisher, client, keys, ids):
+    """Choice 1 stops on "42." while choices 0 and 2 run to their lengths; the status
+    says finished once, after the last sample, with every sample's tokens counted."""
+    def sample(choice, start, stop, last_reason=None):
+        return [Token(RID, i, ids[i], -0.5, last_reason if i == stop - 1 else None, choice)
+                for i in range(start, stop)]
+
+    publisher.publish([Started(RID, [1, 2, 3], [], ("42.",), 0, n=3), *sample(0, 0, 2), *sample(1, 0, 7),
+                       *sample(2, 0, 3, "length")])
+    assert publisher.take_stopped() == [(RID, 1)]
+    assert RequestMeta.from_hash(client.hgetall(keys.meta(RID))).status is RequestStatus.RUNNING
+    publisher.publish([*sample(1, 7, 8), *sample(0, 2, 5, "length"), Released(RID, "1-0")])  # 1's extra: dropped
+    out = chunks(client, keys)
+    text = {c: "".join(x.text for x in out if x.choice == c) for c in range(3)}
+    assert text == {0: " The answer is 4", 1: " The answer is ", 2: " The answer is"}
+    assert [(x.choice, x.finish_reason) for x in out if x.finished] == [(1, "stop"), (2, "length"), (0, "length")]
+    meta = RequestMeta.from_hash(client.hgetall(keys.meta(RID)))
+    assert meta.status is RequestStatus.FINISHED and meta.output_tokens == 5 + 7 + 3
+    assert sorted(client.lrange(keys.output_lengths(), 0, -1)) == ["3", "5", "7"]
+    assert publisher.outputs == {} and publisher.groups == {} and publisher.ended_by_stop == set()

@@ -118,6 +118,26 @@ def test_cancel_mid_flight_tp2_equals_tp1(engines):
     assert_idle(engines[1])
 
 
+def test_group_forked_over_tp2_equals_transformers(tiny, engines):
+    """A group's samples read the leader's prompt through table rows the fork copied on every rank."""
+    from shared.schemas import GenerateRequest, SamplingParams
+    from worker.request import Req
+
+    ref, _ = tiny
+    prompt = list(range(30, 50))  # 20 tokens: the fork comes with the third chunk
+    msg = GenerateRequest(id="g", prompt_ids=prompt, params=SamplingParams(max_new_tokens=10, ignore_eos=True),
+                          created_ms=0, n=3)
+    engine = engines[1]
+    engine.add(Req(msg=msg, inbox_id="g-0"))
+    tokens: dict[int, list[int]] = {}
+    while engine.has_work:
+        for e in engine.step():
+            if isinstance(e, Token):
+                tokens.setdefault(e.choice, []).append(e.token_id)
+    assert tokens == {c: reference_greedy(ref, prompt, 10) for c in range(3)}
+    assert_idle(engine)
+
+
 def test_paused_and_re_prefilled_requests_tp2_equal_transformers(tiny, engines):
     from shared.admission import AdmissionRule
     from shared.config import AdmissionSettings
