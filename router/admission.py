@@ -1,11 +1,11 @@
 """Which worker may take a request: the router's side of admission.
 
-A worker's requests (its published ``ReqState`` list, plus the ones this
+A worker's requests (its published ``ReqState`` list, plus the ones any
 router dispatched there that its record does not show yet, plus the
 candidate) must fit its pool by the chosen policy, and their count its
 ``running_max_req_size``. The rule is ``shared.peak.check``, beside the
 peak formula so that workers can gate their own queues with the same code
-(and bench/simulate.py runs it too); lengths come from ``shared.history``:
+(and bench/scheduler_sim.py runs it too); lengths come from ``shared.history``:
 
 | policy                | projected use                               | limit        |
 |-----------------------|---------------------------------------------|--------------|
@@ -41,7 +41,7 @@ def request_state(request: GenerateRequest) -> ReqState:
 
 def check_worker(load: WorkerLoad, reserved: Sequence[ReqState], request: GenerateRequest,
                  policy: Policy, estimator: Estimator, margin: float) -> float | None:
-    """``check`` against one worker's published record plus this router's reservations."""
+    """``check`` against one worker's published record plus the dispatches it does not show yet."""
     if load.draining:
         return None
     candidate = request_state(request)

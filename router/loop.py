@@ -2,9 +2,12 @@
 
 Entries are read through the ``routers`` consumer group and stay in this
 router's pending list until dispatched: the inbox XADD, the status update
-and the XACK happen in one transaction, so a crash anywhere before it leaves
-the entry pending (re-read with id 0 on restart) and a crash after it leaves
-the request in exactly one inbox. Requests are dispatched in arrival order:
+and the XACK happen in one script (``router.dispatch``), so a crash anywhere
+before it leaves the entry pending (re-read with id 0 on restart) and a crash
+after it leaves the request in exactly one inbox. The script writes only if
+no other router dispatched to that worker since this one last looked;
+otherwise this router learns those dispatches and decides again. Requests
+are dispatched in arrival order:
 when the head cannot be placed, everything behind it waits too. The
 output-length history past-future admission estimates from is re-read
 from Redis every ``history_refresh_s``, not per request.
@@ -20,17 +23,18 @@ from collections import deque
 import redis
 
 from router.admission import choose_worker, request_state
+from router.dispatch import Dispatcher
 from router import liveness
 from router.janitor import reap_dead_worker
 from router.registry import read_registry
 from router.reservations import Reservations
-from shared.codec import entry, from_entry
+from shared.codec import from_entry
 from shared.config import RouterSettings
 from shared.admission import AdmissionRule
 from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import Backoff, ensure_group
 from shared.request_log import end_request, now_ms
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus
+from shared.schemas import GenerateRequest, RequestStatus
 
 log = logging.getLogger("lightq.router")
 
@@ -41,7 +45,8 @@ class Router:
         self.client = client
         self.keys = Keys(settings.redis.key_prefix)
         self.router_id = router_id
-        self.reservations = Reservations(settings.reservation_ttl_s)
+        self.reservations = Reservations()
+        self.dispatcher = Dispatcher(client, self.keys)
         self.rule = AdmissionRule(settings.past_future)
         self._next_history_read = 0.0
         self.queue: deque[tuple[str, GenerateRequest]] = deque()
@@ -141,6 +146,7 @@ class Router:
 
     def _dispatch(self, loads) -> int:
         dispatched = 0
+        loads = dict(loads)  # a worker found dead while dispatching leaves this step's choice
         while self.queue:
             entry_id, request = self.queue[0]
             if self.client.exists(self.keys.cancel(request.id)):
@@ -154,20 +160,25 @@ class Router:
                 self.on_decision(request, worker_id, time.perf_counter() - started)
                 if worker_id is None:
                     break
-                self._send(entry_id, request, worker_id)
+                if not self._send(entry_id, request, worker_id, loads):
+                    continue  # another router got there first, or the worker died: decide again
                 dispatched += 1
             self.queue.popleft()
             self._queued_ids.discard(entry_id)
         return dispatched
 
-    def _send(self, entry_id: str, request: GenerateRequest, worker_id: str) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.inbox(worker_id), entry(request))
-        pipe.hset(self.keys.meta(request.id), mapping=RequestMeta.fields(worker=worker_id, dispatched_ms=now_ms()))
-        pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
-        inbox_id = pipe.execute()[0]
-        self.reservations.add(worker_id, inbox_id, request_state(request))
+    def _send(self, entry_id: str, request: GenerateRequest, worker_id: str, loads: dict) -> bool:
+        """Dispatch unless the worker's inbox changed under us; True if the request went."""
+        outcome = self.dispatcher.send(worker_id, self.reservations.tail(worker_id), entry_id, request)
+        if outcome.newer is not None:
+            self.reservations.learn(worker_id, outcome.newer)
+            return False
+        if outcome.inbox_id is None:
+            del loads[worker_id]
+            return False
+        self.reservations.add(worker_id, outcome.inbox_id, request_state(request))
         log.debug("request %s -> %s", request.id, worker_id)
+        return True
 
     def on_decision(self, request: GenerateRequest, worker_id: str | None, seconds: float) -> None:
         """Hook for metrics: one admission decision (worker None: the request waits)."""

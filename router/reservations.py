@@ -1,61 +1,75 @@
-"""Requests this router dispatched to a worker that its heartbeat does not show yet.
+"""Requests dispatched to a worker that its heartbeat does not show yet, from every router.
 
 Published loads arrive late; admitting on them alone lets a burst land on
-one worker (llm-d's thundering herd). Each dispatch is held against its
-worker, as the same ``ReqState`` summary the worker will publish for it,
-until a load record says the worker took in that inbox entry
-(``last_inbox_id``: from then on the record lists the request itself), or
-until ``ttl_s`` passes (a worker that never reports it is dead and its
-inbox gets re-dispatched anyway).
+one worker (llm-d's thundering herd). The worker's inbox stream is the
+ledger of dispatches: the entries after the ``last_inbox_id`` of its load
+record are exactly the requests the record does not show, whichever router
+sent them. This class is this router's copy of that tail, per live worker,
+as the same ``ReqState`` summary the worker will publish for each request.
 
-These reservations live in this router's memory: two routers sharing a
-worker each see only their own, and can over-admit it together between
-two of its heartbeats. The worker's own check is what keeps its pool safe.
+The copy is kept up to date without reading the inbox on every decision:
+``router.dispatch`` appends to an inbox only if the inbox holds nothing
+after the ``tail`` this copy knows of, and otherwise hands back the newer
+entries, which ``learn`` adds before the router decides again. So a
+decision is checked against every dispatch to that worker, by any router,
+at the instant it is written: two routers cannot over-admit a worker
+together.
+
+An entry leaves the copy when a load record's ``last_inbox_id`` passes it
+(from then on the record lists the request itself), and a worker's whole
+copy goes when the worker leaves the live set (the janitor re-dispatches
+its inbox). There is no timeout: an entry the worker never takes in is
+still in its inbox and still holds its room.
 """
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from shared.peak import ReqState
 from shared.schemas import WorkerLoad, stream_id
 
 
-@dataclass(frozen=True)
-class Reservation:
-    inbox_id: str
-    state: ReqState
-    made_at: float
-
-
 class Reservations:
-    def __init__(self, ttl_s: float):
-        self.ttl_s = ttl_s
-        self._by_worker: dict[str, list[Reservation]] = defaultdict(list)
+    def __init__(self) -> None:
+        self._by_worker: dict[str, dict[str, ReqState]] = {}  # inbox id -> state, in id order
+        self._tail: dict[str, str] = {}  # newest inbox id known of: everything up to it is accounted for
+
+    def tail(self, worker_id: str) -> str:
+        return self._tail.get(worker_id, "0-0")
 
     def add(self, worker_id: str, inbox_id: str, state: ReqState) -> None:
-        self._by_worker[worker_id].append(Reservation(inbox_id, state, time.monotonic()))
+        """An entry appended after ``tail(worker_id)`` (ours or another router's)."""
+        self._by_worker.setdefault(worker_id, {})[inbox_id] = state
+        self._tail[worker_id] = inbox_id
+
+    def learn(self, worker_id: str, entries: list[tuple[str, ReqState]]) -> None:
+        """Entries found after our tail, oldest first."""
+        for inbox_id, state in entries:
+            self.add(worker_id, inbox_id, state)
 
     def settle(self, loads: Mapping[str, WorkerLoad]) -> None:
-        """Drop reservations the workers' records now include, and stale ones."""
-        now = time.monotonic()
-        for worker_id in list(self._by_worker):
-            load = loads.get(worker_id)
-            seen = stream_id(load.last_inbox_id) if load else (0, 0)
-            kept = [r for r in self._by_worker[worker_id]
-                    if stream_id(r.inbox_id) > seen and now - r.made_at < self.ttl_s]
-            if kept and load is not None:
-                self._by_worker[worker_id] = kept
-            else:
-                del self._by_worker[worker_id]
+        """Drop entries the workers' records now include, and workers that left."""
+        for worker_id in list(self._tail):
+            if worker_id not in loads:
+                del self._tail[worker_id]
+                self._by_worker.pop(worker_id, None)
+        for worker_id, load in loads.items():
+            seen = stream_id(load.last_inbox_id)
+            if stream_id(self.tail(worker_id)) < seen:  # the record covers everything up to its id
+                self._tail[worker_id] = load.last_inbox_id
+            states = self._by_worker.get(worker_id)
+            if states:
+                kept = {i: s for i, s in states.items() if stream_id(i) > seen}
+                if kept:
+                    self._by_worker[worker_id] = kept
+                else:
+                    del self._by_worker[worker_id]
 
     def pending(self) -> dict[str, list[ReqState]]:
         """worker -> summaries of the requests dispatched there and not yet in its record."""
-        return {w: [r.state for r in rs] for w, rs in self._by_worker.items()}
+        return {w: list(states.values()) for w, states in self._by_worker.items()}
 
     def tokens(self) -> dict[str, int]:
         """worker -> conservative need (prompt + max_new_tokens) of those requests."""
-        return {w: sum(r.state.conservative_need for r in rs) for w, rs in self._by_worker.items()}
+        return {w: sum(s.conservative_need for s in states.values()) for w, states in self._by_worker.items()}

@@ -9,7 +9,7 @@ land in one slot, so a request's status and chunks can be written together.
 | P:{q}:dead                  | stream        | router -> operators       |
 | P:workers                   | sorted set    | worker -> router (score = last seen ms) |
 | P:{w:ID}:load               | string + TTL  | worker -> router, producer (WorkerLoad JSON) |
-| P:{w:ID}:inbox              | stream        | router -> worker          |
+| P:{w:ID}:inbox              | stream        | router -> worker; routers (entries after the load's last_inbox_id: dispatches it does not show yet) |
 | P:{r:ID}:meta               | hash + TTL    | producer, router, worker -> producer |
 | P:{r:ID}:chunks             | stream + TTL  | worker -> producer (durable chunk log) |
 | P:{r:ID}:tokens             | pub/sub       | worker -> anyone (live chunks) |

@@ -2,9 +2,9 @@
 
 The worker publishes one load record and never takes its inbox, so the only
 thing that can stop the routers is what they know of each other's
-dispatches. Each router reads part of the burst (``read_batch`` is smaller
-than the burst), so each has requests it would dispatch if it knew only of
-its own.
+dispatches. Each router reads part of the burst (``read_batch`` is half the
+burst, and a router holds at most that many), so each has requests it would
+dispatch if it knew only of its own.
 """
 
 import threading
@@ -13,6 +13,7 @@ import pytest
 
 from router.admission import request_state
 from router.loop import Router
+from router.registry import read_registry
 from shared.codec import from_entry
 from shared.config import AdmissionSettings, RouterSettings
 from shared.history import Estimator, OutputLengthHistory
@@ -20,7 +21,7 @@ from shared.keys import ROUTER_GROUP
 from shared.peak import projected_use, use_limit
 from shared.redis import ensure_group
 from shared.schemas import GenerateRequest
-from tests.router.helpers import finished_lengths, publish_load, submit
+from tests.router.helpers import finished_lengths, inbox_ids, publish_load, submit
 
 POOL = 1000
 BURST = 40
@@ -34,7 +35,7 @@ def drive(router: Router, start: threading.Barrier, errors: list) -> None:
     """
     try:
         start.wait()
-        while True:
+        while not router.stop_event.is_set():  # set by the test only if we hang
             dispatched = router.step()
             pending = router.client.xpending(router.keys.requests(), ROUTER_GROUP)["pending"]
             delivered = pending + router.client.xlen(router.keys.inbox("w1"))
@@ -50,7 +51,7 @@ def test_two_routers_never_over_admit_one_worker(redis_settings, rclient, keys, 
     finished_lengths(rclient, keys, [20] * 200)
     for i in range(BURST):
         submit(rclient, keys, f"q{i}", 50, 50, ignore_eos=ignore_eos)
-    settings = RouterSettings(redis=redis_settings, poll_ms=5, read_batch=15, stale_load_s=600,
+    settings = RouterSettings(redis=redis_settings, poll_ms=5, read_batch=20, stale_load_s=600,
                               past_future=AdmissionSettings(admission=policy))
     ensure_group(rclient, keys.requests(), ROUTER_GROUP)
     routers = [Router(settings, rclient.__class__.from_url(redis_settings.url, decode_responses=True), name)
@@ -61,6 +62,8 @@ def test_two_routers_never_over_admit_one_worker(redis_settings, rclient, keys, 
         t.start()
     for t in threads:
         t.join(timeout=120)
+    for r in routers:
+        r.stop_event.set()
     assert not any(t.is_alive() for t in threads) and not errors, errors
 
     dispatched = [request_state(from_entry(GenerateRequest, f)) for _, f in rclient.xrange(keys.inbox("w1"))]
@@ -70,3 +73,32 @@ def test_two_routers_never_over_admit_one_worker(redis_settings, rclient, keys, 
     allowed = 10 if policy == "conservative" else 9  # 100 tokens each; past-future: 950 after the margin
     assert len(dispatched) == allowed  # and the routers did fill the worker
     assert sum(len(r.queue) for r in routers) == BURST - allowed
+
+
+def test_a_router_learns_the_other_routers_dispatches_and_decides_again(redis_settings, rclient, keys):
+    publish_load(rclient, keys, "w1", max_total=300, requests=[])
+    publish_load(rclient, keys, "w2", max_total=300, requests=[])
+    settings = RouterSettings(redis=redis_settings, poll_ms=5, read_batch=2,
+                              past_future=AdmissionSettings(admission="conservative"))
+    ensure_group(rclient, keys.requests(), ROUTER_GROUP)
+    r1, r2 = (Router(settings, rclient, name) for name in ("r1", "r2"))
+    for i in range(4):
+        submit(rclient, keys, f"q{i}", 50, 50)  # 100 each: 3 fit a worker
+    r1.step()  # q0 -> w1, q1 -> w2
+    # r2 knows neither: q2 -> w1 is refused with q0 handed back, then q2 -> w2 with q1; with
+    # both learnt, q2 -> w1 (tie, first by id) goes, and q3 -> w2, the less used
+    r2.step()
+    assert inbox_ids(rclient, keys, "w1") == ["q0", "q2"] and inbox_ids(rclient, keys, "w2") == ["q1", "q3"]
+    assert r2.reservations.tokens() == {"w1": 200, "w2": 200}
+
+
+def test_no_dispatch_to_a_worker_whose_record_expired_after_the_registry_read(redis_settings, rclient, keys):
+    publish_load(rclient, keys, "w1", requests=[])
+    router = Router(RouterSettings(redis=redis_settings, poll_ms=5), rclient, "r1")
+    ensure_group(rclient, keys.requests(), ROUTER_GROUP)
+    submit(rclient, keys, "q0")
+    router._read()
+    loads = read_registry(rclient, keys).live
+    rclient.delete(keys.load("w1"))  # w1 dies: the janitor may be emptying its inbox right now
+    assert router._dispatch(loads) == 0
+    assert not rclient.exists(keys.inbox("w1")) and len(router.queue) == 1
