@@ -1,8 +1,8 @@
-"""The admission simulator (bench/simulate.py), which runs router.admission.check: invariants on short runs."""
+"""The admission simulator (bench/scheduler_sim.py), which runs router.admission.check: invariants on short runs."""
 
 import pytest
 
-from bench.simulate import Config, Simulator, simulate
+from bench.scheduler_sim import Config, Simulator, simulate
 from bench.workloads import requests, stream
 
 SHORT = Config(clients=40, warmup_s=0.0, duration_s=120.0)

@@ -1,7 +1,7 @@
 """Discrete-time simulator of admission policies (no GPU, no Redis).
 
-    .venv/bin/python -m bench.simulate --quick        # seconds: every workload and policy, short runs
-    .venv/bin/python -m bench.simulate                # the recorded run (bench/RESULTS.md)
+    .venv/bin/python -m bench.scheduler_sim --quick        # seconds: every workload and policy, short runs
+    .venv/bin/python -m bench.scheduler_sim                # the recorded run (bench/RESULTS.md)
 
 Model: ``--workers`` workers, each with a pool of ``--pool`` KV tokens,
 step in lock-step. A step prefills what was admitted (its first token) and
