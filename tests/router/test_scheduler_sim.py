@@ -2,8 +2,8 @@
 
 import pytest
 
-from bench.scheduler_sim import Config, Simulator, simulate
-from bench.workloads import requests, stream
+from bench.scheduler_sim import Config, Job, Simulator, simulate
+from bench.workloads import Request, requests, stream
 
 SHORT = Config(clients=40, warmup_s=0.0, duration_s=120.0)
 
@@ -41,3 +41,24 @@ def test_workloads_draw_the_published_shapes():
     o1 = requests("sharegpt-o1", 4000)
     assert 1900 < sum(r.output for r in o1) / len(o1) < 2400
     assert 330 < sum(r.prompt for r in o1) / len(o1) < 430
+
+
+def test_only_requests_never_started_are_dropped_and_a_failed_one_is_sent_again():
+    sim = Simulator(stream("dist1"), "aggressive", SHORT, max_new_tokens=4096)
+    sim.ends = [20.0]  # now = 20 s
+    waiting, paused = (Job(r, arrival=0.0, arrival_step=0) for r in requests("dist1", 2))
+    paused.first_token = paused.last_token = 1.0  # paused 19 s ago: it waits for its turn, as in the worker
+    sim.queue.extend([paused, waiting])
+    sim._drop_late()
+    assert [j.req for j in sim.queue] == [paused.req, waiting.req]  # waiting was dropped and sent again
+    assert sim.queue[0] is paused and sim.queue[1] is not waiting and sim.queue[1].arrival == 20.0
+
+
+def test_a_fresh_request_follows_a_failure_when_asked():
+    cfg = Config(clients=1, warmup_s=0.0, duration_s=1.0, retry_failed=False)
+    sim = Simulator(stream("dist1"), "aggressive", cfg, max_new_tokens=4096)
+    sim.ends = [20.0]
+    failed = Request(prompt=10, output=10, max_new_tokens=4096)  # not a draw of the stream
+    sim.queue.append(Job(failed, arrival=0.0, arrival_step=0))
+    sim._drop_late()
+    assert len(sim.queue) == 1 and sim.queue[0].req != failed
