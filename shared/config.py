@@ -109,7 +109,6 @@ class RouterSettings(BaseSettings):
     router_id: str = Field("", description="consumer name in the ingress group (default: host-pid)")
     read_batch: int = Field(64, gt=0, description="ingress entries read per XREADGROUP")
     poll_ms: int = Field(100, gt=0, description="idle wait between admission attempts")
-    reservation_ttl_s: float = Field(5.0, gt=0, description="how long a dispatch counts against a worker before its heartbeat shows it")
     past_future: AdmissionSettings = Field(default_factory=AdmissionSettings)
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it goes to the dead-letter stream")
     liveness_ttl_s: float = Field(3.0, gt=0, description="a router silent this long is dead: others claim its entries")
