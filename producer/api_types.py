@@ -115,13 +115,15 @@ class TokenDetail(BaseModel):
 
 
 class GenerateResult(BaseModel):
-    """``/generate``'s answer: LightLLM's n=1 shape (list text, scalar siblings)."""
+    """``/generate``'s answer in LightLLM's shape: ``generated_text`` is always a list (one
+    text per sample); the siblings are scalars for n=1 and lists (per sample) for n>1."""
 
     generated_text: list[str]
-    count_output_tokens: int
-    finish_reason: FinishReason | None
+    count_output_tokens: int | list[int]
+    finish_reason: FinishReason | None | list[FinishReason | None]
     prompt_tokens: int
-    tokens: list[TokenDetail] | None = Field(None, description="with return_details only")
+    tokens: list[TokenDetail] | list[list[TokenDetail]] | None = Field(
+        None, description="with return_details only (per sample for n>1)")
     error: str | None = Field(None, description="set only when the request did not end normally")
 
 

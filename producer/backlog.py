@@ -113,7 +113,8 @@ class Gate:
     async def enqueue(self, request: GenerateRequest, ttl_s: int, key_hash: str | None) -> None:
         """Write the request, or raise 429 ``queue_full`` when the backlog has no room for it."""
         await self.check_workers()
-        cost = request.num_prompt_tokens + estimated_output(request, await self.mean_output_length())
+        # A group's samples share the prompt: it is counted once, each sample's output once.
+        cost = request.num_prompt_tokens + request.n * estimated_output(request, await self.mean_output_length())
         result = await store.enqueue(self.redis, self.keys, request, ttl_s, cost=cost,
                                      max_queue_tokens=self.max_queue_tokens, key_hash=key_hash)
         if result.queued_tokens >= 0:

@@ -122,7 +122,7 @@ class Feeder:
             try:
                 prepared = await prepare_line(line, self.services)
                 request_id = await self._send(index, prepared, sent_id)
-                status, body = 200, prepared.render(request_id, await self._follow(request_id))
+                status, body = 200, prepared.render(request_id, await self._follow(request_id, prepared.request.n))
             except ApiError as exc:  # what the route would have answered
                 status, body = exc.status, error_body(exc)
             await self._record(index, output_line(line.custom_id, request_id, status, body), ok=status == 200)
@@ -137,9 +137,10 @@ class Feeder:
         await enqueue(prepared.request, ROUTE, self.services, self.key_hash)
         return prepared.request.id
 
-    async def _follow(self, request_id: str) -> list[TokenChunk]:
-        """Every chunk to the end; a cancelled batch cancels the request and still reads it to its end."""
-        follower = ChunkFollower(self.redis, self.keys, request_id, self.services.settings.stream_block_ms)
+    async def _follow(self, request_id: str, n: int) -> list[TokenChunk]:
+        """Every chunk (of all ``n`` samples) to the end; a cancelled batch cancels the request and
+        still reads it to its end."""
+        follower = ChunkFollower(self.redis, self.keys, request_id, self.services.settings.stream_block_ms, n=n)
         chunks = [chunk async for _, chunk in follower.follow(self.cancel_requested)]
         if not follower.finished:
             await store.request_cancel(self.redis, self.keys, request_id, self.services.settings.redis.request_ttl_s)

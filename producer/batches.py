@@ -27,7 +27,7 @@ from producer.deps import Services
 from producer.errors import ApiError, bad_request, from_validation
 from producer.openai_render import Call, response
 from producer.openai_types import ChatCompletionRequest, CompletionRequest
-from producer.routes_native import generate_result
+from producer.routes_native import failed, generate_result
 from producer.routes_openai import prepare_chat, prepare_completion
 from producer.submit import prepare
 from shared.schemas import GenerateRequest, TokenChunk
@@ -107,7 +107,7 @@ async def prepare_line(line: BatchLine, services: Services) -> Prepared:
     if line.url == "/generate":
         body = _parse_body(GenerateBody, raw)
         request = await prepare(body, services.tokenizer, services.settings)
-        render = functools.partial(_render_native, request.num_prompt_tokens, body.params.return_details)
+        render = functools.partial(_render_native, request.num_prompt_tokens, body.params.return_details, request.n)
         return Prepared(request, render)
     if line.url == "/v1/completions":
         completion = _parse_body(CompletionRequest, raw)
@@ -132,9 +132,9 @@ def _no_stream(stream: bool) -> None:
         raise bad_request("stream: a batch collects whole answers; leave stream unset", param="stream")
 
 
-def _render_native(prompt_tokens: int, details: bool, request_id: str, chunks: list[TokenChunk]) -> dict:
-    result = generate_result(chunks, prompt_tokens, details)
-    if result.finish_reason == "error":  # what /generate answers then
+def _render_native(prompt_tokens: int, details: bool, n: int, request_id: str, chunks: list[TokenChunk]) -> dict:
+    result = generate_result(chunks, prompt_tokens, details, n)
+    if failed(result):  # what /generate answers then
         raise ApiError(500, result.error or "generation failed", code="generation_failed", kind="server_error")
     return json.loads(dump_without_empty_error(result))
 

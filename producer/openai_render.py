@@ -1,7 +1,10 @@
 """Token chunks as OpenAI answers: whole responses, and SSE chunks ending in ``[DONE]``.
 
 Chunk text is already incremental and stop strings are already cut by the
-worker, so a choice's text is the concatenation of its chunks' texts.
+worker, so a choice's text is the concatenation of its chunks' texts. A
+request with ``n`` samples answers ``choices[i]`` from the chunks of
+``choice`` i (streamed chunks carry that ``index``); usage counts the prompt
+once and every choice's tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Call:
     logprobs: bool
     include_usage: bool = False
     echo: str = ""  # completions: the prompt text, when echo is set
+    n: int = 1  # choices
 
 
 def _logprob(value: float | None) -> float:
@@ -54,20 +58,28 @@ def _raise_if_failed(last: TokenChunk) -> None:
 
 
 def response(call: Call, chunks: list[TokenChunk], tokenizer: Any) -> CompletionResponse | ChatCompletionResponse:
-    """The non-streaming answer (one choice) from all of a request's chunks."""
-    _raise_if_failed(chunks[-1])
+    """The non-streaming answer (``call.n`` choices) from all of a request's chunks."""
+    by_choice = [[c for c in chunks if c.choice == i] for i in range(call.n)]
+    for own in by_choice:
+        _raise_if_failed(own[-1])
+    choices = [_choice(call, i, own, tokenizer) for i, own in enumerate(by_choice)]
+    usage = _usage(call, sum(c.token_id is not None for c in chunks))
+    if call.kind == "chat":
+        return ChatCompletionResponse(id=call.id, created=call.created, model=call.model, choices=choices,
+                                      usage=usage)
+    return CompletionResponse(id=call.id, created=call.created, model=call.model, choices=choices, usage=usage)
+
+
+def _choice(call: Call, index: int, chunks: list[TokenChunk], tokenizer: Any) -> ChatChoice | CompletionChoice:
+    """One choice from its own chunks (the last one ends it)."""
     tokens = [chunk for chunk in chunks if chunk.token_id is not None]
     text = "".join(chunk.text for chunk in tokens)
     reason = FINISH_REASONS.get(chunks[-1].finish_reason or "", chunks[-1].finish_reason)
-    usage = _usage(call, len(tokens))
     if call.kind == "chat":
         logprobs = ChatLogprobs(content=[_chat_logprob(tokenizer, c) for c in tokens]) if call.logprobs else None
-        choice = ChatChoice(message=ChatMessageOut(content=text), logprobs=logprobs, finish_reason=reason)
-        return ChatCompletionResponse(id=call.id, created=call.created, model=call.model, choices=[choice],
-                                      usage=usage)
+        return ChatChoice(index=index, message=ChatMessageOut(content=text), logprobs=logprobs, finish_reason=reason)
     logprobs = _completion_logprobs(tokenizer, tokens, len(call.echo)) if call.logprobs else None
-    choice = CompletionChoice(text=call.echo + text, logprobs=logprobs, finish_reason=reason)
-    return CompletionResponse(id=call.id, created=call.created, model=call.model, choices=[choice], usage=usage)
+    return CompletionChoice(index=index, text=call.echo + text, logprobs=logprobs, finish_reason=reason)
 
 
 def _chat_logprob(tokenizer: Any, chunk: TokenChunk) -> ChatTokenLogprob:
@@ -97,14 +109,14 @@ class StreamRenderer:
     def __init__(self, call: Call, tokenizer: Any) -> None:
         self.call, self.tokenizer = call, tokenizer
         self.completion_tokens = 0
-        self.offset = 0  # characters streamed so far (completions' text_offset)
+        self.offsets = [0] * call.n  # per choice: characters streamed so far (completions' text_offset)
         self.failed = False
 
-    def _event(self, choice: dict[str, Any] | None) -> str:
+    def _event(self, choice: dict[str, Any] | None, index: int = 0) -> str:
         call = self.call
         body: dict[str, Any] = {"id": call.id, "object": "chat.completion.chunk" if call.kind == "chat"
                                 else "text_completion", "created": call.created, "model": call.model,
-                                "choices": [] if choice is None else [{"index": 0, **choice}]}
+                                "choices": [] if choice is None else [{"index": index, **choice}]}
         if call.include_usage:
             body["usage"] = None
         return sse_data(body)
@@ -116,16 +128,19 @@ class StreamRenderer:
         return {"text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def start(self) -> list[str]:
-        if self.call.kind == "chat":  # OpenAI's first chunk names the role
+        """Each choice's opening: its role (chat) or the echoed prompt (completions)."""
+        if self.call.kind == "chat":  # OpenAI's first chunk of a choice names the role
             return [self._event({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None})]
+                                 "finish_reason": None}, i) for i in range(self.call.n)]
         if self.call.echo:
-            self.offset = len(self.call.echo)
-            return [self._event(self._text_choice(self.call.echo))]
+            self.offsets = [len(self.call.echo)] * self.call.n
+            return [self._event(self._text_choice(self.call.echo), i) for i in range(self.call.n)]
         return []
 
     def chunk(self, chunk: TokenChunk) -> list[str]:
         if chunk.finish_reason == "error":
+            if self.failed:  # a group's samples all end with it: one error event
+                return []
             self.failed = True
             error = {"message": chunk.error or "generation failed", "type": "server_error", "param": None,
                      "code": "generation_failed"}
@@ -136,15 +151,15 @@ class StreamRenderer:
             self.completion_tokens += 1
             if self.call.logprobs:
                 logprobs = self._logprobs(chunk)
-        self.offset += len(chunk.text)
+        self.offsets[chunk.choice] += len(chunk.text)
         if not chunk.text and logprobs is None and reason is None:
             return []  # nothing to tell (text held back, or half a character)
-        return [self._event(self._text_choice(chunk.text, logprobs, reason))]
+        return [self._event(self._text_choice(chunk.text, logprobs, reason), chunk.choice)]
 
     def _logprobs(self, chunk: TokenChunk) -> dict[str, Any]:
         if self.call.kind == "chat":
             return {"content": [_chat_logprob(self.tokenizer, chunk).model_dump()]}
-        return _completion_logprobs(self.tokenizer, [chunk], self.offset).model_dump()
+        return _completion_logprobs(self.tokenizer, [chunk], self.offsets[chunk.choice]).model_dump()
 
     def end(self) -> list[str]:
         events = []

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from producer.api_types import INT32_MAX, INT64_MAX, MAX_TIMEOUT_S, TIMEOUT_DOC
 from producer.errors import bad_request
-from producer.params import check_min_tokens, stop_strings
+from producer.params import MAX_BEST_OF, check_min_tokens, stop_strings
 from shared.schemas import SamplingParams
 
 GREEDY_BELOW = 1e-5  # temperature 0 (or this close) means greedy, as in LightLLM
@@ -55,7 +55,8 @@ class _SamplingFields(_Request):
     timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description=TIMEOUT_DOC)  # lightq's own
 
     def check_common(self) -> None:
-        _single("n", self.n)
+        if self.num_choices > MAX_BEST_OF:
+            raise bad_request(f"n must be in [1, {MAX_BEST_OF}], got {self.n}", param="n")
         if self.logit_bias:
             raise _unsupported("logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -77,6 +78,10 @@ class _SamplingFields(_Request):
         )
 
     @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -85,9 +90,6 @@ def _unsupported(param: str, detail: str = "") -> Exception:
     return bad_request(f"{param}{detail} is not supported yet", param=param, code="unsupported_parameter")
 
 
-def _single(param: str, value: int | None) -> None:
-    if value is not None and value > 1:
-        raise _unsupported(param, f" = {value} (more than one choice per request)")
 
 
 class CompletionRequest(_SamplingFields):
@@ -99,7 +101,10 @@ class CompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_common()
-        _single("best_of", self.best_of)
+        if self.best_of is not None and self.best_of != self.num_choices:
+            # OpenAI's best_of > n ranks candidates by log-probability; lightq returns every sample.
+            raise _unsupported("best_of", f" = {self.best_of} with n = {self.num_choices} (only best_of == n: "
+                                          f"ranking samples is not implemented)")
         if self.suffix:
             raise _unsupported("suffix")
         if self.logprobs:

@@ -65,22 +65,20 @@ def check_min_tokens(min_new: int, max_new: int, param: str, max_name: str) -> N
                           code="invalid_min_tokens")
 
 
-def check_group(n: int | None, best_of: int | None, param: str) -> None:
-    """LightLLM's rule (n == best_of <= 8); groups themselves are not implemented yet."""
+def check_group(n: int | None, best_of: int | None, param: str) -> int:
+    """LightLLM's rule (n == best_of <= 8); the group's size (samples of the prompt)."""
     best_of = 1 if best_of is None else best_of
     n = best_of if n is None else n
     if not 1 <= best_of <= MAX_BEST_OF:
         raise bad_request(f"{param}best_of must be in [1, {MAX_BEST_OF}], got {best_of}", param=f"{param}best_of")
     if n != best_of:
         raise bad_request(f"{param}n ({n}) must equal {param}best_of ({best_of})", param=f"{param}n")
-    if n > 1:
-        raise bad_request(f"{param}n = {n}: more than one sample per request is not supported yet",
-                          param=f"{param}n", code="unsupported_parameter")
+    return n
 
 
 def native_sampling(p: GenerateParameters, default_max_new_tokens: int, tokenizer: Any) -> SamplingParams:
-    """LightLLM's ``parameters`` object as wire parameters, after its cross-field checks."""
-    check_group(p.n, p.best_of, "parameters.")
+    """LightLLM's ``parameters`` object as wire parameters, after its cross-field checks
+    (the group size is ``check_group``'s)."""
     max_new = p.max_new_tokens or default_max_new_tokens
     min_new = p.min_new_tokens or 0
     check_min_tokens(min_new, max_new, "parameters.min_new_tokens", "max_new_tokens")

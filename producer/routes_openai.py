@@ -80,10 +80,10 @@ async def prepare_completion(body: CompletionRequest, services: Services) -> tup
     ids = await prompt_ids(inputs, services.tokenizer, param="prompt")
     max_new = body.max_tokens or services.settings.default_max_new_tokens
     check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
-    queued = new_request(ids, body.sampling(max_new, services.tokenizer), body.timeout)
+    queued = new_request(ids, body.sampling(max_new, services.tokenizer), body.timeout, body.num_choices)
     call = Call("completion", f"cmpl-{queued.id}", int(time.time()), body.model, len(ids),
                 logprobs=body.logprobs is not None, include_usage=body.include_usage,
-                echo=prompt_text(inputs, services.tokenizer) if body.echo else "")
+                echo=prompt_text(inputs, services.tokenizer) if body.echo else "", n=queued.n)
     return queued, call
 
 
@@ -104,15 +104,15 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     # Without a limit the answer may fill the context (LightLLM and vLLM do the same).
     max_new = body.requested_max_tokens or max(limit - len(ids), 1)
     check_context(len(ids), max_new, limit, "messages")
-    queued = new_request(ids, body.sampling(max_new, services.tokenizer), body.timeout)
+    queued = new_request(ids, body.sampling(max_new, services.tokenizer), body.timeout, body.num_choices)
     call = Call("chat", f"chatcmpl-{queued.id}", int(time.time()), body.model, len(ids),
-                logprobs=body.logprobs, include_usage=body.include_usage)
+                logprobs=body.logprobs, include_usage=body.include_usage, n=queued.n)
     return queued, call
 
 
 async def _answer(request: Request, services: Services, queued: GenerateRequest, call: Call,
                   stream: bool) -> Response:
-    reader = follower(services, queued.id)
+    reader = follower(services, queued.id, queued.n)
     on_abandon = functools.partial(abandon, services, queued.id)
     if stream:
         renderer = StreamRenderer(call, services.tokenizer)

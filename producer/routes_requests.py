@@ -18,6 +18,7 @@ from producer.api_types import BODY_DOC, RequestView, SubmitAccepted
 from producer.auth import Caller, CallerDep
 from producer.deps import GenerateBodyDep, RequestIdDep, Services, ServicesDep
 from producer.errors import bad_request, not_found
+from producer.params import check_group
 from producer.streaming import EventStream, follower, replay_event, sse
 from producer.submit import submit
 from shared.schemas import RequestMeta
@@ -31,6 +32,9 @@ UINT64_MAX = 2**64 - 1
 
 @router.post("", status_code=202, openapi_extra=BODY_DOC)
 async def submit_request(body: GenerateBodyDep, services: ServicesDep, caller: CallerDep) -> SubmitAccepted:
+    if check_group(body.params.n, body.params.best_of, "parameters.") > 1:
+        raise bad_request("parameters.best_of must be 1 here (a request's record holds one output): "
+                          "use /generate or the OpenAI routes for n > 1", param="parameters.best_of")
     queued = await submit(body, "requests", services, caller.key_hash)
     base = f"/v1/requests/{queued.id}"
     return SubmitAccepted(id=queued.id, status_url=base, stream_url=f"{base}/stream")
@@ -46,9 +50,9 @@ async def _meta_or_404(services: Services, request_id: str, caller: Caller) -> R
 async def request_view(services: Services, request_id: str, meta: RequestMeta) -> RequestView:
     """The status hash plus the (de-duplicated) output so far."""
     reader = follower(services, request_id)
-    delivered = [reader.accept(chunk) for _, chunk in
-                 await store.read_range(services.redis, services.keys, request_id)]
-    tokens = [chunk for chunk in delivered if chunk is not None and chunk.token_id is not None]
+    delivered = [accepted for _, chunk in await store.read_range(services.redis, services.keys, request_id)
+                 for accepted in reader.accept(chunk)]
+    tokens = [chunk for chunk in delivered if chunk.token_id is not None]
     return RequestView(
         id=request_id,
         status=meta.status,

@@ -1,8 +1,9 @@
 """Follow a request's durable chunk stream and turn it into SSE.
 
 The reader blocks on XREAD from the last entry it saw, drops chunks whose
-index it already delivered (a re-dispatched request may repeat indexes) and
-stops after the finished chunk. Entry ids double as SSE ids, so a client
+(choice, index) it already delivered (a re-dispatched request may repeat
+indexes) and stops after the finished chunk of every choice (a group's n
+samples share the stream; a chunk without a token ends them all). Entry ids double as SSE ids, so a client
 resumes with ``Last-Event-ID``. When the stream stays quiet it looks at the
 status hash, so a request that ended (or expired) without a terminal chunk
 cannot leave a client waiting forever. Reads ride out a Redis outage of up
@@ -39,14 +40,16 @@ FINISH_BY_STATUS: dict[RequestStatus, FinishReason] = {
 
 
 class ChunkFollower:
-    """One reader of one request's chunk stream; ``finished`` once it saw the end."""
+    """One reader of one request's chunk stream; ``finished`` once it saw the end of all ``n`` choices."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, request_id: str, block_ms: int,
-                 outage_s: float = 0.0) -> None:
+                 outage_s: float = 0.0, n: int = 1) -> None:
         self.redis, self.keys, self.request_id, self.block_ms = redis, keys, request_id, block_ms
         self.outage_s = outage_s
+        self.n = n
         self.last_id = "0-0"
-        self.next_index = 0
+        self.next_index = [0] * n  # per choice: the next index to deliver
+        self.done: set[int] = set()  # choices that ended
         self.finished = False
 
     async def resume_after(self, entry_id: str) -> None:
@@ -55,16 +58,29 @@ class ChunkFollower:
             self.accept(chunk)
         self.last_id = entry_id
 
-    def accept(self, chunk: TokenChunk) -> TokenChunk | None:
-        """The chunk to deliver, or None for a repeat of a delivered index."""
-        if chunk.index < self.next_index:
+    def accept(self, chunk: TokenChunk) -> list[TokenChunk]:
+        """The chunks to deliver: none for a repeat of a delivered (choice, index); one per
+        unfinished choice for a chunk without a token that ends the request."""
+        if chunk.finished and chunk.token_id is None:
+            ending = [chunk.model_copy(update={"choice": c, "index": self.next_index[c]})
+                      for c in range(self.n) if c not in self.done]
+            self.done.update(range(self.n))
+            self.finished = True
+            return ending
+        choice = chunk.choice
+        if not 0 <= choice < self.n or choice in self.done:
+            return []
+        if chunk.index < self.next_index[choice]:
             if not chunk.finished:
-                return None
-            # A repeated index that ends the request still ends it, without its token.
-            chunk = chunk.model_copy(update={"index": self.next_index, "token_id": None, "text": "", "logprob": None})
-        self.next_index = chunk.index + (chunk.token_id is not None)
-        self.finished = chunk.finished
-        return chunk
+                return []
+            # A repeated index that ends the sample still ends it, without its token.
+            chunk = chunk.model_copy(update={"index": self.next_index[choice], "token_id": None, "text": "",
+                                             "logprob": None})
+        self.next_index[choice] = chunk.index + (chunk.token_id is not None)
+        if chunk.finished:
+            self.done.add(choice)
+            self.finished = len(self.done) == self.n
+        return [chunk]
 
     async def follow(self, disconnected: Check | None = None) -> AsyncIterator[tuple[str | None, TokenChunk]]:
         """(entry id, chunk) until the finished chunk, or until ``disconnected()``."""
@@ -73,14 +89,12 @@ class ChunkFollower:
                 return
             entries = await with_reconnect(self._read_next, self.outage_s)
             if not entries:
-                ending = await with_reconnect(self._ending_without_chunk, self.outage_s)
-                if ending is not None:
-                    yield None, ending
+                for chunk in await with_reconnect(self._ending_without_chunk, self.outage_s):
+                    yield None, chunk
                 continue
             for entry_id, raw in entries:
                 self.last_id = entry_id
-                chunk = self.accept(raw)
-                if chunk is not None:
+                for chunk in self.accept(raw):
                     yield entry_id, chunk
                 if self.finished:
                     return
@@ -88,30 +102,31 @@ class ChunkFollower:
     async def _read_next(self) -> list[store.StreamEntry]:
         return await store.read_after(self.redis, self.keys, self.request_id, self.last_id, self.block_ms)
 
-    async def _ending_without_chunk(self) -> TokenChunk | None:
-        """A terminal chunk made from the status hash when the stream has none."""
+    async def _ending_without_chunk(self) -> list[TokenChunk]:
+        """Terminal chunks made from the status hash when the stream has none."""
         meta = await store.read_meta(self.redis, self.keys, self.request_id)
         if meta is not None and not meta.status.is_terminal:
-            return None
+            return []
         late = await store.read_after(self.redis, self.keys, self.request_id, self.last_id, block_ms=None)
         if late:  # the terminal chunk arrived just after the status: read it normally
-            return None
-        return self.accept(ending_from_meta(self.request_id, self.next_index, meta))
+            return []
+        choice = min(set(range(self.n)) - self.done)
+        return self.accept(ending_from_meta(self.request_id, self.next_index[choice], meta, choice))
 
 
-def follower(services: Services, request_id: str) -> ChunkFollower:
-    """A follower with the app's settings (block time, outage grace)."""
+def follower(services: Services, request_id: str, n: int = 1) -> ChunkFollower:
+    """A follower with the app's settings (block time, outage grace); ``n``: the request's samples."""
     settings = services.settings
     return ChunkFollower(services.redis, services.keys, request_id, settings.stream_block_ms,
-                         settings.redis_outage_s)
+                         settings.redis_outage_s, n)
 
 
-def ending_from_meta(request_id: str, index: int, meta: RequestMeta | None) -> TokenChunk:
+def ending_from_meta(request_id: str, index: int, meta: RequestMeta | None, choice: int = 0) -> TokenChunk:
     if meta is None:
         reason, error = "error", "request record expired or was removed"
     else:
         reason, error = meta.finish_reason or FINISH_BY_STATUS[meta.status], meta.error
-    return TokenChunk(request_id=request_id, index=index, token_id=None, finished=True,
+    return TokenChunk(request_id=request_id, index=index, choice=choice, token_id=None, finished=True,
                       finish_reason=reason, error=error)
 
 

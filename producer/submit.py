@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import secrets
 import time
 import uuid
 from typing import Any
@@ -13,7 +14,7 @@ from producer.api_types import GenerateBody
 from producer.backlog import Gate
 from producer.deps import Services
 from producer.errors import bad_request
-from producer.params import native_sampling
+from producer.params import check_group, native_sampling
 from shared.config import ProducerSettings
 from shared.schemas import GenerateRequest, SamplingParams
 
@@ -49,22 +50,28 @@ def check_length(num_prompt_tokens: int, max_new_tokens: int, max_req_total_len:
         )
 
 
-def new_request(ids: list[int], params: SamplingParams, timeout_s: float | None = None) -> GenerateRequest:
+def new_request(ids: list[int], params: SamplingParams, timeout_s: float | None = None,
+                n: int = 1) -> GenerateRequest:
     """A new request; its id (uuid4: 122 random bits) is unguessable, which status URLs rely on.
 
     ``timeout_s`` becomes an absolute ``deadline_ms`` the router checks while the request waits.
+    ``n`` > 1: a group of samples. A sampled group without a seed gets one, so a group sent
+    back to the queue (which restarts from its prompt) regenerates what its client already has.
     """
     created = now_ms()
     deadline = None if timeout_s is None else created + math.ceil(timeout_s * 1000)
+    if n > 1 and params.seed is None and not params.is_greedy:
+        params = params.model_copy(update={"seed": secrets.randbits(63)})
     return GenerateRequest(id=uuid.uuid4().hex, prompt_ids=ids, params=params, created_ms=created,
-                           deadline_ms=deadline)
+                           deadline_ms=deadline, n=n)
 
 
 async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings) -> GenerateRequest:
+    n = check_group(body.params.n, body.params.best_of, "parameters.")
     params = native_sampling(body.params, settings.default_max_new_tokens, tokenizer)
     ids = await prompt_ids(body.inputs, tokenizer)
     check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)
-    return new_request(ids, params, body.params.timeout)
+    return new_request(ids, params, body.params.timeout, n)
 
 
 async def enqueue(request: GenerateRequest, route: str, services: Services,

@@ -93,22 +93,25 @@ class FakeWorker:
         return entry_id
 
     async def token(self, request_id: str, index: int, text: str, *, token_id: int | None = None,
-                    finish_reason: FinishReason | None = None) -> str:
+                    finish_reason: FinishReason | None = None, choice: int = 0) -> str:
         return await self.append(TokenChunk(
-            request_id=request_id, index=index, token_id=100 + index if token_id is None else token_id,
+            request_id=request_id, index=index, choice=choice, token_id=100 + index if token_id is None else token_id,
             text=text, logprob=-0.25, finished=finish_reason is not None, finish_reason=finish_reason))
 
     async def generate(self, request: GenerateRequest, texts: list[str], finish_reason: FinishReason = "length",
                        delay_s: float = 0.0) -> list[str]:
-        """One chunk per text, the last one finished; then the final status."""
+        """One chunk per text, the last one finished; then the final status. A group's
+        choice c > 0 gets each text with c appended; choices interleave, highest first."""
         entry_ids = []
         for index, text in enumerate(texts):
             if delay_s:
                 await asyncio.sleep(delay_s)
             last = index == len(texts) - 1
-            entry_ids.append(await self.token(request.id, index, text, finish_reason=finish_reason if last else None))
+            for choice in reversed(range(request.n)):
+                entry_ids.append(await self.token(request.id, index, f"{text}{choice}" if choice else text,
+                                                  finish_reason=finish_reason if last else None, choice=choice))
         await self.set_meta(request.id, status=RequestStatus.FINISHED, finish_reason=finish_reason,
-                            output_tokens=len(texts), finished_ms=now_ms())
+                            output_tokens=len(texts) * request.n, finished_ms=now_ms())
         return entry_ids
 
     async def end(self, request_id: str, index: int, status: RequestStatus, reason: FinishReason,

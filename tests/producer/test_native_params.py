@@ -60,7 +60,6 @@ BAD = {  # parameters -> the name the 400 must carry
     "stop_type": ({"stop_sequences": 7}, "parameters.stop_sequences"),
     "best_of_range": ({"best_of": 9, "n": 9}, "parameters.best_of"),
     "n_not_best_of": ({"best_of": 2, "n": 1}, "parameters.n"),
-    "n_groups": ({"n": 2, "best_of": 2}, "parameters.n"),
     "n_alone": ({"n": 3}, "parameters.n"),
     "seed_float": ({"seed": 1.5}, "parameters.seed"),
     "return_details_type": ({"return_details": "yes"}, "parameters.return_details"),
@@ -78,9 +77,11 @@ async def test_invalid_parameter_is_400_naming_it(client, rclient, redis_setting
     assert keys_with_prefix(rclient, redis_settings.key_prefix) == []
 
 
-async def test_groups_are_not_supported_yet(client):
-    error = (await client.post("/generate", json={"inputs": "hi", "parameters": {"n": 2, "best_of": 2}})).json()
-    assert "not supported yet" in error["error"]["message"]
+@pytest.mark.parametrize("route", ["/generate_stream", "/v1/requests"])
+async def test_groups_only_on_generate(client, rclient, redis_settings, route):
+    response = await client.post(route, json={"inputs": "hi", "parameters": {"n": 2, "best_of": 2}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "parameters.best_of"
+    assert keys_with_prefix(rclient, redis_settings.key_prefix) == []
 
 
 async def test_return_details_lists_every_token(client, worker):

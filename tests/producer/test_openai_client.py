@@ -124,8 +124,8 @@ async def test_errors_are_openai_errors(oai, worker):
         await oai.completions.create(model="gpt-4", prompt="hi")
     assert info.value.code == "model_not_found" and "gpt-4" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
-        await oai.chat.completions.create(model=MODEL, messages=MESSAGES, n=3)
-    assert info.value.param == "n" and "not supported yet" in info.value.message
+        await oai.chat.completions.create(model=MODEL, messages=MESSAGES, n=9)
+    assert info.value.param == "n" and "[1, 8]" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         await oai.completions.create(model=MODEL, prompt="lorem ipsum " * 1200, max_tokens=50)
     assert info.value.code == "context_length_exceeded"

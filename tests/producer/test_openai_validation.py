@@ -19,7 +19,7 @@ COMMON = {  # bad field -> the name the message and ``param`` must carry
     "temperature_negative": ({"temperature": -0.1}, "temperature"),
     "top_p_zero": ({"top_p": 0}, "top_p"),
     "top_p_above_one": ({"top_p": 1.01}, "top_p"),
-    "n": ({"n": 2}, "n"),
+    "n": ({"n": 9}, "n"),
     "n_zero": ({"n": 0}, "n"),
     "max_tokens": ({"max_tokens": 0}, "max_tokens"),
     "presence_penalty": ({"presence_penalty": 2.5}, "presence_penalty"),
