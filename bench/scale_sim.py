@@ -12,8 +12,8 @@ its length ends as a worker's would (terminal chunk, status, TTLs, ack,
 output-length history). A load generator keeps the ingress stream ahead of
 the pool (closed loop: outstanding requests = 3 x the pool's batch slots).
 The router runs as in production, in a thread of this process; each of its
-admission decisions (``choose_worker``) is timed by wrapping that function
-for the run. Prints per N: decisions p50/p99, dispatches/s, generated
+admission decisions is timed through its ``on_decision`` hook. Prints per N:
+decisions p50/p99, dispatches/s, generated
 tokens/s, and that throughput over N x the one-worker figure.
 """
 
@@ -24,12 +24,10 @@ import multiprocessing as mp
 import threading
 import time
 import uuid
-from unittest import mock
 
 import numpy as np
 import redis
 
-import router.loop
 from router.loop import Router
 from shared.codec import encode, entry, from_entry
 from shared.config import AdmissionSettings, RedisSettings, RouterSettings
@@ -142,31 +140,27 @@ def run_one(args, num_workers: int) -> dict:
     the_router = Router(settings, redis.Redis.from_url(args.redis_url, decode_responses=True), "bench-router")
     decisions: list[float] = []
     dispatched = [0]
-    original = router.loop.choose_worker
 
-    def timed(*a, **kw):
-        start = time.perf_counter()
-        chosen = original(*a, **kw)
-        decisions.append(time.perf_counter() - start)
+    def timed(request, chosen, seconds):  # the router's hook: every admission decision, timed
+        decisions.append(seconds)
         dispatched[0] += chosen is not None
-        return chosen
 
+    the_router.on_decision = timed
     feeder_stop, sent = threading.Event(), [0]
-    with mock.patch.object(router.loop, "choose_worker", timed):
-        threads = [threading.Thread(target=the_router.run, daemon=True),
-                   threading.Thread(target=feed, args=(client, keys, args, 3 * args.batch * num_workers, sent, done,
-                                                       feeder_stop), daemon=True)]
-        for t in threads:
-            t.start()
-        time.sleep(args.warmup_s)
-        tokens0, decisions0, sent0, t0 = done.value, len(decisions), dispatched[0], time.perf_counter()
-        time.sleep(args.duration_s)
-        tokens1, window, elapsed = done.value, decisions[decisions0:], time.perf_counter() - t0
-        num_dispatched = dispatched[0] - sent0
-        the_router.stop_event.set()
-        feeder_stop.set()
-        for t in threads:
-            t.join(timeout=10)
+    threads = [threading.Thread(target=the_router.run, daemon=True),
+               threading.Thread(target=feed, args=(client, keys, args, 3 * args.batch * num_workers, sent, done,
+                                                   feeder_stop), daemon=True)]
+    for t in threads:
+        t.start()
+    time.sleep(args.warmup_s)
+    tokens0, decisions0, sent0, t0 = done.value, len(decisions), dispatched[0], time.perf_counter()
+    time.sleep(args.duration_s)
+    tokens1, window, elapsed = done.value, decisions[decisions0:], time.perf_counter() - t0
+    num_dispatched = dispatched[0] - sent0
+    the_router.stop_event.set()
+    feeder_stop.set()
+    for t in threads:
+        t.join(timeout=10)
     stop.set()
     sim.join(timeout=10)
     for key in client.scan_iter(match=f"{prefix}:*", count=1000):

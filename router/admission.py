@@ -26,10 +26,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from shared.history import Estimator
-from shared.peak import Policy, ReqState, check
+from router.worker_view import Candidate, WorkerView
+from shared.peak import Policy, ReqState, check, group_states
 from shared.schemas import GenerateRequest, WorkerLoad
 
-__all__ = ["check", "check_worker", "choose_worker", "request_state"]
+__all__ = ["check", "check_worker", "choose_view", "choose_worker", "request_state", "request_states"]
 
 
 def request_state(request: GenerateRequest) -> ReqState:
@@ -39,14 +40,23 @@ def request_state(request: GenerateRequest) -> ReqState:
                     int(request.params.ignore_eos))
 
 
+def request_states(request: GenerateRequest) -> tuple[ReqState, ...]:
+    """What a request adds to a worker: its state, or a group's n samples (the prompt counted once)."""
+    if request.n > 1:
+        return tuple(group_states(request.num_prompt_tokens, [0] * request.n, request.params.max_new_tokens,
+                                  int(request.params.ignore_eos)))
+    return (request_state(request),)
+
+
 def check_worker(load: WorkerLoad, reserved: Sequence[ReqState], request: GenerateRequest,
                  policy: Policy, estimator: Estimator, margin: float) -> float | None:
     """``check`` against one worker's published record plus the dispatches it does not show yet."""
     if load.draining:
         return None
-    candidate = request_state(request)
+    candidate = request_states(request)
     if load.requests is None:  # no summaries published: only the conservative sum is known
-        use = load.committed_tokens + sum(s.conservative_need for s in reserved) + candidate.conservative_need
+        use = (load.committed_tokens + sum(s.conservative_need for s in reserved)
+               + sum(s.conservative_need for s in candidate))
         return use / load.max_total_tokens if use <= load.max_total_tokens else None
     states = [ReqState(*r) for r in load.requests] + list(reserved)
     return check(states, candidate, load.max_total_tokens, load.running_max_req_size, policy, estimator, margin)
@@ -60,6 +70,17 @@ def choose_worker(loads: Mapping[str, WorkerLoad], reserved: Mapping[str, Sequen
     best_ratio = float("inf")
     for worker_id, load in sorted(loads.items()):
         ratio = check_worker(load, reserved.get(worker_id, ()), request, policy, estimator, margin)
+        if ratio is not None and ratio < best_ratio:
+            best, best_ratio = worker_id, ratio
+    return best
+
+
+def choose_view(views: Mapping[str, WorkerView], candidate: Candidate) -> str | None:
+    """``choose_worker`` over prepared views (one request, not a group): the same choice, faster."""
+    best: str | None = None
+    best_ratio = float("inf")
+    for worker_id, view in sorted(views.items()):
+        ratio = view.ratio(candidate)
         if ratio is not None and ratio < best_ratio:
             best, best_ratio = worker_id, ratio
     return best

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import redis
 
-from router.admission import request_state
+from router.admission import request_states
 from shared.codec import FIELD, encode, from_entry
 from shared.keys import ROUTER_GROUP, Keys
 from shared.peak import ReqState
@@ -51,7 +51,7 @@ MAX_NEWER = 256  # entries handed back per conflict; the router asks again for m
 @dataclass(frozen=True)
 class Outcome:
     inbox_id: str | None = None  # set: dispatched
-    newer: list[tuple[str, ReqState]] | None = None  # set: not written, learn these and decide again
+    newer: list[tuple[str, tuple[ReqState, ...]]] | None = None  # set: not written, learn these and decide again
     # neither: the worker's record expired; leave it to the janitor
 
 
@@ -73,10 +73,10 @@ class Dispatcher:
         return Outcome()
 
 
-def _state(flat: list) -> ReqState:
-    """A raw entry's field list as the summary its worker will publish."""
+def _state(flat: list) -> tuple[ReqState, ...]:
+    """A raw entry's field list as the summaries its worker will publish."""
     fields = {_text(k): v for k, v in zip(flat[::2], flat[1::2])}
-    return request_state(from_entry(GenerateRequest, fields))
+    return request_states(from_entry(GenerateRequest, fields))
 
 
 def _text(value: str | bytes) -> str:

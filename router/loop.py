@@ -22,12 +22,13 @@ from collections import deque
 
 import redis
 
-from router.admission import choose_worker, request_state
+from router.admission import choose_view, choose_worker, request_states
 from router.dispatch import Dispatcher
 from router import liveness
 from router.janitor import reap_dead_worker
 from router.registry import read_registry
 from router.reservations import Reservations
+from router.worker_view import Candidate, WorkerView
 from shared.codec import from_entry
 from shared.config import RouterSettings
 from shared.admission import AdmissionRule
@@ -54,6 +55,7 @@ class Router:
         self._read_id = "0"  # first our own pending entries (after a restart), then new ones
         self._next_housekeeping = 0.0
         self._queued_ids: set[str] = set()
+        self.views: dict[str, WorkerView] = {}  # admissible workers, prepared for this step's decisions
 
     def run(self) -> None:
         """Step until stopped; ride out Redis outages with exponential backoff."""
@@ -83,7 +85,9 @@ class Router:
                              self.settings.max_attempts)
         self.reservations.settle(registry.live)
         self._refresh_history()
-        dispatched = self._dispatch(registry.admissible())
+        loads = registry.admissible()
+        self._refresh_views(loads)
+        dispatched = self._dispatch(loads)
         if self.queue and not dispatched:
             self.stop_event.wait(self.settings.poll_ms / 1000)
         return dispatched
@@ -108,6 +112,18 @@ class Router:
             return
         self._next_history_read = now + self.settings.past_future.history_refresh_s
         self.rule.learn(self.client.lrange(self.keys.output_lengths(), 0, self.rule.history.window - 1))
+        self.views.clear()  # their draws came from the old history
+
+    def _refresh_views(self, loads: dict) -> None:
+        """A view per admissible worker, rebuilt when its record or its reservations changed."""
+        pending = self.reservations.pending()
+        views = {}
+        for worker_id, load in loads.items():
+            view, reserved = self.views.get(worker_id), pending.get(worker_id, ())
+            fresh = view is not None and view.load.seq == load.seq and view.load.ts_ms == load.ts_ms
+            views[worker_id] = view if fresh and view.reserved == len(reserved) else WorkerView(load, reserved,
+                                                                                                 self.rule)
+        self.views = views
 
     def _read(self) -> None:
         room = self.settings.read_batch - len(self.queue)
@@ -147,16 +163,16 @@ class Router:
     def _dispatch(self, loads) -> int:
         dispatched = 0
         loads = dict(loads)  # a worker found dead while dispatching leaves this step's choice
+        cancelled = self._cancelled()
         while self.queue:
             entry_id, request = self.queue[0]
-            if self.client.exists(self.keys.cancel(request.id)):
+            if request.id in cancelled:
                 self._finish(entry_id, request, RequestStatus.CANCELLED, "cancelled")
             elif request.deadline_ms is not None and now_ms() > request.deadline_ms:
                 self._finish(entry_id, request, RequestStatus.EXPIRED, "expired")
             else:
                 started = time.perf_counter()
-                worker_id = choose_worker(loads, self.reservations.pending(), request, self.rule.policy,
-                                          self.rule.estimator, self.rule.margin)
+                worker_id = self._choose(loads, request)
                 self.on_decision(request, worker_id, time.perf_counter() - started)
                 if worker_id is None:
                     break
@@ -167,18 +183,44 @@ class Router:
             self._queued_ids.discard(entry_id)
         return dispatched
 
+    def _cancelled(self) -> set[str]:
+        """Queued requests whose client cancelled them, in one round trip per step (one
+        cancelled later is still stopped by its worker, which checks cancels every step)."""
+        pipe = self.client.pipeline(transaction=False)
+        for _, request in self.queue:
+            pipe.exists(self.keys.cancel(request.id))
+        return {request.id for (_, request), hit in zip(self.queue, pipe.execute()) if hit}
+
+    def _choose(self, loads: dict, request: GenerateRequest) -> str | None:
+        if request.n > 1:  # a group: rare, checked in full
+            return choose_worker(loads, self.reservations.pending(), request, self.rule.policy,
+                                 self.rule.estimator, self.rule.margin)
+        states = request_states(request)
+        return choose_view(self.views, Candidate(states[0], self.rule))
+
     def _send(self, entry_id: str, request: GenerateRequest, worker_id: str, loads: dict) -> bool:
         """Dispatch unless the worker's inbox changed under us; True if the request went."""
         outcome = self.dispatcher.send(worker_id, self.reservations.tail(worker_id), entry_id, request)
         if outcome.newer is not None:
             self.reservations.learn(worker_id, outcome.newer)
+            self._count(worker_id, [s for _, states in outcome.newer for s in states])
             return False
         if outcome.inbox_id is None:
             del loads[worker_id]
+            self.views.pop(worker_id, None)
             return False
-        self.reservations.add(worker_id, outcome.inbox_id, request_state(request))
+        states = request_states(request)
+        self.reservations.add(worker_id, outcome.inbox_id, states)
+        self._count(worker_id, states)
         log.debug("request %s -> %s", request.id, worker_id)
         return True
+
+    def _count(self, worker_id: str, states) -> None:
+        """Requests now held against a worker: its view counts them too."""
+        view = self.views.get(worker_id)
+        if view is not None:
+            for state in states:
+                view.add(state)
 
     def on_decision(self, request: GenerateRequest, worker_id: str | None, seconds: float) -> None:
         """Hook for metrics: one admission decision (worker None: the request waits)."""

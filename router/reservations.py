@@ -32,21 +32,22 @@ from shared.schemas import WorkerLoad, stream_id
 
 class Reservations:
     def __init__(self) -> None:
-        self._by_worker: dict[str, dict[str, ReqState]] = {}  # inbox id -> state, in id order
+        self._by_worker: dict[str, dict[str, tuple[ReqState, ...]]] = {}  # inbox id -> states, in id order
         self._tail: dict[str, str] = {}  # newest inbox id known of: everything up to it is accounted for
 
     def tail(self, worker_id: str) -> str:
         return self._tail.get(worker_id, "0-0")
 
-    def add(self, worker_id: str, inbox_id: str, state: ReqState) -> None:
-        """An entry appended after ``tail(worker_id)`` (ours or another router's)."""
-        self._by_worker.setdefault(worker_id, {})[inbox_id] = state
+    def add(self, worker_id: str, inbox_id: str, states: tuple[ReqState, ...]) -> None:
+        """An entry appended after ``tail(worker_id)`` (ours or another router's): a request's
+        state, or a group's samples'."""
+        self._by_worker.setdefault(worker_id, {})[inbox_id] = states
         self._tail[worker_id] = inbox_id
 
-    def learn(self, worker_id: str, entries: list[tuple[str, ReqState]]) -> None:
+    def learn(self, worker_id: str, entries: list[tuple[str, tuple[ReqState, ...]]]) -> None:
         """Entries found after our tail, oldest first."""
-        for inbox_id, state in entries:
-            self.add(worker_id, inbox_id, state)
+        for inbox_id, states in entries:
+            self.add(worker_id, inbox_id, states)
 
     def settle(self, loads: Mapping[str, WorkerLoad]) -> None:
         """Drop entries the workers' records now include, and workers that left."""
@@ -68,8 +69,8 @@ class Reservations:
 
     def pending(self) -> dict[str, list[ReqState]]:
         """worker -> summaries of the requests dispatched there and not yet in its record."""
-        return {w: list(states.values()) for w, states in self._by_worker.items()}
+        return {w: [s for entry in entries.values() for s in entry] for w, entries in self._by_worker.items()}
 
     def tokens(self) -> dict[str, int]:
         """worker -> conservative need (prompt + max_new_tokens) of those requests."""
-        return {w: sum(s.conservative_need for s in states.values()) for w, states in self._by_worker.items()}
+        return {w: sum(s.conservative_need for s in ss) for w, ss in self.pending().items()}

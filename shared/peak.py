@@ -30,7 +30,9 @@ the formula against a step-by-step simulation of random batches.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
 from typing import Literal, NamedTuple, Protocol
 
 Policy = Literal["conservative", "aggressive", "past_future", "past_future_quantile"]
@@ -74,6 +76,53 @@ def peak_tokens(pairs: Iterable[tuple[int, int]]) -> int:
         held += a
         peak = max(peak, held + i * b)
     return peak
+
+
+class SortedPeak:
+    """A batch's pairs kept sorted, for the peak of the batch plus one more pair in O(log n).
+
+    The router asks this of every worker for every request. With the pairs
+    sorted by b descending and V_j = A_j + j * b_j (A_j: held by the first j),
+    a new pair (a, b) goes after the p pairs with b_j >= b: those keep V_j; the
+    new one is worth A_p + a + (p + 1) * b; every later pair moves one place
+    down and gains a, so it is worth V_j + b_j + a. Hence
+
+        peak with (a, b) = max(max V_1..V_p, A_p + a + (p + 1) * b, max (V_j + b_j) over j > p, + a)
+
+    from a prefix maximum and a suffix maximum. ``add`` keeps a pair (O(n)).
+    """
+
+    def __init__(self, pairs: Iterable[tuple[int, int]] = ()):
+        ordered = sorted(pairs, key=lambda p: -p[1])
+        self._neg_b = [-b for _, b in ordered]  # ascending, for bisect
+        self._held = [a for a, _ in ordered]
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        held_before = list(accumulate(self._held, initial=0))  # [j]: held by the first j pairs
+        values = [held_before[j] - j * nb for j, nb in enumerate(self._neg_b, 1)]  # V_j
+        self._held_before = held_before
+        self._prefix_max = list(accumulate(values, max, initial=0))
+        shifted = [v - nb for v, nb in zip(values, self._neg_b)]  # V_j + b_j
+        self._suffix_max = list(accumulate(reversed(shifted), max))[::-1] + [-1]  # -1: no pair after
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def peak(self) -> int:
+        return self._prefix_max[-1]
+
+    def peak_with(self, a: int, b: int) -> int:
+        """``peak_tokens`` of the pairs plus (a, b)."""
+        p = bisect_right(self._neg_b, -b)
+        after = self._suffix_max[p] + a if p < len(self._held) else 0
+        return max(self._prefix_max[p], self._held_before[p] + a + (p + 1) * b, after)
+
+    def add(self, a: int, b: int) -> None:
+        p = bisect_right(self._neg_b, -b)
+        self._neg_b.insert(p, -b)
+        self._held.insert(p, a)
+        self._rebuild()
 
 
 def fits(pairs: Sequence[tuple[int, int]], candidate: tuple[int, int],

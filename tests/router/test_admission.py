@@ -130,8 +130,8 @@ def test_check_returns_the_ratio_or_none():
 
 def test_reservations_settle_when_the_worker_reports_the_entry():
     res = Reservations()
-    res.add("a", "5-0", ReqState(10, 0, 10, 0))
-    res.add("a", "7-0", ReqState(10, 0, 20, 0))
+    res.add("a", "5-0", (ReqState(10, 0, 10, 0),))
+    res.add("a", "7-0", (ReqState(10, 0, 20, 0),))
     res.settle({"a": load("a", last_inbox_id="5-0")})
     assert res.tokens() == {"a": 30}
     assert res.pending() == {"a": [ReqState(10, 0, 20, 0)]}
@@ -141,7 +141,7 @@ def test_reservations_settle_when_the_worker_reports_the_entry():
 
 def test_reservations_of_a_vanished_worker_are_dropped():
     res = Reservations()
-    res.add("a", "5-0", ReqState(10, 0, 10, 0))
+    res.add("a", "5-0", (ReqState(10, 0, 10, 0),))
     res.settle({})
     assert res.pending() == {} and res.tail("a") == "0-0"
 
@@ -150,8 +150,8 @@ def test_the_tail_is_the_newest_inbox_entry_accounted_for():
     res = Reservations()
     res.settle({"a": load("a", last_inbox_id="3-0")})
     assert res.tail("a") == "3-0"  # the record covers everything up to its id
-    res.learn("a", [("4-0", ReqState(10, 0, 10, 0)), ("6-0", ReqState(20, 0, 10, 0))])  # another router's
-    res.add("a", "8-0", ReqState(30, 0, 10, 0))  # ours
+    res.learn("a", [("4-0", (ReqState(10, 0, 10, 0),)), ("6-0", (ReqState(20, 0, 10, 0),))])  # another router's
+    res.add("a", "8-0", (ReqState(30, 0, 10, 0),))  # ours
     assert res.tail("a") == "8-0" and res.tokens() == {"a": 90}  # (10 + 10) + (20 + 10) + (30 + 10)
     res.settle({"a": load("a", last_inbox_id="9-0")})  # the worker took entries we never saw, too
     assert res.tail("a") == "9-0" and res.pending() == {}

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from shared.peak import ReqState, fits, num_draws, peak_tokens, worst_peak
+from shared.peak import ReqState, SortedPeak, fits, num_draws, peak_tokens, worst_peak
 
 
 def simulated_peak(pairs):
@@ -28,6 +28,22 @@ def test_formula_equals_step_by_step_simulation(seed):
     hi = rng.choice([3, 20, 200])  # small ranges force ties in b
     pairs = [(rng.randint(0, hi), rng.randint(0, hi)) for _ in range(n)]
     assert peak_tokens(pairs) == simulated_peak(pairs)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_sorted_peak_with_one_more_pair_equals_the_simulation(seed):
+    """The router's O(log n) peak-with-a-candidate, and pairs added one by one."""
+    rng = random.Random(seed)
+    hi = rng.choice([3, 20, 200])
+    pairs = [(rng.randint(0, hi), rng.randint(0, hi)) for _ in range(rng.randint(0, 12))]
+    sorted_peak = SortedPeak(pairs)
+    for _ in range(6):
+        candidate = (rng.randint(0, hi), rng.randint(0, hi))
+        assert sorted_peak.peak_with(*candidate) == simulated_peak([*pairs, candidate])
+        if rng.random() < 0.5:
+            sorted_peak.add(*candidate)
+            pairs.append(candidate)
+        assert sorted_peak.peak() == simulated_peak(pairs) and len(sorted_peak) == len(pairs)
 
 
 def test_order_of_the_input_does_not_matter():
