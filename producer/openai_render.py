@@ -5,6 +5,11 @@ worker, so a choice's text is the concatenation of its chunks' texts. A
 request with ``n`` samples answers ``choices[i]`` from the chunks of
 ``choice`` i (streamed chunks carry that ``index``); usage counts the prompt
 once and every choice's tokens.
+
+Top log-probabilities arrive as (token id, logprob) pairs on each chunk
+(``TokenChunk.top_logprobs``) and are rendered here, each id as its own
+text: completions as ``{text: logprob}`` with the chosen token added (OpenAI:
+up to ``logprobs`` + 1 entries), chat as ``[{token, logprob, bytes}]``.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from typing import Any, Literal
 
 from producer.errors import ApiError
 from producer.openai_types import (ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatMessageOut,
-                                   ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-                                   Usage)
+                                   ChatTokenLogprob, ChatTopLogprob, CompletionChoice, CompletionLogprobs,
+                                   CompletionResponse, Usage)
 from shared.schemas import TokenChunk
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # "abort": vLLM's name
@@ -82,9 +87,24 @@ def _choice(call: Call, index: int, chunks: list[TokenChunk], tokenizer: Any) ->
     return CompletionChoice(index=index, text=call.echo + text, logprobs=logprobs, finish_reason=reason)
 
 
+def _chat_top(tokenizer: Any, token_id: int, logprob: float | None) -> ChatTopLogprob:
+    token = _token_str(tokenizer, token_id)
+    return ChatTopLogprob(token=token, logprob=_logprob(logprob), bytes=list(token.encode()))
+
+
 def _chat_logprob(tokenizer: Any, chunk: TokenChunk) -> ChatTokenLogprob:
-    token = _token_str(tokenizer, chunk.token_id)
-    return ChatTokenLogprob(token=token, logprob=_logprob(chunk.logprob), bytes=list(token.encode()))
+    chosen = _chat_top(tokenizer, chunk.token_id, chunk.logprob)
+    top = [_chat_top(tokenizer, i, lp) for i, lp in chunk.top_logprobs or []]
+    return ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top)
+
+
+def _completion_top(tokenizer: Any, chunk: TokenChunk) -> dict[str, float]:
+    """``{text: logprob}``, most likely first, then the chosen token if it is not among them
+    (two ids with one text keep the likelier one, as a dict keyed by text must)."""
+    top: dict[str, float] = {}
+    for token_id, logprob in [*(chunk.top_logprobs or []), (chunk.token_id, chunk.logprob)]:
+        top.setdefault(_token_str(tokenizer, token_id), _logprob(logprob))
+    return top
 
 
 def _completion_logprobs(tokenizer: Any, tokens: list[TokenChunk], offset: int) -> CompletionLogprobs:
@@ -92,8 +112,11 @@ def _completion_logprobs(tokenizer: Any, tokens: list[TokenChunk], offset: int) 
     for chunk in tokens:
         offsets.append(offset)
         offset += len(chunk.text)
+    # Alternatives only when asked (logprobs > 0): then every token chunk carries them.
+    top = [_completion_top(tokenizer, c) for c in tokens] if any(c.top_logprobs for c in tokens) else None
     return CompletionLogprobs(tokens=[_token_str(tokenizer, c.token_id) for c in tokens],
-                              token_logprobs=[_logprob(c.logprob) for c in tokens], text_offset=offsets)
+                              token_logprobs=[_logprob(c.logprob) for c in tokens], top_logprobs=top,
+                              text_offset=offsets)
 
 
 def sse_data(payload: Any) -> str:

@@ -2,8 +2,8 @@
 
 Requests are strict and ignore unknown keys, like the native ones. Fields
 that would change the answer but are not implemented (``logit_bias``,
-``suffix``, ``tools``, JSON ``response_format``, top log-probabilities,
-``n > 1``) get a 400 saying so rather than being silently ignored.
+``suffix``, ``tools``, JSON ``response_format``, ``best_of > n``, prompt
+log-probabilities) get a 400 saying so rather than being silently ignored.
 Extras beyond OpenAI's list follow vLLM: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``.
 """
@@ -75,7 +75,13 @@ class _SamplingFields(_Request):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             stop_sequences=stop_strings(self.stop, tokenizer, "stop"),
+            top_logprobs=self.num_top_logprobs,
         )
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """Alternatives to report per token (each route reads its own field)."""
+        return 0
 
     @property
     def num_choices(self) -> int:
@@ -107,10 +113,12 @@ class CompletionRequest(_SamplingFields):
                                           f"ranking samples is not implemented)")
         if self.suffix:
             raise _unsupported("suffix")
-        if self.logprobs:
-            raise _unsupported("logprobs", f" = {self.logprobs} (top log-probabilities; 0 gives the chosen tokens')")
         if self.echo and self.logprobs is not None:
             raise _unsupported("echo", " with logprobs (prompt log-probabilities)")
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
 
 
 class ContentPart(_Request):
@@ -134,12 +142,16 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_common()
-        if self.top_logprobs:
-            raise _unsupported("top_logprobs", f" = {self.top_logprobs}")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         if self.tools:
             raise _unsupported("tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise _unsupported("response_format", f" {self.response_format.get('type')!r}")
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -161,11 +173,14 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class ChatTokenLogprob(BaseModel):
+class ChatTopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[Any] = Field(default_factory=list)
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(BaseModel):

@@ -75,7 +75,7 @@ class ChunkFollower:
                 return []
             # A repeated index that ends the sample still ends it, without its token.
             chunk = chunk.model_copy(update={"index": self.next_index[choice], "token_id": None, "text": "",
-                                             "logprob": None})
+                                             "logprob": None, "top_logprobs": None})
         self.next_index[choice] = chunk.index + (chunk.token_id is not None)
         if chunk.finished:
             self.done.add(choice)

@@ -10,7 +10,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+MAX_TOP_LOGPROBS = 20  # OpenAI chat's limit (completions' is 5)
 
 FinishReason = Literal["stop", "length", "cancelled", "error", "expired"]
 
@@ -50,6 +52,8 @@ class SamplingParams(_Frozen):
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
     min_p: float = Field(0.0, ge=0, le=1)
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
+                              description="most likely alternatives to report with each token's logprob")
 
     @property
     def is_greedy(self) -> bool:
@@ -105,6 +109,11 @@ class TokenChunk(_Frozen):
     ``text`` empty and ``index`` the count of tokens before it: such a chunk
     ends every choice of the request that has not finished. Readers drop a
     chunk whose (choice, index) they already delivered.
+
+    ``top_logprobs``: when the request asked for alternatives
+    (``SamplingParams.top_logprobs``), the most likely tokens at this
+    position as (token id, logprob), most likely first, from the same
+    distribution as ``logprob``; absent from the JSON otherwise.
     """
 
     kind: Literal["chunk"] = "chunk"
@@ -114,9 +123,18 @@ class TokenChunk(_Frozen):
     token_id: int | None
     text: str = ""
     logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_top(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """One chunk per token goes over Redis: no ``top_logprobs: null`` on every one."""
+        data = handler(self)
+        if data.get("top_logprobs") is None:
+            data.pop("top_logprobs", None)
+        return data
 
 
 class WorkerLoad(_Frozen):

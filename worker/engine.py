@@ -28,6 +28,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shared.schemas import RequestStatus
 from shared.admission import AdmissionRule
@@ -35,6 +36,9 @@ from shared.config import AdmissionSettings
 from worker.events import Ended, Event, Released, Started, Token
 from worker.load import request_states
 from worker.request import Phase, Req
+
+if TYPE_CHECKING:  # the engine itself stays free of torch
+    from worker.sampler import Sampled
 
 log = logging.getLogger("lightq.worker")
 
@@ -177,13 +181,13 @@ class Engine:
                 budget -= n
         return chunks
 
-    def _sample_and_finish(self, reqs: list[Req], sampled: tuple[list[int], list[float]]) -> list[Event]:
+    def _sample_and_finish(self, reqs: list[Req], sampled: Sampled) -> list[Event]:
         events: list[Event] = []
-        for req, token_id, logprob in zip(reqs, *sampled):
+        for req, token_id, logprob, top in zip(reqs, *sampled):
             req.is_prefilled = True
             req.output_ids.append(token_id)
             reason = self._finish_reason(req, token_id)
-            events.append(Token(req.id, len(req.output_ids) - 1, token_id, logprob, reason, req.choice))
+            events.append(Token(req.id, len(req.output_ids) - 1, token_id, logprob, reason, req.choice, top))
             if reason is not None:
                 events += self._release(req, reason)
         return events

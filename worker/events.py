@@ -32,6 +32,7 @@ class Token:
     logprob: float
     finish_reason: FinishReason | None  # set on the sample's last token
     choice: int = 0
+    top: list[tuple[int, float]] | None = None  # (id, logprob) alternatives, when the request asked
 
 
 @dataclass(frozen=True)

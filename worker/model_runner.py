@@ -28,7 +28,7 @@ from worker.forward_batch import ForwardBatch
 from worker.req_table import ReqTable
 from worker.request import Req
 from worker.penalties import TokenCounts
-from worker.sampler import SamplingBatch, sample
+from worker.sampler import Sampled, SamplingBatch, sample
 from worker.token_pool import TokenPool
 
 
@@ -95,7 +95,7 @@ class ModelRunner:
         return [(m.row, leader.row, n) for m in members]
 
     @torch.inference_mode()
-    def decode(self, reqs: list[Req]) -> tuple[list[int], list[float]]:
+    def decode(self, reqs: list[Req]) -> Sampled:
         """One token for each request (all prefilled): feed its last token, sample the next."""
         slots = self.pool.allocate(len(reqs))
         rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
@@ -110,7 +110,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, reqs: list[Req], num_new: list[int], completing: list[Req],
-                forks: dict[Req, list[Req]] | None = None) -> tuple[list[int], list[float]]:
+                forks: dict[Req, list[Req]] | None = None) -> Sampled:
         """Feed ``num_new[i]`` uncached tokens of each request; sample for those in ``completing``
         and, right after each leader in ``forks`` (which must complete), for its new members."""
         forks = forks or {}
@@ -131,7 +131,7 @@ class ModelRunner:
         logits = self.forward(StepInputs(np.array(input_ids, dtype=np.int64), positions, slots, rows, cached,
                                          q_lens, False, np.array(copies, dtype=np.int64).reshape(-1, 3)))
         if not completing:
-            return [], []
+            return Sampled([], [], [])
         # Each completing request samples from its own last logits, a fork's members from their leader's.
         position = {r: i for i, r in enumerate(reqs)}
         keep, sampling = [], []
@@ -160,7 +160,7 @@ class ModelRunner:
         return self.model.forward(self._batch(step.input_ids, step.positions, step.slots, step.rows, step.cached,
                                               step.q_lens, step.is_decode))
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[list[int], list[float]]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> Sampled:
         params = SamplingBatch.build([r.msg.params for r in reqs], self.vocab_size, self.device,
                                      rows=[r.row for r in reqs], output_lens=[len(r.output_ids) for r in reqs])
         return sample(logits, params, self.counts)

@@ -196,7 +196,7 @@ class Publisher:
         finished = reason is not None
         append_chunk(pipe, self.keys, TokenChunk(
             request_id=event.request_id, index=event.index, choice=event.choice, token_id=event.token_id,
-            text=text, logprob=event.logprob, finished=finished, finish_reason=reason))
+            text=text, logprob=event.logprob, top_logprobs=event.top, finished=finished, finish_reason=reason))
         num_output = event.index + 1
         if finished:
             pipe.lpush(self.keys.output_lengths(), num_output)

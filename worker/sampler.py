@@ -1,7 +1,8 @@
 """Batched sampling on the model's device: penalties, greedy, temperature,
 top-k, top-p, min-p, and per-request seeds.
 
-All rows are handled in one pass; the chosen ids and their log-probabilities
+All rows are handled in one pass; the chosen ids, their log-probabilities
+and, for requests that ask (``top_logprobs``), the most likely alternatives
 come back to the host in a single copy per step.
 
 Sampling is an exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +27,17 @@ from worker.penalties import PenaltyBatch, TokenCounts
 M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
 MIN_NOISE = 1e-20  # torch's exponential_ can return 0, which would turn p = 0 into 0/0
+
+FLOOR_LOGPROB = -9999.0  # alternatives masked to -inf (JSON has no -inf): OpenAI's "too small to show"
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+class Sampled(NamedTuple):
+    """One step's tokens, per row: id, its logprob, and its alternatives (None when not asked)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    top: list[TopLogprobs | None]
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,7 @@ class SamplingBatch:
     seed_keys: torch.Tensor | None = None  # [S] int64: 32-bit key of (seed, output index)
     penalties: PenaltyBatch | None = None  # None: no row has penalties or min_new_tokens pending
     rows: torch.Tensor | None = None       # [B] int64 request-table rows (for TokenCounts.add)
+    num_top: tuple[int, ...] = ()          # [B] on the host: alternatives each row wants (0: none)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device,
@@ -67,6 +81,7 @@ class SamplingBatch:
             if seeded else None,
             penalties=penalties,
             rows=row_ids,
+            num_top=tuple(min(p.top_logprobs, vocab_size) for p in params),
         )
 
 
@@ -74,10 +89,13 @@ def _device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64).to(device, non_blocking=True)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch,
-           counts: TokenCounts | None = None) -> tuple[list[int], list[float]]:
-    """logits: [B, V] fp32 -> (token ids, log-probabilities under the penalised, tempered distribution).
+def sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCounts | None = None) -> Sampled:
+    """logits: [B, V] fp32 -> token ids, their log-probabilities and the top alternatives.
 
+    Every log-probability (chosen and alternatives) is of the penalised,
+    tempered distribution ``log_softmax(penalised logits / temperature)``
+    (temperature 1 for greedy rows), before top-k/top-p/min-p filtering: the
+    alternatives are ranked on the same scale as the chosen token's logprob.
     With ``counts`` (and ``batch.rows``), the sampled tokens are counted for
     the next step's penalties; ``logits`` itself is never modified.
     """
@@ -92,9 +110,25 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         ids = torch.where(batch.greedy, ids, _sample_filtered(scaled, batch))
     if counts is not None and batch.rows is not None:
         counts.add(batch.rows, ids)
-    chosen = logprobs.gather(1, ids[:, None])[:, 0]
-    host = torch.stack([ids.to(torch.float64), chosen.to(torch.float64)]).cpu()  # the one copy
-    return [int(i) for i in host[0].tolist()], host[1].tolist()
+    chosen = logprobs.gather(1, ids[:, None])  # [B, 1]
+    # [B, 2 + 2k]: id, logprob, k alternative ids, their logprobs (k = the batch's largest ask; ids
+    # are exact in float64), so everything comes back in one copy.
+    parts = [ids[:, None].to(torch.float64), chosen.to(torch.float64)]
+    k = max(batch.num_top, default=0)
+    if k:
+        top = logprobs.topk(k, dim=-1)  # sorted, most likely first
+        parts += [top.indices.to(torch.float64), top.values.to(torch.float64).clamp_min(FLOOR_LOGPROB)]
+    host = torch.cat(parts, dim=1).cpu().tolist()  # the one copy
+    wants = batch.num_top or (0,) * len(host)
+    return Sampled([int(row[0]) for row in host], [row[1] for row in host],
+                   [_top_of(row, n, k) for row, n in zip(host, wants)])
+
+
+def _top_of(row: list[float], n: int, k: int) -> TopLogprobs | None:
+    """A host row's first ``n`` of ``k`` alternatives (None when the request asked for none)."""
+    if not n:
+        return None
+    return [(int(row[2 + i]), row[2 + k + i]) for i in range(n)]
 
 
 def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

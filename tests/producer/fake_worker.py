@@ -39,6 +39,11 @@ async def stop_task(task: asyncio.Task, stop: asyncio.Event, timeout_s: float = 
     task.result()  # its own error, if it had one
 
 
+def fake_top(token_id: int, k: int) -> list[tuple[int, float]]:
+    """k alternatives: the chosen token (-0.25), then token_id + 1, + 2, ... at -1, -2, ..."""
+    return [(token_id, -0.25)] + [(token_id + i, -float(i)) for i in range(1, k)]
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -93,15 +98,20 @@ class FakeWorker:
         return entry_id
 
     async def token(self, request_id: str, index: int, text: str, *, token_id: int | None = None,
-                    finish_reason: FinishReason | None = None, choice: int = 0) -> str:
+                    finish_reason: FinishReason | None = None, choice: int = 0, num_top: int = 0) -> str:
+        """A token chunk (id 100 + index unless given, logprob -0.25); with ``num_top``, that many
+        alternatives as a worker reports them: ``fake_top`` (the chosen token first)."""
+        token_id = 100 + index if token_id is None else token_id
         return await self.append(TokenChunk(
-            request_id=request_id, index=index, choice=choice, token_id=100 + index if token_id is None else token_id,
-            text=text, logprob=-0.25, finished=finish_reason is not None, finish_reason=finish_reason))
+            request_id=request_id, index=index, choice=choice, token_id=token_id,
+            text=text, logprob=-0.25, top_logprobs=fake_top(token_id, num_top) if num_top else None,
+            finished=finish_reason is not None, finish_reason=finish_reason))
 
     async def generate(self, request: GenerateRequest, texts: list[str], finish_reason: FinishReason = "length",
                        delay_s: float = 0.0) -> list[str]:
         """One chunk per text, the last one finished; then the final status. A group's
-        choice c > 0 gets each text with c appended; choices interleave, highest first."""
+        choice c > 0 gets each text with c appended; choices interleave, highest first.
+        Chunks carry the alternatives the request asked for (``fake_top``)."""
         entry_ids = []
         for index, text in enumerate(texts):
             if delay_s:
@@ -109,7 +119,8 @@ class FakeWorker:
             last = index == len(texts) - 1
             for choice in reversed(range(request.n)):
                 entry_ids.append(await self.token(request.id, index, f"{text}{choice}" if choice else text,
-                                                  finish_reason=finish_reason if last else None, choice=choice))
+                                                  finish_reason=finish_reason if last else None, choice=choice,
+                                                  num_top=request.params.top_logprobs))
         await self.set_meta(request.id, status=RequestStatus.FINISHED, finish_reason=finish_reason,
                             output_tokens=len(texts) * request.n, finished_ms=now_ms())
         return entry_ids

@@ -88,13 +88,13 @@ def test_sample_applies_penalties_and_counts_what_it_sampled():
     logits[:, 7] = 2.0  # the argmax, but in both prompts
     logits[:, 8] = 1.0
     batch = SamplingBatch.build(params, V, CPU, rows=[0, 1], output_lens=[0, 0])
-    ids, logprobs = sample(logits, batch, counts)
+    ids, logprobs, _ = sample(logits, batch, counts)
     assert ids == [8, 7]  # repetition counts the prompt; frequency counts only output
     expected = torch.log_softmax(torch.tensor([0.5 if t == 7 else logits[0, t].item() for t in range(V)]), -1)[8]
     assert math.isclose(logprobs[0], expected.item(), rel_tol=1e-5)
     assert counts.output_counts(torch.tensor([0, 1]))[[0, 1], [8, 7]].tolist() == [1, 1]
     # Next step: row 0's 8 is now penalised too (0.25 < 0.5); row 1 generated 7, so 2 - 5 < 1.
-    ids, _ = sample(logits, SamplingBatch.build(params, V, CPU, rows=[0, 1], output_lens=[1, 1]), counts)
+    ids, _, _ = sample(logits, SamplingBatch.build(params, V, CPU, rows=[0, 1], output_lens=[1, 1]), counts)
     assert ids == [7, 8]
 
 

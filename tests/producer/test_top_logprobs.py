@@ -1,0 +1,71 @@
+"""Top log-probabilities through the official client, fed by the fake worker
+(whose chunks carry ``fake_top``: the chosen token first, then id + 1, + 2...):
+the ask reaches the worker as ``SamplingParams.top_logprobs``, each id is
+rendered as its own text, completions add the chosen token to the dict."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.producer.fake_worker import fake_top
+
+openai = pytest.importorskip("openai")
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+MESSAGES = [{"role": "user", "content": "Capital of France?"}]
+
+
+def hello(request):
+    return ["Paris", " is", " nice"], "length"
+
+
+def completion_top(tokenizer, token_id, k):
+    return {tokenizer.decode([i]): lp for i, lp in fake_top(token_id, k)}
+
+
+async def test_completion_logprobs_3_whole_and_streamed(oai, worker, tokenizer):
+    async with worker.answering(hello) as seen:
+        out = await oai.completions.create(model=MODEL, prompt="The capital", logprobs=3, max_tokens=3)
+        stream = await oai.completions.create(model=MODEL, prompt="The capital", logprobs=3, max_tokens=3,
+                                              stream=True)
+        events = [event async for event in stream]
+        plain = await oai.completions.create(model=MODEL, prompt="The capital", logprobs=0, max_tokens=3)
+    assert [r.params.top_logprobs for r in seen] == [3, 3, 0]
+    want = [completion_top(tokenizer, 100 + i, 3) for i in range(3)]
+    assert all(len(top) == 3 for top in want)  # ids 100..104 decode to distinct texts
+    logprobs = out.choices[0].logprobs
+    assert logprobs.top_logprobs == want and logprobs.token_logprobs == [-0.25] * 3
+    assert logprobs.tokens == [tokenizer.decode([100 + i]) for i in range(3)]
+    assert [e.choices[0].logprobs.top_logprobs for e in events] == [[top] for top in want]
+    assert plain.choices[0].logprobs.top_logprobs is None
+
+
+async def test_chat_top_logprobs_2_whole_and_streamed(oai, worker, tokenizer):
+    async with worker.answering(hello) as seen:
+        out = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2,
+                                                max_tokens=3)
+        stream = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True,
+                                                   top_logprobs=2, max_tokens=3, stream=True)
+        events = [event async for event in stream]
+        plain = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, max_tokens=3)
+    assert [r.params.top_logprobs for r in seen] == [2, 2, 0]
+
+    def expected(i):
+        return [(tokenizer.decode([t]), lp, list(tokenizer.decode([t]).encode())) for t, lp in fake_top(100 + i, 2)]
+
+    content = out.choices[0].logprobs.content
+    assert [[(t.token, t.logprob, t.bytes) for t in c.top_logprobs] for c in content] == [expected(i)
+                                                                                         for i in range(3)]
+    assert [c.token for c in content] == [tokenizer.decode([100 + i]) for i in range(3)]
+    streamed = [e.choices[0].logprobs.content for e in events if e.choices and e.choices[0].logprobs]
+    assert [[(t.token, t.logprob) for t in c[0].top_logprobs] for c in streamed] == [
+        [(tok, lp) for tok, lp, _ in expected(i)] for i in range(3)]
+    assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
+
+
+async def test_group_chunks_keep_their_own_alternatives(oai, worker, tokenizer):
+    async with worker.answering(hello):
+        out = await oai.completions.create(model=MODEL, prompt="The capital", logprobs=2, n=2, max_tokens=3,
+                                           temperature=0)
+    assert [c.logprobs.top_logprobs for c in out.choices] == [
+        [completion_top(tokenizer, 100 + i, 2) for i in range(3)]] * 2

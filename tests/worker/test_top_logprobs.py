@@ -1,0 +1,71 @@
+"""Top log-probabilities (``SamplingParams.top_logprobs``): each row gets exactly
+the k alternatives it asked for, equal to ``torch.topk(log_softmax(...))`` of
+the distribution its chosen token's logprob comes from; rows that ask for
+none get None. Checked on the sampler alone and through the engine against a
+reference forward of the tiny random Llama."""
+
+import torch
+
+from shared.schemas import SamplingParams
+from tests.worker.test_engine import make_engine, req, tiny  # noqa: F401 (fixture)
+from worker.events import Token
+from worker.penalties import TokenCounts
+from worker.sampler import SamplingBatch, sample
+
+CPU = torch.device("cpu")
+
+
+def assert_top(top, logprobs_row, k):
+    want = torch.topk(logprobs_row.double(), k)
+    assert [i for i, _ in top] == want.indices.tolist()
+    assert torch.allclose(torch.tensor([v for _, v in top], dtype=torch.float64), want.values, atol=1e-5)
+
+
+def test_sampler_reports_each_rows_ask_from_the_tempered_penalised_distribution():
+    torch.manual_seed(0)
+    vocab = 40
+    logits = torch.randn(4, vocab)
+    params = [SamplingParams(top_logprobs=5), SamplingParams(),
+              SamplingParams(do_sample=True, temperature=0.6, seed=3, top_logprobs=2),
+              SamplingParams(frequency_penalty=1.5, top_logprobs=3)]
+    counts = TokenCounts(max_rows=4, vocab_size=vocab, eos_ids=set(), device=CPU)
+    favourite = int(logits[3].argmax())
+    counts.start(3, [], [favourite, favourite])  # row 3 already produced its argmax twice
+    batch = SamplingBatch.build(params, vocab, CPU, rows=[0, 1, 2, 3], output_lens=[0, 0, 0, 2])
+    ids, chosen, top = sample(logits, batch, counts)
+    penalised = logits[3].clone()
+    penalised[favourite] -= 2 * 1.5
+    references = [torch.log_softmax(logits[0], -1), None, torch.log_softmax(logits[2] / 0.6, -1),
+                  torch.log_softmax(penalised, -1)]
+    assert top[1] is None
+    for row, k in [(0, 5), (2, 2), (3, 3)]:
+        assert len(top[row]) == k
+        assert_top(top[row], references[row], k)
+        assert abs(chosen[row] - references[row][ids[row]].item()) < 1e-5  # the same scale
+    assert top[0][0][0] == ids[0] and top[3][0][0] == ids[3] != favourite  # greedy: the best is chosen
+
+
+def test_engine_top_logprobs_equal_a_reference_forward(tiny):
+    ref, folder = tiny
+    engine = make_engine(folder)
+    prompts = {"five": [5, 6, 7, 8, 9], "none": [11, 3], "hot": list(range(20, 30))}
+    engine.add(req("five", prompts["five"], 6, top_logprobs=5))
+    engine.add(req("none", prompts["none"], 4))
+    engine.add(req("hot", prompts["hot"], 5, do_sample=True, temperature=0.7, seed=9, top_logprobs=2))
+    tokens: dict[str, list[Token]] = {}
+    while engine.has_work:
+        for event in engine.step():
+            if isinstance(event, Token):
+                tokens.setdefault(event.request_id, []).append(event)
+    assert all(t.top is None for t in tokens["none"])
+    for rid, k, temperature in [("five", 5, 1.0), ("hot", 2, 0.7)]:
+        out = [t.token_id for t in tokens[rid]]
+        with torch.no_grad():  # one reference forward over prompt + output: position i predicts token i
+            logits = ref(torch.tensor([prompts[rid] + out])).logits[0, len(prompts[rid]) - 1:-1].float()
+        reference = torch.log_softmax(logits / temperature, -1)
+        for i, token in enumerate(tokens[rid]):
+            assert len(token.top) == k
+            assert_top(token.top, reference[i], k)
+            assert abs(token.logprob - reference[i, token.token_id].item()) < 1e-4
+        if rid == "five":  # greedy: the chosen token is the most likely alternative
+            assert all(t.top[0] == (t.token_id, t.top[0][1]) for t in tokens[rid])
