@@ -1,4 +1,4 @@
-"""One dispatch: a request into a worker's inbox, checked against every router's dispatches.
+"""Dispatches: requests into workers' inboxes, each checked against every router's dispatches.
 
 The router decides on its copy of the worker's inbox tail
 (``router.reservations``); this script writes the decision only if the
@@ -15,6 +15,11 @@ Only new entries conflict: the worker's XREADGROUP, XACK and XDEL of
 entries it took in never do, so a single router never retries. Each
 conflict hands over at least one entry another router did write, so the
 retries of a decision are bounded by the other routers' progress.
+
+One call carries a step's whole run of decisions (one round trip, not one
+per request); each item is checked as if it were sent alone, and after an
+item to some inbox is not written, the later items to that inbox are not
+tried either, so a worker's requests stay in the router's order.
 
 The script also refuses a worker whose load record has expired: the
 janitor may be emptying that inbox (it reaps only workers without a
@@ -34,16 +39,40 @@ from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, RequestMeta
 
-# KEYS: inbox, load record, ingress stream, status hash
-# ARGV: tail, most entries to return, group, ingress entry id, field, message, then status field/value pairs
+# KEYS: the ingress stream, then per item: inbox, load record, status hash
+# ARGV: group, most newer entries to return, message field, then per item:
+#       tail, ingress entry id, message, number of status args, status field/value pairs
+# Per item: {1, id} written; {0, newer} not written, newer entries; {-1} record expired;
+# {2} not tried, as an earlier item to the same inbox was not written (order per inbox holds).
 DISPATCH_LUA = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return {-1} end
-local newer = redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', ARGV[2])
-if #newer > 0 then return {0, newer} end
-local id = redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[6])
-redis.call('HSET', KEYS[4], unpack(ARGV, 7))
-redis.call('XACK', KEYS[3], ARGV[3], ARGV[4])
-return {1, id}
+local group, max_newer, field = ARGV[1], ARGV[2], ARGV[3]
+local tails, blocked, out = {}, {}, {}
+local a = 4
+for i = 0, (#KEYS - 1) / 3 - 1 do
+  local inbox, load, meta = KEYS[2 + 3 * i], KEYS[3 + 3 * i], KEYS[4 + 3 * i]
+  local tail, entry, msg, nstatus = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
+  local status = {unpack(ARGV, a + 4, a + 3 + nstatus)}
+  a = a + 4 + nstatus
+  if blocked[inbox] then
+    out[i + 1] = {2}
+  elseif redis.call('EXISTS', load) == 0 then
+    blocked[inbox] = true
+    out[i + 1] = {-1}
+  else
+    local newer = redis.call('XRANGE', inbox, '(' .. (tails[inbox] or tail), '+', 'COUNT', max_newer)
+    if #newer > 0 then
+      blocked[inbox] = true
+      out[i + 1] = {0, newer}
+    else
+      local id = redis.call('XADD', inbox, '*', field, msg)
+      redis.call('HSET', meta, unpack(status))
+      redis.call('XACK', KEYS[1], group, entry)
+      tails[inbox] = id  -- our own entry: not a conflict for the next item to this inbox
+      out[i + 1] = {1, id}
+    end
+  end
+end
+return out
 """
 MAX_NEWER = 256  # entries handed back per conflict; the router asks again for more
 
@@ -55,22 +84,42 @@ class Outcome:
     # neither: the worker's record expired; leave it to the janitor
 
 
+@dataclass(frozen=True)
+class Item:
+    worker_id: str
+    tail: str  # the newest inbox entry the router accounted for
+    entry_id: str  # the ingress entry to acknowledge
+    request: GenerateRequest
+
+
 class Dispatcher:
     def __init__(self, client: redis.Redis, keys: Keys):
         self.client, self.keys = client, keys
         self.script = client.register_script(DISPATCH_LUA)  # EVALSHA, reloaded after a Redis restart
 
     def send(self, worker_id: str, tail: str, entry_id: str, request: GenerateRequest) -> Outcome:
-        meta = RequestMeta.fields(worker=worker_id, dispatched_ms=now_ms())
-        args = [tail, MAX_NEWER, ROUTER_GROUP, entry_id, FIELD, encode(request)]
-        args += [x for pair in meta.items() for x in pair]
-        status, *rest = self.script(keys=[self.keys.inbox(worker_id), self.keys.load(worker_id),
-                                          self.keys.requests(), self.keys.meta(request.id)], args=args)
-        if status == 1:
-            return Outcome(inbox_id=_text(rest[0]))
-        if status == 0:
-            return Outcome(newer=[(_text(i), _state(flat)) for i, flat in rest[0]])
-        return Outcome()
+        return self.send_many([Item(worker_id, tail, entry_id, request)])[0]
+
+    def send_many(self, items: list[Item]) -> list[Outcome]:
+        """Several dispatches in one round trip, each checked as if sent alone, in order."""
+        keys, args = [self.keys.requests()], [ROUTER_GROUP, MAX_NEWER, FIELD]
+        for item in items:
+            status = RequestMeta.fields(worker=item.worker_id, dispatched_ms=now_ms())
+            keys += [self.keys.inbox(item.worker_id), self.keys.load(item.worker_id), self.keys.meta(item.request.id)]
+            args += [item.tail, item.entry_id, encode(item.request), 2 * len(status)]
+            args += [x for pair in status.items() for x in pair]
+        return [_outcome(reply) for reply in self.script(keys=keys, args=args)]
+
+
+def _outcome(reply: list) -> Outcome:
+    status, *rest = reply
+    if status == 1:
+        return Outcome(inbox_id=_text(rest[0]))
+    if status == 0:
+        return Outcome(newer=[(_text(i), _state(flat)) for i, flat in rest[0]])
+    if status == 2:
+        return Outcome(newer=[])  # not tried: decide again
+    return Outcome()
 
 
 def _state(flat: list) -> tuple[ReqState, ...]:

@@ -23,12 +23,12 @@ from collections import deque
 import redis
 
 from router.admission import choose_view, choose_worker, request_states
-from router.dispatch import Dispatcher
+from router.dispatch import Dispatcher, Item
 from router import liveness
 from router.janitor import reap_dead_worker
 from router.registry import read_registry
 from router.reservations import Reservations
-from router.worker_view import Candidate, WorkerView
+from router.worker_view import Candidate, Views
 from shared.codec import from_entry
 from shared.config import RouterSettings
 from shared.admission import AdmissionRule
@@ -55,7 +55,7 @@ class Router:
         self._read_id = "0"  # first our own pending entries (after a restart), then new ones
         self._next_housekeeping = 0.0
         self._queued_ids: set[str] = set()
-        self.views: dict[str, WorkerView] = {}  # admissible workers, prepared for this step's decisions
+        self.views = Views(self.rule)  # admissible workers, prepared for this step's decisions
 
     def run(self) -> None:
         """Step until stopped; ride out Redis outages with exponential backoff."""
@@ -86,7 +86,7 @@ class Router:
         self.reservations.settle(registry.live)
         self._refresh_history()
         loads = registry.admissible()
-        self._refresh_views(loads)
+        self.views.refresh(loads, self.reservations.pending())
         dispatched = self._dispatch(loads)
         if self.queue and not dispatched:
             self.stop_event.wait(self.settings.poll_ms / 1000)
@@ -113,17 +113,6 @@ class Router:
         self._next_history_read = now + self.settings.past_future.history_refresh_s
         self.rule.learn(self.client.lrange(self.keys.output_lengths(), 0, self.rule.history.window - 1))
         self.views.clear()  # their draws came from the old history
-
-    def _refresh_views(self, loads: dict) -> None:
-        """A view per admissible worker, rebuilt when its record or its reservations changed."""
-        pending = self.reservations.pending()
-        views = {}
-        for worker_id, load in loads.items():
-            view, reserved = self.views.get(worker_id), pending.get(worker_id, ())
-            fresh = view is not None and view.load.seq == load.seq and view.load.ts_ms == load.ts_ms
-            views[worker_id] = view if fresh and view.reserved == len(reserved) else WorkerView(load, reserved,
-                                                                                                 self.rule)
-        self.views = views
 
     def _read(self) -> None:
         room = self.settings.read_batch - len(self.queue)
@@ -161,27 +150,61 @@ class Router:
             pipe.execute()
 
     def _dispatch(self, loads) -> int:
-        dispatched = 0
         loads = dict(loads)  # a worker found dead while dispatching leaves this step's choice
-        cancelled = self._cancelled()
+        cancelled, dispatched = self._cancelled(), 0
         while self.queue:
-            entry_id, request = self.queue[0]
-            if request.id in cancelled:
-                self._finish(entry_id, request, RequestStatus.CANCELLED, "cancelled")
-            elif request.deadline_ms is not None and now_ms() > request.deadline_ms:
-                self._finish(entry_id, request, RequestStatus.EXPIRED, "expired")
-            else:
-                started = time.perf_counter()
-                worker_id = self._choose(loads, request)
-                self.on_decision(request, worker_id, time.perf_counter() - started)
-                if worker_id is None:
-                    break
-                if not self._send(entry_id, request, worker_id, loads):
-                    continue  # another router got there first, or the worker died: decide again
-                dispatched += 1
-            self.queue.popleft()
-            self._queued_ids.discard(entry_id)
+            run = self._decide(loads, cancelled)
+            if not run:
+                break
+            dispatched += self._send(run, loads)
         return dispatched
+
+    def _decide(self, loads: dict, cancelled: set[str]) -> list[Item]:
+        """Decisions for the head of the queue, in order, until one must wait (a group goes alone)."""
+        run: list[Item] = []
+        while self.queue and len(run) < self.settings.dispatch_batch:
+            entry_id, request = self.queue[0]
+            expired = request.deadline_ms is not None and now_ms() > request.deadline_ms
+            if request.id in cancelled or expired:
+                status = RequestStatus.CANCELLED if request.id in cancelled else RequestStatus.EXPIRED
+                self._finish(entry_id, request, status, status.value)
+                self._pop()
+                continue
+            if request.n > 1 and run:  # a group is checked in full against sent dispatches only
+                break
+            started = time.perf_counter()
+            worker_id = self._choose(loads, request)
+            self.on_decision(request, worker_id, time.perf_counter() - started)
+            if worker_id is None:
+                break
+            self.views.count(worker_id, request_states(request))  # the next decision sees it
+            run.append(Item(worker_id, self.reservations.tail(worker_id), entry_id, request))
+            self.queue.popleft()
+            if request.n > 1:
+                break
+        return run
+
+    def _send(self, run: list[Item], loads: dict) -> int:
+        """The run in one round trip; what was not written goes back to the head, in order."""
+        back, rebuild = [], set()
+        for item, outcome in zip(run, self.dispatcher.send_many(run)):
+            if outcome.inbox_id is not None:
+                self.reservations.add(item.worker_id, outcome.inbox_id, request_states(item.request))
+                self._queued_ids.discard(item.entry_id)
+                continue
+            back.append((item.entry_id, item.request))  # another router got there first, or the worker died
+            rebuild.add(item.worker_id)
+            if outcome.newer is None:
+                loads.pop(item.worker_id, None)
+            else:
+                self.reservations.learn(item.worker_id, outcome.newer)
+        self.queue.extendleft(reversed(back))
+        self.views.refresh(loads, self.reservations.pending(), rebuild)  # undo what was counted in vain
+        return len(run) - len(back)
+
+    def _pop(self) -> None:
+        entry_id, _ = self.queue.popleft()
+        self._queued_ids.discard(entry_id)
 
     def _cancelled(self) -> set[str]:
         """Queued requests whose client cancelled them, in one round trip per step (one
@@ -195,32 +218,7 @@ class Router:
         if request.n > 1:  # a group: rare, checked in full
             return choose_worker(loads, self.reservations.pending(), request, self.rule.policy,
                                  self.rule.estimator, self.rule.margin)
-        states = request_states(request)
-        return choose_view(self.views, Candidate(states[0], self.rule))
-
-    def _send(self, entry_id: str, request: GenerateRequest, worker_id: str, loads: dict) -> bool:
-        """Dispatch unless the worker's inbox changed under us; True if the request went."""
-        outcome = self.dispatcher.send(worker_id, self.reservations.tail(worker_id), entry_id, request)
-        if outcome.newer is not None:
-            self.reservations.learn(worker_id, outcome.newer)
-            self._count(worker_id, [s for _, states in outcome.newer for s in states])
-            return False
-        if outcome.inbox_id is None:
-            del loads[worker_id]
-            self.views.pop(worker_id, None)
-            return False
-        states = request_states(request)
-        self.reservations.add(worker_id, outcome.inbox_id, states)
-        self._count(worker_id, states)
-        log.debug("request %s -> %s", request.id, worker_id)
-        return True
-
-    def _count(self, worker_id: str, states) -> None:
-        """Requests now held against a worker: its view counts them too."""
-        view = self.views.get(worker_id)
-        if view is not None:
-            for state in states:
-                view.add(state)
+        return choose_view(self.views, Candidate(request_states(request)[0], self.rule))
 
     def on_decision(self, request: GenerateRequest, worker_id: str | None, seconds: float) -> None:
         """Hook for metrics: one admission decision (worker None: the request waits)."""

@@ -98,3 +98,41 @@ class WorkerView:
             use = max(draw.peak_with(held, remaining)
                       for draw, remaining in zip(self.draws[:num_draws(self.count)], candidate.remaining))
         return use / load.max_total_tokens if use <= self.limit else None
+
+
+class Views:
+    """A view per admissible worker, kept in step with the router's reservations.
+
+    Invariant: a view has counted exactly the reservations it was built with
+    plus every state ``count`` added since; the router adds a decision's states
+    before its dispatch is sent (so the next decision of the same run sees
+    them), and ``refresh`` rebuilds the views of workers whose dispatches were
+    not written (those tentative counts are undone) or whose record changed.
+    """
+
+    def __init__(self, rule: AdmissionRule):
+        self.rule = rule
+        self._views: dict[str, WorkerView] = {}
+
+    def clear(self) -> None:
+        """Every view goes (their draws came from an older history)."""
+        self._views.clear()
+
+    def refresh(self, loads: dict[str, WorkerLoad], pending: dict[str, list[ReqState]],
+                rebuild: set[str] = frozenset()) -> None:
+        views = {}
+        for worker_id, load in loads.items():
+            view, reserved = self._views.get(worker_id), pending.get(worker_id, ())
+            same = (view is not None and worker_id not in rebuild and view.load.seq == load.seq
+                    and view.load.ts_ms == load.ts_ms and view.reserved == len(reserved))
+            views[worker_id] = view if same else WorkerView(load, reserved, self.rule)
+        self._views = views
+
+    def ratios(self, candidate: Candidate) -> dict[str, float | None]:
+        return {worker_id: view.ratio(candidate) for worker_id, view in self._views.items()}
+
+    def count(self, worker_id: str, states: Sequence[ReqState]) -> None:
+        view = self._views.get(worker_id)
+        if view is not None:
+            for state in states:
+                view.add(state)

@@ -70,6 +70,8 @@ class ProducerSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8000, description="HTTP port")
     default_max_new_tokens: int = Field(16, gt=0, description="max_new_tokens when a request gives none")
+    max_prompts: int = Field(64, ge=1, description="most prompts one /v1/completions request may list (each "
+                                                   "is queued as a request of its own)")
     stream_block_ms: int = Field(1000, gt=0, description="longest blocking read on a chunk stream")
     redis_timeout_s: float = Field(2.0, gt=0, description="connect and command timeout on Redis: past it a "
                                                            "request gets 503 instead of waiting (blocking reads "
@@ -108,6 +110,7 @@ class RouterSettings(BaseSettings):
     redis: RedisSettings = Field(default_factory=RedisSettings)
     router_id: str = Field("", description="consumer name in the ingress group (default: host-pid)")
     read_batch: int = Field(64, gt=0, description="ingress entries read per XREADGROUP")
+    dispatch_batch: int = Field(32, gt=0, description="admission decisions sent to Redis in one round trip")
     poll_ms: int = Field(100, gt=0, description="idle wait between admission attempts")
     past_future: AdmissionSettings = Field(default_factory=AdmissionSettings)
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it goes to the dead-letter stream")

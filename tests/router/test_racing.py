@@ -14,13 +14,13 @@ import pytest
 from router.admission import request_state
 from router.loop import Router
 from router.registry import read_registry
-from shared.codec import from_entry
+from shared.codec import entry, from_entry
 from shared.config import AdmissionSettings, RouterSettings
 from shared.history import Estimator, OutputLengthHistory
 from shared.keys import ROUTER_GROUP
 from shared.peak import projected_use, use_limit
 from shared.redis import ensure_group
-from shared.schemas import GenerateRequest
+from shared.schemas import GenerateRequest, SamplingParams
 from tests.router.helpers import finished_lengths, inbox_ids, publish_load, submit
 
 POOL = 1000
@@ -85,7 +85,7 @@ def test_a_router_learns_the_other_routers_dispatches_and_decides_again(redis_se
     for i in range(4):
         submit(rclient, keys, f"q{i}", 50, 50)  # 100 each: 3 fit a worker
     r1.step()  # q0 -> w1, q1 -> w2
-    # r2 knows neither: q2 -> w1 is refused with q0 handed back, then q2 -> w2 with q1; with
+    # r2 knows neither: its run q2 -> w1, q3 -> w2 is refused, q0 and q1 handed back; with
     # both learnt, q2 -> w1 (tie, first by id) goes, and q3 -> w2, the less used
     r2.step()
     assert inbox_ids(rclient, keys, "w1") == ["q0", "q2"] and inbox_ids(rclient, keys, "w2") == ["q1", "q3"]
@@ -102,3 +102,24 @@ def test_no_dispatch_to_a_worker_whose_record_expired_after_the_registry_read(re
     rclient.delete(keys.load("w1"))  # w1 dies: the janitor may be emptying its inbox right now
     assert router._dispatch(loads) == 0
     assert not rclient.exists(keys.inbox("w1")) and len(router.queue) == 1
+
+
+def test_a_run_of_decisions_goes_in_one_round_trip_and_a_refused_one_keeps_its_order(redis_settings, rclient,
+                                                                                     keys):
+    publish_load(rclient, keys, "w1", max_total=10_000, requests=[])
+    router = Router(RouterSettings(redis=redis_settings, poll_ms=5, read_batch=8,
+                                   past_future=AdmissionSettings(admission="conservative")), rclient, "r1")
+    ensure_group(rclient, keys.requests(), ROUTER_GROUP)
+    calls = []
+    send_many = router.dispatcher.send_many
+    router.dispatcher.send_many = lambda items: calls.append([i.request.id for i in items]) or send_many(items)
+    for i in range(3):
+        submit(rclient, keys, f"q{i}")
+    other = GenerateRequest(id="other", prompt_ids=list(range(1, 11)), params=SamplingParams(max_new_tokens=10),
+                            created_ms=0)
+    rclient.xadd(keys.inbox("w1"), entry(other))  # another router's dispatch, unknown to this one
+    assert router.step() == 3
+    # The first run's q0 met the other router's entry; q1 and q2 behind it were not tried.
+    assert calls == [["q0", "q1", "q2"], ["q0", "q1", "q2"]]
+    assert inbox_ids(rclient, keys, "w1") == ["other", "q0", "q1", "q2"]
+    assert router.reservations.tokens() == {"w1": 4 * 20}

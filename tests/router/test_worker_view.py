@@ -5,7 +5,7 @@ import random
 import pytest
 
 from router.admission import check_worker, choose_view, choose_worker, request_state, request_states
-from router.worker_view import Candidate, WorkerView
+from router.worker_view import Candidate, Views, WorkerView
 from shared.admission import AdmissionRule
 from shared.config import AdmissionSettings
 from shared.history import Estimator
@@ -64,7 +64,8 @@ def test_choose_view_picks_what_choose_worker_picks(same_draws):
         loads = {f"w{i}": c[0].model_copy(update={"worker_id": f"w{i}"}) for i, c in enumerate(cases)}
         reserved = {f"w{i}": c[1] for i, c in enumerate(cases)}
         req = cases[0][2]
-        views = {w: WorkerView(loads[w], reserved[w], r) for w in loads}
+        views = Views(r)
+        views.refresh(loads, reserved)
         assert choose_view(views, Candidate(request_state(req), r)) == choose_worker(
             loads, reserved, req, r.policy, r.estimator, r.margin)
 
