@@ -52,14 +52,15 @@ async def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any) -> list[i
     return ids
 
 
-def completion_inputs(prompt: str | list) -> str | list[int]:
-    """One prompt, as text or token ids; a list of several prompts needs n-groups (not yet)."""
+def completion_inputs(prompt: str | list, max_prompts: int) -> list[str | list[int]]:
+    """The prompts, each as text or token ids: a string or one id list is one prompt; a list of
+    strings or of id lists is several (each becomes a request of its own), at most ``max_prompts``."""
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return prompt
-    if len(prompt) != 1:
-        raise bad_request(f"prompt: a list of {len(prompt)} prompts is not supported yet; send one per request",
-                          param="prompt", code="unsupported_parameter")
-    return prompt[0]
+        return [prompt]
+    if len(prompt) > max_prompts:
+        raise bad_request(f"prompt: a list of {len(prompt)} prompts is more than this server takes in one "
+                          f"request ({max_prompts}); split it", param="prompt", code="too_many_prompts")
+    return list(prompt)
 
 
 def prompt_text(inputs: str | list[int], tokenizer: Any) -> str:

@@ -4,7 +4,9 @@ Chunk text is already incremental and stop strings are already cut by the
 worker, so a choice's text is the concatenation of its chunks' texts. A
 request with ``n`` samples answers ``choices[i]`` from the chunks of
 ``choice`` i (streamed chunks carry that ``index``); usage counts the prompt
-once and every choice's tokens.
+once and every choice's tokens. A completion of several prompts arrives
+with choices already numbered ``prompt * n + sample`` (``MergedFollower``);
+usage counts every prompt once.
 
 Top log-probabilities arrive as (token id, logprob) pairs on each chunk
 (``TokenChunk.top_logprobs``) and are rendered here, each id as its own
@@ -37,11 +39,19 @@ class Call:
     id: str
     created: int
     model: str
-    prompt_tokens: int
+    prompt_tokens: int  # every prompt's, each counted once
     logprobs: bool
     include_usage: bool = False
-    echo: str = ""  # completions: the prompt text, when echo is set
-    n: int = 1  # choices
+    echo: tuple[str, ...] = ()  # completions with echo: each prompt's text
+    n: int = 1  # choices per prompt
+    num_prompts: int = 1  # completions: prompts listed; choice c answers prompt c // n
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * self.num_prompts
+
+    def echo_of(self, choice: int) -> str:
+        return self.echo[choice // self.n] if self.echo else ""
 
 
 def _logprob(value: float | None) -> float:
@@ -63,8 +73,8 @@ def _raise_if_failed(last: TokenChunk) -> None:
 
 
 def response(call: Call, chunks: list[TokenChunk], tokenizer: Any) -> CompletionResponse | ChatCompletionResponse:
-    """The non-streaming answer (``call.n`` choices) from all of a request's chunks."""
-    by_choice = [[c for c in chunks if c.choice == i] for i in range(call.n)]
+    """The non-streaming answer (``call.num_choices`` choices) from all of a request's chunks."""
+    by_choice = [[c for c in chunks if c.choice == i] for i in range(call.num_choices)]
     for own in by_choice:
         _raise_if_failed(own[-1])
     choices = [_choice(call, i, own, tokenizer) for i, own in enumerate(by_choice)]
@@ -83,8 +93,9 @@ def _choice(call: Call, index: int, chunks: list[TokenChunk], tokenizer: Any) ->
     if call.kind == "chat":
         logprobs = ChatLogprobs(content=[_chat_logprob(tokenizer, c) for c in tokens]) if call.logprobs else None
         return ChatChoice(index=index, message=ChatMessageOut(content=text), logprobs=logprobs, finish_reason=reason)
-    logprobs = _completion_logprobs(tokenizer, tokens, len(call.echo)) if call.logprobs else None
-    return CompletionChoice(index=index, text=call.echo + text, logprobs=logprobs, finish_reason=reason)
+    echo = call.echo_of(index)
+    logprobs = _completion_logprobs(tokenizer, tokens, len(echo)) if call.logprobs else None
+    return CompletionChoice(index=index, text=echo + text, logprobs=logprobs, finish_reason=reason)
 
 
 def _chat_top(tokenizer: Any, token_id: int, logprob: float | None) -> ChatTopLogprob:
@@ -132,7 +143,7 @@ class StreamRenderer:
     def __init__(self, call: Call, tokenizer: Any) -> None:
         self.call, self.tokenizer = call, tokenizer
         self.completion_tokens = 0
-        self.offsets = [0] * call.n  # per choice: characters streamed so far (completions' text_offset)
+        self.offsets = [0] * call.num_choices  # per choice: characters streamed so far (completions' text_offset)
         self.failed = False
 
     def _event(self, choice: dict[str, Any] | None, index: int = 0) -> str:
@@ -154,10 +165,10 @@ class StreamRenderer:
         """Each choice's opening: its role (chat) or the echoed prompt (completions)."""
         if self.call.kind == "chat":  # OpenAI's first chunk of a choice names the role
             return [self._event({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}, i) for i in range(self.call.n)]
+                                 "finish_reason": None}, i) for i in range(self.call.num_choices)]
         if self.call.echo:
-            self.offsets = [len(self.call.echo)] * self.call.n
-            return [self._event(self._text_choice(self.call.echo), i) for i in range(self.call.n)]
+            self.offsets = [len(self.call.echo_of(i)) for i in range(self.call.num_choices)]
+            return [self._event(self._text_choice(self.call.echo_of(i)), i) for i in range(self.call.num_choices)]
         return []
 
     def chunk(self, chunk: TokenChunk) -> list[str]:

@@ -4,7 +4,9 @@ An application written for the official ``openai`` client works by changing
 its base URL. Every check runs before anything is written (as on the native
 routes); the answer then follows the request's chunk stream, streamed as SSE
 ending with ``data: [DONE]`` or collected into one response with ``usage``.
-A client that leaves cancels its request.
+A client that leaves cancels its request. A completion of several prompts
+is one request per prompt, all checked before any is queued, followed
+together (``MergedFollower``) and cancelled together.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from fastapi.responses import JSONResponse
 
 from producer.api_types import body_doc
 from producer.auth import CallerDep
+from producer import store
 from producer.chat import chat_prompt_ids, completion_inputs, prompt_text
 from producer.deps import Services, ServicesDep, parse_body
 from producer.errors import ApiError, bad_request
+from producer.merged_follower import MergedFollower
 from producer.openai_render import Call, StreamRenderer, response
 from producer.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from producer.streaming import EventStream, collect, follower, rendered
-from producer.submit import abandon, enqueue, new_request, prompt_ids
+from producer.submit import abandon_all, enqueue, new_request, prompt_ids
 from shared.schemas import GenerateRequest
 
 router = APIRouter(prefix="/v1")
@@ -67,24 +71,49 @@ def check_context(num_prompt: int, max_new: int, limit: int, where: str) -> None
 @router.post("/completions", responses=ERRORS, openapi_extra=body_doc(CompletionRequest))
 async def completions(request: Request, services: ServicesDep, caller: CallerDep) -> Response:
     body = await parse_body(request, CompletionRequest)
-    queued, call = await prepare_completion(body, services)
-    await enqueue(queued, "completions", services, caller.key_hash)
+    queued, call = await prepare_completions(body, services)
+    await _enqueue_all(queued, "completions", services, caller.key_hash)
     return await _answer(request, services, queued, call, body.stream)
 
 
-async def prepare_completion(body: CompletionRequest, services: Services) -> tuple[GenerateRequest, Call]:
-    """Every check and the tokenisation of a completion; nothing is written (batches share it)."""
+async def prepare_completions(body: CompletionRequest, services: Services) -> tuple[list[GenerateRequest], Call]:
+    """Every check and the tokenisation of a completion, a request per prompt; nothing is written."""
     check_model(body.model, services)
     body.check()
-    inputs = completion_inputs(body.prompt)
-    ids = await prompt_ids(inputs, services.tokenizer, param="prompt")
+    prompts = completion_inputs(body.prompt, services.settings.max_prompts)
     max_new = body.max_tokens or services.settings.default_max_new_tokens
-    check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
-    queued = new_request(ids, body.sampling(max_new, services.tokenizer), body.timeout, body.num_choices)
-    call = Call("completion", f"cmpl-{queued.id}", int(time.time()), body.model, len(ids),
-                logprobs=body.logprobs is not None, include_usage=body.include_usage,
-                echo=prompt_text(inputs, services.tokenizer) if body.echo else "", n=queued.n)
+    params = body.sampling(max_new, services.tokenizer)
+    queued: list[GenerateRequest] = []
+    for i, inputs in enumerate(prompts):
+        ids = await prompt_ids(inputs, services.tokenizer, param="prompt" if len(prompts) == 1 else f"prompt.{i}")
+        check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
+        queued.append(new_request(ids, params, body.timeout, body.num_choices))
+    echo = tuple(prompt_text(inputs, services.tokenizer) for inputs in prompts) if body.echo else ()
+    call = Call("completion", f"cmpl-{queued[0].id}", int(time.time()), body.model,
+                sum(q.num_prompt_tokens for q in queued), logprobs=body.logprobs is not None,
+                include_usage=body.include_usage, echo=echo, n=body.num_choices, num_prompts=len(queued))
     return queued, call
+
+
+async def prepare_completion(body: CompletionRequest, services: Services) -> tuple[GenerateRequest, Call]:
+    """A batch line's completion: one prompt (its answer is one line of the output file)."""
+    queued, call = await prepare_completions(body, services)
+    if len(queued) > 1:
+        raise bad_request(f"prompt: a batch line takes one prompt, got {len(queued)}; give each its own line",
+                          param="prompt", code="too_many_prompts")
+    return queued[0], call
+
+
+async def _enqueue_all(queued: list[GenerateRequest], route: str, services: Services, key_hash: str | None) -> None:
+    """Queue each prompt's request; when one is refused (429, 503), cancel those already queued."""
+    for count, one in enumerate(queued):
+        try:
+            await enqueue(one, route, services, key_hash)
+        except Exception:
+            for earlier in queued[:count]:
+                await store.request_cancel(services.redis, services.keys, earlier.id,
+                                           services.settings.redis.request_ttl_s)
+            raise
 
 
 @router.post("/chat/completions", responses=ERRORS, openapi_extra=body_doc(ChatCompletionRequest))
@@ -92,7 +121,7 @@ async def chat_completions(request: Request, services: ServicesDep, caller: Call
     body = await parse_body(request, ChatCompletionRequest)
     queued, call = await prepare_chat(body, services)
     await enqueue(queued, "chat", services, caller.key_hash)
-    return await _answer(request, services, queued, call, body.stream)
+    return await _answer(request, services, [queued], call, body.stream)
 
 
 async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple[GenerateRequest, Call]:
@@ -110,10 +139,12 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     return queued, call
 
 
-async def _answer(request: Request, services: Services, queued: GenerateRequest, call: Call,
+async def _answer(request: Request, services: Services, queued: list[GenerateRequest], call: Call,
                   stream: bool) -> Response:
-    reader = follower(services, queued.id, queued.n)
-    on_abandon = functools.partial(abandon, services, queued.id)
+    """Follow the requests (one per prompt) to the end; a client that leaves cancels them all."""
+    followers = [follower(services, one.id, one.n) for one in queued]
+    reader = followers[0] if len(followers) == 1 else MergedFollower(followers)
+    on_abandon = functools.partial(abandon_all, services, [one.id for one in queued])
     if stream:
         renderer = StreamRenderer(call, services.tokenizer)
         return EventStream(rendered(reader, renderer, request.is_disconnected, on_abandon))

@@ -125,3 +125,12 @@ async def read_after(redis: aioredis.Redis, keys: Keys, request_id: str,
     if not reply:
         return []
     return [item for _stream, entries in reply for item in parse_entries(entries)]
+
+
+async def read_many_after(redis: aioredis.Redis, keys: Keys, after: dict[str, str],
+                          block_ms: int | None) -> list[tuple[str, str, TokenChunk]]:
+    """(request id, entry id, chunk) after each request's ``after[id]``, in one XREAD over their streams."""
+    by_key = {keys.chunks(request_id): request_id for request_id in after}
+    reply = await redis.xread({keys.chunks(request_id): last for request_id, last in after.items()}, block=block_ms)
+    return [(by_key[stream], entry_id, chunk) for stream, entries in reply or []
+            for entry_id, chunk in parse_entries(entries)]

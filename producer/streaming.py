@@ -89,7 +89,7 @@ class ChunkFollower:
                 return
             entries = await with_reconnect(self._read_next, self.outage_s)
             if not entries:
-                for chunk in await with_reconnect(self._ending_without_chunk, self.outage_s):
+                for chunk in await with_reconnect(self.ending_without_chunk, self.outage_s):
                     yield None, chunk
                 continue
             for entry_id, raw in entries:
@@ -102,7 +102,7 @@ class ChunkFollower:
     async def _read_next(self) -> list[store.StreamEntry]:
         return await store.read_after(self.redis, self.keys, self.request_id, self.last_id, self.block_ms)
 
-    async def _ending_without_chunk(self) -> list[TokenChunk]:
+    async def ending_without_chunk(self) -> list[TokenChunk]:
         """Terminal chunks made from the status hash when the stream has none."""
         meta = await store.read_meta(self.redis, self.keys, self.request_id)
         if meta is not None and not meta.status.is_terminal:
@@ -166,7 +166,15 @@ async def sse(follower: ChunkFollower, render: Callable[[str | None, TokenChunk]
             await shielded(on_abandon)
 
 
-async def collect(follower: ChunkFollower, disconnected: Check,
+class Follower(Protocol):
+    """What ``collect`` and ``rendered`` read: a ``ChunkFollower``, or several merged."""
+
+    @property
+    def finished(self) -> bool: ...
+    def follow(self, disconnected: Check | None = None) -> AsyncIterator[tuple[str | None, TokenChunk]]: ...
+
+
+async def collect(follower: Follower, disconnected: Check,
                   on_abandon: Callable[[], Awaitable[Any]]) -> list[TokenChunk] | None:
     """Every chunk up to the finished one; None (after ``on_abandon``) if the client left first."""
     chunks: list[TokenChunk] = []
@@ -185,7 +193,7 @@ class Renderer(Protocol):
     def end(self) -> list[str]: ...
 
 
-async def rendered(follower: ChunkFollower, renderer: Renderer, disconnected: Check,
+async def rendered(follower: Follower, renderer: Renderer, disconnected: Check,
                    on_abandon: Callable[[], Awaitable[Any]]) -> AsyncIterator[str]:
     """Like ``sse`` for renderers that frame the stream (an opening event, a closing ``[DONE]``)."""
     try:

@@ -97,3 +97,10 @@ async def abandon(services: Services, request_id: str) -> None:
     """The client left before the end: cancel the request wherever it is."""
     await store.request_cancel(services.redis, services.keys, request_id, services.settings.redis.request_ttl_s)
     services.metrics.disconnects.inc()
+
+
+async def abandon_all(services: Services, request_ids: list[str]) -> None:
+    """The client of several requests (a completion's prompts) left: cancel every one."""
+    for request_id in request_ids:
+        await store.request_cancel(services.redis, services.keys, request_id, services.settings.redis.request_ttl_s)
+    services.metrics.disconnects.inc()

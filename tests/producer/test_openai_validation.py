@@ -39,7 +39,9 @@ COMMON = {  # bad field -> the name the message and ``param`` must carry
 }
 COMPLETION_ONLY = {
     "prompt_missing": ({"prompt": None}, "prompt"),
-    "prompt_list": ({"prompt": ["a", "b"]}, "prompt"),
+    "prompt_list_too_long": ({"prompt": ["a"] * 65}, "prompt"),
+    "prompt_list_empty_item": ({"prompt": ["a", ""]}, "prompt.1"),
+    "prompt_list_token_id": ({"prompt": [[1, 2], [3, 99999]]}, "prompt.1"),
     "prompt_empty": ({"prompt": ""}, "prompt"),
     "prompt_token_id": ({"prompt": [1, 99999]}, "prompt"),
     "logprobs_range": ({"logprobs": 6}, "logprobs"),
