@@ -17,9 +17,9 @@ import time
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from producer import store
 from producer.api_types import body_doc
 from producer.auth import CallerDep
-from producer import store
 from producer.chat import chat_prompt_ids, completion_inputs, prompt_text
 from producer.deps import Services, ServicesDep, parse_body
 from producer.errors import ApiError, bad_request

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from producer.openai_render import Call, response
+from shared.schemas import TokenChunk
 from tests.producer.fake_worker import fake_top
 
 openai = pytest.importorskip("openai")
@@ -69,3 +71,19 @@ async def test_group_chunks_keep_their_own_alternatives(oai, worker, tokenizer):
                                            temperature=0)
     assert [c.logprobs.top_logprobs for c in out.choices] == [
         [completion_top(tokenizer, 100 + i, 2) for i in range(3)]] * 2
+
+
+def test_a_sampled_token_outside_the_alternatives_joins_the_completion_dict(tokenizer):
+    """OpenAI: up to logprobs + 1 entries, the chosen token always among them; chat lists only the top k."""
+    chunk = TokenChunk(request_id="r", index=0, token_id=300, text="x", logprob=-4.0,
+                       top_logprobs=[(100, -0.5), (101, -1.0)])
+    call = Call("completion", "cmpl-r", 0, MODEL, 3, logprobs=True)
+    top = response(call, [chunk.model_copy(update={"finished": True, "finish_reason": "length"})],
+                   tokenizer).choices[0].logprobs.top_logprobs
+    assert top == [{tokenizer.decode([100]): -0.5, tokenizer.decode([101]): -1.0, tokenizer.decode([300]): -4.0}]
+    chat = response(Call("chat", "chatcmpl-r", 0, MODEL, 3, logprobs=True),
+                    [chunk.model_copy(update={"finished": True, "finish_reason": "length"})], tokenizer)
+    entry = chat.choices[0].logprobs.content[0]
+    assert (entry.token, entry.logprob) == (tokenizer.decode([300]), -4.0)
+    assert [(t.token, t.logprob) for t in entry.top_logprobs] == [(tokenizer.decode([100]), -0.5),
+                                                                 (tokenizer.decode([101]), -1.0)]
