@@ -17,6 +17,7 @@ from shared.codec import FIELD, decode, entry
 from shared.config import RedisSettings
 from shared.keys import Keys
 from shared.request_log import emitted_chunks
+from shared.requeue import resume_fields
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 
 
@@ -31,7 +32,8 @@ def requeue_dead(client: redis.Redis, keys: Keys, entry_ids: list[str], ttl_s: i
         if (entry_ids and entry_id not in entry_ids) or FIELD not in fields:
             continue
         request = decode(GenerateRequest, fields[FIELD])
-        tokens = [c.token_id for c in emitted_chunks(client, keys, request.id) if c.token_id is not None]
+        # The dead-letter end is a tokenless chunk, deleted below: these chunks have not ended.
+        chunks = [c for c in emitted_chunks(client, keys, request.id) if c.token_id is not None]
         terminal = [i for i, f in client.xrange(keys.chunks(request.id))
                     if decode(TokenChunk, f[FIELD]).token_id is None]
         pipe = client.pipeline(transaction=True)
@@ -41,7 +43,7 @@ def requeue_dead(client: redis.Redis, keys: Keys, entry_ids: list[str], ttl_s: i
         pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, attempt=0))
         for key in keys.all_request_keys(request.id):
             pipe.expire(key, ttl_s)
-        pipe.xadd(keys.requests(), entry(request.model_copy(update={"attempt": 0, "resume_ids": tokens})))
+        pipe.xadd(keys.requests(), entry(request.model_copy(update={"attempt": 0, **resume_fields(request, chunks)})))
         pipe.xdel(keys.dead_letters(), entry_id)
         pipe.execute()
         count += 1

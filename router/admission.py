@@ -41,10 +41,11 @@ def request_state(request: GenerateRequest) -> ReqState:
 
 
 def request_states(request: GenerateRequest) -> tuple[ReqState, ...]:
-    """What a request adds to a worker: its state, or a group's n samples (the prompt counted once)."""
+    """What a request adds to a worker: its state, or a group's open samples (the prompt counted once),
+    each with the tokens it emitted before a requeue."""
     if request.n > 1:
-        return tuple(group_states(request.num_prompt_tokens, [0] * request.n, request.params.max_new_tokens,
-                                  int(request.params.ignore_eos)))
+        return tuple(group_states(request.num_prompt_tokens, [len(request.emitted(c)) for c in request.open_choices],
+                                  request.params.max_new_tokens, int(request.params.ignore_eos)))
     return (request_state(request),)
 
 

@@ -7,10 +7,12 @@ client already has: a request goes back with those tokens as
 index reaches the client once. Requests that already ended are left alone.
 A death counts as an attempt; a graceful hand-back does not.
 
-A group (n > 1) goes back whole and starts again from its prompt: the
-tokens its samples already emitted are regenerated (greedy, or seeded: the
-producer gives every sampled group a seed) and readers drop the repeated
-(choice, index) pairs.
+A group (n > 1) goes back whole, with each sample's own progress: the
+tokens each choice already emitted (``group_resume``) and the choices that
+already finished (``finished_choices``). The next worker prefills the
+prompt once, runs only the unfinished samples and continues each after its
+own tokens, so every (choice, index) reaches the client once, with the
+token it first got, whatever the numerics of the new batch.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import redis
 from shared.codec import entry, from_entry
 from shared.keys import Keys
 from shared.request_log import emitted_chunks, end_request, has_ended, mark_ended, now_ms
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 
 
 def hand_back_inbox(client: redis.Redis, keys: Keys, worker_id: str, ttl_s: int, max_attempts: int,
@@ -54,12 +56,27 @@ def requeue(client: redis.Redis, keys: Keys, request: GenerateRequest, ttl_s: in
     else:
         pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, attempt=attempt))
         pipe.hdel(keys.meta(request.id), "worker")
-        resume_ids = tokens if request.n == 1 else []
-        pipe.xadd(keys.requests(), entry(request.model_copy(update={"attempt": attempt, "resume_ids": resume_ids})))
+        pipe.xadd(keys.requests(), entry(request.model_copy(update={"attempt": attempt,
+                                                                    **resume_fields(request, chunks)})))
         pipe.execute()
         return 1
     pipe.execute()
     return 0
+
+
+def resume_fields(request: GenerateRequest, chunks: list[TokenChunk]) -> dict:
+    """The message fields that make the next attempt continue after ``chunks`` (the request's
+    de-duplicated chunks, ``emitted_chunks``, of a request that has not ended): ``resume_ids``
+    for a single request; per choice its tokens and the finished choices for a group."""
+    if request.n == 1:
+        return {"resume_ids": [c.token_id for c in chunks if c.token_id is not None]}
+    emitted: list[list[int]] = [[] for _ in range(request.n)]
+    for chunk in chunks:  # by choice, then index: each choice's tokens in order
+        if chunk.token_id is not None:
+            emitted[chunk.choice].append(chunk.token_id)
+    # Only a chunk with a token ends one choice (a tokenless one ends the whole request).
+    finished = sorted({c.choice for c in chunks if c.finished and c.token_id is not None})
+    return {"resume_ids": [], "group_resume": emitted, "finished_choices": finished}
 
 
 def dead_letter(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest, reason: str,

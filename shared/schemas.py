@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 MAX_TOP_LOGPROBS = 20  # OpenAI chat's limit (completions' is 5)
 
@@ -75,7 +75,10 @@ class GenerateRequest(_Frozen):
     carried as this one message so they land on one worker together, which
     prefills the prompt once and shares its KV slots between the samples.
     Their chunks carry ``choice`` 0..n-1. A group goes back to the queue
-    whole and starts again (``resume_ids`` stays empty; see shared.requeue).
+    whole (see shared.requeue) with ``group_resume[c]``, the tokens sample
+    ``c`` already emitted, and ``finished_choices``, the samples that already
+    ended; the next worker runs only the others, each after its own tokens
+    (``resume_ids`` stays empty for a group).
     """
 
     kind: Literal["generate"] = "generate"
@@ -87,6 +90,36 @@ class GenerateRequest(_Frozen):
     resume_ids: list[int] = Field(default_factory=list)
     deadline_ms: int | None = None  # Unix ms; a request still queued past it ends ``expired``
     n: int = Field(1, ge=1, description="samples of this prompt (a group when > 1), prompt held once")
+    # A requeued group's progress (empty, the defaults, for a fresh one): per choice the tokens it
+    # already emitted, and the choices that already ended (never run again).
+    group_resume: list[list[int]] = Field(default_factory=list)
+    finished_choices: list[int] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_group_resume(self) -> "GenerateRequest":
+        if self.group_resume and (self.n == 1 or len(self.group_resume) != self.n):
+            raise ValueError("group_resume needs a group (n > 1) and one list per choice")
+        done = self.finished_choices
+        # A proper subset: a group whose every choice finished has ended and is never requeued.
+        if done and (done != sorted(set(done)) or not set(done) < set(range(self.n))):
+            raise ValueError("finished_choices: distinct sorted choices of a group, not all of them")
+        return self
+
+    @property
+    def open_choices(self) -> list[int]:
+        """The samples still to run: every choice but those a requeued group already finished."""
+        return [c for c in range(self.n) if c not in self.finished_choices]
+
+    def emitted(self, choice: int) -> list[int]:
+        """Tokens sample ``choice`` emitted before this attempt (a single request's ``resume_ids``)."""
+        if self.n == 1:
+            return self.resume_ids
+        return self.group_resume[choice] if self.group_resume else []
+
+    @property
+    def num_emitted(self) -> int:
+        """Output tokens of every sample before this attempt (finished samples included)."""
+        return sum(len(self.emitted(c)) for c in range(self.n))
 
     @property
     def num_prompt_tokens(self) -> int:

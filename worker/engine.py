@@ -19,7 +19,10 @@ which share the prompt's slots. From then on each sample is a request of
 its own here: it decodes, finishes, is cancelled or paused alone (a paused
 sample lets go of the shared prompt and is prefilled again on its own copy,
 simpler than pausing whole groups and as correct). The inbox entry is
-released with the group's last sample.
+released with the group's last sample. A requeued group forks only its
+unfinished samples, and one that had emitted tokens is prefilled after
+them on top of the shared prompt before it samples again
+(``worker.request``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from shared.admission import AdmissionRule
 from shared.config import AdmissionSettings
 from worker.events import Ended, Event, Released, Started, Token
 from worker.load import request_states
-from worker.request import Phase, Req
+from worker.request import Phase, Req, sampling_after_prefill
 
 if TYPE_CHECKING:  # the engine itself stays free of torch
     from worker.sampler import Sampled
@@ -91,9 +94,11 @@ class Engine:
         """End ``req`` now (wherever it is) and free its slots; an unforked group ends every sample."""
         if req.phase is Phase.FINISHED:
             return []
-        choices = range(req.group.size) if req.is_unforked_leader else [req.choice]
-        events: list[Event] = [Ended(req.id, RequestStatus.CANCELLED, "cancelled", len(req.output_ids), choice=c)
-                               for c in choices]
+        if req.is_unforked_leader:  # it stands for every open sample, each after its emitted tokens
+            ends = [(c, len(req.group.msg.emitted(c))) for c in req.group.msg.open_choices]
+        else:
+            ends = [(req.choice, len(req.output_ids))]
+        events: list[Event] = [Ended(req.id, RequestStatus.CANCELLED, "cancelled", num, choice=c) for c, num in ends]
         return events + self._release(req, "cancelled")
 
     def stop(self, req: Req) -> list[Event]:
@@ -117,7 +122,7 @@ class Engine:
             forks = {r: r.fork_members() for r in completing if r.is_unforked_leader}
             sampled = self.runner.prefill(reqs, [n for _, n in chunks], completing, forks)
             self._join_forks(forks)
-            sampling = [r for leader in completing for r in [leader, *forks.get(leader, [])]]
+            sampling = [r for _, r in sampling_after_prefill(completing, forks)]
             events += self._sample_and_finish(sampling, sampled)
         return events
 

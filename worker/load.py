@@ -6,10 +6,12 @@ ignore_eos] from which the router estimates each request's remaining
 length and the batch's peak (router/admission.py). A waiting request is
 listed with the tokens it will hold once prefilled: the peak counts them
 from the start. A group counts its prompt once (``shared.peak.group_states``):
-before its fork as n states, after it with the prompt on the first member
-still sharing it. Runs on the heartbeat thread while the model loop changes
-the engine's lists, so it reads a copy and tolerates a request appearing in
-both lists for an instant (it is listed once).
+before its fork as a state per open sample (a requeued group's finished
+ones left out, the tokens each emitted held and generated), after it with
+the prompt on the first member still sharing it. Runs on the heartbeat
+thread while the model loop changes the engine's lists, so it reads a copy
+and tolerates a request appearing in both lists for an instant (it is
+listed once).
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def request_states(reqs: list[Req]) -> list[ReqState]:
             continue
         seen.add(id(req))
         params = req.msg.params
-        if req.is_unforked_leader:
-            states += group_states(req.num_tokens, [0] * req.group.size, params.max_new_tokens,
-                                   int(params.ignore_eos))
+        if req.is_unforked_leader:  # every open sample, with the tokens it emitted before a requeue
+            group = req.group.msg
+            states += group_states(group.num_prompt_tokens, [len(group.emitted(c)) for c in group.open_choices],
+                                   params.max_new_tokens, int(params.ignore_eos))
             continue
         held = req.num_tokens
         if req.num_shared:  # a member reading the group's prompt: count it with the first one only

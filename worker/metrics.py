@@ -47,7 +47,8 @@ class WorkerMetrics:
                 if event.finish_reason is not None:
                     self.ended.labels(worker=self.worker_id, reason=event.finish_reason).inc()
             elif isinstance(event, Started):
-                self.prompt_tokens.inc(len(event.prompt_ids) + len(event.resume_ids))
+                # what its prefill feeds: the prompt once, then each sample's resumed tokens
+                self.prompt_tokens.inc(len(event.prompt_ids) + sum(len(event.emitted(c)) for c in event.open_choices))
             elif isinstance(event, Ended):
                 self.ended.labels(worker=self.worker_id, reason=event.reason).inc()
 

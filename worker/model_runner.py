@@ -26,7 +26,7 @@ import torch
 
 from worker.forward_batch import ForwardBatch
 from worker.req_table import ReqTable
-from worker.request import Req
+from worker.request import Req, sampling_after_prefill
 from worker.penalties import TokenCounts
 from worker.sampler import Sampled, SamplingBatch, sample
 from worker.token_pool import TokenPool
@@ -65,9 +65,13 @@ class ModelRunner:
         req.row = self.table.allocate_row()
         req.slot_ids = np.empty(req.max_len, dtype=np.int64)
         req.num_cached = req.num_shared = 0
+        self._start_counts(req)
+
+    def _start_counts(self, req: Req) -> None:
+        """The row's token counts: prompt, and output so far (resumed or paused), for penalties."""
         params = req.msg.params
         if params.has_penalties or params.min_new_tokens:  # only they read the row's counts
-            self.counts.start(req.row, req.msg.prompt_ids, req.output_ids)  # output: resumed or paused
+            self.counts.start(req.row, req.msg.prompt_ids, req.output_ids)
 
     def finish(self, req: Req) -> None:
         """Free the request's row and own slots; a group's prompt slots go with their last holder."""
@@ -83,12 +87,18 @@ class ModelRunner:
         req.num_cached = req.num_shared = 0
 
     def _fork(self, leader: Req, members: list[Req]) -> list[tuple[int, int, int]]:
-        """Share the leader's (complete) prompt with ``members``: rows, not K/V, are copied."""
+        """Share the leader's (complete) prompt with ``members``: rows, not K/V, are copied.
+        Each sample, the leader too, takes its choice's emitted tokens (a requeued group):
+        they are uncached, prefilled by later steps on top of the shared prompt."""
         group, n = leader.group, len(leader.msg.prompt_ids)
         group.forked, group.prompt_slots = True, leader.slot_ids[:n].copy()
         group.holders = 1 + len(members)
         leader.num_shared = n
+        leader.take_emitted()
+        if leader.output_ids:  # its row's counts were started from the prompt alone
+            self._start_counts(leader)
         for member in members:
+            member.take_emitted()
             self.start(member)
             member.slot_ids[:n] = group.prompt_slots
             member.num_cached = member.num_shared = n
@@ -132,14 +142,11 @@ class ModelRunner:
                                          q_lens, False, np.array(copies, dtype=np.int64).reshape(-1, 3)))
         if not completing:
             return Sampled([], [], [])
-        # Each completing request samples from its own last logits, a fork's members from their leader's.
+        # Each completing request samples from its own last logits, a fork's members from their leader's
+        # (those that resume after emitted tokens do not sample yet: see sampling_after_prefill).
         position = {r: i for i, r in enumerate(reqs)}
-        keep, sampling = [], []
-        for req in completing:
-            for r in [req, *forks.get(req, [])]:
-                keep.append(position[req])
-                sampling.append(r)
-        return self._sample(logits[keep], sampling)
+        pairs = sampling_after_prefill(completing, forks)
+        return self._sample(logits[[position[source] for source, _ in pairs]], [r for _, r in pairs])
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:

@@ -16,7 +16,9 @@ text is held back), so chunk indexes stay one per token.
 A group's samples (``choice`` 0..n-1) each have their own decoder and stop
 matcher and write into the request's one chunk stream; the status hash
 says finished (with the samples' total output tokens) when the last one
-ends. Each sample's length joins the output-length history.
+ends. Each sample's length joins the output-length history. A requeued
+group's samples that had finished are not run again: its count starts
+with their tokens and waits only for the others.
 """
 
 from __future__ import annotations
@@ -146,26 +148,29 @@ class Publisher:
                 pipe.xdel(self.keys.inbox(self.worker_id), event.inbox_id)
 
     def _started(self, pipe, event: Started) -> None:
-        for choice in range(event.n):  # a group's samples start alike (a group never resumes)
+        for choice in event.open_choices:  # each sample after the tokens it emitted before (resumed)
+            emitted = event.emitted(choice)
             matcher = StopMatcher(event.stop_sequences)
-            if matcher and event.resume_ids:
-                decoder = self._replay(event, matcher)
+            if matcher and emitted:
+                decoder = self._replay(event, emitted, matcher)
             else:
-                decoder = resumed_decoder(self.tokenizer, event.prompt_ids, event.resume_ids)
+                decoder = resumed_decoder(self.tokenizer, event.prompt_ids, emitted)
             self.outputs[(event.request_id, choice)] = _Output(decoder, matcher, event.min_new_tokens)
-        if event.n > 1:
-            self.groups[event.request_id] = _Group(remaining=event.n)
+        if event.n > 1:  # a requeued group's finished samples are counted already, not ended again
+            self.groups[event.request_id] = _Group(
+                remaining=len(event.open_choices),
+                num_output=sum(len(event.emitted(c)) for c in event.finished_choices))
         pipe.hset(self.keys.meta(event.request_id), mapping=RequestMeta.fields(
             status=RequestStatus.RUNNING, started_ms=now_ms(), worker=self.worker_id))
 
-    def _replay(self, event: Started, matcher: StopMatcher) -> IncrementalDecoder:
+    def _replay(self, event: Started, emitted: list[int], matcher: StopMatcher) -> IncrementalDecoder:
         """Rebuild what the earlier attempt held back: same tokens, same pieces, same state.
 
         (Its emitted text is discarded; the client has it. A stop it had completed
         would have ended the request, so none completes here.)
         """
         decoder = IncrementalDecoder(self.tokenizer, event.prompt_ids)
-        for index, token_id in enumerate(event.resume_ids):
+        for index, token_id in enumerate(emitted):
             matcher.push(decoder.push(token_id), armed=index + 1 >= event.min_new_tokens)
         return decoder
 

@@ -1,13 +1,22 @@
 """A request's state inside one worker (no torch).
 
-A group (``msg.n`` > 1) enters as one ``Req``, its leader (choice 0), which
-prefills the prompt alone. When the prompt is complete the engine forks the
-other n - 1 samples (``fork_members``): each gets its own table row whose
-first ``num_shared`` positions point at the leader's prompt slots, which
+A group (``msg.n`` > 1) enters as one ``Req``, its leader, which prefills
+the prompt alone. When the prompt is complete the engine forks the other
+samples (``fork_members``): each gets its own table row whose first
+``num_shared`` positions point at the leader's prompt slots, which
 ``Group`` then owns. Invariant: ``Group.holders`` is the number of members
 whose rows still point at ``Group.prompt_slots``; the slots go back to the
 pool exactly when it drops to 0 (``ModelRunner.finish``). A paused member
 lets go of the shared prompt and is later prefilled again on its own copy.
+
+A requeued group (``shared.requeue``) runs only its open choices (those
+not finished), the leader being the first of them. Until the fork the
+leader's output is empty (it feeds the prompt only); at the fork every
+sample, the leader too, takes the tokens its choice already emitted
+(``take_emitted``): a sample without any samples its first token from the
+prompt's last logits as usual; one with some is prefilled on top of the
+shared prompt (cached offset = prompt length) before it samples on, as a
+resumed single request is.
 """
 
 from __future__ import annotations
@@ -28,10 +37,19 @@ def member_seed(seed: int | None, choice: int) -> int | None:
     return (seed + choice * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)
 
 
+def sample_msg(msg: GenerateRequest, choice: int) -> GenerateRequest:
+    """The message sample ``choice`` of the group ``msg`` runs with: its own seed."""
+    if choice == 0:
+        return msg
+    return msg.model_copy(update={"params": msg.params.model_copy(update={"seed": member_seed(msg.params.seed,
+                                                                                              choice)})})
+
+
 @dataclass(eq=False)
 class Group:
     """What a group's samples share on this worker."""
 
+    msg: GenerateRequest  # as it arrived (choice 0's seed): members derive theirs from it
     size: int
     live: int  # samples not ended yet (the unforked leader stands for all): the inbox entry goes with the last
     forked: bool = False
@@ -67,24 +85,26 @@ class Req:
     num_shared: int = 0  # leading positions whose slots are group.prompt_slots (not ours to free)
 
     def __post_init__(self) -> None:
-        # A request dispatched again continues after the tokens already emitted.
+        # A request dispatched again continues after the tokens already emitted; a group's samples
+        # take theirs at the fork (take_emitted).
         self.output_ids = list(self.msg.resume_ids)
-        if self.msg.n > 1 and self.group is None:
-            self.group = Group(size=self.msg.n, live=1)
+        if self.msg.n > 1 and self.group is None:  # a group's leader, as it arrives
+            self.group = Group(msg=self.msg, size=self.msg.n, live=1)
+            self.choice = self.msg.open_choices[0]
+            self.msg = sample_msg(self.msg, self.choice)
 
     @property
     def is_unforked_leader(self) -> bool:
         return self.group is not None and not self.group.forked
 
     def fork_members(self) -> list["Req"]:
-        """The group's other samples, each with its own params (derived seed) and no slots yet."""
-        params = self.msg.params
-        members = []
-        for choice in range(1, self.group.size):
-            msg = self.msg.model_copy(update={"params": params.model_copy(update={"seed": member_seed(params.seed,
-                                                                                                        choice)})})
-            members.append(Req(msg=msg, inbox_id=self.inbox_id, choice=choice, group=self.group))
-        return members
+        """The group's other open samples, each with its own params (derived seed) and no slots yet."""
+        return [Req(msg=sample_msg(self.group.msg, c), inbox_id=self.inbox_id, choice=c, group=self.group)
+                for c in self.group.msg.open_choices if c != self.choice]
+
+    def take_emitted(self) -> None:
+        """At the fork: this sample continues after the tokens its choice already emitted."""
+        self.output_ids = list(self.group.msg.emitted(self.choice))
 
     @property
     def id(self) -> str:
@@ -111,3 +131,11 @@ class Req:
     @property
     def is_done_generating(self) -> bool:
         return len(self.output_ids) >= self.msg.params.max_new_tokens
+
+
+def sampling_after_prefill(completing: list[Req], forks: dict[Req, list[Req]]) -> list[tuple[Req, Req]]:
+    """(whose last logits, sample) for every sample that samples after a prefill step, in order:
+    each completing request from its own logits, a fork's members right after their leader, from
+    the leader's. Only samples with nothing left uncached sample: one the fork gave emitted tokens
+    (a requeued group) has them prefilled first. Call after the step's prefill and fork."""
+    return [(req, r) for req in completing for r in [req, *forks.get(req, [])] if r.num_uncached == 0]

@@ -122,7 +122,7 @@ class WorkerService:
         req = Req(msg=msg, inbox_id=entry_id)
         if msg.max_tokens_needed > self.engine.limits.max_total_tokens:
             error = f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds {self.engine.limits.max_total_tokens}"
-            self.publisher.put([Ended(msg.id, RequestStatus.FAILED, "error", len(msg.resume_ids), error),
+            self.publisher.put([Ended(msg.id, RequestStatus.FAILED, "error", msg.num_emitted, error),
                                 Released(msg.id, entry_id)])
             return
         self.engine.add(req)
