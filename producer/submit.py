@@ -55,8 +55,9 @@ def new_request(ids: list[int], params: SamplingParams, timeout_s: float | None 
     """A new request; its id (uuid4: 122 random bits) is unguessable, which status URLs rely on.
 
     ``timeout_s`` becomes an absolute ``deadline_ms`` the router checks while the request waits.
-    ``n`` > 1: a group of samples. A sampled group without a seed gets one, so a group sent
-    back to the queue (which restarts from its prompt) regenerates what its client already has.
+    ``n`` > 1: a group of samples. A sampled group without a seed gets one, so its samples are
+    reproducible (no longer needed for a requeue: each sample continues after the tokens it
+    already emitted, see shared.requeue).
     """
     created = now_ms()
     deadline = None if timeout_s is None else created + math.ceil(timeout_s * 1000)

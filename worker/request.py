@@ -38,7 +38,13 @@ def member_seed(seed: int | None, choice: int) -> int | None:
 
 
 def sample_msg(msg: GenerateRequest, choice: int) -> GenerateRequest:
-    """The message sample ``choice`` of the group ``msg`` runs with: its own seed."""
+    """The message sample ``choice`` of the group ``msg`` runs with: its own seed.
+
+    Seeds after a requeue: as for a resumed single request, which keeps its seed,
+    each sample keeps its choice's seed, whichever sample leads; the sampler keys
+    a seeded row's noise by (seed, output index) and a resumed sample samples
+    index len(emitted) next, so it continues its uninterrupted random stream.
+    """
     if choice == 0:
         return msg
     return msg.model_copy(update={"params": msg.params.model_copy(update={"seed": member_seed(msg.params.seed,

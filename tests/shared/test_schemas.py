@@ -40,3 +40,21 @@ def test_meta_fields_drop_none_and_store_enum_values():
 def test_stream_ids_compare_numerically():
     assert stream_id("10-2") > stream_id("9-99")
     assert stream_id("10-10") > stream_id("10-9")
+
+
+def test_a_requeued_groups_progress_defaults_empty_and_is_checked():
+    params = SamplingParams(max_new_tokens=5)
+    old = '{"id": "g", "prompt_ids": [1], "params": {}, "created_ms": 0, "n": 3}'  # before the fields existed
+    fresh = decode(GenerateRequest, old)
+    assert fresh.group_resume == [] and fresh.finished_choices == [] and fresh.open_choices == [0, 1, 2]
+    assert fresh.emitted(2) == [] and fresh.num_emitted == 0
+    resumed = GenerateRequest(id="g", prompt_ids=[1], params=params, created_ms=0, n=3,
+                              group_resume=[[4], [5, 6], []], finished_choices=[0])
+    assert from_entry(GenerateRequest, entry(resumed)) == resumed
+    assert resumed.open_choices == [1, 2] and resumed.emitted(1) == [5, 6] and resumed.num_emitted == 3
+    single = GenerateRequest(id="s", prompt_ids=[1], params=params, created_ms=0, resume_ids=[7])
+    assert single.emitted(0) == [7] and single.open_choices == [0]
+    for bad in [dict(n=1, group_resume=[[1]]), dict(n=3, group_resume=[[1], []]), dict(n=3, finished_choices=[0, 1, 2]),
+                dict(n=3, finished_choices=[3]), dict(n=3, finished_choices=[1, 0]), dict(n=1, finished_choices=[0])]:
+        with pytest.raises(ValidationError):
+            GenerateRequest(id="g", prompt_ids=[1], params=params, created_ms=0, **bad)

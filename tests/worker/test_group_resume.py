@@ -17,7 +17,7 @@ from shared.requeue import requeue
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
 from tests.worker.test_engine import POOL, make_engine, tiny  # noqa: F401 (fixture)
 from tests.worker.test_engine_groups import count_prefill_tokens, run
-from worker.events import Released, Started, Token
+from worker.events import Ended, Released, Started, Token
 from worker.load import request_states
 from worker.request import Req
 
@@ -147,3 +147,15 @@ def test_a_requeued_group_counts_each_samples_emitted_tokens_for_admission():
     expected = [ReqState(len(PROMPT) + 1, 1, MAX_NEW, 0), ReqState(3, 3, MAX_NEW, 0)]
     assert list(router_states(again)) == expected
     assert request_states([Req(msg=again, inbox_id="1-0")]) == expected
+
+
+def test_cancelling_a_waiting_requeued_group_ends_each_open_sample_after_its_tokens(tiny):
+    _, folder = tiny
+    engine = make_engine(folder)
+    again = group_msg().model_copy(update={"group_resume": [[1, 2], [3], [4, 5, 6]], "finished_choices": [1]})
+    leader = Req(msg=again, inbox_id="1-0")
+    engine.add(leader)
+    assert leader.choice == 0 and leader.output_ids == []  # its tokens come at the fork
+    events = engine.cancel(leader)
+    assert [(e.choice, e.num_output) for e in events if isinstance(e, Ended)] == [(0, 2), (2, 3)]
+    assert isinstance(events[-1], Released) and not engine.has_work

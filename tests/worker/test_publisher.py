@@ -141,3 +141,22 @@ def test_a_groups_samples_have_their_own_text_stops_and_one_end(publisher, clien
     assert meta.status is RequestStatus.FINISHED and meta.output_tokens == 5 + 7 + 3
     assert sorted(client.lrange(keys.output_lengths(), 0, -1)) == ["3", "5", "7"]
     assert publisher.outputs == {} and publisher.groups == {} and publisher.ended_by_stop == set()
+
+
+def test_a_requeued_group_resumes_each_samples_text_and_counts_its_finished_ones(publisher, client, keys, ids):
+    """Choice 1 finished in an earlier attempt (3 tokens); choice 0 emitted 5 with "4" held back
+    (it could start "4x"), choice 2 emitted 2. Only 0 and 2 run here; the status ends once, after
+    both, with every sample's tokens counted (3 + 7 + 4)."""
+    msg = GenerateRequest(id=RID, prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=8, stop_sequences=("4x",)),
+                          created_ms=0, n=3, group_resume=[ids[:5], ids[:3], ids[:2]], finished_choices=[1])
+    event = Started.of(msg)
+    assert event.open_choices == [0, 2] and event.emitted(2) == ids[:2]
+    publisher.publish([event, Token(RID, 5, ids[5], -0.5, None, 0), Token(RID, 2, ids[2], -0.5, None, 2)])
+    assert sorted(publisher.outputs) == [(RID, 0), (RID, 2)]
+    assert [(c.choice, c.index, c.text) for c in chunks(client, keys)] == [(0, 5, "42"), (2, 2, " is")]
+    publisher.publish([Token(RID, 6, ids[6], -0.5, "length", 0)])
+    assert RequestMeta.from_hash(client.hgetall(keys.meta(RID))).status is RequestStatus.RUNNING
+    publisher.publish([Token(RID, 3, ids[3], -0.5, "length", 2)])
+    meta = RequestMeta.from_hash(client.hgetall(keys.meta(RID)))
+    assert meta.status is RequestStatus.FINISHED and meta.output_tokens == 3 + 7 + 4
+    assert publisher.outputs == {}
