@@ -140,12 +140,12 @@ class ModelRunner:
         copies = [c for leader, members in forks.items() for c in self._fork(leader, members)]
         logits = self.forward(StepInputs(np.array(input_ids, dtype=np.int64), positions, slots, rows, cached,
                                          q_lens, False, np.array(copies, dtype=np.int64).reshape(-1, 3)))
-        if not completing:
+        pairs = sampling_after_prefill(completing, forks)
+        if not pairs:  # nothing completed, or only samples that resume after emitted tokens
             return Sampled([], [], [])
         # Each completing request samples from its own last logits, a fork's members from their leader's
         # (those that resume after emitted tokens do not sample yet: see sampling_after_prefill).
         position = {r: i for i, r in enumerate(reqs)}
-        pairs = sampling_after_prefill(completing, forks)
         return self._sample(logits[[position[source] for source, _ in pairs]], [r for _, r in pairs])
 
     @torch.inference_mode()
