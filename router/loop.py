@@ -230,7 +230,7 @@ class Router:
         """End a request that never reached a worker (cancelled or past its deadline)."""
         pipe = self.client.pipeline(transaction=True)
         end_request(pipe, self.keys, request.id, status=status, reason=reason,
-                    num_output=len(request.resume_ids), ttl_s=self.settings.redis.request_ttl_s)
+                    num_output=request.num_emitted, ttl_s=self.settings.redis.request_ttl_s)
         pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
         pipe.execute()
         self.on_finish(request, status)
