@@ -34,10 +34,16 @@ MAX_RETRY_AFTER_S = 60.0
 
 
 def estimated_output(request: GenerateRequest, mean_len: float | None) -> int:
-    max_new = request.params.max_new_tokens
-    if request.params.ignore_eos or mean_len is None:
-        return max_new
-    return max(1, min(max_new, round(mean_len)))
+    """Output tokens still to come, over every sample still open: max_new_tokens with ignore_eos
+    or no history, else the recent mean; less what each sample emitted before a requeue."""
+    max_new, total = request.params.max_new_tokens, 0
+    for choice in request.open_choices:
+        done = len(request.emitted(choice))
+        if request.params.ignore_eos or mean_len is None:
+            total += max_new - done
+        else:
+            total += max(1, min(max_new - done, round(mean_len) - done))
+    return total
 
 
 class DrainRate:
@@ -114,7 +120,7 @@ class Gate:
         """Write the request, or raise 429 ``queue_full`` when the backlog has no room for it."""
         await self.check_workers()
         # A group's samples share the prompt: it is counted once, each sample's output once.
-        cost = request.num_prompt_tokens + request.n * estimated_output(request, await self.mean_output_length())
+        cost = request.num_prompt_tokens + estimated_output(request, await self.mean_output_length())
         result = await store.enqueue(self.redis, self.keys, request, ttl_s, cost=cost,
                                      max_queue_tokens=self.max_queue_tokens, key_hash=key_hash)
         if result.queued_tokens >= 0:

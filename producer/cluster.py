@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from producer.backlog import estimated_output
 from shared.codec import from_entry
 from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk, WorkerLoad
@@ -197,13 +198,6 @@ async def mean_output_length(redis: aioredis.Redis, keys: Keys) -> float | None:
     lengths = [int(x) for x in await redis.lrange(keys.output_lengths(), 0, HISTORY_LEN - 1)]
     return sum(lengths) / len(lengths) if lengths else None
 
-
-def estimated_output(request: GenerateRequest, mean_len: float | None) -> int:
-    """Output tokens still to come: max_new_tokens with ignore_eos or no history, else the recent mean."""
-    remaining = request.params.max_new_tokens - len(request.resume_ids)
-    if request.params.ignore_eos or mean_len is None:
-        return remaining
-    return max(1, min(remaining, round(mean_len) - len(request.resume_ids)))
 
 
 async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerLoad]:
