@@ -48,7 +48,8 @@ class WorkerMetrics:
                     self.ended.labels(worker=self.worker_id, reason=event.finish_reason).inc()
             elif isinstance(event, Started):
                 # what its prefill feeds: the prompt once, then each sample's resumed tokens
-                self.prompt_tokens.inc(len(event.prompt_ids) + sum(len(event.emitted(c)) for c in event.open_choices))
+                msg = event.msg
+                self.prompt_tokens.inc(len(msg.prompt_ids) + sum(len(msg.emitted(c)) for c in msg.open_choices))
             elif isinstance(event, Ended):
                 self.ended.labels(worker=self.worker_id, reason=event.reason).inc()
 

@@ -35,7 +35,7 @@ from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP, Keys
 from shared.redis import Backoff
 from shared.request_log import append_chunk, mark_ended, now_ms
-from shared.schemas import FinishReason, RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 from worker.detokenizer import IncrementalDecoder, resumed_decoder
 from worker.events import Ended, Event, Released, Started, Token
 from worker.stop import StopMatcher
@@ -148,30 +148,30 @@ class Publisher:
                 pipe.xdel(self.keys.inbox(self.worker_id), event.inbox_id)
 
     def _started(self, pipe, event: Started) -> None:
-        for choice in event.open_choices:  # each sample after the tokens it emitted before (resumed)
-            emitted = event.emitted(choice)
-            matcher = StopMatcher(event.stop_sequences)
+        msg = event.msg
+        for choice in msg.open_choices:  # each sample after the tokens it emitted before (resumed)
+            emitted = msg.emitted(choice)
+            matcher = StopMatcher(msg.params.stop_sequences)
             if matcher and emitted:
-                decoder = self._replay(event, emitted, matcher)
+                decoder = self._replay(msg, emitted, matcher)
             else:
-                decoder = resumed_decoder(self.tokenizer, event.prompt_ids, emitted)
-            self.outputs[(event.request_id, choice)] = _Output(decoder, matcher, event.min_new_tokens)
-        if event.n > 1:  # a requeued group's finished samples are counted already, not ended again
-            self.groups[event.request_id] = _Group(
-                remaining=len(event.open_choices),
-                num_output=sum(len(event.emitted(c)) for c in event.finished_choices))
-        pipe.hset(self.keys.meta(event.request_id), mapping=RequestMeta.fields(
+                decoder = resumed_decoder(self.tokenizer, msg.prompt_ids, emitted)
+            self.outputs[(msg.id, choice)] = _Output(decoder, matcher, msg.params.min_new_tokens)
+        if msg.n > 1:  # a requeued group's finished samples are counted already, not ended again
+            self.groups[msg.id] = _Group(remaining=len(msg.open_choices),
+                                         num_output=sum(len(msg.emitted(c)) for c in msg.finished_choices))
+        pipe.hset(self.keys.meta(msg.id), mapping=RequestMeta.fields(
             status=RequestStatus.RUNNING, started_ms=now_ms(), worker=self.worker_id))
 
-    def _replay(self, event: Started, emitted: list[int], matcher: StopMatcher) -> IncrementalDecoder:
+    def _replay(self, msg: GenerateRequest, emitted: list[int], matcher: StopMatcher) -> IncrementalDecoder:
         """Rebuild what the earlier attempt held back: same tokens, same pieces, same state.
 
         (Its emitted text is discarded; the client has it. A stop it had completed
         would have ended the request, so none completes here.)
         """
-        decoder = IncrementalDecoder(self.tokenizer, event.prompt_ids)
+        decoder = IncrementalDecoder(self.tokenizer, msg.prompt_ids)
         for index, token_id in enumerate(emitted):
-            matcher.push(decoder.push(token_id), armed=index + 1 >= event.min_new_tokens)
+            matcher.push(decoder.push(token_id), armed=index + 1 >= msg.params.min_new_tokens)
         return decoder
 
     def _token(self, pipe, event: Token) -> None:

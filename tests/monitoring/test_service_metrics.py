@@ -13,6 +13,7 @@ from shared.config import AdmissionSettings, RouterSettings
 from shared.embedded_redis import free_port
 from shared.keys import ROUTER_GROUP, WORKER_GROUP
 from shared.redis import ensure_group
+from shared.schemas import GenerateRequest, SamplingParams
 from tests.monitoring.conftest import parse
 from tests.router.helpers import publish_load, submit
 from worker.engine import EngineLimits, LoadSnapshot
@@ -75,7 +76,8 @@ class StubEngine:
 
 
 def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys):
-    events = [Started("a", [1, 2, 3], [7]), Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length"),
+    events = [Started(GenerateRequest(id="a", prompt_ids=[1, 2, 3], resume_ids=[7], created_ms=0,
+                                      params=SamplingParams(max_new_tokens=4))), Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length"),
               Ended("c", "cancelled", "cancelled", 2)]
     metrics, engine = WorkerMetrics("w1"), StubEngine(events)
     metrics.registry.register(WorkerCollector(engine, rclient, keys, "w1"))

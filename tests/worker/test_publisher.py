@@ -51,8 +51,10 @@ def tokens(ids, start=0, stop=None, last_reason=None) -> list[Token]:
     return [Token(RID, i, ids[i], -0.5, last_reason if i == stop - 1 else None) for i in range(start, stop)]
 
 
-def started(stops=(), resume_ids=(), min_new_tokens=0) -> Started:
-    return Started(RID, [1, 2, 3], list(resume_ids), tuple(stops), min_new_tokens)
+def started(stops=(), resume_ids=(), min_new_tokens=0, n=1) -> Started:
+    return Started(GenerateRequest(id=RID, prompt_ids=[1, 2, 3], resume_ids=list(resume_ids), n=n, created_ms=0,
+                                   params=SamplingParams(max_new_tokens=16, stop_sequences=tuple(stops),
+                                                         min_new_tokens=min_new_tokens)))
 
 
 def test_a_stop_split_across_tokens_ends_the_request(publisher, client, keys, ids):
@@ -115,12 +117,6 @@ def test_the_thread_publishes_in_order_and_reports_stops(publisher, client, keys
     assert [c.text for c in chunks(client, keys)] == [" The", " "]
 
 
-def test_started_of_carries_the_stop_parameters():
-    msg = GenerateRequest(id=RID, prompt_ids=[1], params=SamplingParams(stop_sequences=("x",), min_new_tokens=3,
-                                                                        max_new_tokens=8), created_ms=0)
-    assert Started.of(msg) == Started(RID, [1], [], ("x",), 3)
-
-
 def test_a_groups_samples_have_their_own_text_stops_and_one_end(publisher, client, keys, ids):
     """Choice 1 stops on "42." while choices 0 and 2 run to their lengths; the status
     says finished once, after the last sample, with every sample's tokens counted."""
@@ -128,7 +124,7 @@ def test_a_groups_samples_have_their_own_text_stops_and_one_end(publisher, clien
         return [Token(RID, i, ids[i], -0.5, last_reason if i == stop - 1 else None, choice)
                 for i in range(start, stop)]
 
-    publisher.publish([Started(RID, [1, 2, 3], [], ("42.",), 0, n=3), *sample(0, 0, 2), *sample(1, 0, 7),
+    publisher.publish([started(("42.",), n=3), *sample(0, 0, 2), *sample(1, 0, 7),
                        *sample(2, 0, 3, "length")])
     assert publisher.take_stopped() == [(RID, 1)]
     assert RequestMeta.from_hash(client.hgetall(keys.meta(RID))).status is RequestStatus.RUNNING
@@ -149,8 +145,8 @@ def test_a_requeued_group_resumes_each_samples_text_and_counts_its_finished_ones
     both, with every sample's tokens counted (3 + 7 + 4)."""
     msg = GenerateRequest(id=RID, prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=8, stop_sequences=("4x",)),
                           created_ms=0, n=3, group_resume=[ids[:5], ids[:3], ids[:2]], finished_choices=[1])
-    event = Started.of(msg)
-    assert event.open_choices == [0, 2] and event.emitted(2) == ids[:2]
+    event = Started(msg)
+    assert msg.open_choices == [0, 2] and msg.emitted(2) == ids[:2]
     publisher.publish([event, Token(RID, 5, ids[5], -0.5, None, 0), Token(RID, 2, ids[2], -0.5, None, 2)])
     assert sorted(publisher.outputs) == [(RID, 0), (RID, 2)]
     assert [(c.choice, c.index, c.text) for c in chunks(client, keys)] == [(0, 5, "42"), (2, 2, " is")]
