@@ -123,8 +123,9 @@ def _completion_logprobs(tokenizer: Any, tokens: list[TokenChunk], offset: int) 
     for chunk in tokens:
         offsets.append(offset)
         offset += len(chunk.text)
-    # Alternatives only when asked (logprobs > 0): then every token chunk carries them.
-    top = [_completion_top(tokenizer, c) for c in tokens] if any(c.top_logprobs for c in tokens) else None
+    # Up to logprobs + 1 entries a position: the alternatives asked for, and the chosen token
+    # (alone with logprobs=0, as OpenAI and vLLM answer).
+    top = [_completion_top(tokenizer, c) for c in tokens]
     return CompletionLogprobs(tokens=[_token_str(tokenizer, c.token_id) for c in tokens],
                               token_logprobs=[_logprob(c.logprob) for c in tokens], top_logprobs=top,
                               text_offset=offsets)

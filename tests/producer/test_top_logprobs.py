@@ -39,7 +39,7 @@ async def test_completion_logprobs_3_whole_and_streamed(oai, worker, tokenizer):
     assert logprobs.top_logprobs == want and logprobs.token_logprobs == [-0.25] * 3
     assert logprobs.tokens == [tokenizer.decode([100 + i]) for i in range(3)]
     assert [e.choices[0].logprobs.top_logprobs for e in events] == [[top] for top in want]
-    assert plain.choices[0].logprobs.top_logprobs is None
+    assert plain.choices[0].logprobs.top_logprobs == [{tokenizer.decode([100 + i]): -0.25} for i in range(3)]
 
 
 async def test_chat_top_logprobs_2_whole_and_streamed(oai, worker, tokenizer):
