@@ -138,6 +138,8 @@ class Engine:
     def _admit(self) -> list[Req]:
         """Move waiting requests into the running set, in order, while the rule allows."""
         admitted: list[Req] = []
+        if not self.waiting:  # most steps: nothing to admit, so no O(batch) summary either
+            return admitted  # (read without the lock: one added meanwhile waits a step)
         states = request_states(self.running)
         with self._lock:
             while self.waiting:
