@@ -28,7 +28,7 @@ from worker.forward_batch import ForwardBatch
 from worker.req_table import ReqTable
 from worker.request import Req, sampling_after_prefill
 from worker.penalties import TokenCounts
-from worker.sampler import Sampled, SamplingBatch, sample
+from worker.sampler import RowParams, Sampled, SamplingBatch, sample
 from worker.token_pool import TokenPool
 
 
@@ -60,6 +60,9 @@ class ModelRunner:
         self.on_forward = None  # tensor parallel, rank 0: StepInputs -> None, called before each forward
         # Per table row token counts, for penalties and min_new_tokens (one row per request).
         self.counts = TokenCounts(table.hold_row, vocab_size, eos_ids, device)
+        # The last step's parameter tensors, keyed by its samples in order: decode steps of an
+        # unchanged batch reuse them (a sample's parameters never change while it runs).
+        self._row_params: tuple[tuple, RowParams | None] = ((), None)
 
     def start(self, req: Req) -> None:
         req.row = self.table.allocate_row()
@@ -168,9 +171,13 @@ class ModelRunner:
                                               step.q_lens, step.is_decode))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> Sampled:
-        params = SamplingBatch.build([r.msg.params for r in reqs], self.vocab_size, self.device,
-                                     rows=[r.row for r in reqs], output_lens=[len(r.output_ids) for r in reqs])
-        return sample(logits, params, self.counts)
+        params = [r.msg.params for r in reqs]
+        key = tuple((r.id, r.choice) for r in reqs)
+        if key != self._row_params[0]:
+            self._row_params = (key, RowParams.build(params, self.vocab_size, self.device))
+        batch = SamplingBatch.build(params, self.vocab_size, self.device, rows=[r.row for r in reqs],
+                                    output_lens=[len(r.output_ids) for r in reqs], fixed=self._row_params[1])
+        return sample(logits, batch, self.counts)
 
     def _batch(self, input_ids, positions, slots, rows, cached, q_lens, is_decode: bool) -> ForwardBatch:
         def dev(values: np.ndarray, dtype=torch.int32) -> torch.Tensor:

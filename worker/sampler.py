@@ -41,6 +41,31 @@ class Sampled(NamedTuple):
 
 
 @dataclass(frozen=True)
+class RowParams:
+    """The per-row tensors that follow from the requests' parameters alone, not from their
+    progress: the same for every step of an unchanged batch, so the runner keeps them."""
+
+    greedy: torch.Tensor       # [B] bool
+    temperature: torch.Tensor  # [B] fp32
+    top_p: torch.Tensor        # [B] fp32
+    min_p: torch.Tensor        # [B] fp32
+    top_k: torch.Tensor        # [B] int64, vocab size when disabled
+    all_greedy: bool
+    num_top: tuple[int, ...]   # [B] on the host: alternatives each row wants (0: none)
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> "RowParams":
+        greedy = [p.is_greedy for p in params]
+        floats = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                               [p.top_p for p in params], [p.min_p for p in params], [float(g) for g in greedy]],
+                              dtype=torch.float32).to(device, non_blocking=True)
+        return cls(greedy=floats[3] > 0, temperature=floats[0], top_p=floats[1], min_p=floats[2],
+                   top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
+                                      dtype=torch.int64).to(device, non_blocking=True),
+                   all_greedy=all(greedy), num_top=tuple(min(p.top_logprobs, vocab_size) for p in params))
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
     greedy: torch.Tensor       # [B] bool
     temperature: torch.Tensor  # [B] fp32
@@ -56,15 +81,14 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device,
-              rows: Sequence[int] | None = None, output_lens: Sequence[int] | None = None) -> "SamplingBatch":
+              rows: Sequence[int] | None = None, output_lens: Sequence[int] | None = None,
+              fixed: RowParams | None = None) -> "SamplingBatch":
         """``rows``: the requests' table rows (needed for penalties and counting);
-        ``output_lens``: tokens each already generated (the index being sampled)."""
-        greedy = [p.is_greedy for p in params]
+        ``output_lens``: tokens each already generated (the index being sampled);
+        ``fixed``: ``RowParams.build`` of these same ``params``, kept from an earlier step."""
+        fixed = fixed or RowParams.build(params, vocab_size, device)
         output_lens = list(output_lens) if output_lens is not None else [0] * len(params)
-        floats = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                               [p.top_p for p in params], [p.min_p for p in params], [float(g) for g in greedy]],
-                              dtype=torch.float32).to(device, non_blocking=True)
-        seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
+        seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.is_greedy]
         row_ids = _device_ints(rows, device) if rows is not None else None
         penalties = None
         if row_ids is not None:
@@ -72,16 +96,14 @@ class SamplingBatch:
         elif any(p.has_penalties or p.min_new_tokens for p in params):
             raise ValueError("penalties and min_new_tokens need the requests' table rows")
         return cls(
-            greedy=floats[3] > 0, temperature=floats[0], top_p=floats[1], min_p=floats[2],
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
-                               dtype=torch.int64).to(device, non_blocking=True),
-            all_greedy=all(greedy),
+            greedy=fixed.greedy, temperature=fixed.temperature, top_p=fixed.top_p, min_p=fixed.min_p,
+            top_k=fixed.top_k, all_greedy=fixed.all_greedy,
             seeded=_device_ints(seeded, device) if seeded else None,
             seed_keys=_device_ints([seed_key(params[i].seed, output_lens[i]) for i in seeded], device)
             if seeded else None,
             penalties=penalties,
             rows=row_ids,
-            num_top=tuple(min(p.top_logprobs, vocab_size) for p in params),
+            num_top=fixed.num_top,
         )
 
 
