@@ -67,17 +67,11 @@ class RowParams:
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    greedy: torch.Tensor       # [B] bool
-    temperature: torch.Tensor  # [B] fp32
-    top_p: torch.Tensor        # [B] fp32
-    min_p: torch.Tensor        # [B] fp32
-    top_k: torch.Tensor        # [B] int64, vocab size when disabled
-    all_greedy: bool
+    fixed: RowParams                       # from the parameters alone (kept across steps by the runner)
     seeded: torch.Tensor | None = None     # [S] int64: batch rows with a seed (sampling ones)
     seed_keys: torch.Tensor | None = None  # [S] int64: 32-bit key of (seed, output index)
     penalties: PenaltyBatch | None = None  # None: no row has penalties or min_new_tokens pending
     rows: torch.Tensor | None = None       # [B] int64 request-table rows (for TokenCounts.add)
-    num_top: tuple[int, ...] = ()          # [B] on the host: alternatives each row wants (0: none)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device,
@@ -96,14 +90,12 @@ class SamplingBatch:
         elif any(p.has_penalties or p.min_new_tokens for p in params):
             raise ValueError("penalties and min_new_tokens need the requests' table rows")
         return cls(
-            greedy=fixed.greedy, temperature=fixed.temperature, top_p=fixed.top_p, min_p=fixed.min_p,
-            top_k=fixed.top_k, all_greedy=fixed.all_greedy,
+            fixed=fixed,
             seeded=_device_ints(seeded, device) if seeded else None,
             seed_keys=_device_ints([seed_key(params[i].seed, output_lens[i]) for i in seeded], device)
             if seeded else None,
             penalties=penalties,
             rows=row_ids,
-            num_top=fixed.num_top,
         )
 
 
@@ -125,23 +117,23 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCounts | Non
         if counts is None:
             raise ValueError("this batch has penalties: pass the TokenCounts")
         logits = counts.apply(logits, batch.penalties)
-    scaled = logits / batch.temperature[:, None]
+    scaled = logits / batch.fixed.temperature[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
     ids = logits.argmax(dim=-1)
-    if not batch.all_greedy:
-        ids = torch.where(batch.greedy, ids, _sample_filtered(scaled, batch))
+    if not batch.fixed.all_greedy:
+        ids = torch.where(batch.fixed.greedy, ids, _sample_filtered(scaled, batch))
     if counts is not None and batch.rows is not None:
         counts.add(batch.rows, ids)
     chosen = logprobs.gather(1, ids[:, None])  # [B, 1]
     # [B, 2 + 2k]: id, logprob, k alternative ids, their logprobs (k = the batch's largest ask; ids
     # are exact in float64), so everything comes back in one copy.
     parts = [ids[:, None].to(torch.float64), chosen.to(torch.float64)]
-    k = max(batch.num_top, default=0)
+    k = max(batch.fixed.num_top, default=0)
     if k:
         top = logprobs.topk(k, dim=-1)  # sorted, most likely first
         parts += [top.indices.to(torch.float64), top.values.to(torch.float64).clamp_min(FLOOR_LOGPROB)]
     host = torch.cat(parts, dim=1).cpu().tolist()  # the one copy
-    wants = batch.num_top or (0,) * len(host)
+    wants = batch.fixed.num_top or (0,) * len(host)
     return Sampled([int(row[0]) for row in host], [row[1] for row in host],
                    [_top_of(row, n, k) for row, n in zip(host, wants)])
 
@@ -156,14 +148,14 @@ def _top_of(row: list[float], n: int, k: int) -> TopLogprobs | None:
 def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V]
     ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(ranks >= batch.top_k[:, None], float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(ranks >= batch.fixed.top_k[:, None], float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= batch.top_p[:, None], 0.0)
+    probs = probs.masked_fill(mass_before >= batch.fixed.top_p[:, None], 0.0)
     # min_p: drop tokens below min_p x the most likely one (which always stays). The
     # ratio does not change under renormalisation, so the order of the filters is free.
-    probs = probs.masked_fill(probs < batch.min_p[:, None] * probs[:, :1], 0.0)
+    probs = probs.masked_fill(probs < batch.fixed.min_p[:, None] * probs[:, :1], 0.0)
     noise = torch.empty_like(probs).exponential_(1.0).clamp_min_(MIN_NOISE)
     if batch.seeded is not None:
         # Noise is keyed by token id, so it is gathered into this row's sorted order.
