@@ -67,20 +67,16 @@ def choose_worker(loads: Mapping[str, WorkerLoad], reserved: Mapping[str, Sequen
                   request: GenerateRequest, policy: Policy, estimator: Estimator,
                   margin: float = 0.05) -> str | None:
     """The admissible worker with the lowest resulting use ratio, or None (the request waits)."""
-    best: str | None = None
-    best_ratio = float("inf")
-    for worker_id, load in sorted(loads.items()):
-        ratio = check_worker(load, reserved.get(worker_id, ()), request, policy, estimator, margin)
-        if ratio is not None and ratio < best_ratio:
-            best, best_ratio = worker_id, ratio
-    return best
+    return lowest({worker_id: check_worker(load, reserved.get(worker_id, ()), request, policy, estimator, margin)
+                   for worker_id, load in loads.items()})
 
 
 def choose_view(views: Views, candidate: Candidate) -> str | None:
     """``choose_worker`` over prepared views (one request, not a group): the same choice, faster."""
-    best: str | None = None
-    best_ratio = float("inf")
-    for worker_id, ratio in sorted(views.ratios(candidate).items()):
-        if ratio is not None and ratio < best_ratio:
-            best, best_ratio = worker_id, ratio
-    return best
+    return lowest(views.ratios(candidate))
+
+
+def lowest(ratios: Mapping[str, float | None]) -> str | None:
+    """The worker with the lowest ratio among those that fit (not None); ties go to the first id."""
+    fitting = [(ratio, worker_id) for worker_id, ratio in ratios.items() if ratio is not None]
+    return min(fitting)[1] if fitting else None

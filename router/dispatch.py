@@ -97,9 +97,6 @@ class Dispatcher:
         self.client, self.keys = client, keys
         self.script = client.register_script(DISPATCH_LUA)  # EVALSHA, reloaded after a Redis restart
 
-    def send(self, worker_id: str, tail: str, entry_id: str, request: GenerateRequest) -> Outcome:
-        return self.send_many([Item(worker_id, tail, entry_id, request)])[0]
-
     def send_many(self, items: list[Item]) -> list[Outcome]:
         """Several dispatches in one round trip, each checked as if sent alone, in order."""
         keys, args = [self.keys.requests()], [ROUTER_GROUP, MAX_NEWER, FIELD]
