@@ -27,26 +27,11 @@ from collections.abc import Mapping, Sequence
 
 from shared.history import Estimator
 from router.worker_view import Candidate, Views
-from shared.peak import Policy, ReqState, check, group_states
+from shared.admission import request_state, request_states
+from shared.peak import Policy, ReqState, check
 from shared.schemas import GenerateRequest, WorkerLoad
 
 __all__ = ["check", "check_worker", "choose_view", "choose_worker", "request_state", "request_states"]
-
-
-def request_state(request: GenerateRequest) -> ReqState:
-    """A request about to be dispatched; a resumed one has its emitted tokens already."""
-    done = len(request.resume_ids)
-    return ReqState(request.num_prompt_tokens + done, done, request.params.max_new_tokens,
-                    int(request.params.ignore_eos))
-
-
-def request_states(request: GenerateRequest) -> tuple[ReqState, ...]:
-    """What a request adds to a worker: its state, or a group's open samples (the prompt counted once),
-    each with the tokens it emitted before a requeue."""
-    if request.n > 1:
-        return tuple(group_states(request.num_prompt_tokens, [len(request.emitted(c)) for c in request.open_choices],
-                                  request.params.max_new_tokens, int(request.params.ignore_eos)))
-    return (request_state(request),)
 
 
 def check_worker(load: WorkerLoad, reserved: Sequence[ReqState], request: GenerateRequest,

@@ -16,7 +16,8 @@ listed once).
 
 from __future__ import annotations
 
-from shared.peak import ReqState, group_states
+from shared.admission import request_states as message_states
+from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import WorkerLoad
 from worker.request import Phase, Req
@@ -32,10 +33,8 @@ def request_states(reqs: list[Req]) -> list[ReqState]:
             continue
         seen.add(id(req))
         params = req.msg.params
-        if req.is_unforked_leader:  # every open sample, with the tokens it emitted before a requeue
-            group = req.group.msg
-            states += group_states(group.num_prompt_tokens, [len(group.emitted(c)) for c in group.open_choices],
-                                   params.max_new_tokens, int(params.ignore_eos))
+        if req.is_unforked_leader:  # every open sample, as the router counted the group's message
+            states += message_states(req.group.msg)
             continue
         held = req.num_tokens
         if req.num_shared:  # a member reading the group's prompt: count it with the first one only
