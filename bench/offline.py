@@ -23,7 +23,8 @@ from bench.shapes import SHAPES, config_dir
 from shared.config import ModelSettings, WorkerSettings
 from shared.schemas import GenerateRequest, SamplingParams
 from worker.events import Token
-from worker.main import build_engine
+from worker import tp as tensor_parallel
+from worker.main import build_engine, follower, rank_device
 from worker.request import Req
 
 
@@ -38,15 +39,27 @@ def run_lightq(args, work) -> float:
         model=ModelSettings(model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048),
         device=args.device, max_total_token_num=args.max_total_token_num, batch_max_tokens=args.batch_max_tokens,
         running_max_req_size=args.running_max, graph_max_batch_size=args.graph_max_bs,
-        cuda_graphs=not args.no_graphs)
-    engine = build_engine(settings)
-    print(f"lightq: KV pool {engine.limits.max_total_tokens} tokens, graphs {engine.runner.graphs is not None}")
-    warm = [(ids[:16], 4) for ids, _ in work[:8]]
-    drive(engine, warm, progress=False)
-    return drive(engine, work, progress=True)
+        cuda_graphs=not args.no_graphs, tp=args.tp)
+    # --tp N: N - 1 follower processes, as `lightq worker --tp N` starts them (worker.main.run)
+    group = tensor_parallel.launch(args.tp, rank_device(settings, 0), follower, settings) if args.tp > 1 else None
+    try:
+        engine = build_engine(settings, group=group)
+        print(f"lightq: KV pool {engine.limits.max_total_tokens} tokens, graphs {engine.runner.graphs is not None},"
+              f" tp {args.tp}")
+        warm = [(ids[:16], 4) for ids, _ in work[:8]]
+        drive(engine, warm, progress=False)
+        timeline: list[tuple[float, int, bool]] | None = [] if args.timeline else None
+        seconds = drive(engine, work, progress=True, timeline=timeline)
+    finally:
+        if group is not None:
+            group.close()
+    if timeline:
+        print_timeline(timeline)
+    return seconds
 
 
-def drive(engine, work, progress: bool) -> float:
+def drive(engine, work, progress: bool, timeline: list | None = None) -> float:
+    """Run ``work`` to the end; ``timeline`` gets (seconds, decoding requests, prefilled too) per step."""
     for i, (ids, out) in enumerate(work):
         msg = GenerateRequest(id=f"r{i}", prompt_ids=ids, created_ms=0,
                               params=SamplingParams(max_new_tokens=out, ignore_eos=True))
@@ -55,10 +68,30 @@ def drive(engine, work, progress: bool) -> float:
     sync()
     start = time.perf_counter()
     while engine.has_work:
+        if timeline is not None:
+            decoding = sum(r.is_prefilled for r in engine.running)
+            prefilling = bool(engine.waiting) or decoding < len(engine.running)
+            began = time.perf_counter()
         bar.update(sum(isinstance(e, Token) for e in engine.step()))
+        if timeline is not None:
+            timeline.append((time.perf_counter() - began, decoding, prefilling))
     sync()
     bar.close()
     return time.perf_counter() - start
+
+
+def print_timeline(timeline: list[tuple[float, int, bool]]) -> None:
+    """Where the wall time went: steps that prefilled, then decode-only steps by batch size."""
+    print(f"{'steps':<22} {'count':>6} {'seconds':>8} {'ms/step':>8} {'mean batch':>10}")
+    bands = [("with prefill", lambda d, p: p)] + [
+        (f"decode, batch {lo}-{hi - 1}", lambda d, p, lo=lo, hi=hi: not p and lo <= d < hi)
+        for lo, hi in ((1, 16), (16, 64), (64, 256), (256, 512), (512, 100_000))]
+    for name, member in bands:
+        rows = [(t, d) for t, d, p in timeline if member(d, p)]
+        if rows:
+            total = sum(t for t, _ in rows)
+            print(f"{name:<22} {len(rows):>6} {total:>8.2f} {total / len(rows) * 1e3:>8.2f} "
+                  f"{sum(d for _, d in rows) / len(rows):>10.0f}")
 
 
 def run_hf_peer(args, work) -> float:
@@ -104,6 +137,8 @@ def main() -> None:
     parser.add_argument("--running-max", type=int, default=1024)
     parser.add_argument("--graph-max-bs", type=int, default=1024)
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (one process each)")
+    parser.add_argument("--timeline", action="store_true", help="print where the wall time went, by step kind")
     parser.add_argument("--peer", choices=["hf"], default=None)
     args = parser.parse_args()
     work = workload(args)

@@ -42,12 +42,49 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 }
 
 
-def config_dir(shape: str) -> str:
-    """A temporary directory holding the shape's config.json (for ``dummy:<dir>``)."""
-    folder = tempfile.mkdtemp(prefix=f"lightq-{shape}-")
+def config_dir(shape: str, folder: str | None = None, tokenizer: bool = False) -> str:
+    """A directory (``folder``, else a temporary one) holding the shape's config.json, for
+    ``dummy:<dir>``; with ``tokenizer``, also a word-level tokenizer over the whole vocabulary
+    (``word_tokenizer``), so the full stack can serve the shape: text in, every id decodable."""
+    folder = folder or tempfile.mkdtemp(prefix=f"lightq-{shape}-")
+    os.makedirs(folder, exist_ok=True)
     arch, model_type = ARCHITECTURES.get(shape, ("LlamaForCausalLM", "llama"))
     config = {"architectures": [arch], "model_type": model_type, "torch_dtype": "bfloat16",
               "bos_token_id": 1, "eos_token_id": 2, **SHAPES[shape]}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
+    if tokenizer:
+        word_tokenizer(SHAPES[shape]["vocab_size"], folder)
     return folder
+
+
+def word_tokenizer(vocab_size: int, folder: str) -> None:
+    """tokenizer.json + tokenizer_config.json: ids 0-2 are <unk>, <s>, </s> (config.json's bos
+    and eos), id i >= 3 is the word "w<i>"; words split on whitespace and decode space-joined.
+    A stand-in for a real tokenizer where only the vocabulary's size matters (dummy weights)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
+                   "eos_token": "</s>", "model_max_length": 1 << 20}, f)
+
+
+def main() -> None:
+    """python -m bench.shapes SHAPE DIR [--tokenizer]: write a shape's config (for lightq serve)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("folder")
+    parser.add_argument("--tokenizer", action="store_true", help="also a word-level tokenizer (word_tokenizer)")
+    args = parser.parse_args()
+    print(config_dir(args.shape, args.folder, args.tokenizer))
+
+
+if __name__ == "__main__":
+    main()

@@ -107,10 +107,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = empty_param(hidden_size, dtype=dtype, device=device)
-        self._impl = self._triton if on_cuda(device) else self._torch
+        self.fused = on_cuda(device)  # Triton kernels, the add fused into the norm
+        self._impl = self._triton if self.fused else self._torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._impl(x)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add and the norm after it, one kernel on CUDA.
+        The sum is rounded to the model dtype before the norm, as the unfused model has it."""
+        if not self.fused:
+            s = residual + x
+            return self._torch(s), s
+        from worker.kernels.rmsnorm import fused_add_rmsnorm
+
+        return fused_add_rmsnorm(x.contiguous(), residual.contiguous(), self.weight, self.eps)
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -227,11 +238,13 @@ def rotate_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """In place on q, k (views of the fused qkv output). cos/sin [T, 1, D] repeat
-    their first half (the table is cat(freqs, freqs)), so the kernel takes [T, D/2]."""
+    their first half (the table is cat(freqs, freqs)), so the kernel takes [T, D/2]:
+    strided views, no copy (the kernel reads rows by stride; two copies per layer were
+    two of a decode step's ~13 kernels per layer)."""
     from worker.kernels.rotary import rotary_embedding
 
     half = cos.shape[-1] // 2
-    rotary_embedding(q, k, cos[:, 0, :half].contiguous(), sin[:, 0, :half].contiguous())
+    rotary_embedding(q, k, cos[:, 0, :half], sin[:, 0, :half])
     return q, k
 
 

@@ -117,21 +117,24 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCounts | Non
         if counts is None:
             raise ValueError("this batch has penalties: pass the TokenCounts")
         logits = counts.apply(logits, batch.penalties)
-    scaled = logits / batch.fixed.temperature[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
+    # Greedy rows have temperature 1: an all-greedy batch skips a [B, V] pass.
+    scaled = logits if batch.fixed.all_greedy else logits / batch.fixed.temperature[:, None]
+    # log_softmax(x) = x - logsumexp(x): one [B] reduction instead of a [B, V] tensor written
+    # and read again, and the ranking of the alternatives is that of x itself.
+    log_z = torch.logsumexp(scaled, dim=-1, keepdim=True)  # [B, 1]
     ids = logits.argmax(dim=-1)
     if not batch.fixed.all_greedy:
         ids = torch.where(batch.fixed.greedy, ids, _sample_filtered(scaled, batch))
     if counts is not None and batch.rows is not None:
         counts.add(batch.rows, ids)
-    chosen = logprobs.gather(1, ids[:, None])  # [B, 1]
+    chosen = scaled.gather(1, ids[:, None]) - log_z  # [B, 1]
     # [B, 2 + 2k]: id, logprob, k alternative ids, their logprobs (k = the batch's largest ask; ids
     # are exact in float64), so everything comes back in one copy.
     parts = [ids[:, None].to(torch.float64), chosen.to(torch.float64)]
     k = max(batch.fixed.num_top, default=0)
     if k:
-        top = logprobs.topk(k, dim=-1)  # sorted, most likely first
-        parts += [top.indices.to(torch.float64), top.values.to(torch.float64).clamp_min(FLOOR_LOGPROB)]
+        top = scaled.topk(k, dim=-1)  # sorted, most likely first
+        parts += [top.indices.to(torch.float64), (top.values - log_z).to(torch.float64).clamp_min(FLOOR_LOGPROB)]
     host = torch.cat(parts, dim=1).cpu().tolist()  # the one copy
     wants = batch.fixed.num_top or (0,) * len(host)
     return Sampled([int(row[0]) for row in host], [row[1] for row in host],

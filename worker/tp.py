@@ -97,13 +97,23 @@ class TPGroup:
         return buffer.numpy()
 
     def close(self) -> None:
-        """Rank 0, on a clean exit: tell the followers to leave, wait for them, leave the group."""
+        """Rank 0, on a clean exit: tell the followers to leave, leave the group with them, reap them.
+
+        Every rank must tear the group down at the same time: NCCL's communicator teardown waits
+        for its peers, so rank 0 waiting for its followers to exit first (they were in their own
+        teardown, waiting for rank 0) deadlocked until the followers were killed, and then rank 0's
+        own teardown waited on a dead peer forever (seen on two H200s). The teardown runs in a
+        thread so that a follower that never gets there costs ``JOIN_TIMEOUT_S``, not a hang."""
         self.closing = True
         try:
             self._broadcast(np.array([SHUTDOWN, 0, 0, 0], dtype=np.int64))
         finally:
+            teardown = threading.Thread(target=dist.destroy_process_group, name="lightq-tp-teardown", daemon=True)
+            teardown.start()
+            teardown.join(JOIN_TIMEOUT_S)
+            if teardown.is_alive():
+                log.warning("tensor-parallel teardown did not finish in %.0f s: leaving it", JOIN_TIMEOUT_S)
             self._reap(JOIN_TIMEOUT_S)
-            dist.destroy_process_group()
 
     def abort(self) -> None:
         """Rank 0, on an error: followers may be stuck in a collective, so they are killed

@@ -107,7 +107,9 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def decoder_layers(self) -> Iterable[nn.Module]:
-        """Layers called as ``layer(h, extra, batch, backend) -> h``."""
+        """Layers called as ``layer(h, pending, extra, batch, backend) -> (h, pending)``: h is the
+        residual stream, pending a sublayer output not yet added to it (None: nothing), which
+        the next layer may fuse into its first norm (one kernel for add + norm on CUDA)."""
         raise NotImplementedError
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
@@ -128,11 +130,13 @@ class CausalLM(nn.Module):
         if self.backend is None:
             raise RuntimeError("no attention backend: call set_backend() once the KV cache exists")
         h, extra = self.embed(batch)  # [T, H]
+        pending = None
         for layer in self.decoder_layers():
-            h = layer(h, extra, batch, self.backend)
+            h, pending = layer(h, pending, extra, batch, self.backend)
         # Only the last new token of each request is sampled from; the final
         # norm is per token, so selecting first saves the rest of the work.
-        last = self.final_norm(h[batch.last_token_index.long()])  # [B, H]
+        last = batch.last_token_index.long()
+        last = self.final_norm(h[last] if pending is None else h[last] + pending[last])  # [B, H]
         return self.lm_head(last).float()  # [B, V]
 
     # --- weights -----------------------------------------------------------

@@ -72,11 +72,13 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(hidden, dtype, device, tp)
         self.residual_from_norm = bool(config.apply_residual_connection_post_layernorm)
 
-    def forward(self, h: torch.Tensor, extra: None, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, pending: None, extra: None, batch: ForwardBatch,
+                backend: AttentionBackend) -> tuple[torch.Tensor, None]:
+        """Leaves nothing pending: BLOOM's LayerNorm has no fused add (``CausalLM.decoder_layers``)."""
         x = self.input_layernorm(h)
         h = (x if self.residual_from_norm else h) + self.self_attention(x, batch, backend)
         x = self.post_attention_layernorm(h)
-        return (x if self.residual_from_norm else h) + self.mlp(x)
+        return (x if self.residual_from_norm else h) + self.mlp(x), None
 
 
 class BloomModel(nn.Module):

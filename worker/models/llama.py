@@ -70,9 +70,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
 
-    def forward(self, h: torch.Tensor, rope: Rope, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, batch, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, pending: torch.Tensor | None, rope: Rope, batch: ForwardBatch,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, pending) -> (h, this layer's MLP output): each residual add is fused into the norm
+        after it, the MLP's into the next layer's (``CausalLM.decoder_layers``)."""
+        x, h = (self.input_layernorm(h), h) if pending is None else self.input_layernorm.add_norm(pending, h)
+        x, h = self.post_attention_layernorm.add_norm(self.self_attn(x, rope, batch, backend), h)
+        return h, self.mlp(x)
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU runs behind bench/RESULTS.md's H200 rows, as sent through the device tool:
+#   bash bench/h200.sh setup gpu-tests profile offline offline-16k      (one H200)
+#   bash bench/h200.sh setup tp2 bloom serve                           (two: tp2 needs both)
+# Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+for part in "$@"; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    setup)  # the pure-Python packages the image lacks travel as wheels in .whl
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader ;;
+    profile) timeout 240 python3 -m bench.step_profile --model-shape llama3-8b --batches 1,64,256,1024 \
+               --trace 64,1024 2>&1 | grep -v Warning | tee "$OUT/profile.log" | tail -60 ;;
+    offline) timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline 2>&1 \
+               | tr '\r' '\n' | tee "$OUT/offline.log" | grep -v "tok/s\]" | tail -9 ;;
+    offline-16k) timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline --batch-max-tokens 16384 2>&1 \
+               | tr '\r' '\n' | tee "$OUT/offline16k.log" | grep -v "tok/s\]" | tail -9 ;;
+    tp2)    timeout 300 python3 -m bench.offline --model-shape llama3-8b --tp 2 --timeline 2>&1 \
+               | tr '\r' '\n' | tee "$OUT/tp2.log" | grep -v "tok/s\]" | tail -9 ;;
+    bloom)  timeout 240 python3 -m bench.offline --model-shape bloom-7b1 --timeline 2>&1 \
+               | tr '\r' '\n' | tee "$OUT/bloom.log" | grep -v "tok/s\]" | tail -9 ;;
+    serve)  # the whole stack: embedded Redis, producer, router, one GPU worker; 16 requests/s
+      python3 -m bench.shapes llama3-8b /tmp/l3 --tokenizer
+      python3 -m lightq.cli serve --port 8200 --workers 1 --model_dir dummy:/tmp/l3 >"$OUT/serve.log" 2>&1 &
+      for i in $(seq 120); do python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8200/metrics').read().decode())" 2>/dev/null \
+        | grep -q '^lightq:live_workers 1' && break; sleep 2; done; echo "worker up after ~$((i * 2)) s"
+      timeout 240 python3 -m bench.serve_bench --base-url http://127.0.0.1:8200 --num-prompts 1000 --request-rate 16 \
+        --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 2>&1 | tee "$OUT/serve_bench.log" | tail -40
+      kill %1; sleep 3 ;;
+    gpu-tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/worker/test_gpu_backend.py \
+               -m "not slow" 2>&1 | tee "$OUT/gpu-tests.log" | tail -8 ;;
+  esac
+done

@@ -1,0 +1,144 @@
+"""Where a decode step's time goes, through the real engine (issue 3's profile).
+
+    python -m bench.step_profile --model-shape llama3-8b --batches 1,64,256,1024
+
+For each batch size B: B requests with ``--context`` prompt tokens are
+prefilled, then ``--steps`` decode steps of ``Engine.step()`` are timed on
+the host clock (the step ends with the sampled ids on the host, so its wall
+time is the real cost of a token for the whole batch). CUDA events split the
+step into the model's forward (the CUDA graph), sampling, and the host's own
+work between them (engine bookkeeping, batch building: nothing on the GPU).
+With ``--trace B`` a torch profiler table of the kernels of one eager
+forward at batch B follows (kernel times are the graph's; eager only adds
+launch gaps), grouped by kernel name, so the largest costs read off the top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from bench.shapes import SHAPES, config_dir
+from shared.config import ModelSettings, WorkerSettings
+from shared.schemas import GenerateRequest, SamplingParams
+from worker.main import build_engine
+from worker.request import Req
+
+
+class Timed:
+    """Wraps a callable: CUDA events around each call, read after the step."""
+
+    def __init__(self, fn):
+        self.fn, self.pairs, self.cpu_ms = fn, [], 0.0
+
+    def __call__(self, *args, **kwargs):
+        if not torch.cuda.is_available():  # a CPU smoke run: the host clock
+            start = time.perf_counter()
+            out = self.fn(*args, **kwargs)
+            self.cpu_ms += (time.perf_counter() - start) * 1e3
+            return out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.fn(*args, **kwargs)
+        end.record()
+        self.pairs.append((start, end))
+        return out
+
+    def take_ms(self) -> float:
+        sync()
+        total = self.cpu_ms + sum(s.elapsed_time(e) for s, e in self.pairs)
+        self.pairs, self.cpu_ms = [], 0.0
+        return total
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def fill(engine, batch: int, context: int, vocab: int, rng, steps: int) -> list[Req]:
+    """B requests prefilled and decoding; ``steps`` new tokens each, so all of them fit the pool at once."""
+    reqs = []
+    for i in range(batch):
+        msg = GenerateRequest(id=f"b{batch}-{i}", prompt_ids=rng.integers(3, vocab, size=context).tolist(),
+                              created_ms=0, params=SamplingParams(max_new_tokens=steps, ignore_eos=True))
+        reqs.append(Req(msg=msg, inbox_id=f"{i}-0"))
+        engine.add(reqs[-1])
+    while engine.waiting or not all(r.is_prefilled for r in engine.running):
+        engine.step()
+    return reqs
+
+
+def measure(engine, steps: int) -> dict[str, float]:
+    runner = engine.runner
+    forward, sample = Timed(runner.forward), Timed(runner._sample)
+    runner.forward, runner._sample = forward, sample
+    walls, fwd, smp = [], [], []
+    try:
+        for _ in range(steps):
+            sync()
+            start = time.perf_counter()
+            engine.step()
+            walls.append((time.perf_counter() - start) * 1e3)
+            fwd.append(forward.take_ms())
+            smp.append(sample.take_ms())
+    finally:
+        del runner.forward, runner._sample  # back to the class's methods
+    wall, f, s = statistics.median(walls), statistics.median(fwd), statistics.median(smp)
+    return {"wall": wall, "forward": f, "sample": s, "host": wall - f - s}
+
+
+def trace(engine, batch: int) -> None:
+    """Kernel table of one eager decode forward at ``batch`` (the requests are running)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        for _ in range(3):
+            engine.step()
+        with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+            engine.step()
+            sync()
+    finally:
+        engine.runner.graphs = graphs
+    print(f"\nkernels of one eager decode step at batch {batch} (GPU time):")
+    print(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=18, max_name_column_width=70))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--batches", default="1,64,256,1024")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--trace", default="", help="batch sizes to show a kernel table for, e.g. 64,1024")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    traced = {int(b) for b in args.trace.split(",") if b}
+    settings = WorkerSettings(
+        model=ModelSettings(model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048),
+        device=args.device, batch_max_tokens=8192, running_max_req_size=max(batches), graph_max_batch_size=max(batches))
+    engine = build_engine(settings)
+    vocab, rng = SHAPES[args.model_shape]["vocab_size"], np.random.default_rng(0)
+    rows = []
+    for b in batches:
+        reqs = fill(engine, b, args.context, vocab, rng, args.steps + 10)
+        rows.append((b, measure(engine, args.steps)))
+        if b in traced:
+            trace(engine, b)
+        for req in reqs:
+            engine.cancel(req)
+    print(f"\n{args.model_shape}, context {args.context}, median of {args.steps} engine steps (ms)")
+    print(f"{'batch':>5} {'step':>8} {'forward':>8} {'sample':>8} {'host':>8} {'tok/s':>9}")
+    for b, m in rows:
+        print(f"{b:>5} {m['wall']:>8.2f} {m['forward']:>8.2f} {m['sample']:>8.2f} {m['host']:>8.2f} "
+              f"{b / m['wall'] * 1e3:>9,.0f}")
+
+
+if __name__ == "__main__":
+    main()
