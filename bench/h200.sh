@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/RESULTS.md's H200 rows, as sent through the device tool:
 #   bash bench/h200.sh setup gpu-tests profile offline offline-16k      (one H200)
-#   bash bench/h200.sh setup tp2 bloom serve                           (two: tp2 needs both)
+#   bash bench/h200.sh setup tp2 bloom serve serve-tp2 scale           (two: tp2 needs both)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+serve() {  # serve ARGS N: lightq serve with ARGS, then N requests at 16/s through /generate_stream
+  python3 -m bench.shapes llama3-8b /tmp/l3 --tokenizer
+  python3 -m lightq.cli serve --port 8200 $1 --model_dir dummy:/tmp/l3 >"$OUT/serve$2.log" 2>&1 & local pid=$!
+  for i in $(seq 120); do python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8200/metrics').read().decode())" \
+    2>/dev/null | grep -q '^lightq:live_workers 1' && break; sleep 2; done; echo "worker up after ~$((i * 2)) s"
+  timeout 240 python3 -m bench.serve_bench --base-url http://127.0.0.1:8200 --num-prompts $2 --request-rate 16 \
+    --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 2>&1 | tee "$OUT/serve_bench$2.log" \
+    | grep -E "Successful|Failed|duration|Request|Output token|(Median|P99) (TTFT|TPOT|ITL)"
+  kill $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  kill -0 $pid 2>/dev/null && echo "serve still running 60 s after SIGTERM" || { wait $pid; echo "serve exit code $?"; }
+}
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
@@ -22,14 +33,12 @@ for part in "$@"; do
                | tr '\r' '\n' | tee "$OUT/tp2.log" | grep -v "tok/s\]" | tail -9 ;;
     bloom)  timeout 240 python3 -m bench.offline --model-shape bloom-7b1 --timeline 2>&1 \
                | tr '\r' '\n' | tee "$OUT/bloom.log" | grep -v "tok/s\]" | tail -9 ;;
-    serve)  # the whole stack: embedded Redis, producer, router, one GPU worker; 16 requests/s
-      python3 -m bench.shapes llama3-8b /tmp/l3 --tokenizer
-      python3 -m lightq.cli serve --port 8200 --workers 1 --model_dir dummy:/tmp/l3 >"$OUT/serve.log" 2>&1 &
-      for i in $(seq 120); do python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8200/metrics').read().decode())" 2>/dev/null \
-        | grep -q '^lightq:live_workers 1' && break; sleep 2; done; echo "worker up after ~$((i * 2)) s"
-      timeout 240 python3 -m bench.serve_bench --base-url http://127.0.0.1:8200 --num-prompts 1000 --request-rate 16 \
-        --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 2>&1 | tee "$OUT/serve_bench.log" | tail -40
-      kill %1; sleep 3 ;;
+    serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
+    serve-tp2) serve "--workers 1 --tp 2" 150 ;;
+    scale)  # the router against 32 simulated workers, on a host with cores to spare (no GPU used)
+      bin=$(python3 -c "from shared.embedded_redis import redis_server_binary; print(redis_server_binary())")
+      $bin --port 6390 --save '' --appendonly no --daemonize yes >/dev/null
+      timeout 200 python3 -m bench.scale_sim --redis_url redis://127.0.0.1:6390/0 2>&1 | tee "$OUT/scale.log" | tail -12 ;;  # the same with one worker over both GPUs
     gpu-tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/worker/test_gpu_backend.py \
                -m "not slow" 2>&1 | tee "$OUT/gpu-tests.log" | tail -8 ;;
   esac

@@ -7,7 +7,6 @@ and serves; ranks 1..N-1 (``follower``) load their slice and run its forwards.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from types import SimpleNamespace
 
@@ -155,13 +154,7 @@ def follower(rank: int, size: int, port: int, settings: WorkerSettings) -> None:
     group = tensor_parallel.init_rank(rank, size, port, rank_device(settings, rank))
     runner, _ = build_runner(settings, None, group)
     tensor_parallel.follow(group, runner)
-    # Out of the group: leave without the interpreter's teardown, where the C++ threads of the
-    # collective library could still abort the process ("terminate called without an active
-    # exception", exit -6, seen once in CI after a clean shutdown message).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    tensor_parallel.exit_now()
 
 
 def run(settings: WorkerSettings) -> None:
@@ -181,6 +174,7 @@ def run(settings: WorkerSettings) -> None:
         raise
     if group is not None:
         group.close()
+        tensor_parallel.exit_now()  # the group is never torn down: see worker.tp.TPGroup.close
 
 
 GIL_SWITCH_S = 0.0005

@@ -31,6 +31,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -97,23 +98,21 @@ class TPGroup:
         return buffer.numpy()
 
     def close(self) -> None:
-        """Rank 0, on a clean exit: tell the followers to leave, leave the group with them, reap them.
+        """Rank 0, on a clean exit: tell the followers to leave and reap them.
 
-        Every rank must tear the group down at the same time: NCCL's communicator teardown waits
-        for its peers, so rank 0 waiting for its followers to exit first (they were in their own
-        teardown, waiting for rank 0) deadlocked until the followers were killed, and then rank 0's
-        own teardown waited on a dead peer forever (seen on two H200s). The teardown runs in a
-        thread so that a follower that never gets there costs ``JOIN_TIMEOUT_S``, not a hang."""
+        The process group is not destroyed, on any rank: with NCCL on two H200s,
+        ``destroy_process_group`` hung on both sides (rank 0 and its follower each in
+        their teardown, with the decode graphs that captured the all-reduces still alive),
+        run one after the other or at the same time. A process leaves right after this
+        instead (``exit_now``), and the driver frees what it held. A gloo group (CPU) is
+        torn down locally and cleanly, so rank 0 can start another group (tests do)."""
         self.closing = True
         try:
             self._broadcast(np.array([SHUTDOWN, 0, 0, 0], dtype=np.int64))
         finally:
-            teardown = threading.Thread(target=dist.destroy_process_group, name="lightq-tp-teardown", daemon=True)
-            teardown.start()
-            teardown.join(JOIN_TIMEOUT_S)
-            if teardown.is_alive():
-                log.warning("tensor-parallel teardown did not finish in %.0f s: leaving it", JOIN_TIMEOUT_S)
             self._reap(JOIN_TIMEOUT_S)
+            if dist.get_backend() == "gloo":
+                dist.destroy_process_group()
 
     def abort(self) -> None:
         """Rank 0, on an error: followers may be stuck in a collective, so they are killed
@@ -179,7 +178,17 @@ def follow(group: TPGroup, runner) -> None:
         if runner.device.type == "cuda":
             # Done with this step's host inputs (the graph's pinned buffer) before the next overwrites them.
             torch.cuda.current_stream().synchronize()
-    dist.destroy_process_group()
+    # No destroy_process_group: see TPGroup.close. The caller leaves through exit_now.
+
+
+def exit_now(code: int = 0) -> None:
+    """Leave without the interpreter's teardown, where the collective library's destructors and
+    threads can hang or abort the process ("terminate called without an active exception",
+    exit -6, seen in CI); logs and output are flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def start_follower() -> None:
