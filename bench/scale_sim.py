@@ -3,13 +3,14 @@
     .venv/bin/python -m bench.scale_sim            # N = 1, 2, 4, 8, 16, 32; 8 s each
     .venv/bin/python -m bench.scale_sim --quick    # N = 1, 4, 32; 3 s each
 
-Workers are simulated in one separate process (no model weights): each
+Workers are simulated in separate processes (``--workers_per_process``
+each, no model weights): each
 publishes ``WorkerLoad`` heartbeats with per-request summaries, takes its
 inbox through the ``worker`` group, and steps on a time model (``--step_ms``
 + ``--per_req_ms`` per running request, at most ``--batch`` running); each
 step adds one token to every running request, and a request that reaches
 its length ends as a worker's would (terminal chunk, status, TTLs, ack,
-output-length history). A load generator keeps the ingress stream ahead of
+output-length history). A load generator (a process too) keeps the ingress stream ahead of
 the pool (closed loop: outstanding requests = 3 x the pool's batch slots).
 The router runs as in production, in a thread of this process; each of its
 admission decisions is timed through its ``on_decision`` hook. Prints per N:
@@ -88,11 +89,11 @@ class SimWorker:
         pipe.execute()
 
 
-def simulate(url: str, prefix: str, num_workers: int, args, done: mp.Value, stop: mp.Event) -> None:
-    """All N workers in one loop: whoever is due steps; heartbeats every 0.2 s."""
+def simulate(url: str, prefix: str, worker_ids: list[int], args, done: mp.Value, stop: mp.Event) -> None:
+    """Some of the workers in one loop: whoever is due steps; heartbeats every 0.2 s."""
     client = redis.Redis.from_url(url, decode_responses=True)
     keys = Keys(prefix)
-    workers = [SimWorker(client, keys, f"sim-{i}", args) for i in range(num_workers)]
+    workers = [SimWorker(client, keys, f"sim-{i}", args) for i in worker_ids]
     next_beat = 0.0
     while not stop.is_set():
         now = time.monotonic()
@@ -107,9 +108,9 @@ def simulate(url: str, prefix: str, num_workers: int, args, done: mp.Value, stop
             time.sleep(max(0.0, min(min(w.next_step for w in workers), next_beat) - time.monotonic()))
 
 
-def feed(client: redis.Redis, keys: Keys, args, outstanding: int, sent: list[int], done: mp.Value,
-         stop: threading.Event) -> None:
+def feed(url: str, prefix: str, args, outstanding: int, done: mp.Value, stop: mp.Event) -> None:
     """Keep ``outstanding`` requests ahead of the finished ones (closed loop)."""
+    client, keys, sent = redis.Redis.from_url(url, decode_responses=True), Keys(prefix), [0]
     prompt = list(range(1, args.prompt_len + 1))
     params = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True)
     while not stop.is_set():
@@ -133,8 +134,16 @@ def run_one(args, num_workers: int) -> dict:
     keys = Keys(prefix)
     ensure_group(client, keys.requests(), ROUTER_GROUP)
     done, stop = mp.Value("q", 0), mp.Event()
-    sim = mp.Process(target=simulate, args=(args.redis_url, prefix, num_workers, args, done, stop), daemon=True)
-    sim.start()
+    # The simulated workers and the load generator each get processes of their own, so that on a
+    # machine with cores to spare only the router is measured (one process for all 32 workers and
+    # the generator in the router's process were what limited the run at 32 on a 32-core host).
+    per = args.workers_per_process
+    procs = [mp.Process(target=simulate, args=(args.redis_url, prefix, list(range(i, min(i + per, num_workers))),
+                                               args, done, stop), daemon=True) for i in range(0, num_workers, per)]
+    procs.append(mp.Process(target=feed, args=(args.redis_url, prefix, args, 3 * args.batch * num_workers, done,
+                                               stop), daemon=True))
+    for proc in procs:
+        proc.start()
     settings = RouterSettings(redis=RedisSettings(url=args.redis_url, key_prefix=prefix), poll_ms=5, read_batch=512,
                               past_future=AdmissionSettings(admission=args.admission))
     the_router = Router(settings, redis.Redis.from_url(args.redis_url, decode_responses=True), "bench-router")
@@ -146,23 +155,18 @@ def run_one(args, num_workers: int) -> dict:
         dispatched[0] += chosen is not None
 
     the_router.on_decision = timed
-    feeder_stop, sent = threading.Event(), [0]
-    threads = [threading.Thread(target=the_router.run, daemon=True),
-               threading.Thread(target=feed, args=(client, keys, args, 3 * args.batch * num_workers, sent, done,
-                                                   feeder_stop), daemon=True)]
-    for t in threads:
-        t.start()
+    router_thread = threading.Thread(target=the_router.run, daemon=True)
+    router_thread.start()
     time.sleep(args.warmup_s)
     tokens0, decisions0, sent0, t0 = done.value, len(decisions), dispatched[0], time.perf_counter()
     time.sleep(args.duration_s)
     tokens1, window, elapsed = done.value, decisions[decisions0:], time.perf_counter() - t0
     num_dispatched = dispatched[0] - sent0
-    the_router.stop_event.set()
-    feeder_stop.set()
-    for t in threads:
-        t.join(timeout=10)
     stop.set()
-    sim.join(timeout=10)
+    the_router.stop_event.set()
+    router_thread.join(timeout=10)
+    for proc in procs:
+        proc.join(timeout=10)
     for key in client.scan_iter(match=f"{prefix}:*", count=1000):
         client.delete(key)
     ms = np.array(window or [0.0]) * 1000
@@ -181,6 +185,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--output_len", type=int, default=16)
+    p.add_argument("--workers_per_process", type=int, default=4, help="simulated workers per process")
     p.add_argument("--admission", default="past_future",
                    choices=["conservative", "aggressive", "past_future", "past_future_quantile"])
     p.add_argument("--quick", action="store_true", help="N = 1, 4, 32 for 3 s each")
