@@ -109,7 +109,7 @@ def trace(engine, batch: int) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=18, max_name_column_width=70))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--batches", default="1,64,256,1024")
@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--trace", default="", help="batch sizes to show a kernel table for, e.g. 64,1024")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     traced = {int(b) for b in args.trace.split(",") if b}
     settings = WorkerSettings(
@@ -138,6 +138,7 @@ def main() -> None:
     for b, m in rows:
         print(f"{b:>5} {m['wall']:>8.2f} {m['forward']:>8.2f} {m['sample']:>8.2f} {m['host']:>8.2f} "
               f"{b / m['wall'] * 1e3:>9,.0f}")
+    return dict(rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,51 @@
+"""The GPU benchmarks' own parts, on a CPU: the step profiler, the offline timeline, and the
+word-level tokenizer that lets `lightq serve` run a dummy shape."""
+
+import json
+
+import numpy as np
+from transformers import AutoTokenizer
+
+from bench import offline, step_profile
+from bench.shapes import SHAPES, config_dir
+
+
+def test_word_tokenizer_covers_the_shapes_vocabulary(tmp_path):
+    folder = config_dir("tiny", str(tmp_path / "tiny"), tokenizer=True)
+    tok = AutoTokenizer.from_pretrained(folder)
+    vocab = SHAPES["tiny"]["vocab_size"]
+    assert len(tok) == vocab
+    ids = [3, 77, vocab - 1]
+    text = tok.decode(ids)
+    assert text == f"w3 w77 w{vocab - 1}"
+    assert tok.encode(text, add_special_tokens=False) == ids
+    config = json.load(open(f"{folder}/config.json"))
+    assert tok.eos_token_id == config["eos_token_id"] == 2 and config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_step_profile_times_steps_of_a_fully_decoding_batch(capsys):
+    rows = step_profile.main(["--model-shape", "tiny", "--batches", "1,4", "--context", "16", "--steps", "3",
+                              "--device", "cpu"])
+    assert sorted(rows) == [1, 4]
+    for row in rows.values():
+        assert row["wall"] > 0 and row["forward"] > 0 and row["sample"] > 0
+        assert row["forward"] + row["sample"] <= row["wall"] * 1.05  # parts of the step, not more
+    assert "median of 3 engine steps" in capsys.readouterr().out
+
+
+def test_offline_timeline_accounts_for_every_step(capsys):
+    settings = offline.WorkerSettings(model=offline.ModelSettings(model_dir=f"dummy:{config_dir('tiny')}",
+                                                                  max_req_total_len=256),
+                                      device="cpu", max_total_token_num=4096, batch_max_tokens=32)
+    engine = offline.build_engine(settings)
+    rng = np.random.default_rng(0)
+    work = [(rng.integers(3, 500, size=n).tolist(), o) for n, o in [(40, 3), (5, 9), (70, 1)]]
+    timeline: list = []
+    seconds = offline.drive(engine, work, progress=False, timeline=timeline)
+    assert 0 < sum(t for t, _, _ in timeline) <= seconds
+    assert sum(1 for _, _, prefilling in timeline if prefilling) >= 4  # 115 prompt tokens in chunks of 32
+    # the third request's one token comes from its prefill: at most two ever decode together;
+    # the 9-token output needs 8 decode steps after its prefill
+    assert max(d for _, d, _ in timeline) == 2 and len(timeline) >= 9
+    offline.print_timeline(timeline)
+    assert "with prefill" in capsys.readouterr().out
