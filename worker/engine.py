@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from shared.schemas import RequestStatus
 from shared.admission import AdmissionRule
+from shared.batch_view import BatchView, Candidate
 from shared.config import AdmissionSettings
 from worker.events import Ended, Event, Released, Started, Token
 from worker.load import request_states
@@ -141,12 +142,14 @@ class Engine:
         if not self.waiting:  # most steps: nothing to admit, so no O(batch) summary either
             return admitted  # (read without the lock: one added meanwhile waits a step)
         states = request_states(self.running)
+        # Prepared once for the pass: each candidate costs O(K log n), not check's O(K n log n)
+        # (a burst of 1,000 requests took 0.6 s of one step through check).
+        view = BatchView(states, self.limits.max_total_tokens, self.limits.running_max_req_size, self.rule)
         with self._lock:
             while self.waiting:
                 req = self.waiting[0]
                 candidate = request_states([req])  # a group: all its samples, the prompt once
-                if not self.rule.fits(states, candidate, self.limits.max_total_tokens,
-                                      self.limits.running_max_req_size):
+                if not self._fits(view, states, candidate):
                     break
                 self.waiting.popleft()
                 self.runner.start(req)
@@ -154,7 +157,15 @@ class Engine:
                 self.running.append(req)
                 admitted.append(req)
                 states += candidate
+                for state in candidate:
+                    view.add(state)
         return admitted
+
+    def _fits(self, view: BatchView, states: list, candidate: list) -> bool:
+        if len(candidate) == 1:
+            return view.ratio(Candidate(candidate[0], self.rule)) is not None
+        # A group is a set of states: check takes it whole (rare, and fewer than running_max anyway)
+        return self.rule.fits(states, candidate, self.limits.max_total_tokens, self.limits.running_max_req_size)
 
     def _pause_overflow(self) -> None:
         """Free slots for this step's tokens by pausing the newest requests (an estimate was wrong)."""

@@ -119,10 +119,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCounts | Non
         logits = counts.apply(logits, batch.penalties)
     # Greedy rows have temperature 1: an all-greedy batch skips a [B, V] pass.
     scaled = logits if batch.fixed.all_greedy else logits / batch.fixed.temperature[:, None]
-    # log_softmax(x) = x - logsumexp(x): one [B] reduction instead of a [B, V] tensor written
-    # and read again, and the ranking of the alternatives is that of x itself.
-    log_z = torch.logsumexp(scaled, dim=-1, keepdim=True)  # [B, 1]
     ids = logits.argmax(dim=-1)
+    log_z = _log_normaliser(scaled, ids)  # [B, 1]: log_softmax(x) = x - log_z
     if not batch.fixed.all_greedy:
         ids = torch.where(batch.fixed.greedy, ids, _sample_filtered(scaled, batch))
     if counts is not None and batch.rows is not None:
@@ -139,6 +137,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCounts | Non
     wants = batch.fixed.num_top or (0,) * len(host)
     return Sampled([int(row[0]) for row in host], [row[1] for row in host],
                    [_top_of(row, n, k) for row, n in zip(host, wants)])
+
+
+def _log_normaliser(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row [B, 1]. On CUDA one reduction, where log_softmax would write a
+    [B, V] fp32 tensor and read it again (0.25 GB a step at B = 512, V = 128k). torch's CPU
+    logsumexp is ~10x slower than its log_softmax (6 ms vs 0.5 for [1024, 256], one thread),
+    so the CPU reads it off log_softmax at each row's argmax (finite: never masked)."""
+    if scaled.is_cuda:
+        return torch.logsumexp(scaled, dim=-1, keepdim=True)
+    at_max = ids[:, None]
+    return scaled.gather(1, at_max) - torch.log_softmax(scaled, dim=-1).gather(1, at_max)
 
 
 def _top_of(row: list[float], n: int, k: int) -> TopLogprobs | None:
