@@ -14,6 +14,9 @@ serve() {  # serve ARGS N: lightq serve with ARGS, then N requests at 16/s throu
   timeout 240 python3 -m bench.serve_bench --base-url http://127.0.0.1:8200 --num-prompts $2 --request-rate 16 \
     --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 2>&1 | tee "$OUT/serve_bench$2.log" \
     | grep -E "Successful|Failed|duration|Request|Output token|(Median|P99) (TTFT|TPOT|ITL)"
+  # the services' own histograms (queue wait, time to first token, ...) break TTFT down by hop
+  python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8200/metrics').read().decode())" \
+    >"$OUT/metrics$2.txt" 2>&1
   kill $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   kill -0 $pid 2>/dev/null && echo "serve still running 60 s after SIGTERM" || { wait $pid; echo "serve exit code $?"; }
 }

@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from producer.app import create_app
 from tests.producer.redis_proxy import RedisProxy
@@ -65,12 +66,25 @@ async def test_a_silent_redis_is_a_503_not_a_hang(proxied, proxy):
     assert time.monotonic() - started < 5
 
 
-async def test_a_stream_rides_out_an_outage(proxied, proxy, worker):
+async def blocked_reader(redis_url: str, timeout_s: float = 10.0) -> None:
+    """Until a client of the real Redis waits in a blocking XREAD (a fixed sleep here once let the
+    cut come before the route's first read, on a loaded CI machine)."""
+    client = aioredis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not any(c.get("cmd") == "xread" and "b" in c.get("flags", "") for c in await client.client_list()):
+            assert time.monotonic() < deadline, "the stream reader never blocked on Redis"
+            await asyncio.sleep(0.02)
+    finally:
+        await client.aclose()
+
+
+async def test_a_stream_rides_out_an_outage(proxied, proxy, worker, redis_url):
     submitted = (await proxied.post("/v1/requests", json={"inputs": "hello"})).json()
     request = await worker.take()
     await worker.token(request.id, 0, "a")
     reading = asyncio.create_task(proxied.get(submitted["stream_url"]))
-    await asyncio.sleep(0.3)  # the reader is waiting on Redis for the next chunk
+    await blocked_reader(redis_url)  # the reader has chunk 0 and waits on Redis for the next
     await proxy.cut()
     await worker.token(request.id, 1, "b")  # the worker's Redis is not cut
     await worker.generate(request, ["a", "b", "c"])  # repeats 0 and 1: the reader drops them
