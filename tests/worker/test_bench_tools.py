@@ -49,3 +49,16 @@ def test_offline_timeline_accounts_for_every_step(capsys):
     assert max(d for _, d, _ in timeline) == 2 and len(timeline) >= 9
     offline.print_timeline(timeline)
     assert "with prefill" in capsys.readouterr().out
+
+
+def test_floor_counts_one_decode_step_per_token_of_the_longest_output():
+    from bench.floor import bounds
+
+    # two requests: prompts 10 and 20, outputs 3 and 1; 1 byte of weights, 1 byte of K/V per token
+    b = bounds([(10, 3), (20, 1)], weight_bytes=1.0, kv_bytes_per_token=1.0, flops_per_token=1.0,
+               bandwidth=1.0, flops=1.0)
+    assert b["steps"] == 3 and b["output_tokens"] == 4
+    # step 0: both run, context 30, memory 31 > compute 2; steps 1 and 2: context 11 and 12
+    assert b["decode_overlap_s"] == 31 + 12 + 13
+    assert b["decode_sum_s"] == (31 + 2) + (12 + 1) + (13 + 1)
+    assert b["prefill_s"] == 30
