@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from bench.offline import sync
 from bench.shapes import SHAPES, config_dir
 from shared.config import ModelSettings, WorkerSettings
 from shared.schemas import GenerateRequest, SamplingParams
@@ -53,11 +54,6 @@ class Timed:
         total = self.cpu_ms + sum(s.elapsed_time(e) for s, e in self.pairs)
         self.pairs, self.cpu_ms = [], 0.0
         return total
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def fill(engine, batch: int, context: int, vocab: int, rng, steps: int) -> list[Req]:

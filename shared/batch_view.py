@@ -34,9 +34,11 @@ class Candidate:
         estimator = rule.estimator
         if rule.policy == "past_future_quantile":
             self.remaining = [estimator.remaining_quantile(state)]
-        else:  # re-seeded: the same request gets the same draws on every retry
+        elif rule.policy == "past_future":  # re-seeded: the same request gets the same draws on every retry
             estimator.rng.seed(estimator.seed)
             self.remaining = [estimator.remaining_sampled(state) for _ in range(MAX_DRAWS)]
+        else:  # conservative, aggressive: sums, no lengths to estimate
+            self.remaining = []
 
 
 class BatchView:
@@ -85,7 +87,7 @@ class BatchView:
         self.added += 1
         self.total += self._term(state) if self.summed else 0
         if self.policy != "past_future_quantile":
-            del self.draws[num_draws(self.count):]  # K only shrinks as the batch grows: never read again
+            del self.draws[num_draws(self.count):]  # K only shrinks as the batch grows: ratio reads them all
         for draw in self.draws:
             draw.add(state.held, self._remaining(state))
 
@@ -95,8 +97,7 @@ class BatchView:
             return None
         if self.summed:
             use = self.total + self._term(candidate.state)
-        else:  # K follows the batch without the candidate, as in the paper
+        else:  # K follows the batch without the candidate, as in the paper (add keeps K draws)
             held = candidate.state.held
-            use = max(draw.peak_with(held, remaining)
-                      for draw, remaining in zip(self.draws[:num_draws(self.count)], candidate.remaining))
+            use = max(draw.peak_with(held, remaining) for draw, remaining in zip(self.draws, candidate.remaining))
         return use / self.max_total_tokens if use <= self.limit else None

@@ -239,8 +239,8 @@ def rotate_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 def rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """In place on q, k (views of the fused qkv output). cos/sin [T, 1, D] repeat
     their first half (the table is cat(freqs, freqs)), so the kernel takes [T, D/2]:
-    strided views, no copy (the kernel reads rows by stride; two copies per layer were
-    two of a decode step's ~13 kernels per layer)."""
+    strided views, no copy (the kernel reads rows by stride; the two copies were two of a
+    decode step's kernels in every layer)."""
     from worker.kernels.rotary import rotary_embedding
 
     half = cos.shape[-1] // 2

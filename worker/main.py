@@ -33,6 +33,9 @@ from worker.req_table import ReqTable
 from worker.serve import WorkerService
 from worker.token_pool import TokenPool
 
+# The model loop's share of the GIL: see run_service.
+GIL_SWITCH_S = 0.0005
+
 log = logging.getLogger("lightq.worker")
 
 CPU_POOL_TOKENS = 8192
@@ -175,9 +178,6 @@ def run(settings: WorkerSettings) -> None:
     if group is not None:
         group.close()
         tensor_parallel.exit_now()  # the group is never torn down: see worker.tp.TPGroup.close
-
-
-GIL_SWITCH_S = 0.0005
 
 
 def run_service(settings: WorkerSettings, group=None) -> None:
