@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.host_step                 # batches 64, 256, 1024
     .venv/bin/python -m bench.host_step --batches 1024 --profile
+    .venv/bin/python -m bench.host_step --burst 1000        # one admission pass over 1,000 requests
 
 The counting model (``worker.counting_model``) answers each step with one
 [B, V] logits tensor and no attention, so what a step costs here is the
@@ -70,13 +71,39 @@ def measure(batch: int, steps: int, profile: bool) -> float:
     return statistics.median(times) * 1000
 
 
+def admission_pass(burst: int, policy: str) -> float:
+    """Seconds of the one step that admits ``burst`` ShareGPT-like requests at once (all fit)."""
+    from bench.sharegpt import sharegpt_lengths
+
+    device, slots = torch.device("cpu"), burst * 2048
+    table = ReqTable(burst, 2048, slots, device)
+    runner = ModelRunner(CountingModel(VOCAB, device), TokenPool(slots), table, VOCAB, device, set(), None)
+    engine = Engine(runner, EngineLimits(slots, 1 << 30, burst), set(),
+                    AdmissionRule(AdmissionSettings(admission=policy)))
+    for i, (prompt, output) in enumerate(sharegpt_lengths(burst, 0)):
+        engine.add(Req(msg=GenerateRequest(id=f"r{i}", prompt_ids=[5] * prompt, created_ms=0,
+                                           params=SamplingParams(max_new_tokens=output, ignore_eos=True)),
+                       inbox_id=f"{i}-0"))
+    started = time.perf_counter()
+    admitted = engine._admit()
+    seconds = time.perf_counter() - started
+    assert len(admitted) == burst, f"{len(admitted)} of {burst} admitted"
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> dict[int, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the measured steps")
+    parser.add_argument("--burst", type=int, default=0, help="instead: time admitting this many requests at once")
+    parser.add_argument("--admission", default="past_future", help="the policy --burst admits under")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.burst:
+        seconds = admission_pass(args.burst, args.admission)
+        print(f"host_step burst={args.burst} admission={args.admission}: {seconds:.3f} s to admit them all")
+        return {args.burst: seconds * 1000}
     results = {batch: measure(batch, args.steps, args.profile) for batch in args.batches}
     for batch, ms in results.items():
         print(f"host_step batch={batch}: {ms:.2f} ms per decode step ({ms * 1000 / batch:.1f} us per request)")
