@@ -18,17 +18,20 @@ Published records lag by up to a heartbeat, which is safe for the peak:
 requests that finished since only made the record pessimistic, and a peak
 taken at the record's instant bounds every later step of the same batch.
 A record without request summaries (an older worker) falls back to its
-``committed_tokens``: the conservative check.
+``committed_tokens``: the conservative check. Which of the workers that
+pass gets the request is ``router.choice``'s: the least loaded, asked first.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from shared.history import Estimator
+from router.choice import least_loaded_fit
 from router.worker_view import Candidate, Views
 from shared.admission import request_state, request_states
-from shared.peak import Policy, ReqState, check
+from shared.peak import Policy, ReqState, check, projected_use
 from shared.schemas import GenerateRequest, WorkerLoad
 
 __all__ = ["check", "check_worker", "choose_view", "choose_worker", "request_state", "request_states"]
@@ -48,20 +51,26 @@ def check_worker(load: WorkerLoad, reserved: Sequence[ReqState], request: Genera
     return check(states, candidate, load.max_total_tokens, load.running_max_req_size, policy, estimator, margin)
 
 
+def worker_use(load: WorkerLoad, reserved: Sequence[ReqState], policy: Policy, estimator: Estimator) -> float:
+    """A worker's projected use now over its pool, as ``check_worker`` projects it (draining: inf)."""
+    if load.draining:
+        return math.inf
+    if load.requests is None:
+        return (load.committed_tokens + sum(s.conservative_need for s in reserved)) / load.max_total_tokens
+    states = [ReqState(*r) for r in load.requests] + list(reserved)
+    return projected_use(states, policy, estimator) / load.max_total_tokens
+
+
 def choose_worker(loads: Mapping[str, WorkerLoad], reserved: Mapping[str, Sequence[ReqState]],
                   request: GenerateRequest, policy: Policy, estimator: Estimator,
                   margin: float = 0.05) -> str | None:
-    """The admissible worker with the lowest resulting use ratio, or None (the request waits)."""
-    return lowest({worker_id: check_worker(load, reserved.get(worker_id, ()), request, policy, estimator, margin)
-                   for worker_id, load in loads.items()})
+    """The least loaded worker the request fits (``router.choice``), or None (the request waits)."""
+    uses = {worker_id: worker_use(load, reserved.get(worker_id, ()), policy, estimator)
+            for worker_id, load in loads.items()}
+    return least_loaded_fit(uses, lambda worker_id: check_worker(
+        loads[worker_id], reserved.get(worker_id, ()), request, policy, estimator, margin))
 
 
 def choose_view(views: Views, candidate: Candidate) -> str | None:
     """``choose_worker`` over prepared views (one request, not a group): the same choice, faster."""
-    return lowest(views.ratios(candidate))
-
-
-def lowest(ratios: Mapping[str, float | None]) -> str | None:
-    """The worker with the lowest ratio among those that fit (not None); ties go to the first id."""
-    fitting = [(ratio, worker_id) for worker_id, ratio in ratios.items() if ratio is not None]
-    return min(fitting)[1] if fitting else None
+    return views.choose(candidate)

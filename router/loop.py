@@ -39,6 +39,8 @@ from shared.schemas import GenerateRequest, RequestStatus
 
 log = logging.getLogger("lightq.router")
 
+CANCEL_CHECK_S = 0.05  # as the worker's: a cancel waits at most this long for the router to see it
+
 
 class Router:
     def __init__(self, settings: RouterSettings, client: redis.Redis, router_id: str):
@@ -55,6 +57,8 @@ class Router:
         self._read_id = "0"  # first our own pending entries (after a restart), then new ones
         self._next_housekeeping = 0.0
         self._queued_ids: set[str] = set()
+        self._cancelled_ids: set[str] = set()  # queued requests found cancelled, until they end here
+        self._next_cancel_check = 0.0
         self.views = Views(self.rule)  # admissible workers, prepared for this step's decisions
 
     def run(self) -> None:
@@ -168,6 +172,7 @@ class Router:
             if request.id in cancelled or expired:
                 status = RequestStatus.CANCELLED if request.id in cancelled else RequestStatus.EXPIRED
                 self._finish(entry_id, request, status, status.value)
+                self._cancelled_ids.discard(request.id)
                 self._pop()
                 continue
             if request.n > 1 and run:  # a group is checked in full against sent dispatches only
@@ -177,7 +182,6 @@ class Router:
             self.on_decision(request, worker_id, time.perf_counter() - started)
             if worker_id is None:
                 break
-            self.views.count(worker_id, request_states(request))  # the next decision sees it
             run.append(Item(worker_id, self.reservations.tail(worker_id), entry_id, request))
             self.queue.popleft()
             if request.n > 1:
@@ -207,18 +211,32 @@ class Router:
         self._queued_ids.discard(entry_id)
 
     def _cancelled(self) -> set[str]:
-        """Queued requests whose client cancelled them, in one round trip per step (one
-        cancelled later is still stopped by its worker, which checks cancels every step)."""
-        pipe = self.client.pipeline(transaction=False)
-        for _, request in self.queue:
-            pipe.exists(self.keys.cancel(request.id))
-        return {request.id for (_, request), hit in zip(self.queue, pipe.execute()) if hit}
+        """Queued requests whose client cancelled them, looked up in one round trip at most every
+        ``CANCEL_CHECK_S`` (a step can take a millisecond; a request cancelled since the last look
+        is still stopped by its worker, which checks cancels every step). Found ones stay in the
+        set until they reach the head of the queue and end there."""
+        now = time.monotonic()
+        if now >= self._next_cancel_check:
+            self._next_cancel_check = now + CANCEL_CHECK_S
+            pipe = self.client.pipeline(transaction=False)
+            for _, request in self.queue:
+                pipe.exists(self.keys.cancel(request.id))
+            self._cancelled_ids.update(request.id for (_, request), hit in zip(self.queue, pipe.execute()) if hit)
+        return self._cancelled_ids
 
     def _choose(self, loads: dict, request: GenerateRequest) -> str | None:
+        """A worker for the request, counted on its view at once (the next decision sees it)."""
         if request.n > 1:  # a group: rare, checked in full
-            return choose_worker(loads, self.reservations.pending(), request, self.rule.policy,
-                                 self.rule.estimator, self.rule.margin)
-        return choose_view(self.views, Candidate(request_states(request)[0], self.rule))
+            worker_id = choose_worker(loads, self.reservations.pending(), request, self.rule.policy,
+                                      self.rule.estimator, self.rule.margin)
+            if worker_id is not None:
+                self.views.count(worker_id, request_states(request))
+            return worker_id
+        candidate = Candidate(request_states(request)[0], self.rule)
+        worker_id = choose_view(self.views, candidate)
+        if worker_id is not None:
+            self.views.admit(worker_id, candidate)
+        return worker_id
 
     def on_decision(self, request: GenerateRequest, worker_id: str | None, seconds: float) -> None:
         """Hook for metrics: one admission decision (worker None: the request waits)."""

@@ -14,10 +14,12 @@ Groups (n > 1) are rare and go through ``check_worker`` itself.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from shared.admission import AdmissionRule
 from shared.batch_view import BatchView, Candidate
+from router.choice import least_loaded_fit
 from shared.peak import ReqState
 from shared.schemas import WorkerLoad
 
@@ -36,6 +38,10 @@ class WorkerView(BatchView):
 
     def ratio(self, candidate: Candidate) -> float | None:
         return None if self.load.draining else super().ratio(candidate)
+
+    def use_ratio(self) -> float:
+        """Use now / pool (a draining worker sorts last: it takes nothing)."""
+        return math.inf if self.load.draining else self.use() / self.max_total_tokens
 
 
 class Views:
@@ -66,8 +72,16 @@ class Views:
             views[worker_id] = view if same else WorkerView(load, reserved, self.rule)
         self._views = views
 
-    def ratios(self, candidate: Candidate) -> dict[str, float | None]:
-        return {worker_id: view.ratio(candidate) for worker_id, view in self._views.items()}
+    def choose(self, candidate: Candidate) -> str | None:
+        """``router.admission.least_loaded_fit`` over the views: ``choose_worker``'s choice."""
+        uses = {worker_id: view.use_ratio() for worker_id, view in self._views.items()}
+        return least_loaded_fit(uses, lambda worker_id: self._views[worker_id].ratio(candidate))
+
+    def admit(self, worker_id: str, candidate: Candidate) -> None:
+        """The candidate was sent there: the next decision sees it."""
+        view = self._views.get(worker_id)
+        if view is not None:
+            view.admit(candidate)
 
     def count(self, worker_id: str, states: Sequence[ReqState]) -> None:
         view = self._views.get(worker_id)

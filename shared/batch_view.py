@@ -64,6 +64,8 @@ class BatchView:
         self.draws: list[SortedPeak] = []
         if not self.summed:
             self._draw(states)
+        self._use: int | None = None  # use() until the next add
+        self._asked: tuple[Candidate, list[int]] | None = None  # the last candidate's peak per draw
 
     def _term(self, state: ReqState) -> int:
         if self.fallback or self.policy == "conservative":
@@ -81,15 +83,31 @@ class BatchView:
         draws = 1 if self.policy == "past_future_quantile" else num_draws(len(states))
         self.draws = [SortedPeak((s.held, self._remaining(s)) for s in states) for _ in range(draws)]
 
-    def add(self, state: ReqState) -> None:
-        """A request now counts against this pool (admitted, dispatched, or seen in an inbox)."""
+    def use(self) -> int:
+        """The projected use without a candidate: what orders workers, least loaded first."""
+        if self._use is None:
+            self._use = self.total if self.summed else max((draw.peak() for draw in self.draws), default=0)
+        return self._use
+
+    def add(self, state: ReqState, remaining: Sequence[int] = ()) -> None:
+        """A request now counts against this pool (admitted, dispatched, or seen in an inbox);
+        ``remaining``: its length per draw, if already drawn (else drawn here)."""
         self.count += 1
         self.added += 1
+        self._use, self._asked = None, None
         self.total += self._term(state) if self.summed else 0
         if self.policy != "past_future_quantile":
             del self.draws[num_draws(self.count):]  # K only shrinks as the batch grows: ratio reads them all
-        for draw in self.draws:
-            draw.add(state.held, self._remaining(state))
+        for i, draw in enumerate(self.draws):
+            draw.add(state.held, remaining[i] if remaining else self._remaining(state))
+
+    def admit(self, candidate: Candidate) -> None:
+        """``add`` the candidate, with its own draws; if ``ratio`` was just asked about it, its
+        peaks are the view's use from now on, with no rebuild of the draws."""
+        asked = self._asked[1] if self._asked is not None and self._asked[0] is candidate else None
+        self.add(candidate.state, candidate.remaining)
+        if asked is not None and not self.summed:
+            self._use = max(asked[:len(self.draws)])
 
     def ratio(self, candidate: Candidate) -> float | None:
         """Use / pool with the candidate, or None if it does not fit (``check``'s answer)."""
@@ -99,5 +117,7 @@ class BatchView:
             use = self.total + self._term(candidate.state)
         else:  # K follows the batch without the candidate, as in the paper (add keeps K draws)
             held = candidate.state.held
-            use = max(draw.peak_with(held, remaining) for draw, remaining in zip(self.draws, candidate.remaining))
+            peaks = [draw.peak_with(held, remaining) for draw, remaining in zip(self.draws, candidate.remaining)]
+            self._asked = (candidate, peaks)
+            use = max(peaks)
         return use / self.max_total_tokens if use <= self.limit else None

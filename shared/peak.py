@@ -89,16 +89,19 @@ class SortedPeak:
 
         peak with (a, b) = max(max V_1..V_p, A_p + a + (p + 1) * b, max (V_j + b_j) over j > p, + a)
 
-    from a prefix maximum and a suffix maximum. ``add`` keeps a pair (O(n)).
+    from a prefix maximum and a suffix maximum. ``add`` keeps a pair; the
+    O(n) rebuild waits for the next question, so a run of adds costs one.
     """
 
     def __init__(self, pairs: Iterable[tuple[int, int]] = ()):
         ordered = sorted(pairs, key=lambda p: -p[1])
         self._neg_b = [-b for _, b in ordered]  # ascending, for bisect
         self._held = [a for a, _ in ordered]
+        self._stale = False  # pairs were added since the maxima were built
         self._rebuild()
 
     def _rebuild(self) -> None:
+        self._stale = False
         held_before = list(accumulate(self._held, initial=0))  # [j]: held by the first j pairs
         values = [held_before[j] - j * nb for j, nb in enumerate(self._neg_b, 1)]  # V_j
         self._held_before = held_before
@@ -110,10 +113,14 @@ class SortedPeak:
         return len(self._held)
 
     def peak(self) -> int:
+        if self._stale:
+            self._rebuild()
         return self._prefix_max[-1]
 
     def peak_with(self, a: int, b: int) -> int:
         """``peak_tokens`` of the pairs plus (a, b)."""
+        if self._stale:
+            self._rebuild()
         p = bisect_right(self._neg_b, -b)
         after = self._suffix_max[p] + a if p < len(self._held) else 0
         return max(self._prefix_max[p], self._held_before[p] + a + (p + 1) * b, after)
@@ -122,7 +129,7 @@ class SortedPeak:
         p = bisect_right(self._neg_b, -b)
         self._neg_b.insert(p, -b)
         self._held.insert(p, a)
-        self._rebuild()
+        self._stale = True
 
 
 def fits(pairs: Sequence[tuple[int, int]], candidate: tuple[int, int],

@@ -62,3 +62,22 @@ def test_the_view_keeps_only_the_draws_its_batch_size_reads():
         view.add(ReqState(100, 0, 50, 0))
     assert len(view.draws) == 1  # K = 1 from 200 requests up
     assert view.ratio(Candidate(ReqState(100, 0, 50, 0), rule)) is not None
+
+
+@pytest.mark.parametrize("policy", ["past_future", *EXACT])
+@pytest.mark.parametrize("seed", range(10))
+def test_admitting_the_candidate_asked_about_makes_its_use_the_views(policy, seed):
+    """``admit`` takes the use from the peaks ``ratio`` found, without rebuilding: it must be what
+    the rebuilt draws (or the sums) give."""
+    rng = random.Random(seed)
+    rule = AdmissionRule(AdmissionSettings(admission=policy, history_window=50))
+    rule.learn([rng.randint(1, 400) for _ in range(rng.randint(0, 60))])
+    fresh_request = lambda: ReqState(rng.randint(1, 300), 0, rng.randint(100, 400), 0)  # noqa: E731 - unknown lengths
+    view = BatchView([fresh_request() for _ in range(rng.randint(0, 30))], 10**6, None, rule)
+    for _ in range(8):
+        candidate = Candidate(fresh_request(), rule)
+        expected = view.ratio(candidate)
+        view.admit(candidate)
+        assert view.use() == pytest.approx(expected * 10**6)
+        fresh = view.total if view.summed else max(draw.peak() for draw in view.draws)
+        assert view.use() == fresh

@@ -46,6 +46,20 @@ def test_sorted_peak_with_one_more_pair_equals_the_simulation(seed):
         assert sorted_peak.peak() == simulated_peak(pairs) and len(sorted_peak) == len(pairs)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_a_run_of_adds_then_a_question_equals_the_simulation(seed):
+    """``add`` defers the rebuild to the next question: several adds must all be in it."""
+    rng = random.Random(seed)
+    pairs = [(rng.randint(0, 50), rng.randint(0, 50)) for _ in range(rng.randint(0, 12))]
+    sorted_peak = SortedPeak(pairs)
+    for _ in range(rng.randint(1, 6)):
+        pairs.append((rng.randint(0, 50), rng.randint(0, 50)))
+        sorted_peak.add(*pairs[-1])
+    candidate = (rng.randint(0, 50), rng.randint(0, 50))
+    assert sorted_peak.peak_with(*candidate) == simulated_peak([*pairs, candidate])
+    assert sorted_peak.peak() == simulated_peak(pairs)
+
+
 def test_order_of_the_input_does_not_matter():
     pairs = [(5, 1), (1, 9), (7, 7), (3, 9)]
     assert peak_tokens(pairs) == peak_tokens(list(reversed(pairs))) == simulated_peak(pairs)
