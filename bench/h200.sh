@@ -12,8 +12,8 @@ serve() {  # serve ARGS N: lightq serve with ARGS, then N requests at 16/s throu
   for i in $(seq 120); do python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8200/metrics').read().decode())" \
     2>/dev/null | grep -q '^lightq:live_workers 1' && break; sleep 2; done; echo "worker up after ~$((i * 2)) s"
   timeout 240 python3 -m bench.serve_bench --base-url http://127.0.0.1:8200 --num-prompts $2 --request-rate 16 \
-    --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 2>&1 | tee "$OUT/serve_bench$2.log" \
-    | grep -E "Successful|Failed|duration|Request|Output token|(Median|P99) (TTFT|TPOT|ITL)"
+    --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 --hops 2>&1 | tee "$OUT/serve_bench$2.log" \
+    | grep -E "Successful|Failed|duration|Request|Output token|(Median|P99) (TTFT|TPOT|ITL)|hop|ms  |->|client"
   # the services' own histograms (queue wait, time to first token, ...) break TTFT down by hop
   python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8200/metrics').read().decode())" \
     >"$OUT/metrics$2.txt" 2>&1

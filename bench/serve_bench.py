@@ -76,9 +76,10 @@ async def send(client: httpx.AsyncClient, endpoint: str, req: Request, ignore_eo
     prompt, prompt_len, out_len = req
     path, body = payload(endpoint, prompt, out_len, ignore_eos)
     outcome, chunks, reported, last = Outcome(prompt_len=prompt_len), 0, None, None
-    start = time.perf_counter()
+    start, outcome.sent_unix = time.perf_counter(), time.time()
     try:
         async with client.stream("POST", path, json=body) as response:
+            outcome.request_id = response.headers.get("x-request-id")
             if response.status_code != 200:
                 outcome.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return outcome
@@ -127,6 +128,43 @@ async def run(args, requests: list[Request]) -> tuple[list[Outcome], float]:
         return outcomes, time.perf_counter() - start
 
 
+HOPS = [  # (name, from, to): the server's stamps (GET /v1/requests/{id}); "sent"/"first" are the client's
+    ("producer: send -> enqueued", "sent", "created_ms"),
+    ("router: enqueued -> dispatched", "created_ms", "dispatched_ms"),
+    ("inbox: dispatched -> taken", "dispatched_ms", "taken_ms"),
+    ("worker step: taken -> step end", "taken_ms", "stepped_ms"),
+    ("publisher: step end -> written", "stepped_ms", "started_ms"),
+    ("delivery: written -> client", "started_ms", "first"),
+]
+
+
+async def fetch_stamps(base_url: str, outcomes: list[Outcome]) -> list[dict]:
+    """Each successful request's stamps (Unix ms), the client's beside the server's."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        async def one(o: Outcome) -> dict | None:
+            response = await client.get(f"/v1/requests/{o.request_id}")
+            if response.status_code != 200:
+                return None
+            return {**response.json(), "sent": o.sent_unix * 1000, "first": (o.sent_unix + o.ttft) * 1000}
+        found = await asyncio.gather(*(one(o) for o in outcomes if o.success and o.request_id))
+    return [f for f in found if f is not None]
+
+
+def hop_table(stamps: list[dict]) -> str:
+    """Median and p90 of each hop of time-to-first-token (a request admitted in a step that did
+    not finish its prefill has its first token later than its step end: the publisher hop and
+    delivery then include the rest of its prefill)."""
+    lines = [f"time to first token by hop, {len(stamps)} requests:", f"{'hop':<34} {'median ms':>10} {'p90 ms':>8}"]
+    for name, start, end in HOPS:
+        gaps = [s[end] - s[start] for s in stamps if s.get(start) is not None and s.get(end) is not None]
+        if gaps:
+            lines.append(f"{name:<34} {np.median(gaps):>10.1f} {np.percentile(gaps, 90):>8.1f}")
+    total = [s["first"] - s["sent"] for s in stamps]
+    if total:
+        lines.append(f"{'TTFT (client)':<34} {np.median(total):>10.1f} {np.percentile(total, 90):>8.1f}")
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -142,6 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default: on for the synthetic workload, off for a dataset")
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs: ttft, tpot, e2el (vLLM), mtpot (Past-Future)")
     p.add_argument("--percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--hops", action="store_true", help="also break TTFT down by hop (the status hashes, after the run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", help="also write the numbers here")
     args = p.parse_args(argv)
@@ -165,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     outcomes, duration = asyncio.run(run(args, requests))
     result = calculate(outcomes, duration, slos, [float(p) for p in args.percentiles.split(",")])
     print(report(result, slos))
+    if args.hops:
+        print(hop_table(asyncio.run(fetch_stamps(args.base_url, outcomes))))
     errors = [o.error for o in outcomes if not o.success]
     if errors:
         print(f"first error: {errors[0]}")

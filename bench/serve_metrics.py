@@ -27,6 +27,8 @@ class Outcome:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    request_id: str | None = None  # the server's id (X-Request-Id), for --hops
+    sent_unix: float = 0.0  # wall clock at send, to line up with the server's *_ms stamps
 
     @property
     def tpot(self) -> float:

@@ -179,6 +179,8 @@ class RequestView(BaseModel):
     worker: str | None
     created_ms: int
     dispatched_ms: int | None
+    taken_ms: int | None  # the worker read it from its inbox
+    stepped_ms: int | None  # the worker step that admitted it ended
     started_ms: int | None
     finished_ms: int | None
 

@@ -79,7 +79,7 @@ async def generate_stream(request: Request, body: GenerateBodyDep, services: Ser
         disconnected=request.is_disconnected,
         on_abandon=functools.partial(abandon, services, queued.id),
     )
-    return EventStream(events)
+    return EventStream(events, request_id=queued.id)
 
 
 @router.get("/health", responses={503: {"description": "Redis does not answer"}})

@@ -147,7 +147,8 @@ async def _answer(request: Request, services: Services, queued: list[GenerateReq
     on_abandon = functools.partial(abandon_all, services, [one.id for one in queued])
     if stream:
         renderer = StreamRenderer(call, services.tokenizer)
-        return EventStream(rendered(reader, renderer, request.is_disconnected, on_abandon))
+        return EventStream(rendered(reader, renderer, request.is_disconnected, on_abandon),
+                           request_id=queued[0].id if len(queued) == 1 else None)
     chunks = await collect(reader, request.is_disconnected, on_abandon)
     if chunks is None:
         return Response(status_code=499)  # nobody is listening any more

@@ -64,6 +64,8 @@ async def request_view(services: Services, request_id: str, meta: RequestMeta) -
         worker=meta.worker,
         created_ms=meta.created_ms,
         dispatched_ms=meta.dispatched_ms,
+        taken_ms=meta.taken_ms,
+        stepped_ms=meta.stepped_ms,
         started_ms=meta.started_ms,
         finished_ms=meta.finished_ms,
     )

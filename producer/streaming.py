@@ -216,8 +216,10 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], status_code: int = 200) -> None:
-        super().__init__(content, status_code=status_code, headers=SSE_HEADERS)
+    def __init__(self, content: AsyncIterator[str], status_code: int = 200, request_id: str | None = None) -> None:
+        # X-Request-Id: the id to poll (GET /v1/requests/{id}) or cancel with while the stream runs
+        headers = SSE_HEADERS if request_id is None else {**SSE_HEADERS, "X-Request-Id": request_id}
+        super().__init__(content, status_code=status_code, headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -206,7 +206,11 @@ class RequestMeta(BaseModel):
 
     The producer creates it (queued), the router fills ``worker`` on dispatch,
     the worker sets running/finished with counts and times. ``*_ms`` are Unix
-    milliseconds. Partial updates use ``fields(...)``.
+    milliseconds: created (enqueued), dispatched (the router's script),
+    taken (the worker read its inbox), stepped (the end of the worker step
+    that admitted it), started (the publisher wrote that step), finished.
+    Their gaps are the hops of time-to-first-token (``bench.serve_bench
+    --hops``). Partial updates use ``fields(...)``.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -221,6 +225,8 @@ class RequestMeta(BaseModel):
     attempt: int = 0
     created_ms: int = 0
     dispatched_ms: int | None = None
+    taken_ms: int | None = None
+    stepped_ms: int | None = None
     started_ms: int | None = None
     finished_ms: int | None = None
     key_hash: str | None = None  # the submitting API key's hash (producer.auth), never the key

@@ -109,7 +109,7 @@ class Engine:
         return self._release(req, "stop")
 
     def step(self) -> list[Event]:
-        events: list[Event] = [Started(r.msg) for r in self._admit() if not r.is_paused]
+        events: list[Event] = [Started(r.msg, r.taken_ms) for r in self._admit() if not r.is_paused]
         for req in self.running:
             req.is_paused = False
         self._pause_overflow()

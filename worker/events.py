@@ -13,6 +13,7 @@ class Started:
     sample still open (``msg.open_choices``), after the tokens it emitted before a requeue."""
 
     msg: GenerateRequest
+    taken_ms: int | None = None  # when the worker read it from its inbox (Unix ms)
 
     @property
     def request_id(self) -> str:

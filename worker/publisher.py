@@ -79,15 +79,16 @@ class Publisher:
         self.ended_by_stop: set[Sample] = set()
         self._stopped: list[Sample] = []  # for the serve loop to free; guarded by _stopped_lock
         self._stopped_lock = threading.Lock()
-        self.inbox: queue.Queue[list[Event] | None] = queue.Queue()
+        self.inbox: queue.Queue[tuple[int, list[Event]] | None] = queue.Queue()  # (step end, its events)
         self.thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     def put(self, events: list[Event]) -> None:
+        """A step's events, stamped with the step's end (a request's ``stepped_ms``)."""
         if events:
-            self.inbox.put(events)
+            self.inbox.put((now_ms(), events))
 
     def take_stopped(self) -> list[Sample]:
         """(request id, choice) of samples a stop string ended since the last call (thread-safe).
@@ -105,15 +106,15 @@ class Publisher:
         self.thread.join()
 
     def _run(self) -> None:
-        while (events := self.inbox.get()) is not None:
-            self.publish(events)
+        while (item := self.inbox.get()) is not None:
+            self.publish(item[1], item[0])
 
-    def publish(self, events: list[Event]) -> None:
+    def publish(self, events: list[Event], stepped_ms: int | None = None) -> None:
         """Turn events into Redis writes once (decoder state moves on exactly once),
         then send them, retrying through a Redis outage: chunks are never dropped.
         A retry after a partial write may repeat a chunk; readers drop repeated indexes."""
         pipe = _Recorder()
-        self._record(events, pipe)
+        self._record(events, pipe, stepped_ms)
         backoff = Backoff()
         while True:
             try:
@@ -123,10 +124,10 @@ class Publisher:
                 log.warning("publishing %d events failed (%s): retrying in %.1f s", len(events), exc, backoff.delay)
                 time.sleep(backoff.next())
 
-    def _record(self, events: list[Event], pipe) -> None:
+    def _record(self, events: list[Event], pipe, stepped_ms: int | None) -> None:
         for event in events:
             if isinstance(event, Started):
-                self._started(pipe, event)
+                self._started(pipe, event, stepped_ms)
             elif isinstance(event, Token):
                 if (event.request_id, event.choice) not in self.ended_by_stop:
                     self._token(pipe, event)
@@ -147,7 +148,7 @@ class Publisher:
                 pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, event.inbox_id)
                 pipe.xdel(self.keys.inbox(self.worker_id), event.inbox_id)
 
-    def _started(self, pipe, event: Started) -> None:
+    def _started(self, pipe, event: Started, stepped_ms: int | None) -> None:
         msg = event.msg
         for choice in msg.open_choices:  # each sample after the tokens it emitted before (resumed)
             emitted = msg.emitted(choice)
@@ -161,7 +162,8 @@ class Publisher:
             self.groups[msg.id] = _Group(remaining=len(msg.open_choices),
                                          num_output=sum(len(msg.emitted(c)) for c in msg.finished_choices))
         pipe.hset(self.keys.meta(msg.id), mapping=RequestMeta.fields(
-            status=RequestStatus.RUNNING, started_ms=now_ms(), worker=self.worker_id))
+            status=RequestStatus.RUNNING, started_ms=now_ms(), worker=self.worker_id, taken_ms=event.taken_ms,
+            stepped_ms=stepped_ms))
 
     def _replay(self, msg: GenerateRequest, emitted: list[int], matcher: StopMatcher) -> IncrementalDecoder:
         """Rebuild what the earlier attempt held back: same tokens, same pieces, same state.

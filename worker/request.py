@@ -26,6 +26,7 @@ from enum import Enum
 
 import numpy as np
 
+from shared.request_log import now_ms
 from shared.schemas import FinishReason, GenerateRequest
 
 
@@ -89,6 +90,7 @@ class Req:
     choice: int = 0  # which sample of its request (always 0 unless a group)
     group: Group | None = None  # None for n = 1
     num_shared: int = 0  # leading positions whose slots are group.prompt_slots (not ours to free)
+    taken_ms: int = field(default_factory=now_ms)  # read from the inbox (Unix ms), for the status hash
 
     def __post_init__(self) -> None:
         # A request dispatched again continues after the tokens already emitted; a group's samples

@@ -84,6 +84,10 @@ def test_stream_carries_the_same_tokens_as_generate(stack):
     assert "".join(e["token"]["text"] for e in events) == whole["generated_text"][0]
     assert [e["finished"] for e in events] == [False] * (len(events) - 1) + [True]
     assert "Paris" in whole["generated_text"][0]
+    # the stream names its request, whose status hash has every hop of its first token, in order
+    status = wait_status(stack, response.headers["x-request-id"], lambda s: s["status"] == "finished")
+    hops = [status[k] for k in ("created_ms", "dispatched_ms", "taken_ms", "stepped_ms", "started_ms", "finished_ms")]
+    assert hops == sorted(hops) and hops[0] > 0, status
 
 
 def test_submit_and_poll_matches_generate_and_replays_with_resume(stack):

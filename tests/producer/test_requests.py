@@ -12,7 +12,7 @@ from shared.schemas import RequestStatus
 
 BODY = {"inputs": "Tell me about Redis streams.", "parameters": {"max_new_tokens": 8}}
 VIEW_KEYS = {"id", "status", "output_text", "output_tokens", "prompt_tokens", "finish_reason", "error",
-             "worker", "created_ms", "dispatched_ms", "started_ms", "finished_ms"}
+             "worker", "created_ms", "dispatched_ms", "taken_ms", "stepped_ms", "started_ms", "finished_ms"}
 
 
 def replay_events(body: str) -> list[tuple[str, dict]]:
