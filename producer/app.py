@@ -19,6 +19,7 @@ from producer.deps import Services
 from producer.errors import install_handlers
 from producer.metrics import ProducerMetrics
 from producer.redis_client import producer_client
+from producer.stream_hub import StreamHub
 from shared.config import ProducerSettings
 from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve
@@ -42,7 +43,8 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
             tok = await asyncio.to_thread(load_tokenizer, resolve(settings.model.model_dir))
         redis = producer_client(settings)
         keys = Keys(settings.redis.key_prefix)
-        app.state.services = Services(settings=settings, keys=keys,
+        hub = StreamHub(redis, keys, settings.stream_block_ms)
+        app.state.services = Services(settings=settings, keys=keys, hub=hub,
                                       redis=redis, tokenizer=tok, metrics=app.state.metrics,
                                       model_id=served_model_id(settings.model.model_dir),
                                       gate=Gate(redis, keys, settings.max_queue_tokens, settings.reject_without_workers),
@@ -50,6 +52,7 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
         try:
             yield
         finally:
+            await hub.close()
             await redis.aclose()
 
     # authenticate runs before every route (those added later too); it lets OPEN_PATHS through.

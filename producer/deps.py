@@ -14,6 +14,7 @@ from producer.api_types import GenerateBody
 from producer.backlog import Gate
 from producer.errors import bad_request, from_validation, not_found
 from producer.metrics import ProducerMetrics
+from producer.stream_hub import StreamHub
 from shared.config import ProducerSettings
 from shared.keys import Keys
 
@@ -33,6 +34,7 @@ class Services:
     model_id: str = "default"  # the served model's name on the OpenAI routes
     gate: Gate | None = None  # overload checks before enqueue (None: no limits, e.g. outside the app)
     api_key_hashes: frozenset[str] = frozenset()  # producer.auth; empty: no keys needed
+    hub: StreamHub | None = None  # one XREAD for every followed chunk stream (None: a read per follower)
 
 
 def get_services(request: Request) -> Services:

@@ -38,6 +38,14 @@ class MergedFollower:
 
     async def follow(self, disconnected: Check | None = None) -> AsyncIterator[tuple[str | None, TokenChunk]]:
         """(entry id, chunk numbered in the combined response) until every request ended."""
+        try:
+            async for item in self._follow(disconnected):
+                yield item
+        finally:
+            if self.followers[0].hub is not None:
+                self.followers[0].hub.leave(self.request_ids)
+
+    async def _follow(self, disconnected: Check | None) -> AsyncIterator[tuple[str | None, TokenChunk]]:
         while not self.finished:
             if disconnected is not None and await disconnected():
                 return
@@ -56,6 +64,9 @@ class MergedFollower:
 
     async def _read_next(self) -> list[tuple[str, str, TokenChunk]]:
         after = {f.request_id: f.last_id for f in self.followers if not f.finished}
+        hub = self.followers[0].hub
+        if hub is not None:
+            return await hub.read_many(after, self.block_ms)
         return await store.read_many_after(self.redis, self.keys, after, self.block_ms)
 
     def _numbered(self, prompt: int, chunk: TokenChunk) -> TokenChunk:

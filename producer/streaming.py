@@ -25,6 +25,7 @@ from producer import store
 from producer.api_types import StreamEvent, StreamToken
 from producer.deps import Services
 from producer.redis_client import with_reconnect
+from producer.stream_hub import StreamHub
 from shared import codec
 from shared.keys import Keys
 from shared.schemas import FinishReason, RequestMeta, RequestStatus, TokenChunk
@@ -43,9 +44,10 @@ class ChunkFollower:
     """One reader of one request's chunk stream; ``finished`` once it saw the end of all ``n`` choices."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, request_id: str, block_ms: int,
-                 outage_s: float = 0.0, n: int = 1) -> None:
+                 outage_s: float = 0.0, n: int = 1, hub: StreamHub | None = None) -> None:
         self.redis, self.keys, self.request_id, self.block_ms = redis, keys, request_id, block_ms
         self.outage_s = outage_s
+        self.hub = hub  # the app's shared XREAD (None: a blocking read of our own, e.g. in a batch job)
         self.n = n
         self.last_id = "0-0"
         self.next_index = [0] * n  # per choice: the next index to deliver
@@ -84,6 +86,14 @@ class ChunkFollower:
 
     async def follow(self, disconnected: Check | None = None) -> AsyncIterator[tuple[str | None, TokenChunk]]:
         """(entry id, chunk) until the finished chunk, or until ``disconnected()``."""
+        try:
+            async for item in self._follow(disconnected):
+                yield item
+        finally:
+            if self.hub is not None:
+                self.hub.leave([self.request_id])
+
+    async def _follow(self, disconnected: Check | None) -> AsyncIterator[tuple[str | None, TokenChunk]]:
         while not self.finished:
             if disconnected is not None and await disconnected():
                 return
@@ -100,6 +110,9 @@ class ChunkFollower:
                     return
 
     async def _read_next(self) -> list[store.StreamEntry]:
+        if self.hub is not None:
+            found = await self.hub.read_many({self.request_id: self.last_id}, self.block_ms)
+            return [(entry_id, chunk) for _, entry_id, chunk in found]
         return await store.read_after(self.redis, self.keys, self.request_id, self.last_id, self.block_ms)
 
     async def ending_without_chunk(self) -> list[TokenChunk]:
@@ -118,7 +131,7 @@ def follower(services: Services, request_id: str, n: int = 1) -> ChunkFollower:
     """A follower with the app's settings (block time, outage grace); ``n``: the request's samples."""
     settings = services.settings
     return ChunkFollower(services.redis, services.keys, request_id, settings.stream_block_ms,
-                         settings.redis_outage_s, n)
+                         settings.redis_outage_s, n, services.hub)
 
 
 def ending_from_meta(request_id: str, index: int, meta: RequestMeta | None, choice: int = 0) -> TokenChunk:
