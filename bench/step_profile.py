@@ -50,10 +50,14 @@ class Timed:
         return out
 
     def take_ms(self) -> float:
+        return sum(self.take_each_ms())
+
+    def take_each_ms(self) -> list[float]:
+        """Each call's time since the last take (on CPU: their sum, as one)."""
         sync()
-        total = self.cpu_ms + sum(s.elapsed_time(e) for s, e in self.pairs)
+        each = [self.cpu_ms] if self.cpu_ms else [s.elapsed_time(e) for s, e in self.pairs]
         self.pairs, self.cpu_ms = [], 0.0
-        return total
+        return each
 
 
 def fill(engine, batch: int, context: int, vocab: int, rng, steps: int) -> list[Req]:
@@ -69,23 +73,34 @@ def fill(engine, batch: int, context: int, vocab: int, rng, steps: int) -> list[
     return reqs
 
 
-def measure(engine, steps: int) -> dict[str, float]:
+def measure(engine, steps: int, arrival: list[int] | None = None) -> dict[str, float]:
+    """Median step times; with ``arrival`` (prompt ids), a new request joins before every step,
+    as in serving at a steady rate: its prefill runs as the step's second forward."""
     runner = engine.runner
     forward, sample = Timed(runner.forward), Timed(runner._sample)
     runner.forward, runner._sample = forward, sample
-    walls, fwd, smp = [], [], []
+    walls, fwd, prefill, smp, joined = [], [], [], [], []
     try:
-        for _ in range(steps):
+        for i in range(steps):
+            if arrival is not None:
+                msg = GenerateRequest(id=f"arrival-{len(arrival)}-{i}", prompt_ids=arrival, created_ms=0,
+                                      params=SamplingParams(max_new_tokens=steps + 10, ignore_eos=True))
+                joined.append(Req(msg=msg, inbox_id=f"{i}-1"))
+                engine.add(joined[-1])
             sync()
             start = time.perf_counter()
             engine.step()
             walls.append((time.perf_counter() - start) * 1e3)
-            fwd.append(forward.take_ms())
+            each = forward.take_each_ms()
+            fwd.append(each[0])
+            prefill.append(sum(each[1:]))
             smp.append(sample.take_ms())
     finally:
         del runner.forward, runner._sample  # back to the class's methods
-    wall, f, s = statistics.median(walls), statistics.median(fwd), statistics.median(smp)
-    return {"wall": wall, "forward": f, "sample": s, "host": wall - f - s}
+        for req in joined:
+            engine.cancel(req)
+    wall, f, p, s = (statistics.median(x) for x in (walls, fwd, prefill, smp))
+    return {"wall": wall, "forward": f, "prefill": p, "sample": s, "host": wall - f - p - s}
 
 
 def trace(engine, batch: int) -> None:
@@ -113,28 +128,34 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--trace", default="", help="batch sizes to show a kernel table for, e.g. 64,1024")
+    parser.add_argument("--arrival", type=int, default=0,
+                        help="also time steps that each take in a new request of this many prompt tokens")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     traced = {int(b) for b in args.trace.split(",") if b}
+    room = args.steps + 8 if args.arrival else 0  # arrivals join the running batch, one a step
     settings = WorkerSettings(
         model=ModelSettings(model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048),
-        device=args.device, batch_max_tokens=8192, running_max_req_size=max(batches), graph_max_batch_size=max(batches))
+        device=args.device, batch_max_tokens=8192, running_max_req_size=max(batches) + room, graph_max_batch_size=max(batches) + room)
     engine = build_engine(settings)
     vocab, rng = SHAPES[args.model_shape]["vocab_size"], np.random.default_rng(0)
     rows = []
     for b in batches:
-        reqs = fill(engine, b, args.context, vocab, rng, args.steps + 10)
-        rows.append((b, measure(engine, args.steps)))
+        reqs = fill(engine, b, args.context, vocab, rng, 2 * args.steps + 10)
+        rows.append((b, 0, measure(engine, args.steps)))
+        if args.arrival:
+            prompt = rng.integers(3, vocab, size=args.arrival).tolist()
+            rows.append((b, args.arrival, measure(engine, args.steps, prompt)))
         if b in traced:
             trace(engine, b)
         for req in reqs:
             engine.cancel(req)
     print(f"\n{args.model_shape}, context {args.context}, median of {args.steps} engine steps (ms)")
-    print(f"{'batch':>5} {'step':>8} {'forward':>8} {'sample':>8} {'host':>8} {'tok/s':>9}")
-    for b, m in rows:
-        print(f"{b:>5} {m['wall']:>8.2f} {m['forward']:>8.2f} {m['sample']:>8.2f} {m['host']:>8.2f} "
-              f"{b / m['wall'] * 1e3:>9,.0f}")
-    return dict(rows)
+    print(f"{'batch':>5} {'arrival':>7} {'step':>8} {'forward':>8} {'prefill':>8} {'sample':>8} {'host':>8} {'tok/s':>9}")
+    for b, arrival, m in rows:
+        print(f"{b:>5} {arrival:>7} {m['wall']:>8.2f} {m['forward']:>8.2f} {m['prefill']:>8.2f} {m['sample']:>8.2f} "
+              f"{m['host']:>8.2f} {b / m['wall'] * 1e3:>9,.0f}")
+    return {b: m for b, arrival, m in rows if not arrival}
 
 
 if __name__ == "__main__":
