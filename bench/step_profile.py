@@ -8,7 +8,10 @@ the host clock (the step ends with the sampled ids on the host, so its wall
 time is the real cost of a token for the whole batch). CUDA events split the
 step into the model's forward (the CUDA graph), sampling, and the host's own
 work between them (engine bookkeeping, batch building: nothing on the GPU).
-With ``--trace B`` a torch profiler table of the kernels of one eager
+With ``--arrival N``, steps that each take in a new request of N prompt
+tokens are timed too, mixed (one forward: the decode tokens ride in the
+prefill) and, as the peer, separate (a decode forward, then a prefill one);
+"prefill" is the second forward's time. With ``--trace B`` a torch profiler table of the kernels of one eager
 forward at batch B follows (kernel times are the graph's; eager only adds
 launch gaps), grouped by kernel name, so the largest costs read off the top.
 """
@@ -16,6 +19,7 @@ launch gaps), grouped by kernel name, so the largest costs read off the top.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -143,17 +147,19 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     for b in batches:
         reqs = fill(engine, b, args.context, vocab, rng, 2 * args.steps + 10)
         rows.append((b, 0, measure(engine, args.steps)))
-        if args.arrival:
+        if args.arrival:  # mixed steps (one forward) and, as the peer, a decode forward then a prefill one
             prompt = rng.integers(3, vocab, size=args.arrival).tolist()
-            rows.append((b, args.arrival, measure(engine, args.steps, prompt)))
+            for mixed in (True, False):
+                engine.limits = dataclasses.replace(engine.limits, mixed_steps=mixed)
+                rows.append((b, f"{args.arrival}{'' if mixed else ' sep'}", measure(engine, args.steps, prompt)))
         if b in traced:
             trace(engine, b)
         for req in reqs:
             engine.cancel(req)
     print(f"\n{args.model_shape}, context {args.context}, median of {args.steps} engine steps (ms)")
-    print(f"{'batch':>5} {'arrival':>7} {'step':>8} {'forward':>8} {'prefill':>8} {'sample':>8} {'host':>8} {'tok/s':>9}")
+    print(f"{'batch':>5} {'arrival':>11} {'step':>8} {'forward':>8} {'prefill':>8} {'sample':>8} {'host':>8} {'tok/s':>9}")
     for b, arrival, m in rows:
-        print(f"{b:>5} {arrival:>7} {m['wall']:>8.2f} {m['forward']:>8.2f} {m['prefill']:>8.2f} {m['sample']:>8.2f} "
+        print(f"{b:>5} {arrival:>11} {m['wall']:>8.2f} {m['forward']:>8.2f} {m['prefill']:>8.2f} {m['sample']:>8.2f} "
               f"{m['host']:>8.2f} {b / m['wall'] * 1e3:>9,.0f}")
     return {b: m for b, arrival, m in rows if not arrival}
 

@@ -52,6 +52,7 @@ class EngineLimits:
     max_total_tokens: int
     batch_max_tokens: int
     running_max_req_size: int
+    mixed_steps: bool = True  # a step with prefill work feeds its decoding requests in the same forward
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,13 @@ class Engine:
             req.is_paused = False
         self._pause_overflow()
         decoding = [r for r in self.running if r.is_prefilled]
-        if decoding:
+        mixed = self.limits.mixed_steps and decoding and any(not r.is_prefilled for r in self.running)
+        if decoding and not mixed:
             events += self._sample_and_finish(decoding, self.runner.decode(decoding))
-        chunks = self._prefill_chunks()
+            decoding = []
+        # A mixed step: each decoding request is a one-token chunk of the prefill forward (its
+        # last token, uncached), so the step reads the weights once, not once per forward.
+        chunks = [(r, 1) for r in decoding] + self._prefill_chunks(reserved=len(decoding))
         if chunks:
             reqs = [r for r, _ in chunks]
             completing = [r for r, n in chunks if n == r.num_uncached]
@@ -184,19 +189,20 @@ class Engine:
         """Slots this step must have: one per decoding request, one for any prefill to progress."""
         return sum(r.is_prefilled for r in self.running) + any(not r.is_prefilled for r in self.running)
 
-    def _prefill_chunks(self) -> list[tuple[Req, int]]:
-        """(request, tokens to prefill now), oldest first, within ``batch_max_tokens``."""
-        budget = self.limits.batch_max_tokens
+    def _prefill_chunks(self, reserved: int = 0) -> list[tuple[Req, int]]:
+        """(request, tokens to prefill now), oldest first, within ``batch_max_tokens`` and the
+        pool's free slots less ``reserved`` (this step's decode tokens, when mixed in)."""
+        budget, free = self.limits.batch_max_tokens, self.runner.pool.num_free - reserved
         chunks: list[tuple[Req, int]] = []
         for req in self.running:
             if budget <= 0:
                 break
             if not req.is_prefilled:
-                n = min(req.num_uncached, budget, self.runner.pool.num_free - sum(c for _, c in chunks))
+                n = min(req.num_uncached, budget, free)
                 if n <= 0:
                     break
                 chunks.append((req, n))
-                budget -= n
+                budget, free = budget - n, free - n
         return chunks
 
     def _sample_and_finish(self, reqs: list[Req], sampled: Sampled) -> list[Event]:

@@ -146,7 +146,8 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
 def build_engine(settings: WorkerSettings, tokenizer=None, group=None) -> Engine:
     """The engine on rank 0's runner (see ``build_runner``)."""
     runner, eos = build_runner(settings, tokenizer, group)
-    limits = EngineLimits(runner.pool.num_slots, settings.batch_max_tokens, settings.running_max_req_size)
+    limits = EngineLimits(runner.pool.num_slots, settings.batch_max_tokens, settings.running_max_req_size,
+                          settings.mixed_steps)
     return Engine(runner, limits, eos, AdmissionRule(settings.past_future))
 
 

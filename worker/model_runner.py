@@ -160,11 +160,10 @@ class ModelRunner:
             return self.graphs.run(step.input_ids, step.positions, step.slots, step.rows)
         if step.is_decode:
             self.table.write_scattered(step.rows, step.positions, step.slots)
-        else:
-            offset = 0
-            for row, start, n in zip(step.rows, step.cached, step.q_lens):
-                self.table.write(int(row), int(start), step.slots[offset:offset + n])
-                offset += n
+        else:  # every new token's slot in one indexed write (a mixed step has a row per decoding request)
+            if len(step.positions) and int(step.positions.max()) >= self.table.max_len:
+                raise ValueError(f"position {int(step.positions.max())} past the table's {self.table.max_len}")
+            self.table.write_scattered(np.repeat(step.rows, step.q_lens), step.positions, step.slots)
             for member, leader, n in step.forks.tolist():
                 self.table.table[member, :n] = self.table.table[leader, :n]
         return self.model.forward(self._batch(step.input_ids, step.positions, step.slots, step.rows, step.cached,

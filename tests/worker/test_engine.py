@@ -31,12 +31,12 @@ def tiny(tmp_path_factory):
     return ref, str(folder)
 
 
-def make_engine(folder, running_max=8, batch_max_tokens=64):
+def make_engine(folder, running_max=8, batch_max_tokens=64, mixed=True):
     model, config = load_model(ModelSource("hf", folder), torch.float32, "cpu")
     cache = attach_kv_cache(model, POOL, "cpu")
     table = ReqTable(running_max, 128, cache.hold_slot, "cpu")
     runner = ModelRunner(model, TokenPool(POOL), table, config.vocab_size, torch.device("cpu"))
-    return Engine(runner, EngineLimits(POOL, batch_max_tokens, running_max), eos_ids=set())
+    return Engine(runner, EngineLimits(POOL, batch_max_tokens, running_max, mixed), eos_ids=set())
 
 
 def req(rid, prompt, max_new, **params):
@@ -75,6 +75,35 @@ def test_continuous_batching_matches_transformers_greedy(tiny):
         assert tokens[rid] == reference_greedy(ref, prompts[rid], r), rid
     assert engine.runner.pool.num_free == POOL
     assert engine.runner.table.num_free_rows == 8
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_a_step_with_prompts_to_prefill_feeds_decoding_requests_in_the_same_forward(tiny, mixed):
+    """Mixed steps: one forward per step (decode tokens ride in the prefill), the same tokens."""
+    ref, folder = tiny
+    engine = make_engine(folder, batch_max_tokens=8, mixed=mixed)
+    forwards: list[bool] = []  # is_decode of each forward of the current step
+    real_forward = engine.runner.forward
+    engine.runner.forward = lambda step: forwards.append(step.is_decode) or real_forward(step)
+    prompts = {"a": [5, 6, 7], "b": list(range(30, 50))}  # b: three chunks of 8 beside a's decoding
+    engine.add(req("a", prompts["a"], 10))
+    tokens: dict[str, list[int]] = {}
+    per_step = []
+    for step in range(30):
+        if step == 2:
+            engine.add(req("b", prompts["b"], 6))
+        forwards.clear()
+        for e in engine.step():
+            if isinstance(e, Token):
+                tokens.setdefault(e.request_id, []).append(e.token_id)
+        per_step.append(list(forwards))
+        if not engine.has_work:
+            break
+    assert tokens["a"] == reference_greedy(ref, prompts["a"], 10)
+    assert tokens["b"] == reference_greedy(ref, prompts["b"], 6)
+    prefill_steps = per_step[2:5]  # b's three chunks, while a decodes
+    assert prefill_steps == ([[False]] * 3 if mixed else [[True, False]] * 3)
+    assert engine.runner.pool.num_free == POOL
 
 
 def test_resumed_request_continues_after_its_emitted_tokens(tiny):
