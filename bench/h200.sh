@@ -29,7 +29,8 @@ for part in "$@"; do
     profile) timeout 240 python3 -m bench.step_profile --model-shape llama3-8b --batches 1,64,256,1024 \
                --trace 64,1024 2>&1 | grep -v Warning | tee "$OUT/profile.log" | tail -60 ;;
     arrival) timeout 240 python3 -m bench.step_profile --model-shape llama3-8b --batches 1,40 --steps 20 \
-               --arrival 140 2>&1 | grep -v Warning | tee "$OUT/arrival.log" | tail -8 ;;  # a serving step's prefill
+               --arrival 140 --trace 40 2>&1 | grep -v Warning | tee "$OUT/arrival.log" \
+               | grep -E -A34 "host time|^batch" | grep -v "^ *[0-9]* *0.000 *0.000" | head -60 ;;  # a serving step's prefill
     offline) timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline 2>&1 \
                | tr '\r' '\n' | tee "$OUT/offline.log" | grep -v "tok/s\]" | tail -9 ;;
     offline-16k) timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline --batch-max-tokens 16384 2>&1 \

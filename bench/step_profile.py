@@ -19,7 +19,9 @@ launch gaps), grouped by kernel name, so the largest costs read off the top.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import pstats
 import statistics
 import time
 
@@ -124,6 +126,28 @@ def trace(engine, batch: int) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=18, max_name_column_width=70))
 
 
+def trace_arrival(engine, prompt: list[int]) -> None:
+    """Host-side table of one step that prefills a new request beside the running batch: where
+    the host's time goes in the eager prefill forward (a small prefill waits on the host)."""
+    joined = []
+    for i in range(4):  # the last one is profiled
+        msg = GenerateRequest(id=f"traced-{i}", prompt_ids=prompt, created_ms=0,
+                              params=SamplingParams(max_new_tokens=8, ignore_eos=True))
+        joined.append(Req(msg=msg, inbox_id=f"{i}-2"))
+        engine.add(joined[-1])
+        if i < 3:
+            engine.step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    engine.step()
+    sync()
+    profiler.disable()
+    for req in joined:
+        engine.cancel(req)
+    print(f"\nhost time of one step with a {len(prompt)}-token arrival, by Python function (cProfile):")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+
 def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -131,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--trace", default="", help="batch sizes to show a kernel table for, e.g. 64,1024")
+    parser.add_argument("--trace", default="", help="batch sizes to show a kernel table for, e.g. 64,1024 "
+                        "(with --arrival, also the host ops of a step with an arrival)")
     parser.add_argument("--arrival", type=int, default=0,
                         help="also time steps that each take in a new request of this many prompt tokens")
     args = parser.parse_args(argv)
@@ -154,6 +179,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
                 rows.append((b, f"{args.arrival}{'' if mixed else ' sep'}", measure(engine, args.steps, prompt)))
         if b in traced:
             trace(engine, b)
+            if args.arrival:
+                trace_arrival(engine, rng.integers(3, vocab, size=args.arrival).tolist())
         for req in reqs:
             engine.cancel(req)
     print(f"\n{args.model_shape}, context {args.context}, median of {args.steps} engine steps (ms)")

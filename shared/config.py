@@ -132,8 +132,9 @@ class WorkerSettings(BaseSettings):
     mem_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory weights + KV pool may use")
     batch_max_tokens: int = Field(4096, gt=0, description="max prompt tokens prefilled in one step")
     running_max_req_size: int = Field(256, gt=0, description="max requests running at once")
-    mixed_steps: bool = Field(True, description="a step with prompt tokens to prefill feeds the decoding "
-                              "requests' tokens in the same forward (else: a decode forward, then a prefill one)")
+    mixed_steps: bool = Field(False, description="a step with prompt tokens to prefill feeds the decoding "
+                              "requests' tokens in the same forward (off: a decode forward, then a prefill one; "
+                              "mixing measured slower offline on an H200, bench/RESULTS.md)")
     cuda_graphs: bool = Field(True, description="capture decode steps as CUDA graphs (GPU only)")
     graph_max_batch_size: int = Field(256, gt=0, description="largest decode batch captured as a graph")
     tp: int = Field(1, ge=1, description="tensor parallel degree: processes (GPUs) per worker")

@@ -52,7 +52,7 @@ class EngineLimits:
     max_total_tokens: int
     batch_max_tokens: int
     running_max_req_size: int
-    mixed_steps: bool = True  # a step with prefill work feeds its decoding requests in the same forward
+    mixed_steps: bool = False  # a step with prefill work feeds its decoding requests in the same forward
 
 
 @dataclass(frozen=True)

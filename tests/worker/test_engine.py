@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
     return ref, str(folder)
 
 
-def make_engine(folder, running_max=8, batch_max_tokens=64, mixed=True):
+def make_engine(folder, running_max=8, batch_max_tokens=64, mixed=False):
     model, config = load_model(ModelSource("hf", folder), torch.float32, "cpu")
     cache = attach_kv_cache(model, POOL, "cpu")
     table = ReqTable(running_max, 128, cache.hold_slot, "cpu")
