@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         if args.arrival:  # mixed steps (one forward) and, as the peer, a decode forward then a prefill one
             prompt = rng.integers(3, vocab, size=args.arrival).tolist()
             for mixed in (True, False):
-                engine.limits = dataclasses.replace(engine.limits, mixed_steps=mixed)
+                engine.limits = dataclasses.replace(engine.limits, mix_max_prefill_tokens=args.arrival if mixed else 0)
                 rows.append((b, f"{args.arrival}{'' if mixed else ' sep'}", measure(engine, args.steps, prompt)))
         if b in traced:
             trace(engine, b)

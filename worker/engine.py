@@ -52,7 +52,7 @@ class EngineLimits:
     max_total_tokens: int
     batch_max_tokens: int
     running_max_req_size: int
-    mixed_steps: bool = False  # a step with prefill work feeds its decoding requests in the same forward
+    mix_max_prefill_tokens: int = 0  # a step prefilling at most this many tokens feeds its decodes in that forward
 
 
 @dataclass(frozen=True)
@@ -115,13 +115,15 @@ class Engine:
             req.is_paused = False
         self._pause_overflow()
         decoding = [r for r in self.running if r.is_prefilled]
-        mixed = self.limits.mixed_steps and decoding and any(not r.is_prefilled for r in self.running)
-        if decoding and not mixed:
+        prefill = self._prefill_chunks(reserved=len(decoding))
+        # A small prefill takes the decoding requests along as one-token chunks of its forward: one
+        # weight read and one round of launches, not two (a small prefill's forward waits on the
+        # host's launches). A large one goes alone after the decode graph: the prefill kernel reads
+        # a decode row's whole context in one program, which costs more than it saves there.
+        if decoding and (not prefill or sum(n for _, n in prefill) > self.limits.mix_max_prefill_tokens):
             events += self._sample_and_finish(decoding, self.runner.decode(decoding))
             decoding = []
-        # A mixed step: each decoding request is a one-token chunk of the prefill forward (its
-        # last token, uncached), so the step reads the weights once, not once per forward.
-        chunks = [(r, 1) for r in decoding] + self._prefill_chunks(reserved=len(decoding))
+        chunks = [(r, 1) for r in decoding] + prefill
         if chunks:
             reqs = [r for r, _ in chunks]
             completing = [r for r, n in chunks if n == r.num_uncached]

@@ -147,7 +147,7 @@ def build_engine(settings: WorkerSettings, tokenizer=None, group=None) -> Engine
     """The engine on rank 0's runner (see ``build_runner``)."""
     runner, eos = build_runner(settings, tokenizer, group)
     limits = EngineLimits(runner.pool.num_slots, settings.batch_max_tokens, settings.running_max_req_size,
-                          settings.mixed_steps)
+                          settings.mix_max_prefill_tokens)
     return Engine(runner, limits, eos, AdmissionRule(settings.past_future))
 
 

@@ -31,12 +31,12 @@ def tiny(tmp_path_factory):
     return ref, str(folder)
 
 
-def make_engine(folder, running_max=8, batch_max_tokens=64, mixed=False):
+def make_engine(folder, running_max=8, batch_max_tokens=64, mix_max=0):
     model, config = load_model(ModelSource("hf", folder), torch.float32, "cpu")
     cache = attach_kv_cache(model, POOL, "cpu")
     table = ReqTable(running_max, 128, cache.hold_slot, "cpu")
     runner = ModelRunner(model, TokenPool(POOL), table, config.vocab_size, torch.device("cpu"))
-    return Engine(runner, EngineLimits(POOL, batch_max_tokens, running_max, mixed), eos_ids=set())
+    return Engine(runner, EngineLimits(POOL, batch_max_tokens, running_max, mix_max), eos_ids=set())
 
 
 def req(rid, prompt, max_new, **params):
@@ -77,11 +77,12 @@ def test_continuous_batching_matches_transformers_greedy(tiny):
     assert engine.runner.table.num_free_rows == 8
 
 
-@pytest.mark.parametrize("mixed", [True, False])
-def test_a_step_with_prompts_to_prefill_feeds_decoding_requests_in_the_same_forward(tiny, mixed):
-    """Mixed steps: one forward per step (decode tokens ride in the prefill), the same tokens."""
+@pytest.mark.parametrize("mix_max", [8, 7, 0])
+def test_a_small_prefill_takes_the_decoding_requests_into_its_forward(tiny, mix_max):
+    """Mixed steps: one forward per step (decode tokens ride in the prefill), the same tokens;
+    a prefill of more than ``mix_max`` tokens runs as its own forward after the decode one."""
     ref, folder = tiny
-    engine = make_engine(folder, batch_max_tokens=8, mixed=mixed)
+    engine = make_engine(folder, batch_max_tokens=8, mix_max=mix_max)
     forwards: list[bool] = []  # is_decode of each forward of the current step
     real_forward = engine.runner.forward
     engine.runner.forward = lambda step: forwards.append(step.is_decode) or real_forward(step)
@@ -101,8 +102,9 @@ def test_a_step_with_prompts_to_prefill_feeds_decoding_requests_in_the_same_forw
             break
     assert tokens["a"] == reference_greedy(ref, prompts["a"], 10)
     assert tokens["b"] == reference_greedy(ref, prompts["b"], 6)
-    prefill_steps = per_step[2:5]  # b's three chunks, while a decodes
-    assert prefill_steps == ([[False]] * 3 if mixed else [[True, False]] * 3)
+    prefill_steps = per_step[2:5]  # b's chunks of 8, 8 and 4 tokens, while a decodes
+    expected = {8: [[False]] * 3, 7: [[True, False]] * 2 + [[False]], 0: [[True, False]] * 3}
+    assert prefill_steps == expected[mix_max]
     assert engine.runner.pool.num_free == POOL
 
 
