@@ -5,6 +5,9 @@ FROM python:3.11-slim
 ARG TORCH_INDEX=""
 WORKDIR /app
 ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# Triton (the GPU kernels) compiles its CUDA launcher with a C compiler on first use.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY lightq lightq
 COPY shared shared

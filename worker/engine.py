@@ -78,6 +78,14 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_unstarted(self) -> list[Req]:
+        """Remove and return the waiting requests that never started here (no events were sent
+        for them; a paused one has, and stays)."""
+        with self._lock:
+            unstarted = [r for r in self.waiting if not r.is_paused]
+            self.waiting = deque(r for r in self.waiting if r.is_paused)
+        return unstarted
+
     def add(self, req: Req) -> None:
         with self._lock:
             self.waiting.append(req)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -184,14 +185,19 @@ def run(settings: WorkerSettings) -> None:
 def run_service(settings: WorkerSettings, group=None) -> None:
     """Rank 0 (or the only rank): the engine behind the service loop, until a signal stops it."""
     worker_id = default_id(settings.worker_id)
+    stop = threading.Event()
+    stop_on_signals(stop)  # before the model loads: a worker scaled down while loading exits after it
     tokenizer = load_tokenizer(resolve(settings.model.model_dir))
     engine = build_engine(settings, tokenizer, group)
+    if stop.is_set():
+        log.info("worker %s stopped while loading: never served", worker_id)
+        return
     client = sync_client(settings.redis)
     metrics = WorkerMetrics(worker_id)
     metrics.registry.register(WorkerCollector(engine, client, Keys(settings.redis.key_prefix), worker_id))
     server = serve_metrics(metrics.registry, settings.metrics_port)
     service = WorkerService(settings, client, MeteredEngine(engine, metrics), tokenizer, worker_id)
-    stop_on_signals(service.stop_event)
+    service.stop_event = stop
     # The publisher and heartbeat threads share the GIL with the model loop. Whenever the loop
     # waits on the GPU (the sampled ids' copy) the publisher takes the GIL, and by default the
     # loop gets it back only after 5 ms (the switch interval): up to 5 ms added to every step.

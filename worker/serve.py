@@ -17,7 +17,7 @@ from shared.codec import from_entry
 from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP, Keys
 from shared.redis import Backoff, ensure_group
-from shared.requeue import hand_back_inbox
+from shared.requeue import hand_back_inbox, requeue
 from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
 from worker.engine import Engine
 from worker.events import Ended, Released
@@ -91,10 +91,33 @@ class WorkerService:
     def _drain(self) -> None:
         self.draining = True
         self.heartbeat.beat()  # routers see ``draining`` now and stop dispatching here
+        self._hand_back_unstarted()
         deadline = time.monotonic() + self.settings.drain_timeout
         log.info("worker %s draining: %d running", self.worker_id, len(self.engine.running))
         while self.engine.running and time.monotonic() < deadline:
             self._serve_once()
+
+    def _hand_back_unstarted(self) -> None:
+        """Requests queued here that never started go back to the ingress stream at once, not after
+        the drain (another worker can start them now). Requeued before their inbox entry goes: a
+        crash between the two requeues one twice at worst (a duplicate), never loses it."""
+        unstarted = [(req.msg, req.inbox_id) for req in self.engine.take_unstarted()]
+        inbox = self.keys.inbox(self.worker_id)
+        try:  # and what the inbox holds that this worker never read
+            reply = self.client.xreadgroup(WORKER_GROUP, self.worker_id, {inbox: ">"}, count=100_000)
+            unstarted += [(from_entry(GenerateRequest, fields), entry_id) for entry_id, fields in
+                          (reply[0][1] if reply else [])]
+            for msg, entry_id in unstarted:
+                requeue(self.client, self.keys, msg, self.settings.redis.request_ttl_s,
+                        self.settings.max_attempts, count_attempt=False)
+                pipe = self.client.pipeline(transaction=True)
+                pipe.xack(inbox, WORKER_GROUP, entry_id)
+                pipe.xdel(inbox, entry_id)
+                pipe.execute()
+        except redis.RedisError as exc:  # those not requeued are still in the inbox: handed back at exit
+            log.warning("handing back unstarted requests failed (%s): they go back at exit", exc)
+        if unstarted:
+            log.info("worker %s handed %d unstarted requests back", self.worker_id, len(unstarted))
 
     def _hand_back(self) -> None:
         """Requeue what is still in our inbox (waiting, unfinished, or dispatched late)."""
