@@ -132,8 +132,8 @@ HOPS = [  # (name, from, to): the server's stamps (GET /v1/requests/{id}); "sent
     ("producer: send -> enqueued", "sent", "created_ms"),
     ("router: enqueued -> dispatched", "created_ms", "dispatched_ms"),
     ("inbox: dispatched -> taken", "dispatched_ms", "taken_ms"),
-    ("worker step: taken -> step end", "taken_ms", "stepped_ms"),
-    ("publisher: step end -> written", "stepped_ms", "started_ms"),
+    ("worker step: taken -> prefilled", "taken_ms", "stepped_ms"),
+    ("publisher: prefilled -> written", "stepped_ms", "started_ms"),
     ("delivery: written -> client", "started_ms", "first"),
 ]
 

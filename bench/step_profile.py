@@ -40,9 +40,10 @@ class Timed:
     """Wraps a callable: CUDA events around each call, read after the step."""
 
     def __init__(self, fn):
-        self.fn, self.pairs, self.cpu_ms = fn, [], 0.0
+        self.fn, self.pairs, self.cpu_ms, self.kinds = fn, [], 0.0, []
 
     def __call__(self, *args, **kwargs):
+        self.kinds.append(getattr(args[0], "is_decode", None) if args else None)
         if not torch.cuda.is_available():  # a CPU smoke run: the host clock
             start = time.perf_counter()
             out = self.fn(*args, **kwargs)
@@ -56,13 +57,16 @@ class Timed:
         return out
 
     def take_ms(self) -> float:
-        return sum(self.take_each_ms())
+        return sum(ms for _, ms in self.take_each_ms())
 
-    def take_each_ms(self) -> list[float]:
-        """Each call's time since the last take (on CPU: their sum, as one)."""
+    def take_each_ms(self) -> list[tuple[bool | None, float]]:
+        """(is_decode, ms) of each call since the last take (on CPU: their sum, as one call)."""
         sync()
-        each = [self.cpu_ms] if self.cpu_ms else [s.elapsed_time(e) for s, e in self.pairs]
-        self.pairs, self.cpu_ms = [], 0.0
+        if self.cpu_ms:
+            each = [(self.kinds[0] if len(self.kinds) == 1 else None, self.cpu_ms)]
+        else:
+            each = list(zip(self.kinds, (s.elapsed_time(e) for s, e in self.pairs)))
+        self.pairs, self.cpu_ms, self.kinds = [], 0.0, []
         return each
 
 
@@ -97,9 +101,9 @@ def measure(engine, steps: int, arrival: list[int] | None = None) -> dict[str, f
             start = time.perf_counter()
             engine.step()
             walls.append((time.perf_counter() - start) * 1e3)
-            each = forward.take_each_ms()
-            fwd.append(each[0])
-            prefill.append(sum(each[1:]))
+            each = forward.take_each_ms()  # the decode graph's forward, the prefill's (a mixed step: one)
+            fwd.append(sum(ms for is_decode, ms in each if is_decode is not False))
+            prefill.append(sum(ms for is_decode, ms in each if is_decode is False))
             smp.append(sample.take_ms())
     finally:
         del runner.forward, runner._sample  # back to the class's methods
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         for req in reqs:
             engine.cancel(req)
     print(f"\n{args.model_shape}, context {args.context}, median of {args.steps} engine steps (ms)")
-    print(f"{'batch':>5} {'arrival':>11} {'step':>8} {'forward':>8} {'prefill':>8} {'sample':>8} {'host':>8} {'tok/s':>9}")
+    print(f"{'batch':>5} {'arrival':>11} {'step':>8} {'decode':>8} {'prefill':>8} {'sample':>8} {'host':>8} {'tok/s':>9}")
     for b, arrival, m in rows:
         print(f"{b:>5} {arrival:>11} {m['wall']:>8.2f} {m['forward']:>8.2f} {m['prefill']:>8.2f} {m['sample']:>8.2f} "
               f"{m['host']:>8.2f} {b / m['wall'] * 1e3:>9,.0f}")

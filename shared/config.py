@@ -132,7 +132,7 @@ class WorkerSettings(BaseSettings):
     mem_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory weights + KV pool may use")
     batch_max_tokens: int = Field(4096, gt=0, description="max prompt tokens prefilled in one step")
     running_max_req_size: int = Field(256, gt=0, description="max requests running at once")
-    mix_max_prefill_tokens: int = Field(512, ge=0, description="a step that prefills at most this many prompt "
+    mix_max_prefill_tokens: int = Field(0, ge=0, description="a step that prefills at most this many prompt "
                                         "tokens feeds the decoding requests in the same forward (0: never; a "
                                         "larger prefill runs after the decode step, as its own forward)")
     cuda_graphs: bool = Field(True, description="capture decode steps as CUDA graphs (GPU only)")

@@ -207,8 +207,9 @@ class RequestMeta(BaseModel):
     The producer creates it (queued), the router fills ``worker`` on dispatch,
     the worker sets running/finished with counts and times. ``*_ms`` are Unix
     milliseconds: created (enqueued), dispatched (the router's script),
-    taken (the worker read its inbox), stepped (the end of the worker step
-    that admitted it), started (the publisher wrote that step), finished.
+    taken (the worker read its inbox), stepped (the worker step that
+    admitted it handed over its events: after its prefill, before the
+    decode), started (the publisher wrote them), finished.
     Their gaps are the hops of time-to-first-token (``bench.serve_bench
     --hops``). Partial updates use ``fields(...)``.
     """

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,30 +118,40 @@ class Engine:
             return []
         return self._release(req, "stop")
 
-    def step(self) -> list[Event]:
+    def step(self, early: Callable[[list[Event]], None] | None = None) -> list[Event]:
+        """Admit, prefill, decode. The prefill goes first, and ``early`` (if given) gets its events
+        (admissions, first tokens) before the decode runs: a new request's first token does not wait
+        for the decode forward. The other events are returned."""
         events: list[Event] = [Started(r.msg, r.taken_ms) for r in self._admit() if not r.is_paused]
         for req in self.running:
             req.is_paused = False
         self._pause_overflow()
-        decoding = [r for r in self.running if r.is_prefilled]
+        decoding = [r for r in self.running if r.is_prefilled]  # before the prefill: it samples its own
         prefill = self._prefill_chunks(reserved=len(decoding))
         # A small prefill takes the decoding requests along as one-token chunks of its forward: one
         # weight read and one round of launches, not two (a small prefill's forward waits on the
-        # host's launches). A large one goes alone after the decode graph: the prefill kernel reads
+        # host's launches). A large one goes alone, then the decode graph: the prefill kernel reads
         # a decode row's whole context in one program, which costs more than it saves there.
-        if decoding and (not prefill or sum(n for _, n in prefill) > self.limits.mix_max_prefill_tokens):
-            events += self._sample_and_finish(decoding, self.runner.decode(decoding))
-            decoding = []
-        chunks = [(r, 1) for r in decoding] + prefill
+        mixed = bool(decoding and prefill and sum(n for _, n in prefill) <= self.limits.mix_max_prefill_tokens)
+        chunks = ([(r, 1) for r in decoding] if mixed else []) + prefill
         if chunks:
-            reqs = [r for r, _ in chunks]
-            completing = [r for r, n in chunks if n == r.num_uncached]
-            forks = {r: r.fork_members() for r in completing if r.is_unforked_leader}
-            sampled = self.runner.prefill(reqs, [n for _, n in chunks], completing, forks)
-            self._join_forks(forks)
-            sampling = [r for _, r in sampling_after_prefill(completing, forks)]
-            events += self._sample_and_finish(sampling, sampled)
+            events += self._prefill(chunks)
+        if decoding and not mixed:
+            if early is not None and events:
+                early(events)
+                events = []
+            events += self._sample_and_finish(decoding, self.runner.decode(decoding))
         return events
+
+    def _prefill(self, chunks: list[tuple[Req, int]]) -> list[Event]:
+        """One prefill forward over (request, tokens) chunks; those that complete sample."""
+        reqs = [r for r, _ in chunks]
+        completing = [r for r, n in chunks if n == r.num_uncached]
+        forks = {r: r.fork_members() for r in completing if r.is_unforked_leader}
+        sampled = self.runner.prefill(reqs, [n for _, n in chunks], completing, forks)
+        self._join_forks(forks)
+        sampling = [r for _, r in sampling_after_prefill(completing, forks)]
+        return self._sample_and_finish(sampling, sampled)
 
     def _join_forks(self, forks: dict[Req, list[Req]]) -> None:
         """A forked group's new samples run from now on (the runner gave them rows and the prompt)."""

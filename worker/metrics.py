@@ -10,7 +10,7 @@ counts the events it returns; every other attribute is the engine's own.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -61,9 +61,13 @@ class MeteredEngine:
         self._engine = engine
         self._metrics = metrics
 
-    def step(self) -> list[Event]:
+    def step(self, early: Callable[[list[Event]], None] | None = None) -> list[Event]:
+        def counted(events: list[Event]) -> None:
+            self._metrics.count(events)
+            early(events)
+
         start = time.perf_counter()
-        events = self._engine.step()
+        events = self._engine.step(counted if early is not None else None)
         self._metrics.step_time.observe(time.perf_counter() - start)
         self._metrics.count(events)
         return events

@@ -85,7 +85,7 @@ class WorkerService:
                 raise
             self._read_id = "0"  # Redis lost our inbox group (restarted empty): recreate it
         if self.engine.has_work:
-            self.publisher.put(self.engine.step())
+            self.publisher.put(self.engine.step(self.publisher.put))
             self._free_stopped()
 
     def _drain(self) -> None:

@@ -71,7 +71,7 @@ class StubEngine:
     def snapshot(self) -> LoadSnapshot:
         return LoadSnapshot(used_tokens=400, committed_tokens=600, num_running=2, num_waiting=5)
 
-    def step(self):
+    def step(self, early=None):
         return self.events
 
 

@@ -103,9 +103,24 @@ def test_a_small_prefill_takes_the_decoding_requests_into_its_forward(tiny, mix_
     assert tokens["a"] == reference_greedy(ref, prompts["a"], 10)
     assert tokens["b"] == reference_greedy(ref, prompts["b"], 6)
     prefill_steps = per_step[2:5]  # b's chunks of 8, 8 and 4 tokens, while a decodes
-    expected = {8: [[False]] * 3, 7: [[True, False]] * 2 + [[False]], 0: [[True, False]] * 3}
+    expected = {8: [[False]] * 3, 7: [[False, True]] * 2 + [[False]], 0: [[False, True]] * 3}  # prefill first
     assert prefill_steps == expected[mix_max]
     assert engine.runner.pool.num_free == POOL
+
+
+def test_a_new_requests_first_token_is_handed_over_before_the_decode_runs(tiny):
+    ref, folder = tiny
+    engine = make_engine(folder)
+    log: list = []
+    real_forward = engine.runner.forward
+    engine.runner.forward = lambda step: log.append("decode" if step.is_decode else "prefill") or real_forward(step)
+    engine.add(req("a", [5, 6, 7], 4))
+    engine.step()
+    engine.add(req("b", [11, 3], 4))
+    log.clear()
+    rest = engine.step(early=lambda events: log.append([(type(e).__name__, e.request_id) for e in events]))
+    assert log == ["prefill", [("Started", "b"), ("Token", "b")], "decode"]
+    assert [(type(e).__name__, e.request_id) for e in rest] == [("Token", "a")]
 
 
 def test_resumed_request_continues_after_its_emitted_tokens(tiny):
