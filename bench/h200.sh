@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/RESULTS.md's H200 rows, as sent through the device tool:
-#   bash bench/h200.sh setup gpu-tests profile offline offline-16k      (one H200)
+#   bash bench/h200.sh setup gpu-tests profile arrival offline offline-16k serve scale   (one H200)
 #   bash bench/h200.sh setup tp2 bloom serve serve-tp2 scale           (two: tp2 needs both)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
