@@ -45,7 +45,10 @@ for part in "$@"; do
       bin=$(python3 -c "from shared.embedded_redis import redis_server_binary; print(redis_server_binary())")
       $bin --port 6390 --save '' --appendonly no --daemonize yes >/dev/null
       timeout 200 python3 -m bench.scale_sim --redis_url redis://127.0.0.1:6390/0 2>&1 | tee "$OUT/scale.log" | tail -12 ;;  # the same with one worker over both GPUs
+    graph-tests) timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/worker/test_prefill_graphs.py \
+               tests/worker/test_gpu_backend.py -m "not slow" 2>&1 | tee "$OUT/graph-tests.log" | tail -8 ;;
     gpu-tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/worker/test_gpu_backend.py \
+               tests/worker/test_prefill_graphs.py \
                -m "not slow" 2>&1 | tee "$OUT/gpu-tests.log" | tail -8 ;;
   esac
 done

@@ -22,6 +22,7 @@ from shared.service import default_id, setup_logging, stop_on_signals
 from worker import tp as tensor_parallel
 from worker.counting_model import CountingModel
 from worker.cuda_graphs import DecodeGraphs, default_buckets
+from worker.prefill_graphs import PrefillGraphs
 from worker.engine import Engine, EngineLimits
 from worker.kv_cache import KVCache
 from worker.layers import SINGLE, TensorParallel
@@ -133,12 +134,14 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
     log.info("rank %d: model on %s (%s), KV pool %d tokens (%.1f GiB)", rank, device, dtype, num_slots,
              cache.buffer.numel() * cache.buffer.element_size() / 2**30)
     table = ReqTable(settings.running_max_req_size, settings.model.max_req_total_len + 8, cache.hold_slot, device)
-    graphs = None
+    graphs = prefill_graphs = None
     if device.type == "cuda" and settings.cuda_graphs:  # the same buckets on every rank, collectives inside
         buckets = default_buckets(min(settings.graph_max_batch_size, settings.running_max_req_size))
         graphs = DecodeGraphs(model, table, cache.hold_slot, config.vocab_size, buckets, device)
+        if settings.tp == 1:  # small prefills too (measured on one GPU only)
+            prefill_graphs = PrefillGraphs(model, table, cache.hold_slot, config.vocab_size, device)
     eos = eos_ids(config, tokenizer)
-    runner = ModelRunner(model, TokenPool(num_slots), table, config.vocab_size, device, eos, graphs)
+    runner = ModelRunner(model, TokenPool(num_slots), table, config.vocab_size, device, eos, graphs, prefill_graphs)
     if group is not None and rank == 0:
         runner.on_forward = group.send_step  # each forward runs on the followers too
     return runner, eos

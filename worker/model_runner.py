@@ -50,13 +50,14 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, pool: TokenPool, table: ReqTable, vocab_size: int, device: torch.device,
-                 eos_ids: set[int] = frozenset(), graphs=None):
+                 eos_ids: set[int] = frozenset(), graphs=None, prefill_graphs=None):
         self.model = model
         self.pool = pool
         self.table = table
         self.vocab_size = vocab_size
         self.device = device
         self.graphs = graphs  # worker.cuda_graphs.DecodeGraphs or None
+        self.prefill_graphs = prefill_graphs  # worker.prefill_graphs.PrefillGraphs or None
         self.on_forward = None  # tensor parallel, rank 0: StepInputs -> None, called before each forward
         # Per table row token counts, for penalties and min_new_tokens (one row per request).
         self.counts = TokenCounts(table.hold_row, vocab_size, eos_ids, device)
@@ -166,6 +167,9 @@ class ModelRunner:
             self.table.write_scattered(np.repeat(step.rows, step.q_lens), step.positions, step.slots)
             for member, leader, n in step.forks.tolist():
                 self.table.table[member, :n] = self.table.table[leader, :n]
+            graphs = self.prefill_graphs
+            if graphs is not None and graphs.can_run(len(step.rows), len(step.input_ids), len(step.forks)):
+                return graphs.run(step.input_ids, step.positions, step.slots, int(step.rows[0]), int(step.cached[0]))
         return self.model.forward(self._batch(step.input_ids, step.positions, step.slots, step.rows, step.cached,
                                               step.q_lens, step.is_decode))
 
