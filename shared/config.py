@@ -135,7 +135,8 @@ class WorkerSettings(BaseSettings):
     mix_max_prefill_tokens: int = Field(0, ge=0, description="a step that prefills at most this many prompt "
                                         "tokens feeds the decoding requests in the same forward (0: never; a "
                                         "larger prefill runs after the decode step, as its own forward)")
-    cuda_graphs: bool = Field(True, description="capture decode steps as CUDA graphs (GPU only)")
+    cuda_graphs: bool = Field(True, description="capture decode steps, and one-request prefills of at most 512 "
+                              "tokens (--tp 1), as CUDA graphs (GPU only)")
     graph_max_batch_size: int = Field(256, gt=0, description="largest decode batch captured as a graph")
     tp: int = Field(1, ge=1, description="tensor parallel degree: processes (GPUs) per worker")
     heartbeat_s: float = Field(0.5, gt=0, description="seconds between load records")
