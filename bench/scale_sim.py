@@ -5,7 +5,8 @@
 
 Workers are simulated in separate processes (``--workers_per_process``
 each, no model weights): each
-publishes ``WorkerLoad`` heartbeats with per-request summaries, takes its
+publishes ``WorkerLoad`` heartbeats with per-request summaries (every 0.2 s, and
+at once when requests finish, at most every ``EARLY_GAP_S``, as workers do), takes its
 inbox through the ``worker`` group, and steps on a time model (``--step_ms``
 + ``--per_req_ms`` per running request, at most ``--batch`` running); each
 step adds one token to every running request, and a request that reaches
@@ -36,6 +37,7 @@ from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
 from shared.redis import ensure_group
 from shared.request_log import end_request, now_ms
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, WorkerLoad
+from worker.heartbeat import EARLY_GAP_S
 
 
 class SimWorker:
@@ -43,11 +45,12 @@ class SimWorker:
         self.client, self.keys, self.worker_id, self.args = client, keys, worker_id, args
         self.running: list[list] = []  # [request id, prompt tokens, generated, max_new, inbox id]
         self.last_inbox_id, self.seq, self.next_step = "0-0", 0, time.monotonic()
+        self.last_beat = 0.0
         self.pool = args.batch * (args.prompt_len + args.output_len)
         ensure_group(client, keys.inbox(worker_id), WORKER_GROUP)
 
     def beat(self) -> None:
-        self.seq += 1
+        self.seq, self.last_beat = self.seq + 1, time.monotonic()
         states = [(p + g, g, m, 1) for _, p, g, m, _ in self.running]
         load = WorkerLoad(worker_id=self.worker_id, seq=self.seq, ts_ms=now_ms(), max_total_tokens=self.pool,
                           used_tokens=sum(s[0] for s in states), committed_tokens=sum(p + m for _, p, _, m, _ in self.running),
@@ -75,6 +78,8 @@ class SimWorker:
             with done.get_lock():
                 done.value += sum(r[2] for r in finished)
             self.running = [r for r in self.running if r[2] < r[3]]
+            if time.monotonic() - self.last_beat >= EARLY_GAP_S:  # as a worker does: room freed, say so now
+                self.beat()
         self.next_step += (self.args.step_ms + self.args.per_req_ms * len(self.running)) / 1000
 
     def _finish(self, finished: list[list]) -> None:

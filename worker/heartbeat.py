@@ -1,7 +1,10 @@
 """The worker's heartbeat thread: its load record, refreshed every period.
 
 The record is a key with a TTL of three periods, so a dead worker vanishes
-on its own; deleting it on exit lets the router re-dispatch at once.
+on its own; deleting it on exit lets the router re-dispatch at once. When
+requests end, ``poke`` makes the next beat come at once (at most one early
+beat per ``EARLY_GAP_S``): routers admit against the record, so room freed
+and not yet published is room left idle for up to a period.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from shared.schemas import WorkerLoad
 
 log = logging.getLogger("lightq.worker")
 
+EARLY_GAP_S = 0.05
+
 
 class Heartbeat:
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, period_s: float,
@@ -31,6 +36,7 @@ class Heartbeat:
         self.read_load = read_load
         self.seq = 0
         self.stop_event = threading.Event()
+        self._poked = threading.Event()
         self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -45,15 +51,26 @@ class Heartbeat:
         pipe.zadd(self.keys.workers(), {self.worker_id: now_ms()})
         pipe.execute()
 
+    def poke(self) -> None:
+        """Beat now rather than at the end of the period (requests ended: room was freed)."""
+        self._poked.set()
+
     def _run(self) -> None:
-        while not self.stop_event.wait(self.period_s):
+        while True:
+            poked = self._poked.wait(self.period_s)
+            if self.stop_event.is_set():
+                return
+            self._poked.clear()
             try:
                 self.beat()
             except redis.RedisError as exc:  # keep beating; the TTL covers a short outage
                 log.warning("heartbeat failed: %s", exc)
+            if poked and self.stop_event.wait(EARLY_GAP_S):  # at most one early beat per gap
+                return
 
     def stop(self) -> None:
         """Stop beating and drop the record: the router treats the worker as gone."""
         self.stop_event.set()
+        self._poked.set()  # wakes the thread
         self.thread.join()
         self.client.delete(self.keys.load(self.worker_id))

@@ -85,7 +85,10 @@ class WorkerService:
                 raise
             self._read_id = "0"  # Redis lost our inbox group (restarted empty): recreate it
         if self.engine.has_work:
-            self.publisher.put(self.engine.step(self.publisher.put))
+            events = self.engine.step(self.publisher.put)
+            self.publisher.put(events)
+            if any(isinstance(e, Released) for e in events):
+                self.heartbeat.poke()  # room freed: the routers hear of it now, not at the next period
             self._free_stopped()
 
     def _drain(self) -> None:
@@ -157,6 +160,7 @@ class WorkerService:
             for req in self.engine.requests():
                 if (req.id, req.choice) in stopped:
                     self.publisher.put(self.engine.stop(req))
+            self.heartbeat.poke()
 
     def _refresh_history(self) -> None:
         """The output lengths past-future admission estimates from, re-read now and then."""

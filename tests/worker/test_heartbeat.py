@@ -1,0 +1,45 @@
+"""The heartbeat thread on real Redis: a poke publishes the record at once, not at the period's end."""
+
+from __future__ import annotations
+
+import time
+
+from shared.codec import decode
+from shared.schemas import WorkerLoad
+from worker.heartbeat import Heartbeat
+
+PERIOD_S = 60.0  # far longer than any wait below: only a poke can cause a second beat
+
+
+def record_seq(rclient, keys, worker_id: str) -> int:
+    raw = rclient.get(keys.load(worker_id))
+    return -1 if raw is None else decode(WorkerLoad, raw).seq
+
+
+def load(seq: int) -> WorkerLoad:
+    return WorkerLoad(worker_id="hb", seq=seq, ts_ms=0, max_total_tokens=100, used_tokens=0, committed_tokens=0,
+                      num_running=0, num_waiting=0)
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_poke_beats_now_and_stop_wakes_the_thread(rclient, keys):
+    heartbeat = Heartbeat(rclient, keys, "hb", PERIOD_S, load)
+    heartbeat.start()
+    try:
+        assert record_seq(rclient, keys, "hb") == 1
+        heartbeat.poke()
+        assert wait_for(lambda: record_seq(rclient, keys, "hb") == 2)
+        heartbeat.poke()  # a second poke is not lost, only held to the early-beat gap
+        assert wait_for(lambda: record_seq(rclient, keys, "hb") == 3)
+    finally:
+        heartbeat.stop()
+    assert not heartbeat.thread.is_alive()  # stop did not wait out the 60 s period
+    assert rclient.get(keys.load("hb")) is None
