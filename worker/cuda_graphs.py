@@ -20,6 +20,7 @@ largest bucket run eagerly.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -37,6 +38,26 @@ def default_buckets(max_batch: int) -> list[int]:
     mid = list(range(16, min(max_batch, 256) + 1, 16))
     large = list(range(320, max_batch + 1, 64))
     return sorted(set(small + mid + large + [max_batch]))
+
+
+@torch.inference_mode()
+def capture(step: Callable[[int], None], sizes: list[int]) -> dict[int, torch.cuda.CUDAGraph]:
+    """A graph of ``step(size)`` per size, largest first so later graphs reuse its memory pool;
+    each is run once first, outside the capture, so Triton compiles there."""
+    graphs, pool = {}, None
+    for size in sorted(sizes, reverse=True):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            step(size)
+        pool = graph.pool()
+        graphs[size] = graph
+    torch.cuda.synchronize()
+    return graphs
 
 
 class DecodeGraphs:
@@ -80,22 +101,9 @@ class DecodeGraphs:
             req_table=self.table.table, max_seq_len=self.table.max_len, max_q_len=1, is_decode=True)
         self.logits[:bs].copy_(self.model.forward(batch))
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
         self._pad_all()
-        pool = None
-        for bs in reversed(self.buckets):  # largest first: later graphs reuse its memory
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._step(bs)  # warm-up: compiles and autotunes outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._step(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
+        self.graphs = capture(self._step, self.buckets)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def _pad_all(self) -> None:

@@ -29,6 +29,7 @@ import logging
 import numpy as np
 import torch
 
+from worker.cuda_graphs import capture
 from worker.forward_batch import ForwardBatch
 from worker.req_table import ReqTable
 
@@ -80,21 +81,8 @@ class PrefillGraphs:
             max_seq_len=self.table.max_len, max_q_len=bucket, is_decode=False)
         self.logits.copy_(self.model.forward(batch))
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
         self.request.copy_(torch.tensor([self.table.hold_row, 0, 1]))  # capture on a harmless request
         self.tokens[2].fill_(self.hold_slot)
-        pool = None
-        for bucket in reversed(self.buckets):  # largest first: later graphs reuse its memory
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.step(bucket)  # warm-up: compiles outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.step(bucket)
-            pool = graph.pool()
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize()
+        self.graphs = capture(self.step, self.buckets)
         log.info("captured prefill CUDA graphs for %s tokens", self.buckets)
