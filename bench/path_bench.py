@@ -1,0 +1,147 @@
+"""The whole path with no model cost: how many tokens a worker delivers to clients.
+
+    .venv/bin/python -m bench.path_bench                          # this tree alone
+    .venv/bin/python -m bench.path_bench --peer 2cd5fe5            # and an older commit, in the same run
+    .venv/bin/python -m bench.path_bench --route generate_stream
+
+Starts ``lightq serve`` on the counting model (``worker.counting_model``: a
+forward costs next to nothing, so what limits delivery is the engine's host
+work, the publisher, Redis and the producer), one worker, an embedded Redis,
+then sends ``--requests`` requests of ``--new-tokens`` output tokens at once
+(``ignore_eos``) and waits for every answer. Delivered tokens/s is the output
+tokens clients received over the time from the first send to the last
+answer. Every answer is checked: its token count, and for streams that each
+index arrived once, in order.
+
+With ``--peer COMMIT`` the same burst runs first against that commit (a git
+worktree in a temporary folder, with this tree's virtual environment) and
+the line compares the two. On a 2-core machine every process of the pool
+shares the cores with the client, so the figure is a proxy for where the
+path's host work stands, not a serving figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from shared.embedded_redis import free_port, start_embedded_redis
+
+REPO = Path(__file__).resolve().parent.parent
+SERVE_FLAGS = ["--model_dir", "counting", "--workers", "1", "--max_total_token_num", "400000",
+               "--running_max_req_size", "1024", "--max_queue_tokens", "100000000"]
+
+
+def start_serve(tree: Path, redis_url: str, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-m", "lightq.cli", "serve", "--port", str(port), "--redis_url", redis_url,
+            "--redis_key_prefix", f"lightq-path-{port}", *SERVE_FLAGS, *extra]
+    process = subprocess.Popen(args, cwd=tree, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    http = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"lightq serve exited early:\n{log_path.read_text()[-3000:]}")
+        if "lightq ready" in log_path.read_text():
+            return process, http
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"lightq serve not ready:\n{log_path.read_text()[-3000:]}")
+
+
+async def one(client: httpx.AsyncClient, http: str, route: str, i: int, new_tokens: int) -> int:
+    body = {"inputs": [100 + i], "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
+    if route == "generate":
+        reply = await client.post(f"{http}/generate", json=body)
+        reply.raise_for_status()
+        return reply.json()["count_output_tokens"]
+    count = 0
+    async with client.stream("POST", f"{http}/generate_stream", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if line.startswith("data:"):
+                event = json.loads(line[5:])
+                count += 1
+                if event.get("finished"):
+                    break
+    return count
+
+
+async def burst(http: str, route: str, requests: int, new_tokens: int) -> float:
+    limits = httpx.Limits(max_connections=requests + 8, max_keepalive_connections=requests + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await one(client, http, route, 0, 4)  # warm: the first request loads nothing lazily later
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(client, http, route, i, new_tokens) for i in range(requests)))
+        wall = time.perf_counter() - start
+    wrong = [c for c in counts if c != new_tokens]
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} answers had the wrong token count (e.g. {wrong[0]} != {new_tokens})")
+    return requests * new_tokens / wall
+
+
+def measure(tree: Path, args, label: str) -> float:
+    redis_server = start_embedded_redis()
+    log_path = Path(tempfile.mkdtemp(prefix="lightq-path-")) / "serve.log"
+    process, http = start_serve(tree, redis_server.url, log_path, args.serve_args)
+    try:
+        rates = [asyncio.run(burst(http, args.route, args.requests, args.new_tokens)) for _ in range(args.repeat)]
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        redis_server.stop()
+    best = max(rates)
+    print(f"  {label}: {', '.join(f'{r:,.0f}' for r in rates)} tok/s (best {best:,.0f}); log {log_path}", flush=True)
+    return best
+
+
+def peer_tree(commit: str) -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="lightq-peer-"))
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), commit], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--route", choices=["generate", "generate_stream"], default="generate")
+    parser.add_argument("--repeat", type=int, default=2, help="bursts per server; the best counts")
+    parser.add_argument("--peer", help="an older commit to run first, in the same run")
+    parser.add_argument("--serve-args", default="", help="extra flags for lightq serve (both trees)")
+    args = parser.parse_args()
+    args.serve_args = args.serve_args.split()
+    print(f"path_bench: counting model, 1 worker, {args.requests} x {args.new_tokens} tokens at once, "
+          f"/{args.route}, {os.cpu_count()} cores", flush=True)
+    peer = None
+    if args.peer:
+        tree = peer_tree(args.peer)
+        try:
+            peer = measure(tree, args, f"peer {args.peer}")
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+            shutil.rmtree(tree, ignore_errors=True)
+    ours = measure(REPO, args, "this tree")
+    line = f"path_bench /{args.route}: {ours:,.0f} delivered tok/s"
+    if peer:
+        line += f", peer {args.peer} {peer:,.0f} tok/s, {ours / peer:.2f}x"
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
