@@ -26,6 +26,8 @@ StreamEntry = tuple[str, TokenChunk]  # (stream entry id, chunk)
 # entry is pending until dispatched), so the first unfinished one is the oldest pending
 # entry, else the first never delivered. Entries a router re-queued carry no count (their
 # tokens were paid for once) and are skipped. Returns {accepted 0/1, queued cost, total}.
+# The status hash gets no TTL here: a request's records live as long as the request, and
+# whoever ends it (shared.request_log.mark_ended) sets the TTL, which starts at the end.
 ENQUEUE_LUA = """
 local stream, counter, meta = KEYS[1], KEYS[2], KEYS[3]
 local limit, cost = tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -66,8 +68,7 @@ if limit > 0 then
   if backlog > 0 and backlog + cost > limit then return {0, backlog, total} end
 end
 redis.call('SET', counter, total + cost)
-redis.call('HSET', meta, unpack(ARGV, 7))
-redis.call('EXPIRE', meta, ARGV[6])
+redis.call('HSET', meta, unpack(ARGV, 6))
 redis.call('XADD', stream, '*', ARGV[4], ARGV[5], 'tokens_before', total)
 return {1, backlog, total}
 """
@@ -82,7 +83,8 @@ class Enqueued:
 
 async def enqueue(redis: aioredis.Redis, keys: Keys, request: GenerateRequest, ttl_s: int, *,
                   cost: int = 0, max_queue_tokens: int = 0, key_hash: str | None = None) -> Enqueued:
-    """Create the status hash (queued) and the ingress entry, unless the backlog is full."""
+    """Create the status hash (queued, no TTL until the request ends) and the ingress entry,
+    unless the backlog is full. ``ttl_s`` is unused: kept so callers need not change."""
     meta = RequestMeta.fields(
         status=RequestStatus.QUEUED,
         prompt_tokens=request.num_prompt_tokens,
@@ -90,7 +92,7 @@ async def enqueue(redis: aioredis.Redis, keys: Keys, request: GenerateRequest, t
         created_ms=request.created_ms,
         key_hash=key_hash,
     )
-    args = [ROUTER_GROUP, max_queue_tokens, cost, codec.FIELD, codec.encode(request), ttl_s]
+    args = [ROUTER_GROUP, max_queue_tokens, cost, codec.FIELD, codec.encode(request)]
     args += [item for pair in meta.items() for item in pair]
     script = redis.register_script(ENQUEUE_LUA)  # cheap: EVALSHA, loaded again after a Redis restart
     accepted, queued, total = await script(keys=[keys.requests(), keys.enqueued_tokens(), keys.meta(request.id)],
@@ -98,14 +100,31 @@ async def enqueue(redis: aioredis.Redis, keys: Keys, request: GenerateRequest, t
     return Enqueued(bool(accepted), int(queued), int(total))
 
 
+# The cancel key of a live request (status hash without a TTL) must outlive any wait for its
+# holder, so it gets no TTL: ending the request gives it one (mark_ended TTLs every request
+# key). One set after the end (status hash with a TTL, or gone) gets the TTL at once.
+CANCEL_LUA = """
+redis.call('SET', KEYS[2], '1')
+if redis.call('TTL', KEYS[1]) ~= -1 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+"""
+
+
 async def request_cancel(redis: aioredis.Redis, keys: Keys, request_id: str, ttl_s: int) -> None:
     """Ask whoever holds the request (router or worker) to finalise it as cancelled."""
-    await redis.set(keys.cancel(request_id), "1", ex=ttl_s)
+    script = redis.register_script(CANCEL_LUA)
+    await script(keys=[keys.meta(request_id), keys.cancel(request_id)], args=[ttl_s])
 
 
 async def read_meta(redis: aioredis.Redis, keys: Keys, request_id: str) -> RequestMeta | None:
-    data = await redis.hgetall(keys.meta(request_id))
-    return RequestMeta.from_hash(data) if data else None
+    """The status hash; None when it is gone or has no ``status`` (what remains of an expired or
+    lost record once a late writer touched it): such a request is unknown, not malformed."""
+    return meta_or_none(await redis.hgetall(keys.meta(request_id)))
+
+
+def meta_or_none(data: dict[str, str]) -> RequestMeta | None:
+    if not data or "status" not in data:
+        return None
+    return RequestMeta.from_hash(data)
 
 
 def parse_entries(entries: list) -> list[StreamEntry]:

@@ -33,6 +33,7 @@ from shared.codec import from_entry
 from shared.config import RouterSettings
 from shared.admission import AdmissionRule
 from shared.keys import ROUTER_GROUP, Keys
+from shared.log_limit import LogLimiter
 from shared.redis import Backoff, ensure_group
 from shared.request_log import end_request, now_ms
 from shared.schemas import GenerateRequest, RequestStatus
@@ -65,13 +66,15 @@ class Router:
         """Step until stopped; ride out Redis outages with exponential backoff."""
         log.info("router %s reading %s", self.router_id, self.keys.requests())
         backoff = Backoff()
+        outage_log = LogLimiter(log)  # an outage is one line every few seconds, not one per retry
         try:
             while not self.stop_event.is_set():
                 try:
                     self.step()
                     backoff.reset()
+                    outage_log.reset()
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    log.warning("Redis unreachable (%s): retrying in %.1f s", exc, backoff.delay)
+                    outage_log.warning("Redis unreachable (%s): retrying in %.1f s", exc, backoff.delay)
                     self.stop_event.wait(backoff.next())
         finally:
             try:  # entries we still hold become claimable by other routers at once

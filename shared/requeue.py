@@ -4,7 +4,9 @@
 The request's durable chunk stream is the source of truth for what the
 client already has: a request goes back with those tokens as
 ``resume_ids``, so the next worker continues after them and each output
-index reaches the client once. Requests that already ended are left alone.
+index reaches the client once. Requests that already ended are left alone;
+one whose status hash is gone or has no ``status`` (lost with an empty Redis)
+ends ``failed``, so its readers get a final event and its keys a TTL.
 A death counts as an attempt; a graceful hand-back does not.
 
 A group (n > 1) goes back whole, with each sample's own progress: the
@@ -39,13 +41,18 @@ def hand_back_inbox(client: redis.Redis, keys: Keys, worker_id: str, ttl_s: int,
 def requeue(client: redis.Redis, keys: Keys, request: GenerateRequest, ttl_s: int, max_attempts: int,
             count_attempt: bool = True) -> int:
     raw = client.hgetall(keys.meta(request.id))
-    if not raw or RequestMeta.from_hash(raw).status.is_terminal:
+    if raw and "status" in raw and RequestMeta.from_hash(raw).status.is_terminal:
         return 0
     chunks = emitted_chunks(client, keys, request.id)
+    if "status" not in raw and has_ended(chunks, request.n):
+        return 0  # ended long ago, its record expired: nothing to do
     tokens = [c.token_id for c in chunks if c.token_id is not None]
     attempt = request.attempt + 1 if count_attempt else request.attempt
     pipe = client.pipeline(transaction=True)
-    if has_ended(chunks, request.n):  # it ended; only the status write was lost
+    if "status" not in raw:  # its record was lost (a Redis that came back empty): end it for its readers
+        end_request(pipe, keys, request.id, status=RequestStatus.FAILED, reason="error", num_output=len(tokens),
+                    ttl_s=ttl_s, error="the request's status record was lost")
+    elif has_ended(chunks, request.n):  # it ended; only the status write was lost
         mark_ended(pipe, keys, request.id, status=RequestStatus.FINISHED,
                    reason=chunks[-1].finish_reason or "stop", num_output=len(tokens), ttl_s=ttl_s)
     elif client.exists(keys.cancel(request.id)):

@@ -87,7 +87,11 @@ class FakeWorker:
         raise TimeoutError("no request arrived on the ingress stream")
 
     async def set_meta(self, request_id: str, **fields) -> None:
+        """HSET the fields; an ending (``finished_ms``) also TTLs the request's keys, as mark_ended does."""
         await self.redis.hset(self.keys.meta(request_id), mapping=RequestMeta.fields(**fields))
+        if "finished_ms" in fields:
+            for key in self.keys.all_request_keys(request_id):
+                await self.redis.expire(key, self.ttl_s)
 
     async def append(self, chunk: TokenChunk) -> str:
         """XADD the chunk to the durable stream and publish it; returns the entry id."""
