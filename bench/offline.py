@@ -22,7 +22,7 @@ from bench.sharegpt import describe, sharegpt_lengths
 from bench.shapes import SHAPES, config_dir
 from shared.config import ModelSettings, WorkerSettings
 from shared.schemas import GenerateRequest, SamplingParams
-from worker.events import Token
+from worker.events import Tokens
 from worker import tp as tensor_parallel
 from worker.main import build_engine, follower, rank_device
 from worker.request import Req
@@ -72,7 +72,7 @@ def drive(engine, work, progress: bool, timeline: list | None = None) -> float:
             decoding = sum(r.is_prefilled for r in engine.running)
             prefilling = bool(engine.waiting) or decoding < len(engine.running)
             began = time.perf_counter()
-        bar.update(sum(isinstance(e, Token) for e in engine.step()))
+        bar.update(sum(len(e) for e in engine.step() if isinstance(e, Tokens)))
         if timeline is not None:
             timeline.append((time.perf_counter() - began, decoding, prefilling))
     sync()

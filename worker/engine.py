@@ -34,11 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.schemas import RequestStatus
+from shared.schemas import FinishReason, RequestStatus
 from shared.admission import AdmissionRule
 from shared.batch_view import BatchView, Candidate
 from shared.config import AdmissionSettings
-from worker.events import Ended, Event, Released, Started, Token
+from worker.events import Ended, Event, Released, Started, Tokens
 from worker.load import request_states
 from worker.request import Phase, Req, sampling_after_prefill
 
@@ -227,14 +227,25 @@ class Engine:
         return chunks
 
     def _sample_and_finish(self, reqs: list[Req], sampled: Sampled) -> list[Event]:
-        events: list[Event] = []
-        for req, token_id, logprob, top in zip(reqs, *sampled):
+        """The forward's tokens as one ``Tokens`` record (columns, no object per token), then
+        the releases of the requests they finished (after it: the publisher writes in order)."""
+        if not reqs:
+            return []
+        indexes: list[int] = []
+        reasons: dict[int, FinishReason] = {}
+        for row, (req, token_id) in enumerate(zip(reqs, sampled.ids)):
             req.is_prefilled = True
             req.output_ids.append(token_id)
+            indexes.append(len(req.output_ids) - 1)
             reason = self._finish_reason(req, token_id)
-            events.append(Token(req.id, len(req.output_ids) - 1, token_id, logprob, reason, req.choice, top))
             if reason is not None:
-                events += self._release(req, reason)
+                reasons[row] = reason
+        tops = {row: top for row, top in enumerate(sampled.top) if top is not None}
+        tokens = Tokens([r.id for r in reqs], [r.choice for r in reqs], indexes, sampled.ids, sampled.logprobs,
+                        reasons, tops)
+        events: list[Event] = [tokens]
+        for row, reason in reasons.items():
+            events += self._release(reqs[row], reason)
         return events
 
     def _finish_reason(self, req: Req, token_id: int):

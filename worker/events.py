@@ -1,4 +1,9 @@
-"""What the model loop hands to the publisher thread: plain data, no tensors."""
+"""What the model loop hands to the publisher process: plain data, no tensors.
+
+A step's events are pickled once and written to the publisher's pipe, so
+they stay small: a forward's sampled tokens are one ``Tokens`` record of
+columns (lists the sampler already made), not an object per token.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ class Started:
 
 @dataclass(frozen=True)
 class Token:
+    """One sampled token: a row of ``Tokens``, built only where one is read (tests, the publisher)."""
+
     request_id: str
     index: int
     token_id: int
@@ -29,6 +36,36 @@ class Token:
     finish_reason: FinishReason | None  # set on the sample's last token
     choice: int = 0
     top: list[tuple[int, float]] | None = None  # (id, logprob) alternatives, when the request asked
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """One forward's sampled tokens as columns, a row per sampling request (its sample ``choice``,
+    the token's ``index`` in that sample's output). Finish reasons and alternatives are sparse:
+    only the rows that finished, or that asked for alternatives, have an entry."""
+
+    request_ids: list[str]
+    choices: list[int]
+    indexes: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    reasons: dict[int, FinishReason]  # row -> why its sample ended with this token
+    tops: dict[int, list[tuple[int, float]]]  # row -> (id, logprob) alternatives
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def of(cls, rows: list[Token]) -> Tokens:
+        """The record of these rows (the inverse of ``rows``)."""
+        return cls([t.request_id for t in rows], [t.choice for t in rows], [t.index for t in rows],
+                   [t.token_id for t in rows], [t.logprob for t in rows],
+                   {i: t.finish_reason for i, t in enumerate(rows) if t.finish_reason is not None},
+                   {i: t.top for i, t in enumerate(rows) if t.top is not None})
+
+    def rows(self) -> list[Token]:
+        return [Token(self.request_ids[i], self.indexes[i], self.token_ids[i], self.logprobs[i],
+                      self.reasons.get(i), self.choices[i], self.tops.get(i)) for i in range(len(self))]
 
 
 @dataclass(frozen=True)
@@ -51,4 +88,14 @@ class Released:
     inbox_id: str
 
 
-Event = Started | Token | Ended | Released
+Event = Started | Tokens | Ended | Released
+
+
+def tokens_of(events: list[Event]) -> list[Token]:
+    """Every token in ``events``, a row each, in order."""
+    return [row for event in events if isinstance(event, Tokens) for row in event.rows()]
+
+
+def flat(events: list[Event]) -> list[Event | Token]:
+    """``events`` with each ``Tokens`` record spread into its rows (for readers that go by event)."""
+    return [item for event in events for item in (event.rows() if isinstance(event, Tokens) else [event])]

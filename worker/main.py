@@ -32,6 +32,7 @@ from worker.metrics import MeteredEngine, WorkerCollector, WorkerMetrics
 from worker.model_runner import ModelRunner
 from worker.models import model_class
 from worker.req_table import ReqTable
+from worker.publisher_process import PublisherDied, PublisherLink
 from worker.serve import WorkerService
 from worker.token_pool import TokenPool
 
@@ -190,23 +191,29 @@ def run_service(settings: WorkerSettings, group=None) -> None:
     worker_id = default_id(settings.worker_id)
     stop = threading.Event()
     stop_on_signals(stop)  # before the model loads: a worker scaled down while loading exits after it
+    publisher = PublisherLink(settings, worker_id)
+    publisher.start()  # it loads the tokenizer while the model loads here
     tokenizer = load_tokenizer(resolve(settings.model.model_dir))
     engine = build_engine(settings, tokenizer, group)
     if stop.is_set():
         log.info("worker %s stopped while loading: never served", worker_id)
+        publisher.close()
         return
     client = sync_client(settings.redis)
     metrics = WorkerMetrics(worker_id)
     metrics.registry.register(WorkerCollector(engine, client, Keys(settings.redis.key_prefix), worker_id))
     server = serve_metrics(metrics.registry, settings.metrics_port)
-    service = WorkerService(settings, client, MeteredEngine(engine, metrics), tokenizer, worker_id)
+    service = WorkerService(settings, client, MeteredEngine(engine, metrics), worker_id, publisher)
     service.stop_event = stop
-    # The publisher and heartbeat threads share the GIL with the model loop. Whenever the loop
-    # waits on the GPU (the sampled ids' copy) the publisher takes the GIL, and by default the
-    # loop gets it back only after 5 ms (the switch interval): up to 5 ms added to every step.
+    # The heartbeat thread shares the GIL with the model loop. Whenever the loop waits on the GPU
+    # (the sampled ids' copy) the heartbeat may take the GIL, and by default the loop gets it back
+    # only after 5 ms (the switch interval): up to 5 ms added to a step. (The publisher, which
+    # did far more, is a process of its own: worker.publisher_process.)
     sys.setswitchinterval(GIL_SWITCH_S)
     try:
         service.run()
+    except PublisherDied:
+        sys.exit(f"lightq worker {worker_id}: its publisher process died; requests handed back")
     finally:
         if server is not None:
             server.shutdown()

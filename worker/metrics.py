@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from shared.redis import group_backlog
 from shared.keys import WORKER_GROUP, Keys
 from worker.engine import Engine
-from worker.events import Ended, Event, Started, Token
+from worker.events import Ended, Event, Started, Tokens
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -42,10 +42,10 @@ class WorkerMetrics:
 
     def count(self, events: list[Event]) -> None:
         for event in events:
-            if isinstance(event, Token):
-                self.generation_tokens.inc()
-                if event.finish_reason is not None:
-                    self.ended.labels(worker=self.worker_id, reason=event.finish_reason).inc()
+            if isinstance(event, Tokens):
+                self.generation_tokens.inc(len(event))
+                for reason in event.reasons.values():
+                    self.ended.labels(worker=self.worker_id, reason=reason).inc()
             elif isinstance(event, Started):
                 # what its prefill feeds: the prompt once, then each sample's resumed tokens
                 msg = event.msg

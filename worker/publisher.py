@@ -1,14 +1,17 @@
-"""The publisher thread: detokenises and writes every chunk to Redis.
+"""What the publisher process does with the model loop's events: text and Redis writes.
 
-It runs beside the model loop (LightLLM's point: CPU work must not stall
-the GPU). Per step it receives a batch of events, turns tokens into text
-incrementally, and writes everything in one pipeline: chunk stream, pub/sub,
-status hash; on a request's end the TTLs, the inbox ack and the output
+It runs in a process of its own (``worker.publisher_process``; LightLLM's
+point, CPU work must not stall the GPU, is about processes: a thread would
+share the model loop's GIL). It receives the events of one or more steps
+(several when it fell behind), turns tokens into text incrementally, and
+writes everything in one pipeline: chunk stream and pub/sub per token, the
+status hash when a request changes state (started, ended; never per
+token), and on a request's end the TTLs, the inbox ack and the output
 length history. Events of one request arrive in order, so chunks do too.
 
 Stop strings are matched here, on the text (``worker.stop``): a token whose
 text completes one becomes the request's last chunk (finish_reason "stop",
-text up to the stop string), and its id goes to ``take_stopped()`` so the
+text up to the stop string), and ``publish`` returns its sample so the
 serve loop frees it; tokens the engine generates after that are dropped.
 Every published token still gets its chunk (maybe with empty text while
 text is held back), so chunk indexes stay one per token.
@@ -24,8 +27,6 @@ with their tokens and waits only for the others.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ from shared.redis import Backoff
 from shared.request_log import append_chunk, mark_ended, now_ms
 from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 from worker.detokenizer import IncrementalDecoder, resumed_decoder
-from worker.events import Ended, Event, Released, Started, Token
+from worker.events import Ended, Event, Released, Started, Token, Tokens
 from worker.stop import StopMatcher
 
 log = logging.getLogger("lightq.worker")
@@ -77,60 +78,36 @@ class Publisher:
         # Samples a stop string finished while the engine still runs them: their later Token/Ended
         # events are dropped until the request's Released event (the engine's last for it).
         self.ended_by_stop: set[Sample] = set()
-        self._stopped: list[Sample] = []  # for the serve loop to free; guarded by _stopped_lock
-        self._stopped_lock = threading.Lock()
-        self.inbox: queue.Queue[tuple[int, list[Event]] | None] = queue.Queue()  # (step end, its events)
-        self.thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
-    def start(self) -> None:
-        self.thread.start()
+    def publish(self, steps: list[tuple[int, list[Event]]]) -> list[Sample]:
+        """Write the events of ``steps`` ((step end in Unix ms, its events), in order) in one
+        pipeline; return the samples a stop string ended, for the serve loop to free.
 
-    def put(self, events: list[Event]) -> None:
-        """A step's events, stamped with the step's end (a request's ``stepped_ms``)."""
-        if events:
-            self.inbox.put((now_ms(), events))
-
-    def take_stopped(self) -> list[Sample]:
-        """(request id, choice) of samples a stop string ended since the last call (thread-safe).
-
-        The serve loop frees each one's slots (the engine does not know it ended);
-        whatever the engine emits for it meanwhile is dropped here.
-        """
-        with self._stopped_lock:
-            stopped, self._stopped = self._stopped, []
-        return stopped
-
-    def close(self) -> None:
-        """Publish everything queued, then stop."""
-        self.inbox.put(None)
-        self.thread.join()
-
-    def _run(self) -> None:
-        while (item := self.inbox.get()) is not None:
-            self.publish(item[1], item[0])
-
-    def publish(self, events: list[Event], stepped_ms: int | None = None) -> None:
-        """Turn events into Redis writes once (decoder state moves on exactly once),
-        then send them, retrying through a Redis outage: chunks are never dropped.
-        A retry after a partial write may repeat a chunk; readers drop repeated indexes."""
-        pipe = _Recorder()
-        self._record(events, pipe, stepped_ms)
+        Events become Redis writes once (decoder state moves on exactly once), then are sent,
+        retrying through a Redis outage: chunks are never dropped. A retry after a partial
+        write may repeat a chunk; readers drop repeated indexes."""
+        pipe, stopped = _Recorder(), []
+        for stepped_ms, events in steps:
+            stopped += self._record(events, pipe, stepped_ms)
         backoff = Backoff()
         while True:
             try:
                 pipe.replay(self.client)
-                return
+                return stopped
             except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("publishing %d events failed (%s): retrying in %.1f s", len(events), exc, backoff.delay)
+                log.warning("publishing %d writes failed (%s): retrying in %.1f s", len(pipe.calls), exc,
+                            backoff.delay)
                 time.sleep(backoff.next())
 
-    def _record(self, events: list[Event], pipe, stepped_ms: int | None) -> None:
+    def _record(self, events: list[Event], pipe, stepped_ms: int | None) -> list[Sample]:
+        stopped: list[Sample] = []
         for event in events:
             if isinstance(event, Started):
                 self._started(pipe, event, stepped_ms)
-            elif isinstance(event, Token):
-                if (event.request_id, event.choice) not in self.ended_by_stop:
-                    self._token(pipe, event)
+            elif isinstance(event, Tokens):
+                for token in event.rows():
+                    if (token.request_id, token.choice) not in self.ended_by_stop and self._token(pipe, token):
+                        stopped.append((token.request_id, token.choice))
             elif isinstance(event, Ended):
                 sample = (event.request_id, event.choice)
                 running = self.outputs.pop(sample, None) is not None
@@ -147,6 +124,7 @@ class Publisher:
                 self.groups.pop(event.request_id, None)
                 pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, event.inbox_id)
                 pipe.xdel(self.keys.inbox(self.worker_id), event.inbox_id)
+        return stopped
 
     def _started(self, pipe, event: Started, stepped_ms: int | None) -> None:
         msg = event.msg
@@ -176,7 +154,9 @@ class Publisher:
             matcher.push(decoder.push(token_id), armed=index + 1 >= msg.params.min_new_tokens)
         return decoder
 
-    def _token(self, pipe, event: Token) -> None:
+    def _token(self, pipe, event: Token) -> bool:
+        """Write one token's chunk; True when a stop string ended its sample here (the engine
+        still runs it and must be told)."""
         sample = (event.request_id, event.choice)
         output = self.outputs[sample]
         text = output.decoder.push(event.token_id)
@@ -196,8 +176,7 @@ class Publisher:
             del self.outputs[sample]
         if stopped_here:
             self.ended_by_stop.add(sample)
-            with self._stopped_lock:
-                self._stopped.append(sample)
+        return stopped_here
 
     def _write_token(self, pipe, event: Token, text: str, reason: FinishReason | None) -> None:
         finished = reason is not None
@@ -209,8 +188,8 @@ class Publisher:
             pipe.lpush(self.keys.output_lengths(), num_output)
             pipe.ltrim(self.keys.output_lengths(), 0, OUTPUT_HISTORY_LEN - 1)
             self._sample_ended(pipe, event.request_id, RequestStatus.FINISHED, reason, num_output)
-        elif event.request_id not in self.groups:  # a group's count is written once, at its end
-            pipe.hset(self.keys.meta(event.request_id), "output_tokens", num_output)
+        # No status write per token: a running request's count is its chunk stream's (readers
+        # take the larger of the two), and the status hash changes when the request's state does.
 
     def _sample_ended(self, pipe, request_id: str, status: RequestStatus, reason: FinishReason,
                       num_output: int, error: str | None = None) -> None:

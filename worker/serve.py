@@ -2,7 +2,9 @@
 
 inbox (block only when idle) -> cancels -> engine.step() -> publisher.
 The model loop never touches text or waits on Redis writes: tokens go to
-the publisher thread, load records to the heartbeat thread.
+the publisher process (``worker.publisher_process``), load records to the
+heartbeat thread. If the publisher process dies, the worker hands its inbox
+back and exits with an error (the launcher or the orchestrator restarts it).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from worker.engine import Engine
 from worker.events import Ended, Released
 from worker.heartbeat import Heartbeat
 from worker.load import build_load
-from worker.publisher import Publisher
+from worker.publisher_process import PublisherDied, PublisherLink
 from worker.request import Req
 
 log = logging.getLogger("lightq.worker")
@@ -33,13 +35,14 @@ IDLE_BLOCK_MS = 200
 
 
 class WorkerService:
-    def __init__(self, settings: WorkerSettings, client: redis.Redis, engine: Engine, tokenizer, worker_id: str):
+    def __init__(self, settings: WorkerSettings, client: redis.Redis, engine: Engine, worker_id: str,
+                 publisher: PublisherLink):
         self.settings = settings
         self.client = client
         self.engine = engine
         self.keys = Keys(settings.redis.key_prefix)
         self.worker_id = worker_id
-        self.publisher = Publisher(settings, client, tokenizer, worker_id)
+        self.publisher = publisher  # started by the caller (it loads while the model does)
         self.heartbeat = Heartbeat(client, self.keys, worker_id, settings.heartbeat_s, self.load)
         self.stop_event = threading.Event()
         self.last_inbox_id = "0-0"
@@ -55,13 +58,15 @@ class WorkerService:
     def run(self) -> None:
         """Serve until SIGTERM, then drain: no new requests, running ones get
         ``drain_timeout`` to finish, the rest goes back to the ingress stream."""
-        self.publisher.start()
         self.heartbeat.start()
         log.info("worker %s serving (pool %d tokens)", self.worker_id, self.engine.limits.max_total_tokens)
         try:
             while not self.stop_event.is_set():
                 self._serve_once()
             self._drain()
+        except PublisherDied as exc:  # hand back below, then fail: the worker must not serve on
+            log.error("worker %s: %s; handing its requests back and exiting", self.worker_id, exc)
+            raise
         finally:
             self.publisher.close()  # every token so far is in Redis before anything is handed back
             self._hand_back()
@@ -84,6 +89,7 @@ class WorkerService:
             if "NOGROUP" not in str(exc):
                 raise
             self._read_id = "0"  # Redis lost our inbox group (restarted empty): recreate it
+        self.publisher.check()
         if self.engine.has_work:
             events = self.engine.step(self.publisher.put)
             self.publisher.put(events)

@@ -17,7 +17,7 @@ from shared.schemas import GenerateRequest, SamplingParams
 from tests.monitoring.conftest import parse
 from tests.router.helpers import publish_load, submit
 from worker.engine import EngineLimits, LoadSnapshot
-from worker.events import Ended, Started, Token
+from worker.events import Ended, Started, Token, Tokens
 from worker.metrics import MeteredEngine, WorkerCollector, WorkerMetrics
 from shared.metrics_server import serve_metrics as serve_worker_metrics
 
@@ -77,7 +77,7 @@ class StubEngine:
 
 def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys):
     events = [Started(GenerateRequest(id="a", prompt_ids=[1, 2, 3], resume_ids=[7], created_ms=0,
-                                      params=SamplingParams(max_new_tokens=4))), Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length"),
+                                      params=SamplingParams(max_new_tokens=4))), Tokens.of([Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length")]),
               Ended("c", "cancelled", "cancelled", 2)]
     metrics, engine = WorkerMetrics("w1"), StubEngine(events)
     metrics.registry.register(WorkerCollector(engine, rclient, keys, "w1"))

@@ -6,7 +6,7 @@ import torch
 
 from shared.admission import AdmissionRule
 from shared.codec import entry, from_entry
-from shared.config import AdmissionSettings, WorkerSettings
+from shared.config import AdmissionSettings, ModelSettings, WorkerSettings
 from shared.keys import WORKER_GROUP
 from shared.redis import ensure_group
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
@@ -14,6 +14,7 @@ from worker.counting_model import CountingModel
 from worker.engine import Engine, EngineLimits
 from worker.model_runner import ModelRunner
 from worker.req_table import ReqTable
+from worker.publisher_process import PublisherLink
 from worker.serve import WorkerService
 from worker.token_pool import TokenPool
 
@@ -39,8 +40,10 @@ def test_drain_requeues_the_unstarted_and_the_unread_at_once_and_keeps_the_runni
     worker_id = "drain-w"
     ensure_group(rclient, keys.inbox(worker_id), WORKER_GROUP)
     ensure_group(rclient, keys.requests(), "routers")
-    service = WorkerService(WorkerSettings(redis=redis_settings, drain_timeout=0.2), rclient, counting_engine(running_max=1),
-                            tokenizer=None, worker_id=worker_id)
+    settings = WorkerSettings(redis=redis_settings, model=ModelSettings(model_dir="counting"), drain_timeout=0.2)
+    publisher = PublisherLink(settings, worker_id)
+    publisher.start()
+    service = WorkerService(settings, rclient, counting_engine(running_max=1), worker_id, publisher)
     for i in range(3):
         send(rclient, keys, worker_id, f"r{i}")
     service._serve_once()  # its own pending entries first (none)
@@ -53,3 +56,4 @@ def test_drain_requeues_the_unstarted_and_the_unread_at_once_and_keeps_the_runni
     assert [from_entry(GenerateRequest, f).id for _, f in rclient.xrange(keys.inbox(worker_id))] == ["r0"]
     assert not service.engine.waiting
     assert all(rclient.hget(keys.meta(f"r{i}"), "status") == "queued" for i in (1, 2, 3))
+    publisher.close()

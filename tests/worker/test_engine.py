@@ -9,7 +9,7 @@ import transformers
 from shared.model_files import ModelSource
 from shared.schemas import GenerateRequest, SamplingParams
 from worker.engine import Engine, EngineLimits
-from worker.events import Ended, Released, Started, Token
+from worker.events import Ended, Released, Started, Token, flat
 from worker.loader import attach_kv_cache, load_model
 from worker.model_runner import ModelRunner
 from worker.req_table import ReqTable
@@ -58,7 +58,7 @@ def run_to_end(engine, arrivals):
     while engine.has_work or any(s >= step for s in arrivals):
         for r in arrivals.get(step, []):
             engine.add(r)
-        for event in engine.step():
+        for event in flat(engine.step()):
             if isinstance(event, Token):
                 tokens.setdefault(event.request_id, []).append(event.token_id)
         step += 1
@@ -94,7 +94,7 @@ def test_a_small_prefill_takes_the_decoding_requests_into_its_forward(tiny, mix_
         if step == 2:
             engine.add(req("b", prompts["b"], 6))
         forwards.clear()
-        for e in engine.step():
+        for e in flat(engine.step()):
             if isinstance(e, Token):
                 tokens.setdefault(e.request_id, []).append(e.token_id)
         per_step.append(list(forwards))
@@ -118,9 +118,9 @@ def test_a_new_requests_first_token_is_handed_over_before_the_decode_runs(tiny):
     engine.step()
     engine.add(req("b", [11, 3], 4))
     log.clear()
-    rest = engine.step(early=lambda events: log.append([(type(e).__name__, e.request_id) for e in events]))
+    rest = engine.step(early=lambda events: log.append([(type(e).__name__, e.request_id) for e in flat(events)]))
     assert log == ["prefill", [("Started", "b"), ("Token", "b")], "decode"]
-    assert [(type(e).__name__, e.request_id) for e in rest] == [("Token", "a")]
+    assert [(type(e).__name__, e.request_id) for e in flat(rest)] == [("Token", "a")]
 
 
 def test_resumed_request_continues_after_its_emitted_tokens(tiny):
@@ -133,7 +133,7 @@ def test_resumed_request_continues_after_its_emitted_tokens(tiny):
     engine.add(Req(msg=msg, inbox_id="1-0"))
     events = []
     while engine.has_work:
-        events += engine.step()
+        events += flat(engine.step())
     got = [e for e in events if isinstance(e, Token)]
     assert [e.index for e in got] == list(range(4, 10))
     assert [e.token_id for e in got] == full[4:]
@@ -159,7 +159,7 @@ def test_admission_respects_pool_batch_and_count_limits(tiny):
     engine = make_engine(folder, running_max=2, batch_max_tokens=64)
     for i in range(3):
         engine.add(req(f"r{i}", [1] * 10, 5))
-    started = [e for e in engine.step() if isinstance(e, Started)]
+    started = [e for e in flat(engine.step()) if isinstance(e, Started)]
     assert [e.request_id for e in started] == ["r0", "r1"]
     assert engine.snapshot().num_waiting == 1
 
@@ -174,7 +174,7 @@ def test_chunked_prefill_keeps_decoding_and_matches_transformers(tiny):
     short_tokens_during_long_prefill = 0
     tokens: dict[str, list[int]] = {}
     while engine.has_work:
-        events = engine.step()
+        events = flat(engine.step())
         got = {e.request_id for e in events if isinstance(e, Token)}
         if "long" not in tokens and "short" in got:
             short_tokens_during_long_prefill += 1

@@ -10,7 +10,7 @@ from shared.config import AdmissionSettings
 from shared.peak import ReqState, group_states
 from shared.schemas import GenerateRequest, SamplingParams
 from tests.worker.test_engine import POOL, make_engine, reference_greedy, tiny  # noqa: F401 (fixture)
-from worker.events import Ended, Released, Started, Token
+from worker.events import Ended, Released, Started, Token, flat
 from worker.load import request_states
 from worker.request import Req
 
@@ -42,7 +42,7 @@ def run(engine, *reqs) -> tuple[dict[tuple[str, int], list[int]], list]:
     tokens: dict[tuple[str, int], list[int]] = {}
     events = []
     while engine.has_work:
-        for event in engine.step():
+        for event in flat(engine.step()):
             events.append(event)
             if isinstance(event, Token):
                 tokens.setdefault((event.request_id, event.choice), []).append(event.token_id)
@@ -101,13 +101,13 @@ def test_conservative_pool_fits_a_group_exactly_where_separate_requests_would_no
     prompt = [3] * 50
     engine.add(group("g", prompt, 50, n=3))  # 50 + 3 x 50 = 200 = POOL
     engine.add(group("h", [4], 1, n=1))  # its 2 tokens would not fit beside it
-    started = [e.request_id for e in engine.step() if isinstance(e, Started)]
+    started = [e.request_id for e in flat(engine.step()) if isinstance(e, Started)]
     assert started == ["g"] and engine.snapshot().committed_tokens == 202
     assert engine.runner.table.num_free_rows == 8 - 3  # the fork took a row per sample
     separate = make_engine(folder)
     for i in range(3):
         separate.add(group(f"s{i}", prompt, 50, n=1))  # 3 x (50 + 50): the prompt three times
-    assert [e.request_id for e in separate.step() if isinstance(e, Started)] == ["s0", "s1"]
+    assert [e.request_id for e in flat(separate.step()) if isinstance(e, Started)] == ["s0", "s1"]
 
 
 def test_cancel_frees_every_sample_of_a_group(tiny):

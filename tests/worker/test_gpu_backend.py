@@ -13,7 +13,7 @@ import transformers
 from shared.config import ModelSettings, WorkerSettings
 from shared.model_files import ModelSource, resolve
 from shared.schemas import GenerateRequest, SamplingParams
-from worker.events import Token
+from worker.events import Token, flat
 from worker.loader import attach_kv_cache, load_model
 from worker.main import build_engine
 from worker.request import Req
@@ -52,7 +52,7 @@ def greedy(model_dir: str, device: str, prompts, max_new: int, graphs: bool) -> 
         engine.add(Req(msg=msg, inbox_id=f"{i}-0"))
     out: dict[str, list[int]] = {}
     while engine.has_work:
-        for e in engine.step():
+        for e in flat(engine.step()):
             if isinstance(e, Token):
                 out.setdefault(e.request_id, []).append(e.token_id)
     return [out[str(i)] for i in range(len(prompts))]

@@ -17,7 +17,7 @@ from shared.requeue import requeue
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
 from tests.worker.test_engine import POOL, make_engine, tiny  # noqa: F401 (fixture)
 from tests.worker.test_engine_groups import count_prefill_tokens, run
-from worker.events import Ended, Released, Started, Token
+from worker.events import Ended, Released, Started, Token, flat
 from worker.load import request_states
 from worker.request import Req
 
@@ -38,7 +38,7 @@ def first_attempt(folder, msg: GenerateRequest, steps: int, stop: dict[int, int]
     engine.add(Req(msg=msg, inbox_id="1-0"))
     tokens: list[Token] = []
     for step in range(steps):
-        tokens += [e for e in engine.step() if isinstance(e, Token)]
+        tokens += [e for e in flat(engine.step()) if isinstance(e, Token)]
         for choice in [c for c, at in stop.items() if at == step]:
             engine.stop(next(r for r in engine.running if r.choice == choice))
     return tokens

@@ -61,8 +61,8 @@ def test_a_request_seen_in_both_lists_is_listed_once_and_finished_ones_not_at_al
 
 
 def test_service_heartbeat_reaches_the_router(redis_settings, rclient, keys):
-    service = WorkerService(WorkerSettings(redis=redis_settings), rclient, engine(), tokenizer=None,
-                            worker_id="w1")
+    service = WorkerService(WorkerSettings(redis=redis_settings), rclient, engine(), worker_id="w1",
+                            publisher=None)  # the load record needs no publisher
     service.last_inbox_id = "9-0"
     Heartbeat(rclient, keys, "w1", 0.5, service.load).beat()
     registry = read_registry(rclient, keys, stale_ms=5000)

@@ -91,7 +91,7 @@ def test_a_replayed_prefill_graph_gives_the_eager_logits(tiny_dir):
 def test_prefills_arriving_one_at_a_time_decode_the_cpu_tokens(tiny_dir):
     from shared.config import ModelSettings, WorkerSettings
     from shared.schemas import GenerateRequest, SamplingParams
-    from worker.events import Token
+    from worker.events import Token, flat
     from worker.main import build_engine
     from worker.request import Req
 
@@ -109,7 +109,7 @@ def test_prefills_arriving_one_at_a_time_decode_the_cpu_tokens(tiny_dir):
                 msg = GenerateRequest(id=str(step), prompt_ids=prompts[step], created_ms=0,
                                       params=SamplingParams(max_new_tokens=12, ignore_eos=True))
                 engine.add(Req(msg=msg, inbox_id=f"{step}-0"))
-            for e in engine.step():
+            for e in flat(engine.step()):
                 if isinstance(e, Token):
                     out.setdefault(e.request_id, []).append(e.token_id)
         return out

@@ -1,7 +1,10 @@
 """The publisher against a real Redis: stop strings on the text, held text,
-requests a stop ended while the engine still ran them, resumed requests."""
+requests a stop ended while the engine still ran them, resumed requests; and
+the publisher process behind its pipes."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -11,8 +14,9 @@ from shared.keys import WORKER_GROUP
 from shared.model_files import load_tokenizer, resolve
 from shared.redis import ensure_group, sync_client
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
-from worker.events import Ended, Released, Started, Token
-from worker.publisher import Publisher
+from worker.events import Ended, Event, Released, Started, Token, Tokens
+from worker.publisher import Publisher, Sample
+from worker.publisher_process import PublisherDied, PublisherLink
 
 TEXT = " The answer is 42. Done here."
 RID = "r" * 32
@@ -42,6 +46,22 @@ def ids(tokenizer) -> list[int]:
     return ids
 
 
+def publish(publisher: Publisher, events: list, steps: int = 1) -> list[Sample]:
+    """Write ``events`` (``Token`` rows packed into ``Tokens`` records, as the engine sends them),
+    split into ``steps`` consecutive steps of one write; the samples a stop string ended."""
+    packed: list[Event] = []
+    for event in events:
+        if isinstance(event, Token):
+            if packed and isinstance(packed[-1], Tokens):
+                packed[-1] = Tokens.of([*packed[-1].rows(), event])
+            else:
+                packed.append(Tokens.of([event]))
+        else:
+            packed.append(event)
+    size = -(-len(packed) // steps)
+    return publisher.publish([(0, packed[i:i + size]) for i in range(0, len(packed), size)])
+
+
 def chunks(client, keys, request_id=RID) -> list[TokenChunk]:
     return [codec.from_entry(TokenChunk, fields) for _, fields in client.xrange(keys.chunks(request_id))]
 
@@ -61,12 +81,11 @@ def test_a_stop_split_across_tokens_ends_the_request(publisher, client, keys, id
     ensure_group(client, keys.inbox("w1"), WORKER_GROUP)
     inbox_id = client.xadd(keys.inbox("w1"), {"msg": "x"})
     client.xreadgroup(WORKER_GROUP, "w1", {keys.inbox("w1"): ">"})
-    publisher.publish([started(["42."]), *tokens(ids, 0, 5)])
+    publish(publisher, [started(["42."]), *tokens(ids, 0, 5)])
     assert "".join(c.text for c in chunks(client, keys)) == " The answer is "  # "4" is held back
-    publisher.publish(tokens(ids, 5, 7))  # "2", "." complete the stop string
-    assert publisher.take_stopped() == [(RID, 0)] and publisher.take_stopped() == []
+    assert publish(publisher, tokens(ids, 5, 7)) == [(RID, 0)]  # "2", "." complete the stop string
     # The engine runs the request a step or two more, then frees it (as a cancel).
-    publisher.publish([*tokens(ids, 7, 9), Ended(RID, RequestStatus.CANCELLED, "cancelled", 9),
+    publish(publisher, [*tokens(ids, 7, 9), Ended(RID, RequestStatus.CANCELLED, "cancelled", 9),
                        Released(RID, inbox_id)])
     out = chunks(client, keys)
     assert [c.index for c in out] == list(range(7))
@@ -81,40 +100,67 @@ def test_a_stop_split_across_tokens_ends_the_request(publisher, client, keys, id
 
 
 def test_held_text_is_released_when_the_output_ends_otherwise(publisher, client, keys, ids):
-    publisher.publish([started(["Done!", "42!"]), *tokens(ids, last_reason="length")])
+    assert publish(publisher, [started(["Done!", "42!"]), *tokens(ids, last_reason="length")]) == []
     out = chunks(client, keys)
     assert "".join(c.text for c in out) == TEXT
     assert [c.text for c in out[4:7]] == ["", "", "42."]  # held while it could become "42!"
-    assert out[-1].finish_reason == "length" and publisher.take_stopped() == []
+    assert out[-1].finish_reason == "length"
 
 
 def test_a_stop_on_the_engines_last_token_needs_no_freeing(publisher, client, keys, ids):
-    publisher.publish([started(["."]), *tokens(ids, 0, 7, last_reason="length"), Released(RID, "1-0")])
+    assert publish(publisher, [started(["."]), *tokens(ids, 0, 7, last_reason="length"), Released(RID, "1-0")]) == []
     out = chunks(client, keys)
     assert out[-1].finish_reason == "stop" and "".join(c.text for c in out) == " The answer is 42"
-    assert publisher.take_stopped() == [] and publisher.ended_by_stop == set()
+    assert publisher.ended_by_stop == set()
 
 
 def test_stops_wait_for_min_new_tokens(publisher, client, keys, ids):
-    publisher.publish([started([" The", "."], min_new_tokens=2), *tokens(ids, 0, 8)])
+    publish(publisher, [started([" The", "."], min_new_tokens=2), *tokens(ids, 0, 8)])
     out = chunks(client, keys)
     assert out[0].text == " The" and len(out) == 7 and out[-1].finish_reason == "stop"
 
 
 def test_a_resumed_request_gets_back_its_held_text(publisher, client, keys, ids):
     # An earlier attempt emitted tokens 0-4 and held "4" (it could start "4x").
-    publisher.publish([started(["4x"], resume_ids=ids[:5]), *tokens(ids, 5, 7)])
+    publish(publisher, [started(["4x"], resume_ids=ids[:5]), *tokens(ids, 5, 7)])
     assert [c.text for c in chunks(client, keys)] == ["42", "."]
 
 
-def test_the_thread_publishes_in_order_and_reports_stops(publisher, client, keys, ids):
-    publisher.start()
-    publisher.put([started(["answer"])])
+def test_steps_written_together_keep_their_order_and_stops(publisher, client, keys, ids):
+    """Several steps in one write (the publisher fell behind): chunks in order, each index once."""
+    stopped = publish(publisher, [started(["answer"]), *tokens(ids, 0, 4)], steps=5)
+    assert stopped == [(RID, 0)]
+    assert [c.index for c in chunks(client, keys)] == [0, 1]
+
+
+def test_the_publisher_process_writes_in_order_and_reports_stops(redis_settings, client, keys, ids):
+    link = PublisherLink(WorkerSettings(redis=redis_settings), "w1")
+    link.start()
+    link.put([started(["answer"])])
     for token in tokens(ids, 0, 4):
-        publisher.put([token])
-    publisher.close()
-    assert publisher.take_stopped() == [(RID, 0)]
+        link.put([Tokens.of([token])])
+    deadline = time.monotonic() + 60
+    stopped: list = []
+    while not stopped and time.monotonic() < deadline:
+        stopped = link.take_stopped()
+        time.sleep(0.05)
+    link.close()
+    assert stopped == [(RID, 0)]
     assert [c.text for c in chunks(client, keys)] == [" The", " "]
+    assert link.process.exitcode == 0
+
+
+def test_a_dead_publisher_process_is_reported(redis_settings):
+    link = PublisherLink(WorkerSettings(redis=redis_settings), "w1")
+    link.start()
+    link.check()  # alive
+    link.process.kill()
+    link.process.join(30)
+    with pytest.raises(PublisherDied):
+        link.check()
+    with pytest.raises(PublisherDied):
+        link.put([started()])
+    link.close()
 
 
 def test_a_groups_samples_have_their_own_text_stops_and_one_end(publisher, client, keys, ids):
@@ -124,11 +170,10 @@ def test_a_groups_samples_have_their_own_text_stops_and_one_end(publisher, clien
         return [Token(RID, i, ids[i], -0.5, last_reason if i == stop - 1 else None, choice)
                 for i in range(start, stop)]
 
-    publisher.publish([started(("42.",), n=3), *sample(0, 0, 2), *sample(1, 0, 7),
-                       *sample(2, 0, 3, "length")])
-    assert publisher.take_stopped() == [(RID, 1)]
+    assert publish(publisher, [started(("42.",), n=3), *sample(0, 0, 2), *sample(1, 0, 7),
+                               *sample(2, 0, 3, "length")]) == [(RID, 1)]
     assert RequestMeta.from_hash(client.hgetall(keys.meta(RID))).status is RequestStatus.RUNNING
-    publisher.publish([*sample(1, 7, 8), *sample(0, 2, 5, "length"), Released(RID, "1-0")])  # 1's extra: dropped
+    publish(publisher, [*sample(1, 7, 8), *sample(0, 2, 5, "length"), Released(RID, "1-0")])  # 1's extra: dropped
     out = chunks(client, keys)
     text = {c: "".join(x.text for x in out if x.choice == c) for c in range(3)}
     assert text == {0: " The answer is 4", 1: " The answer is ", 2: " The answer is"}
@@ -147,12 +192,12 @@ def test_a_requeued_group_resumes_each_samples_text_and_counts_its_finished_ones
                           created_ms=0, n=3, group_resume=[ids[:5], ids[:3], ids[:2]], finished_choices=[1])
     event = Started(msg)
     assert msg.open_choices == [0, 2] and msg.emitted(2) == ids[:2]
-    publisher.publish([event, Token(RID, 5, ids[5], -0.5, None, 0), Token(RID, 2, ids[2], -0.5, None, 2)])
+    publish(publisher, [event, Token(RID, 5, ids[5], -0.5, None, 0), Token(RID, 2, ids[2], -0.5, None, 2)])
     assert sorted(publisher.outputs) == [(RID, 0), (RID, 2)]
     assert [(c.choice, c.index, c.text) for c in chunks(client, keys)] == [(0, 5, "42"), (2, 2, " is")]
-    publisher.publish([Token(RID, 6, ids[6], -0.5, "length", 0)])
+    publish(publisher, [Token(RID, 6, ids[6], -0.5, "length", 0)])
     assert RequestMeta.from_hash(client.hgetall(keys.meta(RID))).status is RequestStatus.RUNNING
-    publisher.publish([Token(RID, 3, ids[3], -0.5, "length", 2)])
+    publish(publisher, [Token(RID, 3, ids[3], -0.5, "length", 2)])
     meta = RequestMeta.from_hash(client.hgetall(keys.meta(RID)))
     assert meta.status is RequestStatus.FINISHED and meta.output_tokens == 3 + 7 + 4
     assert publisher.outputs == {}

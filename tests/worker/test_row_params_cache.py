@@ -7,7 +7,7 @@ from shared.config import AdmissionSettings
 from shared.schemas import GenerateRequest, SamplingParams
 from worker.counting_model import CountingModel
 from worker.engine import Engine, EngineLimits
-from worker.events import Token
+from worker.events import Token, flat
 from worker.model_runner import ModelRunner
 from worker.req_table import ReqTable
 from worker.request import Req
@@ -34,18 +34,18 @@ def test_a_joining_request_gets_its_own_parameters_and_leaving_ones_take_theirs_
     engine = counting_engine()
     add(engine, "a")
     first = engine.runner._row_params
-    engine.step(), engine.step()
+    flat(engine.step()), engine.step()
     assert engine.runner._row_params is not first
     kept = engine.runner._row_params[1]
     engine.step()
     assert engine.runner._row_params[1] is kept  # same batch: the same tensors
     add(engine, "b", top_logprobs=2)  # joins: its alternatives must come with its tokens
-    events = engine.step() + engine.step()
+    events = flat(engine.step()) + engine.step()
     assert engine.runner._row_params[0] == (("a", 0), ("b", 0))
     assert all(t.top is None for t in tokens(events, "a"))
     assert tokens(events, "b") and all(len(t.top) == 2 for t in tokens(events, "b"))
     while engine.running:  # a leaves first: b's parameters are rebuilt for the batch of one
-        events = engine.step()
+        events = flat(engine.step())
     assert all(len(t.top) == 2 for t in tokens(events, "b"))
     assert engine.runner._row_params[0] == (("b", 0),)
     assert torch.equal(engine.runner._row_params[1].top_k, torch.tensor([256]))

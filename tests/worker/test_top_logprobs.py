@@ -8,7 +8,7 @@ import torch
 
 from shared.schemas import SamplingParams
 from tests.worker.test_engine import make_engine, req, tiny  # noqa: F401 (fixture)
-from worker.events import Token
+from worker.events import Token, flat
 from worker.penalties import TokenCounts
 from worker.sampler import SamplingBatch, sample
 
@@ -54,7 +54,7 @@ def test_engine_top_logprobs_equal_a_reference_forward(tiny):
     engine.add(req("hot", prompts["hot"], 5, do_sample=True, temperature=0.7, seed=9, top_logprobs=2))
     tokens: dict[str, list[Token]] = {}
     while engine.has_work:
-        for event in engine.step():
+        for event in flat(engine.step()):
             if isinstance(event, Token):
                 tokens.setdefault(event.request_id, []).append(event)
     assert all(t.top is None for t in tokens["none"])

@@ -18,7 +18,7 @@ import transformers
 
 from shared.config import ModelSettings, WorkerSettings
 from tests.worker.test_engine import reference_greedy, req, run_to_end
-from worker.events import Token
+from worker.events import Token, flat
 from worker import tp as tensor_parallel
 from worker.main import build_engine, check_tp, follower, rank_device
 
@@ -85,7 +85,7 @@ def test_chunked_prefill_beside_decode_tp2_equals_tp1(engines):
         engine.add(req("long", long_prompt, 5, ignore_eos=True))
         tokens, overlapping = {}, 0
         while engine.has_work:
-            got = [e for e in engine.step() if isinstance(e, Token)]
+            got = [e for e in flat(engine.step()) if isinstance(e, Token)]
             overlapping += "long" not in tokens and any(e.request_id == "short" for e in got)
             for e in got:
                 tokens.setdefault(e.request_id, []).append(e.token_id)
@@ -106,7 +106,7 @@ def test_cancel_mid_flight_tp2_equals_tp1(engines):
         for step in range(20):
             if step == 3:
                 engine.cancel(a)  # its slots go back at once; the next steps decode b alone
-            for e in engine.step():
+            for e in flat(engine.step()):
                 if isinstance(e, Token):
                     tokens.setdefault(e.request_id, []).append(e.token_id)
             if not engine.has_work:
@@ -131,7 +131,7 @@ def test_group_forked_over_tp2_equals_transformers(tiny, engines):
     engine.add(Req(msg=msg, inbox_id="g-0"))
     tokens: dict[int, list[int]] = {}
     while engine.has_work:
-        for e in engine.step():
+        for e in flat(engine.step()):
             if isinstance(e, Token):
                 tokens.setdefault(e.choice, []).append(e.token_id)
     assert tokens == {c: reference_greedy(ref, prompt, 10) for c in range(3)}
