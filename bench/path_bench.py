@@ -14,8 +14,8 @@ answer. Every answer is checked: its token count, and for streams that each
 index arrived once, in order.
 
 With ``--peer COMMIT`` the same burst runs first against that commit (a git
-worktree in a temporary folder, with this tree's virtual environment) and
-the line compares the two. On a 2-core machine every process of the pool
+worktree in a temporary folder, with this tree's virtual environment and
+the stand-in's small vocabulary, ``peer_tree``) and the line compares the two. On a 2-core machine every process of the pool
 shares the cores with the client, so the figure is a proxy for where the
 path's host work stands, not a serving figure.
 """
@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 
 from shared.embedded_redis import free_port, start_embedded_redis
+from worker.counting_model import COUNTING_VOCAB
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_FLAGS = ["--model_dir", "counting", "--workers", "1", "--max_total_token_num", "400000",
@@ -110,9 +111,19 @@ def measure(tree: Path, args, label: str) -> float:
 
 
 def peer_tree(commit: str) -> Path:
+    """The commit in a worktree, with this tree's stand-in cost: before 2026-12-01 the counting
+    model sampled over the tokenizer's whole vocabulary (49,152), which cost more than the path
+    it stands in for; the peer gets the same small vocabulary, so only the path differs."""
     folder = Path(tempfile.mkdtemp(prefix="lightq-peer-"))
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), commit], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    main = folder / "worker" / "main.py"
+    old = "vocab = len(tokenizer) if tokenizer is not None else 49152"
+    text = main.read_text()
+    if old in text:
+        main.write_text(text.replace(old, f"vocab = min(len(tokenizer), {COUNTING_VOCAB})"))
+    elif "COUNTING_VOCAB" not in text:
+        raise RuntimeError(f"cannot give {commit} the stand-in's vocabulary: {main} has neither form")
     return folder
 
 

@@ -20,7 +20,7 @@ from shared.model_files import load_config, load_tokenizer, resolve
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
 from worker import tp as tensor_parallel
-from worker.counting_model import CountingModel
+from worker.counting_model import COUNTING_VOCAB, CountingModel
 from worker.cuda_graphs import DecodeGraphs, default_buckets
 from worker.prefill_graphs import PrefillGraphs
 from worker.engine import Engine, EngineLimits
@@ -115,7 +115,7 @@ def load_model_or_stand_in(settings: WorkerSettings, tokenizer, dtype: torch.dty
     source = resolve(settings.model.model_dir)
     if source.kind != "counting":
         return load_model(source, dtype, device, seed=settings.seed, tp=tp)
-    vocab = len(tokenizer) if tokenizer is not None else 49152
+    vocab = min(len(tokenizer), COUNTING_VOCAB) if tokenizer is not None else COUNTING_VOCAB
     return CountingModel(vocab, device), SimpleNamespace(vocab_size=vocab, eos_token_id=None)
 
 

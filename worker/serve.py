@@ -183,9 +183,9 @@ class WorkerService:
             return
         self._next_cancel_check = now + CANCEL_CHECK_S
         reqs = self.engine.requests()
-        pipe = self.client.pipeline(transaction=False)
-        for req in reqs:
-            pipe.exists(self.keys.cancel(req.id))
-        for req, cancelled in zip(reqs, pipe.execute()):
-            if cancelled:
+        # One MGET, not an EXISTS per request: with 1,000 requests every 50 ms, the EXISTS
+        # commands alone were a tenth of the model loop's time in a burst.
+        marks = self.client.mget([self.keys.cancel(req.id) for req in reqs])
+        for req, mark in zip(reqs, marks):
+            if mark is not None:
                 self.publisher.put(self.engine.cancel(req))

@@ -15,11 +15,11 @@ import pytest
 
 from shared.embedded_redis import start_embedded_redis
 from tests.integration.stack import start_stack
-from worker.counting_model import expected_tokens
+from worker.counting_model import COUNTING_VOCAB, expected_tokens
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 49152  # the default tokenizer's, which the counting model uses
+VOCAB = COUNTING_VOCAB
 NEW_TOKENS = 200
 
 
