@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/RESULTS.md's H200 rows, as sent through the device tool:
 #   bash bench/h200.sh setup gpu-tests profile arrival offline offline-16k serve scale   (one H200)
+#   bash bench/h200.sh setup whole serve        (issue 13: engine vs the whole path, then 16 req/s)
 #   bash bench/h200.sh setup tp2 bloom serve serve-tp2 scale           (two: tp2 needs both)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
@@ -39,6 +40,8 @@ for part in "$@"; do
                | tr '\r' '\n' | tee "$OUT/tp2.log" | grep -v "tok/s\]" | tail -9 ;;
     bloom)  timeout 240 python3 -m bench.offline --model-shape bloom-7b1 --timeline 2>&1 \
                | tr '\r' '\n' | tee "$OUT/bloom.log" | grep -v "tok/s\]" | tail -9 ;;
+    whole)  timeout 540 python3 -m bench.whole_path --model-shape llama3-8b 2>&1 | tr '\r' '\n' \
+               | tee "$OUT/whole.log" | grep -E "^(lightq|/generate|path|engine|lightq serve|whole_path|Median|Output)" ;;
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
     serve-tp2) serve "--workers 1 --tp 2" 150 ;;
     scale)  # the router against 32 simulated workers, on a host with cores to spare (no GPU used)

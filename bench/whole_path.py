@@ -1,0 +1,122 @@
+"""The engine alone, then the same burst through ``lightq serve``: what users get of it.
+
+    python3 -m bench.whole_path --model-shape llama3-8b             # on a GPU host (bench/h200.sh whole)
+    python3 -m bench.whole_path --model-shape tiny --device cpu --num-requests 64   # a smoke run on a CPU
+
+Three runs of the offline workload (``bench.offline``: ShareGPT-like
+lengths, seed 0, token-id prompts, ``ignore_eos``, everything sent at once),
+in one process tree and one lease:
+
+1. the engine alone, ``bench.offline`` in a subprocess (no Redis, no HTTP);
+2. ``lightq serve`` (embedded Redis, producer, router, one worker with the
+   same pool settings as the offline run), every request at once through
+   ``POST /generate``;
+3. the same server through ``/generate_stream`` at rate inf
+   (``bench.serve_bench``), which also gives the inter-token latency.
+
+Prints a table and one line: the three output throughputs, the two ratios
+to the engine, and the stream's median ITL and TPOT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench import serve_bench
+from bench.shapes import SHAPES, config_dir
+from shared.embedded_redis import free_port
+
+READY_TIMEOUT_S = 600
+
+
+def engine_alone(args) -> float:
+    command = [sys.executable, "-m", "bench.offline", "--model-shape", args.model_shape, "--device", args.device,
+               "--num-requests", str(args.num_requests), "--running-max", str(args.running_max),
+               "--graph-max-bs", str(args.running_max)]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith(f"lightq {args.model_shape}:"))
+    print(line, flush=True)
+    return float(re.search(r"([\d,]+) output tok/s", line).group(1).replace(",", ""))
+
+
+def start_serve(args, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "lightq.cli", "serve", "--port", str(port), "--workers", "1",
+               "--model_dir", f"dummy:{config_dir(args.model_shape, tokenizer=True)}", "--max_req_total_len", "2048",
+               "--device", args.device, "--running_max_req_size", str(args.running_max),
+               "--graph_max_batch_size", str(args.running_max), "--batch_max_tokens", "8192",
+               "--max_queue_tokens", "0", *args.serve_args.split()]
+    process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"lightq serve exited:\n{log_path.read_text()[-3000:]}")
+        if "lightq ready" in log_path.read_text():
+            return process, f"http://127.0.0.1:{port}"
+        time.sleep(1)
+    process.kill()
+    raise RuntimeError(f"lightq serve not ready in {READY_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+
+
+async def generate_all(http: str, requests: list) -> float:
+    """Every request at once through /generate; output tokens per second of wall time."""
+    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
+    async with httpx.AsyncClient(timeout=1800, limits=limits) as client:
+        async def one(prompt, out_len: int) -> int:
+            body = {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": True}}
+            reply = await client.post(f"{http}/generate", json=body)
+            reply.raise_for_status()
+            return reply.json()["count_output_tokens"]
+
+        await one([5, 6, 7], 4)  # warm-up
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(p, o) for p, _, o in requests))
+        wall = time.perf_counter() - start
+    expected = sum(o for _, _, o in requests)
+    if sum(counts) != expected:
+        raise RuntimeError(f"/generate delivered {sum(counts)} tokens of {expected}")
+    return expected / wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--running-max", type=int, default=1024, help="both runs' running_max and graph sizes")
+    parser.add_argument("--serve-args", default="", help="more flags for lightq serve")
+    args = parser.parse_args()
+    vocab = SHAPES[args.model_shape]["vocab_size"]
+    requests = serve_bench.synthetic_requests(args.num_requests, 0, vocab, None)  # bench.offline's workload
+    engine = engine_alone(args)
+    log_path = Path(tempfile.mkdtemp(prefix="lightq-whole-")) / "serve.log"
+    process, http = start_serve(args, log_path)
+    try:
+        generate = asyncio.run(generate_all(http, requests))
+        print(f"/generate: {generate:,.0f} output tok/s", flush=True)
+        stream = serve_bench.main(["--base-url", http, "--num-prompts", str(args.num_requests),
+                                   "--vocab-size", str(vocab), "--percentiles", "50,90,99"])
+    finally:
+        process.terminate()
+        process.wait(120)
+    rate = stream["output_throughput"]
+    print(f"\n{'path':<34}{'output tok/s':>14}{'of engine':>11}")
+    for name, value in [("engine alone (bench.offline)", engine), ("lightq serve, /generate", generate),
+                        ("lightq serve, /generate_stream", rate)]:
+        print(f"{name:<34}{value:>14,.0f}{value / engine:>10.2f}x")
+    print(f"whole_path {args.model_shape}: engine {engine:,.0f}, /generate {generate:,.0f} "
+          f"({generate / engine:.2f}x), /generate_stream {rate:,.0f} ({rate / engine:.2f}x) output tok/s; "
+          f"stream median ITL {stream['itl_ms']['median']:.2f} ms, median TPOT {stream['tpot_ms']['median']:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
