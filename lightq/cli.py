@@ -8,7 +8,8 @@ import argparse
 import sys
 
 from shared.flags import add_flags, build, given
-from shared.config import ProducerSettings, RedisSettings, RouterSettings, RqWorkerSettings, WorkerSettings
+from shared.config import (ProducerSettings, RedisSettings, RouterSettings, RqWorkerSettings, ServeSettings,
+                           WorkerSettings)
 from shared.service import setup_logging
 
 SERVICES = {"producer": ProducerSettings, "router": RouterSettings, "worker": WorkerSettings,
@@ -20,7 +21,7 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="producer + router + workers on this machine")
     serve.add_argument("--workers", type=int, default=1, help="number of worker processes (default 1)")
-    add_flags(serve, *SERVICES.values())
+    add_flags(serve, *SERVICES.values(), ServeSettings)
     for name, cls in SERVICES.items():
         add_flags(sub.add_parser(name, help=f"run one {name}"), cls)
     from lightq.top import add_arguments as add_top_arguments
@@ -68,10 +69,12 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(run_batch(flags))
     if command == "serve":
+        from lightq.checks import check_serve
         from lightq.launcher import serve
 
         setup_logging()
         workers = flags.pop("workers")
+        check_serve(flags, [*SERVICES.values(), ServeSettings], workers)  # before any child starts
         check_tp(flags)
         sys.exit(serve(flags, workers))
     settings = build(SERVICES[command], flags)

@@ -1,15 +1,20 @@
 """``lightq serve``: the whole pool on one machine, as child processes.
 
-Redis: the one at ``--redis_url`` when it answers, else an embedded
-redis-server started here and stopped on exit. Then ``--workers N`` workers,
-one router and the producer, each a separate process configured through
-``LIGHTQ_*`` environment variables. Ctrl-C or SIGTERM stops every child
-(SIGTERM, then SIGKILL after a grace period). A child that dies on its own
-is replaced, whichever it was: no request lives in a process (the queue,
-every request's status and its tokens are in Redis), so a new producer,
-router or worker carries on where the dead one stopped. Children dying
-over and over (MAX_RESTARTS in all) stop the pool, so a broken pool never
-looks alive.
+Every setting and the model source are checked before anything starts
+(``lightq.checks``). Redis: an embedded, append-only one of its own unless a
+URL is given (``lightq.serve_redis``). Then ``--workers N`` workers, one
+router, the producer and the rq worker, each a separate process configured
+through ``LIGHTQ_*`` environment variables (``lightq.children``).
+
+A child that dies on its own is replaced, whichever it was: no request
+lives in a process (the queue, every request's status and its tokens are in
+Redis), so a new producer, router or worker carries on where the dead one
+stopped. Restarts back off, and a child failing at start-up again and again
+ends serve with its own last lines, so a broken pool never looks alive.
+
+Ctrl-C or SIGTERM stops the children (SIGTERM; workers get their
+``--drain_timeout`` and a margin to finish and hand back before SIGKILL),
+then Redis, last, so everything they hand back on the way out is kept.
 """
 
 from __future__ import annotations
@@ -17,34 +22,24 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from typing import Any
-from urllib.parse import urlparse
 
 import redis
 
+from lightq.children import FAILURES, Child, RestartPolicy, spawn, stop_all
+from lightq.serve_redis import ServeRedis, open_redis
 from router.registry import read_registry
-from shared.config import RedisSettings
+from shared.config import ProducerSettings, ServeSettings, WorkerSettings
+from shared.flags import as_env, build
 from shared.keys import Keys
-from shared.embedded_redis import EmbeddedRedis, start_embedded_redis
-from shared.redis import answers
-from shared.flags import as_env
 
 log = logging.getLogger("lightq.serve")
 
-GRACE_S = 10.0
-MAX_RESTARTS = 5
-
-
-Child = tuple[str, dict[str, str], subprocess.Popen]  # role, its environment (kept for a restart), process
-
-
-def spawn(role: str, env: dict[str, str]) -> Child:
-    return role, env, subprocess.Popen([sys.executable, "-m", "lightq.cli", role], env=env)
+GRACE_S = 10.0  # producer, router, rq worker: enough for a clean exit
+DRAIN_MARGIN_S = 15.0  # a worker's hand-back after its --drain_timeout
 
 
 def visible_gpus(env: dict[str, str]) -> list[str]:
@@ -90,51 +85,47 @@ def worker_env(env: dict[str, str], num_workers: int) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", threads)}
 
 
-def start_redis(url: str) -> tuple[str, EmbeddedRedis | None]:
-    """The Redis at ``url`` if it answers; else an embedded one, on the same
-    port when ``url`` is local (so clients configured with it still reach it)."""
-    if answers(url):
-        log.info("using Redis at %s", url)
-        return url, None
-    parsed = urlparse(url)
-    local = parsed.hostname in ("127.0.0.1", "localhost") and parsed.port
-    server = start_embedded_redis(parsed.port if local else None)
-    log.info("no Redis answers at %s: started an embedded one at %s", url, server.url)
-    return server.url, server
-
-
 def serve(flags: dict[str, Any], num_workers: int) -> int:
-    url, embedded = start_redis(flags.get("redis_url") or RedisSettings().url)
-    env = {**os.environ, **as_env(flags), "LIGHTQ_REDIS_URL": url}
+    """Run the pool until a signal (0) or a child that keeps failing (its exit code)."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
+    http_port = build(ProducerSettings, flags).port
+    store = open_redis(flags, build(ServeSettings, flags).data_dir, http_port)
+    env = {**os.environ, **as_env(flags), "LIGHTQ_REDIS_URL": store.url}
+    grace_s = max(GRACE_S, build(WorkerSettings, flags).drain_timeout + DRAIN_MARGIN_S)
     children: list[Child] = []
     try:
         children += [spawn("worker", own) for own in worker_envs(env, num_workers, visible_gpus(env))]
         children += [spawn("router", env), spawn("producer", env)]
         children.append(spawn("rq-worker", env))  # batch jobs and housekeeping
-        return watch(children, stop, Readiness(url, flags, num_workers))
+        return watch(children, stop, Readiness(store.url, flags, num_workers), store)
     finally:
-        stop_all(children)
-        if embedded is not None:
-            embedded.stop()
+        if children:
+            log.info("stopping: workers get up to %.0f s to drain and hand back", grace_s)
+        stop_all(children, grace_s)
+        store.stop()  # last: what the children handed back on their way out is in it
+        log.info("lightq stopped")
 
 
 class Readiness:
     """Says once when every worker has a heartbeat (model loaded) and the producer answers."""
 
     def __init__(self, url: str, flags: dict[str, Any], num_workers: int):
+        producer = build(ProducerSettings, flags)
         self.client = redis.Redis.from_url(url, decode_responses=True)
-        self.keys = Keys(flags.get("redis_key_prefix") or RedisSettings().key_prefix)
-        self.http = f"http://{flags.get('host', '127.0.0.1')}:{flags.get('port', 8000)}"
+        self.keys = Keys(producer.redis.key_prefix)
+        self.http = f"http://{producer.host}:{producer.port}"
         self.num_workers = num_workers
         self.ready = False
 
     def check(self) -> None:
         if self.ready:
             return
-        live = len(read_registry(self.client, self.keys).live)
+        try:
+            live = len(read_registry(self.client, self.keys).live)
+        except redis.RedisError:  # Redis restarting: ask again next time
+            return
         try:
             urllib.request.urlopen(f"{self.http}/health", timeout=1).close()
         except OSError:
@@ -144,35 +135,31 @@ class Readiness:
             log.info("lightq ready: %d worker(s), producer at %s", live, self.http)
 
 
-def watch(children: list[Child], stop: threading.Event, readiness: Readiness) -> int:
+def watch(children: list[Child], stop: threading.Event, readiness: Readiness, store: ServeRedis) -> int:
     """Until stopped, replace dead children (the router re-dispatches a dead worker's
     requests, a new router takes over a dead one's entries, clients of a dead
-    producer resume their streams by id); dying over and over stops the pool."""
-    restarts = 0
+    producer resume their streams by id), after a back-off; one that keeps failing ends serve."""
+    policy = RestartPolicy()
+    due: dict[int, float] = {}  # child index -> when to start it again
     while not stop.wait(0.5):
+        store.keep_alive()
         readiness.check()
-        for i, (role, env, child) in enumerate(children):
-            if child.poll() is None:
+        now = time.monotonic()
+        for i, child in enumerate(children):
+            if child.process.poll() is None:
                 continue
-            if restarts < MAX_RESTARTS:
-                restarts += 1
-                log.warning("%s (pid %d) exited with %d: starting another", role, child.pid, child.returncode)
-                children[i] = spawn(role, env)  # a worker's own environment: the same GPUs
+            if i in due:
+                if now >= due[i]:
+                    children[i] = spawn(child.role, child.env)  # a worker's own environment: the same GPUs
+                    del due[i]
                 continue
-            log.error("%s (pid %d) exited with %d: stopping the pool", role, child.pid, child.returncode)
-            return child.returncode or 1
+            delay = policy.delay(child, now)
+            if delay is None:
+                log.error("%s failed at start-up %d times in a row; its last lines:\n%s\nlightq: stopping: "
+                          "%s exited with %d", child.role, FAILURES, child.last_lines(), child.role,
+                          child.process.returncode)
+                return child.process.returncode or 1
+            log.warning("%s (pid %d) exited with %d: starting another in %.1f s", child.role, child.process.pid,
+                        child.process.returncode, delay)
+            due[i] = now + delay
     return 0
-
-
-def stop_all(children: list[Child]) -> None:
-    for _, _, child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
-    for role, _, child in children:
-        try:
-            child.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s (pid %d) ignored SIGTERM: killing it", role, child.pid)
-            child.kill()
-            child.wait()

@@ -10,6 +10,12 @@ reschedules itself every ``--housekeeping_interval_s`` with ``enqueue_at``,
 under one job id per time slot and ``unique=True``: any number of rq-worker
 replicas keep a single chain, and each one's start revives a broken chain.
 
+A Redis outage (a restart) ends an rq worker's loop, and its scheduler
+process with it; each worker here is started again once Redis answers
+(``work_through_outages``), and the janitor's worker restarts a scheduler
+that died under it at its next maintenance (``JanitorWorker``), so
+housekeeping carries on after Redis comes back.
+
 On SIGTERM the batch worker stops at once instead of waiting for its job
 (rq's warm shutdown, which could take hours): it kills the job process and
 exits. The job stays in rq's started registry until its heartbeat lapses;
@@ -37,7 +43,7 @@ from rq.utils import now
 from shared.config import RqWorkerSettings
 from shared.housekeeping import run_all
 from shared.keys import Keys
-from shared.redis import sync_client
+from shared.redis import answers, sync_client
 from shared.service import setup_logging
 
 log = logging.getLogger("lightq.rq")
@@ -49,6 +55,23 @@ class BatchWorker(Worker):
     def request_stop(self, signum, frame):
         self._shutdown_requested_date = now() - timedelta(seconds=2)  # rq ignores a repeat within 1 s
         self.request_force_stop(signum, frame)
+
+
+class JanitorWorker(SimpleWorker):
+    """rq's in-process worker whose maintenance also revives a dead scheduler at once.
+
+    rq restarts a dead scheduler process only if it can take the scheduler lock, and the lock
+    of one that died in an outage stays in Redis (persisted) for a minute; it is this worker's
+    own scheduler's lock, so it is released first. (``_process`` is rq's; rq has no accessor.)
+    """
+
+    def run_maintenance_tasks(self):
+        scheduler = self.scheduler
+        if scheduler is not None and scheduler._process is not None and not scheduler._process.is_alive():
+            log.warning("rq scheduler (pid %s) is gone: starting another", scheduler._process.pid)
+            scheduler.release_locks()
+            scheduler._process = None
+        super().run_maintenance_tasks()
 
 
 def queue(name: str, connection: redis.Redis) -> Queue:
@@ -68,9 +91,9 @@ def run(settings: RqWorkerSettings) -> None:
         from producer.batch_job import tokenizer_for
 
         tokenizer_for(settings.model.model_dir)  # once here; every forked job process has it
-        worker = BatchWorker([queue(settings.batch.queue, connection)], connection=connection,
-                             serializer=JSONSerializer)
-        worker.work(logging_level=os.environ.get("LIGHTQ_LOG_LEVEL", "INFO"))
+        batch_queue = queue(settings.batch.queue, connection)
+        work_through_outages(settings.redis.url, lambda: BatchWorker(
+            [batch_queue], connection=connection, serializer=JSONSerializer))
     finally:
         janitor.terminate()
         janitor.join(timeout=10)
@@ -83,9 +106,38 @@ def run_janitor(settings: dict) -> None:
     parsed = RqWorkerSettings.model_validate(settings)
     connection = redis.Redis.from_url(parsed.redis.url)
     janitor_queue = queue(parsed.housekeeping.queue, connection)
-    schedule_housekeeping(janitor_queue, parsed, time.time())
-    worker = SimpleWorker([janitor_queue], connection=connection, serializer=JSONSerializer)
-    worker.work(with_scheduler=True, logging_level=os.environ.get("LIGHTQ_LOG_LEVEL", "INFO"))
+    interval = parsed.housekeeping.interval_s
+
+    def janitor() -> JanitorWorker:
+        schedule_housekeeping(janitor_queue, parsed, time.time())  # revives a chain broken by an outage
+        # Maintenance (and the scheduler check in it) runs between dequeues: at least every interval.
+        return JanitorWorker([janitor_queue], connection=connection, serializer=JSONSerializer,
+                             worker_ttl=interval + 15, maintenance_interval=interval)
+
+    work_through_outages(parsed.redis.url, janitor, with_scheduler=True)
+
+
+def work_through_outages(url: str, make_worker, **work_args) -> None:
+    """Run an rq worker until it is asked to stop; one that quit in a Redis outage (rq's loop
+    quits on most Redis errors) is replaced by a new one when Redis answers again."""
+    while True:
+        worker = None
+        try:
+            worker = make_worker()
+            worker.work(logging_level=os.environ.get("LIGHTQ_LOG_LEVEL", "INFO"), **work_args)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("rq worker: Redis unreachable (%s): starting again when it answers", exc)
+        if worker is not None and worker._shutdown_requested_date is not None:  # SIGTERM/SIGINT (rq's own)
+            return
+        time.sleep(1.0)  # whatever ended the loop, never spin on it
+        while not answers(url):
+            time.sleep(1.0)
+        if worker is not None and worker.scheduler is not None:
+            # Its scheduler died with it; its lock (persisted, a minute's TTL) would keep the next out.
+            try:
+                worker.scheduler.release_locks()
+            except redis.RedisError:
+                pass
 
 
 def _die_with_parent() -> None:

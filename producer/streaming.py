@@ -6,13 +6,18 @@ indexes) and stops after the finished chunk of every choice (a group's n
 samples share the stream; a chunk without a token ends them all). Entry ids double as SSE ids, so a client
 resumes with ``Last-Event-ID``. When the stream stays quiet it looks at the
 status hash, so a request that ended (or expired) without a terminal chunk
-cannot leave a client waiting forever. Reads ride out a Redis outage of up
+cannot leave a client waiting forever. A stream that stops early cancels its
+request only when the client left: when the producer itself stops, its open
+streams end (within a read, before uvicorn's grace runs out and it cancels
+them) and their requests run on; a client resumes one through
+``/v1/requests/{id}/stream``. Reads ride out a Redis outage of up
 to ``redis_outage_s`` (reconnecting with backoff) before they give up.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -167,16 +172,52 @@ async def shielded(action: Callable[[], Awaitable[Any]]) -> None:
             log.exception("clean-up failed")
 
 
+def server_stopping() -> bool:
+    """True once uvicorn was told to stop (SIGTERM, SIGINT). uvicorn shows an app no shutdown
+    coming; its signal handler is its ``Server.handle_exit``, whose ``should_exit`` says it."""
+    server = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    return bool(getattr(server, "should_exit", False))
+
+
+def until_stopping(disconnected: Check | None) -> Check:
+    """``disconnected``, or the producer stopping: either ends a follow early."""
+    async def check() -> bool:
+        return server_stopping() or (disconnected is not None and await disconnected())
+    return check
+
+
+async def abandon_if_left(follower: Follower, disconnected: Check | None,
+                          on_abandon: Callable[[], Awaitable[Any]] | None) -> None:
+    """``on_abandon`` for a stream that stopped before the end because its client left.
+
+    Not when the producer stops: uvicorn's shutdown cancels open streams after its grace
+    while their clients are still connected, and those requests must run on (the client
+    resumes them by id). The server's receive channel tells the two apart: it reports
+    ``http.disconnect`` only once the client's connection is gone.
+    """
+    if on_abandon is None or follower.finished:
+        return
+    if disconnected is not None:
+        with anyio.CancelScope(shield=True):
+            try:
+                if not await disconnected():
+                    log.info("a stream stopped while its client is still connected (the producer is stopping): "
+                             "its request runs on")
+                    return
+            except Exception:  # cannot tell: keep the request, a client can still cancel it by id
+                return
+    await shielded(on_abandon)
+
+
 async def sse(follower: ChunkFollower, render: Callable[[str | None, TokenChunk], str],
               disconnected: Check | None = None,
               on_abandon: Callable[[], Awaitable[Any]] | None = None) -> AsyncIterator[str]:
-    """Rendered events; ``on_abandon`` runs if the stream stops before the end."""
+    """Rendered events; ``on_abandon`` runs if the client leaves before the end."""
     try:
-        async for entry_id, chunk in follower.follow(disconnected):
+        async for entry_id, chunk in follower.follow(until_stopping(disconnected)):
             yield render(entry_id, chunk)
     finally:
-        if on_abandon is not None and not follower.finished:
-            await shielded(on_abandon)
+        await abandon_if_left(follower, disconnected, on_abandon)
 
 
 class Follower(Protocol):
@@ -192,11 +233,10 @@ async def collect(follower: Follower, disconnected: Check,
     """Every chunk up to the finished one; None (after ``on_abandon``) if the client left first."""
     chunks: list[TokenChunk] = []
     try:
-        async for _, chunk in follower.follow(disconnected):
+        async for _, chunk in follower.follow(until_stopping(disconnected)):
             chunks.append(chunk)
     finally:
-        if not follower.finished:
-            await shielded(on_abandon)
+        await abandon_if_left(follower, disconnected, on_abandon)
     return chunks if follower.finished else None
 
 
@@ -212,15 +252,14 @@ async def rendered(follower: Follower, renderer: Renderer, disconnected: Check,
     try:
         for event in renderer.start():
             yield event
-        async for _, chunk in follower.follow(disconnected):
+        async for _, chunk in follower.follow(until_stopping(disconnected)):
             for event in renderer.chunk(chunk):
                 yield event
         if follower.finished:
             for event in renderer.end():
                 yield event
     finally:
-        if not follower.finished:
-            await shielded(on_abandon)
+        await abandon_if_left(follower, disconnected, on_abandon)
 
 
 class EventStream(StreamingResponse):

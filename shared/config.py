@@ -8,6 +8,7 @@ separate classes composed into each service's settings, never inherited.
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, SecretStr
@@ -63,12 +64,28 @@ class HousekeepingSettings(BaseSettings):
     scan_count: int = Field(1000, gt=0, description="keys the request-record sweep looks at per run")
 
 
+def default_producers() -> int:
+    """One producer process per 4 cores this process may use, at most 4, at least 1.
+
+    The producer shares the host with Redis, the router and the workers' host
+    threads, so it gets a quarter of the cores. One process carried ~5,000
+    tok/s of /generate at ~110% CPU on an H200 host (issue 13); four carry more
+    than one GPU delivers. A 2-core machine gets 1, as before.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(4, max(1, cores // 4))
+
+
 class ProducerSettings(BaseSettings):
     model_config = _frozen("LIGHTQ_")
     redis: RedisSettings = Field(default_factory=RedisSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8000, description="HTTP port")
+    producers: int = Field(default_producers(), ge=1, description="producer processes serving the one port "
+                                                                  "(default: a quarter of the cores, 1 to 4)")
+    metrics_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the cluster view from "
+                                                            "Redis; /metrics and /dashboard/data serve the last")
     default_max_new_tokens: int = Field(16, gt=0, description="max_new_tokens when a request gives none")
     max_prompts: int = Field(64, ge=1, description="most prompts one /v1/completions request may list (each "
                                                    "is queued as a request of its own)")
@@ -85,8 +102,15 @@ class ProducerSettings(BaseSettings):
                                                        "tokens; past it new requests get 429 (0: no limit)")
     reject_without_workers: bool = Field(False, description="answer 503 (no_workers) while no worker is live")
     api_keys: SecretStr = Field(SecretStr(""), description="comma-separated API keys; when set, every request "
-                                                           "but /health and /metrics needs 'Authorization: Bearer KEY'")
+                                                           "but /health (and /metrics with --metrics_open) needs "
+                                                           "'Authorization: Bearer KEY'")
     rate_limit_rpm: int = Field(0, ge=0, description="requests (POSTs) per minute per API key; 429 past it (0: no limit)")
+    metrics_open: bool = Field(False, description="with --api_keys, leave /metrics open (for scrapers without a key)")
+    allowed_origins: str = Field("", description="comma-separated origins browsers may call the API from (CORS; "
+                                                 "'*' for any); none: cross-origin calls are refused")
+    max_auth_failures: int = Field(10, ge=0, description="failed API-key attempts one client address may make "
+                                                         "per auth_failure_window_s before it gets 429 (0: no limit)")
+    auth_failure_window_s: float = Field(10.0, gt=0, description="window of max_auth_failures, in seconds")
     batch: BatchSettings = Field(default_factory=BatchSettings)
 
 
@@ -160,3 +184,12 @@ class RqWorkerSettings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
     housekeeping: HousekeepingSettings = Field(default_factory=HousekeepingSettings)
+
+
+class ServeSettings(BaseSettings):
+    """``lightq serve`` only: where its embedded Redis keeps its data."""
+
+    model_config = _frozen("LIGHTQ_")
+    data_dir: str = Field("", description="directory of the embedded Redis's append-only files (default: "
+                          "~/.cache/lightq/redis/port-<port>; with an explicit --redis_url that does not "
+                          "answer, a temporary one removed on exit)")

