@@ -1,11 +1,23 @@
-"""Optional API keys (``--api_keys`` / ``LIGHTQ_API_KEYS``) and per-key rate limits.
+"""Optional API keys (``--api_keys`` / ``LIGHTQ_API_KEYS``), per-key rate limits, and
+the rest of the front door: JSON-only POST bodies, CORS, throttled key guessing.
 
-With keys configured, every route but ``OPEN_PATHS`` needs
-``Authorization: Bearer KEY`` (else 401, OpenAI's ``invalid_api_key``). A key
-is known by its SHA-256 (``key_hash``), the only form compared or stored: a
-request records its key's hash in its status hash, and another key asking
-for it (status, stream, cancel) gets the 404 of an unknown id, so it cannot
-even learn that the id exists. Without keys the API is open, as before.
+With keys configured, every path but ``/health`` (and ``/metrics`` with
+``--metrics_open``) needs a key, FastAPI's own ``/openapi.json``, ``/docs``
+and ``/redoc`` and the dashboard included (``front_door.KeyGuard``, an ASGI middleware,
+so routes FastAPI adds itself are covered too). The key comes as
+``Authorization: Bearer KEY`` or, for browsers, HTTP Basic with the key as
+password: the HTML pages answer 401 with a Basic challenge, the browser asks
+once and sends the same credentials with the page's own requests. Without a
+key: 401, OpenAI's ``invalid_api_key``.
+
+A key is known by its SHA-256 (``key_hash``), the only form compared or
+stored: a request records its key's hash in its status hash, and another key
+asking for it (status, stream, cancel) gets the 404 of an unknown id, so it
+cannot even learn that the id exists. Without keys the API is open, as before.
+
+Failed key attempts are counted per client address in this process
+(``front_door.FailedAttempts``); past ``--max_auth_failures`` in
+``--auth_failure_window_s`` the address gets 429 until its window clears.
 
 ``--rate_limit_rpm`` counts each key's POSTs (the routes that create work) per
 clock minute in a Redis counter with a TTL, so all producer replicas share
@@ -27,14 +39,20 @@ from pydantic import SecretStr
 from producer.deps import Services, get_services
 from producer.errors import ApiError, retry_later
 
-# Probes, scrapes and the dashboard stay open: restrict them at the network, like /metrics anywhere.
-OPEN_PATHS = frozenset({"/health", "/healthz", "/metrics", "/dashboard", "/dashboard/data"})
+# Liveness probes stay open (they tell nothing but "up"); /metrics only with --metrics_open.
+OPEN_PATHS = frozenset({"/health", "/healthz"})
+METRICS_PATH = "/metrics"
+SCOPE_KEY = "lightq.key_hash"  # where KeyGuard leaves the verified key's hash in the ASGI scope
 WINDOW_S = 60
 bearer = HTTPBearer(auto_error=False, description="an API key, when the server was started with --api_keys")
 
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def open_paths(metrics_open: bool) -> frozenset[str]:
+    return OPEN_PATHS | {METRICS_PATH} if metrics_open else OPEN_PATHS
 
 
 def key_hashes(api_keys: SecretStr) -> frozenset[str]:
@@ -59,15 +77,18 @@ def unauthorized(message: str) -> ApiError:
 
 async def authenticate(request: Request,
                        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
-    """The app-wide dependency: 401 without a known key, 429 past the key's rate."""
+    """The app-wide dependency: who is asking (``KeyGuard`` already checked the key), and 429 past
+    the key's rate. Checks the bearer key itself where no ``KeyGuard`` ran (an app without it)."""
     services = get_services(request)
-    if not services.api_key_hashes or request.url.path in OPEN_PATHS:
+    if not services.api_key_hashes or request.url.path in open_paths(services.settings.metrics_open):
         return Caller()
-    if credentials is None:
-        raise unauthorized("an API key is required: send 'Authorization: Bearer KEY'")
-    key_hash = hash_key(credentials.credentials)
-    if key_hash not in services.api_key_hashes:
-        raise unauthorized("the API key is not valid")
+    key_hash = request.scope.get(SCOPE_KEY)
+    if key_hash is None:
+        if credentials is None:
+            raise unauthorized("an API key is required: send 'Authorization: Bearer KEY'")
+        key_hash = hash_key(credentials.credentials)
+        if key_hash not in services.api_key_hashes:
+            raise unauthorized("the API key is not valid")
     if request.method == "POST":
         await check_rate(services, key_hash)
     return Caller(key_hash)

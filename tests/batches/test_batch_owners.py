@@ -22,7 +22,8 @@ def auth(key: str) -> dict[str, str]:
 async def keyed(settings, tokenizer):
     app = create_app(settings.model_copy(update={"api_keys": SecretStr(f"{KEY_A},{KEY_B}")}), tokenizer=tokenizer)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer") as client:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer",
+                                     headers={"Content-Type": "application/jsonl"}) as client:
             yield client
 
 

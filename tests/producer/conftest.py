@@ -14,6 +14,9 @@ from shared.redis import async_client
 from tests.producer.fake_worker import FakeWorker, serving
 
 
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return load_tokenizer(resolve("default"))
@@ -34,7 +37,9 @@ async def app(settings, tokenizer):
 
 @pytest.fixture
 async def client(app):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer", timeout=30) as c:
+    # Bodies sent as raw bytes say they are JSON, as real clients do (producer.front_door: 415 otherwise).
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer", timeout=30,
+                                 headers=JSON_HEADERS) as c:
         yield c
 
 

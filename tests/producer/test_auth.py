@@ -42,7 +42,8 @@ async def test_no_key_or_a_wrong_one_is_401(keyed, rclient, redis_settings, head
 
 async def test_probes_stay_open(keyed):
     assert (await keyed.get("/health")).status_code == 200
-    assert (await keyed.get("/metrics")).status_code == 200
+    assert (await keyed.get("/metrics")).status_code == 401  # a key, unless --metrics_open (test_front_door)
+    assert (await keyed.get("/metrics", headers=auth(KEY_A))).status_code == 200
 
 
 async def test_requests_belong_to_their_key(keyed, worker, aredis, keys):

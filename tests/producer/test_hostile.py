@@ -88,7 +88,8 @@ async def test_hostile_openai_bodies(client, rclient, redis_settings, name):
 async def small_bodies(settings, tokenizer):
     app = create_app(settings.model_copy(update={"max_body_bytes": 1000}), tokenizer=tokenizer)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer") as client:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer",
+                                     headers={"Content-Type": "application/json"}) as client:
             yield client
 
 
