@@ -1,4 +1,8 @@
-"""``create_app(settings)``: the producer's FastAPI app, with nothing built at import."""
+"""``create_app(settings)``: the producer's FastAPI app, with nothing built at import.
+
+``app_from_env`` is the same app built from the ``LIGHTQ_*`` environment:
+uvicorn's factory in each process of ``--producers N`` (``producer.main``).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,8 @@ from fastapi import Depends, FastAPI
 
 from producer import dashboard, routes_native, routes_openai, routes_requests
 from producer import routes_batches
-from producer import front_door
 from producer.auth import authenticate, key_hashes
+from producer.client_latency import ClientLatency
 from producer.backlog import Gate
 from producer.body_limit import BodyLimit
 from producer.deps import Services
@@ -22,8 +26,14 @@ from producer.metrics import ProducerMetrics
 from producer.redis_client import producer_client
 from producer.stream_hub import StreamHub
 from shared.config import ProducerSettings
+from shared.flags import build
 from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve
+from shared.service import setup_logging
+
+# Set by producer.main for --producers N (prometheus_client reads the same variable at import
+# to put every counter and histogram in files shared by the N processes).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def served_model_id(model_dir: str) -> str:
@@ -32,6 +42,9 @@ def served_model_id(model_dir: str) -> str:
         return resolve(model_dir).name
     except FileNotFoundError:  # the worker is the one that needs the files
         return os.path.basename(model_dir.removeprefix("dummy:").rstrip("/")).removesuffix(".gguf") or model_dir
+
+
+CLOSE_WAIT_S = 2.0
 
 
 def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
@@ -44,15 +57,23 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
             tok = await asyncio.to_thread(load_tokenizer, resolve(settings.model.model_dir))
         redis = producer_client(settings)
         keys = Keys(settings.redis.key_prefix)
-        hub = StreamHub(redis, keys, settings.stream_block_ms)
+        metrics: ProducerMetrics = app.state.metrics
+        hub = StreamHub(redis, keys, settings.stream_block_ms, ClientLatency(metrics))
         app.state.services = Services(settings=settings, keys=keys, hub=hub,
-                                      redis=redis, tokenizer=tok, metrics=app.state.metrics,
+                                      redis=redis, tokenizer=tok, metrics=metrics,
                                       model_id=served_model_id(settings.model.model_dir),
                                       gate=Gate(redis, keys, settings.max_queue_tokens, settings.reject_without_workers),
                                       api_key_hashes=key_hashes(settings.api_keys))
+        # The cluster view is read here, off the request path; /metrics serves the last one.
+        stop = asyncio.Event()
+        refresher = asyncio.create_task(metrics.run(redis, keys, settings.metrics_refresh_s, stop),
+                                        name="cluster-view")
         try:
             yield
         finally:
+            stop.set()
+            if not (await asyncio.wait([refresher], timeout=CLOSE_WAIT_S))[0]:
+                refresher.cancel()  # a refresh stuck on Redis longer than that
             await hub.close()
             await redis.aclose()
 
@@ -60,8 +81,8 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
     app = FastAPI(title="lightq producer", lifespan=lifespan, dependencies=[Depends(authenticate)])
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        larger={"/v1/batches": settings.max_batch_body_bytes})
-    front_door.install(app, settings)  # API keys on every path, JSON-only POST bodies, CORS
-    app.state.metrics = ProducerMetrics()  # before the lifespan: error handlers count rejections
+    # Before the lifespan: error handlers count rejections.
+    app.state.metrics = ProducerMetrics(os.environ.get(MULTIPROC_ENV) or None)
     install_handlers(app)
     app.include_router(routes_native.router)
     app.include_router(routes_requests.router)
@@ -69,3 +90,10 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
     app.include_router(dashboard.router)
     app.include_router(routes_batches.router)
     return app
+
+
+def app_from_env() -> FastAPI:
+    """uvicorn's app factory in each ``--producers`` process: the settings the parent put in the
+    environment (``LIGHTQ_*``), as ``lightq producer`` builds them from flags and environment."""
+    setup_logging()
+    return create_app(build(ProducerSettings, {}))

@@ -1,7 +1,8 @@
 """The pool as Redis shows it: the queue, the workers, recent requests, throughput.
 
-Read on demand by the producer's ``/metrics`` and ``/dashboard/data`` and by
-``lightq top``. Everything comes from records the services already write,
+Read by the producer's refresh task (every ``--metrics_refresh_s``, off the
+request path; ``/metrics`` and ``/dashboard/data`` serve the last read) and
+by ``lightq top``. Everything comes from records the services already write,
 so every producer replica and every terminal computes the same numbers:
 
 | number                  | from                                                           |
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -31,7 +32,7 @@ from redis.exceptions import ResponseError
 from producer.backlog import estimated_output
 from shared.codec import from_entry
 from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk, WorkerLoad
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, WorkerLoad
 
 WINDOW_S = 60.0
 RECENT_MAX = 2000  # ingress entries scanned for recent requests (bounds a scrape's cost)
@@ -269,17 +270,3 @@ def _recent(request_id: str, enqueued_ms: int, data: dict) -> RecentRequest:
         max_new_tokens=meta.max_new_tokens, output_tokens=meta.output_tokens, worker=meta.worker,
         created_ms=meta.created_ms, dispatched_ms=meta.dispatched_ms, started_ms=meta.started_ms,
         finished_ms=meta.finished_ms)
-
-
-def token_times_ms(entries: list[tuple[str, dict]]) -> list[int]:
-    """Redis time of each output token's chunk, by index, first copy wins (a migrated request repeats none)."""
-    seen: dict[int, int] = {}
-    for entry_id, fields in entries:
-        chunk = from_entry(TokenChunk, fields)
-        if chunk.token_id is not None:
-            seen.setdefault(chunk.index, int(entry_id.partition("-")[0]))
-    return [seen[i] for i in sorted(seen)]
-
-
-def as_json(request: RecentRequest) -> dict:
-    return asdict(request)

@@ -1,11 +1,14 @@
 """``/dashboard``: one self-contained page (no external assets) and the JSON it polls.
 
-``/dashboard/data`` refreshes the same ``ProducerMetrics`` that ``/metrics``
-renders, so the page shows the numbers a scrape would: queue depth and
-tokens, drain and arrival rates, throughput, the backlog signal, each
-worker's load, and the newest requests with their status and latencies.
-The page keeps nothing but the last answer; its plots draw the producer's
-own history (one point a second while anyone polls, ten minutes kept).
+``/dashboard/data`` serves the same last cluster view that ``/metrics``
+renders (refreshed off the request path, ``ProducerMetrics.run``), so the
+page shows the numbers a scrape would: queue depth and tokens, drain and
+arrival rates, throughput, the backlog signal, each worker's load, and the
+newest requests with their status and latencies (these from the request
+records' own times: a display, not the histograms). The page keeps nothing
+but the last answer; its plots draw the producer's own history (one point
+a second, ten minutes kept). With ``--producers N`` the totals are summed
+over the N processes, the history is the answering process's.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from importlib import resources
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from producer.cluster import ClusterSnapshot
+from producer.cluster import ClusterSnapshot, RecentRequest
 from producer.deps import ServicesDep
 from producer.metrics import ProducerMetrics
 
@@ -32,9 +35,11 @@ async def dashboard() -> HTMLResponse:
     return HTMLResponse(page())
 
 
-@router.get("/dashboard/data")
+@router.get("/dashboard/data", responses={503: {"description": "no cluster view read yet"}})
 async def dashboard_data(services: ServicesDep) -> JSONResponse:
-    snap = await services.metrics.refresh(services.redis, services.keys)
+    snap = services.metrics.snapshot
+    if snap is None:  # the first refresh has not finished (or Redis has not answered yet)
+        return JSONResponse({"error": "no cluster view yet"}, status_code=503)
     return JSONResponse(snapshot_json(snap, services.metrics))
 
 
@@ -54,7 +59,7 @@ def snapshot_json(snap: ClusterSnapshot, metrics: ProducerMetrics) -> dict:
         "workers": snap.worker_summary(),
         "totals": totals(metrics),
         "history": list(metrics.history),
-        "recent": recent_rows(snap, metrics),
+        "recent": recent_rows(snap),
     }
 
 
@@ -65,19 +70,25 @@ def totals(metrics: ProducerMetrics) -> dict:
             "requests_ended": ended}
 
 
-def recent_rows(snap: ClusterSnapshot, metrics: ProducerMetrics) -> list[dict]:
+def recent_rows(snap: ClusterSnapshot) -> list[dict]:
+    """Each request's TTFT (first token published) and end-to-end time from its status hash."""
     rows = []
     for request in snap.recent[:RECENT_ROWS]:
-        latency = metrics.latencies.get(request.id)
         rows.append({"id": request.id, "status": request.status, "prompt_tokens": request.prompt_tokens,
                      "output_tokens": request.output_tokens, "max_new_tokens": request.max_new_tokens,
                      "worker": request.worker, "age_s": max(0, snap.ts_ms - request.enqueued_ms) / 1000,
-                     "ttft_s": latency.ttft_s if latency else None, "e2e_s": latency.e2e_s if latency else None})
+                     "ttft_s": _since_created(request, request.started_ms),
+                     "e2e_s": _since_created(request, request.finished_ms)})
     return rows
 
 
+def _since_created(request: RecentRequest, ms: int | None) -> float | None:
+    return None if ms is None else max(0, ms - request.created_ms) / 1000
+
+
 def _samples(metrics: ProducerMetrics, name: str) -> list[tuple[dict, float]]:
-    return [(s.labels, s.value) for family in metrics.registry.collect() for s in family.samples if s.name == name]
+    return [(s.labels, s.value) for family in metrics.exposition.collect() for s in family.samples
+            if s.name == name]
 
 
 def _value(metrics: ProducerMetrics, name: str) -> float:

@@ -8,23 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
-from producer.api_types import BODY_DOC, GenerateResult, TokenDetail, dump_without_empty_error
+from producer.api_types import (BODY_DOC, GenerateResult, TokenDetail, dump_without_empty_error,
+                                special_ids, stream_event)
 from producer.auth import CallerDep
 from producer.deps import GenerateBodyDep, ServicesDep
 from producer.errors import ApiError, bad_request
 from producer.params import check_group
-from producer.streaming import EventStream, collect, follower, native_event, sse
+from producer.streaming import EventStream, collect, follower, sse
 from producer.submit import abandon, submit
 from shared.schemas import TokenChunk
 
 router = APIRouter()
 HEALTH_TIMEOUT_S = 2.0
+PID_HEADER = "X-Lightq-Pid"  # which of the --producers processes answered
 
 
 @router.post("/generate", response_model=GenerateResult, openapi_extra=BODY_DOC)
@@ -73,9 +76,10 @@ async def generate_stream(request: Request, body: GenerateBodyDep, services: Ser
         raise bad_request("parameters.best_of must be 1 on /generate_stream (its events have no sample "
                           "index): use /generate, or /v1/completions with stream and n", param="parameters.best_of")
     queued = await submit(body, "generate_stream", services, caller.key_hash)
+    special = special_ids(services.tokenizer)  # LightLLM's "special" flag of each token event
     events = sse(
         follower(services, queued.id),
-        lambda _entry_id, chunk: native_event(chunk, queued.num_prompt_tokens),
+        lambda _entry_id, chunk: stream_event(chunk, queued.num_prompt_tokens, special),
         disconnected=request.is_disconnected,
         on_abandon=functools.partial(abandon, services, queued.id),
     )
@@ -89,12 +93,14 @@ async def health(services: ServicesDep) -> JSONResponse:
         healthy = bool(await asyncio.wait_for(services.redis.ping(), HEALTH_TIMEOUT_S))
     except (RedisError, OSError, asyncio.TimeoutError):
         healthy = False
+    headers = {PID_HEADER: str(os.getpid())}
     if healthy:
-        return JSONResponse({"message": "Ok"})
-    return JSONResponse({"message": "Error"}, status_code=503)
+        return JSONResponse({"message": "Ok"}, headers=headers)
+    return JSONResponse({"message": "Error"}, status_code=503, headers=headers)
 
 
 @router.get("/metrics", response_class=Response)
 async def metrics(services: ServicesDep) -> Response:
-    body = await services.metrics.render(services.redis, services.keys)
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+    """Counters and histograms as they are, the cluster gauges of the last refresh: no Redis here."""
+    return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST,
+                    headers={PID_HEADER: str(os.getpid())})

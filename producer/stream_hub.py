@@ -13,17 +13,23 @@ end; the hub ends it at once with ``CLIENT UNBLOCK`` (the blocked read
 returns empty, as on a timeout, and the next one includes the new stream).
 Redis outages are ridden out with backoff; readers meanwhile see quiet
 streams and check the status hash as before (``streaming.ChunkFollower``).
+
+Every chunk a client of this producer receives passes through here first,
+so the hub is where client-side latency is observed (``latency``: joins,
+arrivals with one clock reading per XREAD reply, leaves).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
 from producer import store
+from producer.client_latency import ClientLatency
 from producer.redis_client import OUTAGE_ERRORS
 from shared import codec
 from shared.keys import Keys
@@ -43,8 +49,9 @@ class _Stream:
 
 
 class StreamHub:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, block_ms: int):
+    def __init__(self, redis: aioredis.Redis, keys: Keys, block_ms: int, latency: ClientLatency | None = None):
         self.redis, self.keys, self.block_ms = redis, keys, block_ms
+        self.latency = latency  # None: nothing observed (a hub outside the app)
         self._streams: dict[str, _Stream] = {}  # request id -> its stream's state
         self._joined = asyncio.Event()  # a stream joined since the XREAD was sent
         self._blocked_id: int | None = None  # client id of the hub's connection while its XREAD blocks
@@ -66,6 +73,8 @@ class StreamHub:
             stream = self._streams.get(request_id)
             if stream is None:
                 self._streams[request_id] = _Stream(last, waiter)
+                if self.latency is not None:
+                    self.latency.join(request_id, last)
                 self._joined.set()
                 await self._unblock()
             else:
@@ -81,7 +90,8 @@ class StreamHub:
 
     def leave(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self._streams.pop(request_id, None)
+            if self._streams.pop(request_id, None) is not None and self.latency is not None:
+                self.latency.leave(request_id)
 
     def _take(self, request_id: str) -> list[store.StreamEntry]:
         """What arrived after the reader's start or its last take (readers drop repeats anyway)."""
@@ -127,15 +137,25 @@ class StreamHub:
             reply = await conn.xread(streams, block=self.block_ms)
         finally:
             self._blocked_id = None
+        now = time.monotonic()
         for key, entries in reply or []:
             stream = self._streams.get(names[key])
             if stream is None or not entries:  # None: its reader left meanwhile
                 continue
             stream.cursor = entries[-1][0]
-            for entry_id, fields in entries:
-                try:
-                    stream.buffer.append((entry_id, codec.from_entry(TokenChunk, fields)))
-                except ValueError as exc:  # skipped: a request left without its end ends from its status hash
-                    log.error("stream hub: unreadable entry %s in %s: %s", entry_id, key, exc)
+            chunks = self._parse(key, entries)
+            if self.latency is not None:
+                self.latency.arrived(names[key], chunks, now)
+            stream.buffer += chunks
             if stream.buffer:
                 stream.waiter.set()
+
+    @staticmethod
+    def _parse(key: str, entries: list) -> list[store.StreamEntry]:
+        chunks = []
+        for entry_id, fields in entries:
+            try:
+                chunks.append((entry_id, codec.from_entry(TokenChunk, fields)))
+            except ValueError as exc:  # skipped: a request left without its end ends from its status hash
+                log.error("stream hub: unreadable entry %s in %s: %s", entry_id, key, exc)
+        return chunks

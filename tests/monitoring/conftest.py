@@ -12,9 +12,16 @@ def parse(text: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+async def refresh(app) -> None:
+    """What the app's background task does every --metrics_refresh_s, done now (no waiting for it)."""
+    services = app.state.services
+    await services.metrics.refresh(services.redis, services.keys)
+
+
 @pytest.fixture
-def scrape(client):
+def scrape(client, app):
     async def scrape_once() -> dict[tuple[str, tuple], float]:
+        await refresh(app)
         response = await client.get("/metrics")
         assert response.status_code == 200
         return parse(response.text)

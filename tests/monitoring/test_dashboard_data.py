@@ -7,6 +7,8 @@ import re
 import pytest
 
 from shared.schemas import WorkerLoad
+from tests.monitoring.conftest import parse, refresh
+from tests.monitoring.test_producer_metrics import generate_with
 
 
 async def test_page_is_self_contained(client):
@@ -19,19 +21,19 @@ async def test_page_is_self_contained(client):
     assert "http://" not in html.replace("http://www.w3.org/2000/svg", "") and "https://" not in html
 
 
-async def test_data_equals_metrics(client, scrape, worker, aredis, keys):
+async def test_data_equals_metrics(app, client, worker, aredis, keys):
     load = WorkerLoad(worker_id="w1", seq=1, ts_ms=1, max_total_tokens=2000, used_tokens=500,
                       committed_tokens=700, num_running=3, num_waiting=1)
     await aredis.zadd(keys.workers(), {"w1": 1})
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await aredis.xadd(keys.dead_letters(), {"msg": "x", "reason": "test"})
-    await client.post("/v1/requests", json={"inputs": [1, 2, 3], "parameters": {"max_new_tokens": 2}})
-    request = await worker.take()
-    await worker.generate(request, ["a", "b"])
+    request, _ = await generate_with(client, worker, ["a", "b"])
     await client.post("/v1/requests", json={"inputs": [4, 5], "parameters": {"max_new_tokens": 7}})
 
+    await refresh(app)  # both routes serve the snapshot this read makes
     data = (await client.get("/dashboard/data")).json()
-    samples = await scrape()
+    samples = parse((await client.get("/metrics")).text)
+    assert data["ts_ms"] / 1000 == samples[("lightq:cluster_view_timestamp_seconds", ())]
     assert data["queue"]["depth"] == samples[("lightq:ingress_queue_depth", ())] == 1
     assert data["queue"]["prompt_tokens"] == samples[("lightq:queue_tokens", (("kind", "prompt"),))] == 2
     assert data["queue"]["predicted_output_tokens"] == samples[("lightq:queue_tokens", (("kind", "predicted_output"),))]
@@ -48,4 +50,4 @@ async def test_data_equals_metrics(client, scrape, worker, aredis, keys):
     assert statuses[request.id]["status"] == "finished" and statuses[request.id]["output_tokens"] == 2
     assert statuses[request.id]["ttft_s"] is not None
     assert [row["status"] for row in data["recent"]] == ["queued", "finished"]  # newest first
-    assert data["history"] and data["history"][-1]["queue_depth"] == 1
+    assert data["history"] and data["history"][-1]["ts_ms"] <= data["ts_ms"]  # a point a second at most

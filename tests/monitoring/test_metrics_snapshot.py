@@ -1,0 +1,115 @@
+"""/metrics and /dashboard/data serve the last cluster view (read off the request path),
+and the latency histograms count every request a client streamed, when it happened."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from producer.app import create_app
+from shared.schemas import TokenChunk
+from shared import codec
+from tests.monitoring.conftest import parse, refresh
+from tests.producer.redis_proxy import RedisProxy
+
+BODY = {"inputs": [1, 2, 3], "parameters": {"max_new_tokens": 4}}
+TEXTS = ["a", "b", "c", "d"]
+
+
+@pytest.fixture
+async def proxy(redis_url):
+    proxy = RedisProxy(redis_url)
+    await proxy.start()
+    yield proxy
+    await proxy.cut()
+
+
+@pytest.fixture
+async def proxied(settings, tokenizer, proxy):
+    """An app that reaches Redis through the proxy, with a refresh period longer than any test."""
+    redis = settings.redis.model_copy(update={"url": proxy.url})
+    app = create_app(settings.model_copy(update={"redis": redis, "redis_timeout_s": 0.5, "metrics_refresh_s": 3600}),
+                     tokenizer=tokenizer)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer",
+                                     timeout=30) as client:
+            yield app, client
+
+
+async def test_scrapes_answer_from_the_snapshot_while_redis_is_gone(proxied, proxy):
+    app, client = proxied
+    assert (await client.post("/v1/requests", json=BODY)).status_code == 202
+    await refresh(app)
+    await proxy.cut()  # nothing on the request path may need Redis now
+    response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert parse(response.text)[("lightq:ingress_queue_depth", ())] == 1  # the view read before the cut
+    data = await client.get("/dashboard/data")
+    assert data.status_code == 200 and data.json()["queue"]["depth"] == 1
+
+
+async def test_the_view_is_refreshed_in_the_background(settings, tokenizer, client):
+    app = create_app(settings.model_copy(update={"metrics_refresh_s": 0.05}), tokenizer=tokenizer)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer") as fast:
+            assert (await fast.post("/v1/requests", json=BODY)).status_code == 202
+            deadline = time.monotonic() + 20  # a bound on the wait, not a measurement
+            while parse((await fast.get("/metrics")).text).get(("lightq:ingress_queue_depth", ()), 0) != 1:
+                assert time.monotonic() < deadline, "no refresh showed the queued request"
+                await asyncio.sleep(0.05)
+
+
+async def test_every_streamed_request_is_counted_after_its_records_expired(app, client, worker, aredis, keys, scrape):
+    count = 12
+
+    async def serve() -> None:
+        for _ in range(count):
+            await worker.generate(await worker.take(), TEXTS)
+
+    server = asyncio.create_task(serve())
+    routes = ["/generate", "/generate_stream", "/v1/completions"]
+    bodies = [BODY, BODY, {"model": app.state.services.model_id, "prompt": [1, 2, 3], "max_tokens": 4}]
+    responses = await asyncio.gather(*(client.post(routes[i % 3], json=bodies[i % 3]) for i in range(count)))
+    await server
+    assert all(r.status_code == 200 for r in responses)
+    leftovers = [key async for key in aredis.scan_iter(match=f"{keys.prefix}:*")]
+    await aredis.delete(*leftovers)  # every record gone, as after their TTL: nothing to rebuild from
+    samples = await scrape()
+    assert samples[("lightq:time_to_first_token_seconds_count", ())] == count
+    assert samples[("lightq:e2e_request_latency_seconds_count", ())] == count
+    assert samples[("lightq:inter_token_latency_seconds_count", ())] == count * (len(TEXTS) - 1)
+    assert samples[("lightq:generation_tokens_total", ())] == count * len(TEXTS)
+    assert samples[("lightq:requests_ended_total", (("status", "finished"),))] == count
+
+
+async def test_a_replay_of_an_old_request_is_not_timed(client, worker, aredis, keys, scrape):
+    request_id = (await client.post("/v1/requests", json=BODY)).json()["id"]
+    request = await worker.take()
+    old_ms = int(time.time() * 1000) - 60_000  # written a minute ago (explicit entry ids)
+    for index, text in enumerate(TEXTS):
+        chunk = TokenChunk(request_id=request.id, index=index, token_id=index, text=text,
+                           finished=index == len(TEXTS) - 1, finish_reason="length" if index == 3 else None)
+        await aredis.xadd(keys.chunks(request.id), codec.entry(chunk), id=f"{old_ms + index}-0")
+    replay = await client.get(f"/v1/requests/{request_id}/stream")
+    assert replay.status_code == 200 and replay.text.count("data:") == len(TEXTS)
+    samples = await scrape()
+    assert samples[("lightq:time_to_first_token_seconds_count", ())] == 0
+    assert samples[("lightq:e2e_request_latency_seconds_count", ())] == 0
+
+
+async def test_a_resumed_stream_is_not_counted_twice(client, worker, scrape):
+    async def serve():
+        request = await worker.take()
+        return request, await worker.generate(request, TEXTS)
+
+    server = asyncio.create_task(serve())
+    response = await client.post("/generate_stream", json=BODY)
+    request, entry_ids = await server
+    resumed = await client.get(f"/v1/requests/{request.id}/stream", headers={"Last-Event-ID": entry_ids[1]})
+    assert response.status_code == 200 and resumed.text.count("data:") == 2
+    samples = await scrape()
+    assert samples[("lightq:time_to_first_token_seconds_count", ())] == 1
+    assert samples[("lightq:generation_tokens_total", ())] == len(TEXTS)
