@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.flags import add_flags, build, given
+from shared.flags import add_flags, add_version, build, given
 from shared.config import (ProducerSettings, RedisSettings, RouterSettings, RqWorkerSettings, ServeSettings,
                            WorkerSettings)
 from shared.service import setup_logging
@@ -18,6 +18,7 @@ SERVICES = {"producer": ProducerSettings, "router": RouterSettings, "worker": Wo
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="lightq", description=__doc__)
+    add_version(top)
     sub = top.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="producer + router + workers on this machine")
     serve.add_argument("--workers", type=int, default=1, help="number of worker processes (default 1)")

@@ -15,7 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFu
                       field_validator)
 from pydantic_core import PydanticCustomError
 
-from shared.schemas import FinishReason, RequestStatus
+from shared.schemas import FinishReason, RequestStatus, TokenChunk
 
 
 class _Request(BaseModel):
@@ -41,9 +41,9 @@ class GenerateParameters(_Request):
     max_new_tokens: int | None = Field(None, ge=1)
     min_new_tokens: int | None = Field(None, ge=1, description="EOS cannot end the output before this")
     do_sample: bool = False
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=0, description="0: greedy, whatever do_sample says")
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, le=INT32_MAX)
+    top_k: int = Field(-1, le=INT32_MAX, description="-1 or 0: no top-k")
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description="-1 or null: unseeded")
@@ -60,8 +60,8 @@ class GenerateParameters(_Request):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, value: int) -> int:
-        if value != -1 and value < 1:
-            raise PydanticCustomError("top_k_range", "must be -1 (disabled) or >= 1")
+        if value < -1:  # -1 and 0 (LightLLM's greedy spelling) both mean no top-k
+            raise PydanticCustomError("top_k_range", "must be -1 or 0 (disabled) or >= 1")
         return value
 
 
@@ -141,7 +141,7 @@ class StreamToken(BaseModel):
     id: int | None
     text: str
     logprob: float | None
-    special: bool = False
+    special: bool = Field(False, description="a special token (EOS, BOS, chat markers): its text is not output")
     count_output_tokens: int
     prompt_tokens: int
 
@@ -158,6 +158,20 @@ class StreamEvent(BaseModel):
 
     def to_json(self) -> str:
         return dump_without_empty_error(self)
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's special token ids (BOS, EOS, chat markers): their events say ``special``."""
+    return frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+
+
+def stream_event(chunk: TokenChunk, prompt_tokens: int, special: frozenset[int] = frozenset()) -> str:
+    """A ``/generate_stream`` event exactly as LightLLM frames it: ``data:`` without a space."""
+    count = chunk.index + (chunk.token_id is not None)
+    token = StreamToken(id=chunk.token_id, text=chunk.text, logprob=chunk.logprob, special=chunk.token_id in special,
+                        count_output_tokens=count, prompt_tokens=prompt_tokens)
+    event = StreamEvent(token=token, finished=chunk.finished, finish_reason=chunk.finish_reason, error=chunk.error)
+    return f"data:{event.to_json()}\n\n"
 
 
 class SubmitAccepted(BaseModel):

@@ -65,6 +65,13 @@ def check_min_tokens(min_new: int, max_new: int, param: str, max_name: str) -> N
                           code="invalid_min_tokens")
 
 
+def check_prompt_length(num_prompt_tokens: int, max_req_input_len: int, param: str) -> None:
+    """LightLLM's ``--max_req_input_len`` (0: no limit of its own; max_req_total_len still applies)."""
+    if max_req_input_len and num_prompt_tokens > max_req_input_len:
+        raise bad_request(f"{param} has {num_prompt_tokens} tokens: more than max_req_input_len "
+                          f"{max_req_input_len}", param=param, code="context_length_exceeded", reason="too_long")
+
+
 def check_group(n: int | None, best_of: int | None, param: str) -> int:
     """LightLLM's rule (n == best_of <= 8); the group's size (samples of the prompt)."""
     best_of = 1 if best_of is None else best_of
@@ -82,9 +89,12 @@ def native_sampling(p: GenerateParameters, default_max_new_tokens: int, tokenize
     max_new = p.max_new_tokens or default_max_new_tokens
     min_new = p.min_new_tokens or 0
     check_min_tokens(min_new, max_new, "parameters.min_new_tokens", "max_new_tokens")
+    # LightLLM's greedy spellings: temperature 0 is greedy (as in OpenAI's API), top_k 0 is no top-k.
+    greedy = p.temperature == 0
     return SamplingParams(
-        max_new_tokens=max_new, min_new_tokens=min_new, do_sample=p.do_sample, temperature=p.temperature,
-        top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, ignore_eos=p.ignore_eos,
+        max_new_tokens=max_new, min_new_tokens=min_new, do_sample=p.do_sample and not greedy,
+        temperature=1.0 if greedy else p.temperature,
+        top_p=p.top_p, top_k=-1 if p.top_k == 0 else p.top_k, min_p=p.min_p, ignore_eos=p.ignore_eos,
         seed=None if p.seed in (None, -1) else p.seed,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,

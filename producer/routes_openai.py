@@ -26,6 +26,7 @@ from producer.errors import ApiError, bad_request
 from producer.merged_follower import MergedFollower
 from producer.openai_render import Call, StreamRenderer, response
 from producer.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from producer.params import check_prompt_length
 from producer.streaming import EventStream, collect, follower, rendered
 from producer.submit import abandon_all, enqueue, new_request, prompt_ids
 from shared.schemas import GenerateRequest
@@ -86,6 +87,7 @@ async def prepare_completions(body: CompletionRequest, services: Services) -> tu
     queued: list[GenerateRequest] = []
     for i, inputs in enumerate(prompts):
         ids = await prompt_ids(inputs, services.tokenizer, param="prompt" if len(prompts) == 1 else f"prompt.{i}")
+        check_prompt_length(len(ids), services.settings.model.max_req_input_len, "prompt")
         check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
         queued.append(new_request(ids, params, body.timeout, body.num_choices))
     echo = tuple(prompt_text(inputs, services.tokenizer) for inputs in prompts) if body.echo else ()
@@ -129,6 +131,7 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     check_model(body.model, services)
     body.check()
     ids = await chat_prompt_ids(body.messages, services.tokenizer)
+    check_prompt_length(len(ids), services.settings.model.max_req_input_len, "messages")
     limit = services.settings.model.max_req_total_len
     # Without a limit the answer may fill the context (LightLLM and vLLM do the same).
     max_new = body.requested_max_tokens or max(limit - len(ids), 1)

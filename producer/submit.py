@@ -14,7 +14,7 @@ from producer.api_types import GenerateBody
 from producer.backlog import Gate
 from producer.deps import Services
 from producer.errors import bad_request
-from producer.params import check_group, native_sampling
+from producer.params import check_group, check_prompt_length, native_sampling
 from shared.config import ProducerSettings
 from shared.schemas import GenerateRequest, SamplingParams
 
@@ -71,6 +71,7 @@ async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings
     n = check_group(body.params.n, body.params.best_of, "parameters.")
     params = native_sampling(body.params, settings.default_max_new_tokens, tokenizer)
     ids = await prompt_ids(body.inputs, tokenizer)
+    check_prompt_length(len(ids), settings.model.max_req_input_len, "inputs")
     check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)
     return new_request(ids, params, body.params.timeout, n)
 

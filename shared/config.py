@@ -9,7 +9,6 @@ separate classes composed into each service's settings, never inherited.
 from __future__ import annotations
 
 import os
-import os
 from typing import Literal
 
 from pydantic import Field, SecretStr
@@ -40,6 +39,8 @@ class ModelSettings(BaseSettings):
         description="'default' (embedded SmolLM2), a HF directory, a .gguf file, or dummy:<config dir>",
     )
     max_req_total_len: int = Field(2048, gt=1, description="max prompt + new tokens per request")
+    max_req_input_len: int = Field(0, ge=0, description="max prompt tokens per request (LightLLM's; 0: only "
+                                                        "max_req_total_len bounds the prompt)")
 
 
 class BatchSettings(BaseSettings):
@@ -77,28 +78,12 @@ def default_producers() -> int:
     return min(4, max(1, cores // 4))
 
 
-def default_producers() -> int:
-    """One producer process per 4 cores this process may use, at most 4, at least 1.
-
-    The producer shares the host with Redis, the router and the workers' host
-    threads, so it gets a quarter of the cores. One process carried ~5,000
-    tok/s of /generate at ~110% CPU on an H200 host (issue 13); four carry more
-    than one GPU delivers. A 2-core machine gets 1, as before.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(4, max(1, cores // 4))
-
-
 class ProducerSettings(BaseSettings):
     model_config = _frozen("LIGHTQ_")
     redis: RedisSettings = Field(default_factory=RedisSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8000, description="HTTP port")
-    producers: int = Field(default_producers(), ge=1, description="producer processes serving the one port "
-                                                                  "(default: a quarter of the cores, 1 to 4)")
-    metrics_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the cluster view from "
-                                                            "Redis; /metrics and /dashboard/data serve the last")
     producers: int = Field(default_producers(), ge=1, description="producer processes serving the one port "
                                                                   "(default: a quarter of the cores, 1 to 4)")
     metrics_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the cluster view from "
@@ -189,6 +174,8 @@ class WorkerSettings(BaseSettings):
                                                           "before the rest is handed back")
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it is dead-lettered")
     seed: int = Field(0, description="seed for dummy weights")
+    eos_id: list[int] | None = Field(None, description="token ids that end a request (LightLLM's --eos_id; "
+                                                       "default: the model's config and tokenizer)")
     metrics_port: int = Field(0, ge=0, le=65535, description="port of this service's Prometheus /metrics "
                               "(0: none; when taken, the next free port above it)")
 

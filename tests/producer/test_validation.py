@@ -29,11 +29,11 @@ BAD_BODIES = {
     "max_new_tokens_zero": {"inputs": "hi", "parameters": {"max_new_tokens": 0}},
     "max_new_tokens_string": {"inputs": "hi", "parameters": {"max_new_tokens": "5"}},
     "max_new_tokens_float": {"inputs": "hi", "parameters": {"max_new_tokens": 2.5}},
-    "temperature_zero": {"inputs": "hi", "parameters": {"temperature": 0}},
+    "temperature_negative": {"inputs": "hi", "parameters": {"temperature": -0.5}},
     "temperature_string": {"inputs": "hi", "parameters": {"temperature": "hot"}},
     "top_p_zero": {"inputs": "hi", "parameters": {"top_p": 0}},
     "top_p_above_one": {"inputs": "hi", "parameters": {"top_p": 1.5}},
-    "top_k_zero": {"inputs": "hi", "parameters": {"top_k": 0}},
+    "top_k_below_minus_one": {"inputs": "hi", "parameters": {"top_k": -2}},
     "do_sample_string": {"inputs": "hi", "parameters": {"do_sample": "yes"}},
 }
 
@@ -99,7 +99,7 @@ async def test_messages_name_the_problem(client):
 async def test_rejections_are_counted(client):
     await client.post("/generate", json={"inputs": ""})
     await client.post("/generate", content=b"{")
-    await client.post("/generate", json={"inputs": "x", "parameters": {"top_k": 0}})
+    await client.post("/generate", json={"inputs": "x", "parameters": {"top_k": -2}})
     text = (await client.get("/metrics")).text
     assert 'lightq:requests_rejected_total{reason="empty_input"} 1.0' in text
     assert 'lightq:requests_rejected_total{reason="invalid_json"} 1.0' in text
