@@ -80,6 +80,7 @@ def start_embedded_redis(port: int | None = None, timeout_s: float = 10.0, appen
     ``pass_fds``: descriptors the server keeps open (a lock held as long as it runs)."""
     port = port or free_port()
     workdir = workdir or tempfile.mkdtemp(prefix="lightq-redis-")
+    os.makedirs(workdir, exist_ok=True)
     args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "yes" if appendonly else "no", "--appendfsync", appendfsync, "--dir", workdir]
     url = f"redis://127.0.0.1:{port}/0"

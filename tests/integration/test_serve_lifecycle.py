@@ -1,0 +1,218 @@
+"""``lightq serve``'s life cycle as a user meets it, with real processes:
+bad settings fail before anything starts, a child failing at start-up ends
+serve with its error, Ctrl-C (SIGINT to the terminal's process group) and
+SIGTERM stop everything quietly without cancelling open streams' requests,
+the embedded Redis (its own, append-only, in --data_dir) is restarted when it
+dies and stopped last, and rq's housekeeping survives a Redis restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+
+from shared.embedded_redis import free_port, start_embedded_redis
+from shared.keys import Keys
+from shared.redis import answers
+
+pytestmark = pytest.mark.slow
+
+WAIT_S = 300  # a bound on waiting for something that must happen, not a measurement
+
+
+def serve_env(data_dir: str) -> dict[str, str]:
+    """No Redis URL in the environment: serve must start its own."""
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTQ_REDIS_URL"}
+    return {**env, "PYTHONUNBUFFERED": "1", "LIGHTQ_DATA_DIR": data_dir}
+
+
+def run_serve(args: list[str], data_dir: str, timeout_s: float = WAIT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightq.cli", "serve", "--port", str(free_port()), *args],
+                          env=serve_env(data_dir), capture_output=True, text=True, timeout=timeout_s)
+
+
+def wait_for(condition, what: str, timeout_s: float = WAIT_S):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model_dir", "/nonexistent/model"], "--model_dir /nonexistent/model: no such file or directory"),
+    (["--model_dir", "HuggingFaceTB/SmolLM2-135M-Instruct"], "hubs are not reachable"),
+    (["--reject_without_workers", "maybe"], "--reject_without_workers (env LIGHTQ_REJECT_WITHOUT_WORKERS): "
+                                            "input should be a valid boolean"),
+    (["--device", "cuda"], "--device cuda: CUDA is not available"),
+])
+def test_a_bad_setting_is_one_line_and_nothing_starts(tmp_path, args, says):
+    if args[0] == "--device":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    done = run_serve(args, str(tmp_path / "data"))
+    assert done.returncode != 0
+    output = (done.stdout + done.stderr).strip()
+    assert len(output.splitlines()) == 1 and output.startswith("lightq: "), output
+    assert says in output
+    assert not (tmp_path / "data").exists(), "nothing (not even Redis) may start"
+
+
+def test_a_child_failing_at_startup_ends_serve_with_its_error(tmp_path):
+    model = tmp_path / "broken-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # there, so the parent's check passes; no model loads from it
+    done = run_serve(["--model_dir", str(model)], str(tmp_path / "data"))
+    assert done.returncode != 0
+    error = done.stderr[done.stderr.index("failed at start-up 3 times in a row"):]
+    assert "Error" in error, error  # the child's own last lines come with it
+    assert "lightq: stopping:" in error
+
+
+class Serve:
+    """``lightq serve --model_dir counting`` leading its own process group, as a shell runs it."""
+
+    def __init__(self, tmp_path, extra: list[str]):
+        self.data_dir = str(tmp_path / "data")
+        self.log_path = str(tmp_path / "serve.log")
+        self.http = f"http://127.0.0.1:{free_port()}"
+        args = [sys.executable, "-m", "lightq.cli", "serve", "--model_dir", "counting",
+                "--port", self.http.rsplit(":", 1)[1], *extra]
+        self.process = subprocess.Popen(args, env=serve_env(self.data_dir), stdout=open(self.log_path, "w"),
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(lambda: "lightq ready" in self.log() or self.process.poll() is not None, "lightq ready")
+        assert self.process.poll() is None, self.log()[-3000:]
+        self.redis_url = re.search(r"embedded Redis at (\S+)", self.log()).group(1)
+        self.children = child_pids(self.process.pid)
+
+    def log(self) -> str:
+        return open(self.log_path).read()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url, decode_responses=True)
+
+    def kill(self) -> None:
+        for pid in [self.process.pid, *self.children]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def child_pids(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            status = open(f"/proc/{entry}/status").read()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and re.search(rf"^PPid:\s+{pid}$", status, re.M):
+            found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/status").read().find("State:\tZ") < 0
+    except OSError:
+        return False
+
+
+def open_stream(http: str, events: list[dict]) -> threading.Thread:
+    """A long streaming request, its events collected as they come, in a thread."""
+    body = {"inputs": "count", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
+
+    def follow():
+        try:
+            with httpx.stream("POST", f"{http}/generate_stream", json=body, timeout=120) as response:
+                events.append({"id": response.headers["x-request-id"]})
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        events.append(json.loads(line[5:]))
+        except httpx.HTTPError:
+            pass  # the producer stopping cuts the stream; the request must live on
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path, how):
+    serve = Serve(tmp_path, ["--drain_timeout", "2"])
+    try:
+        assert not serve.redis_url.endswith(":6379/0"), "without a URL, serve runs a Redis of its own"
+        serve.client().set("lightq:test-marker", "kept")
+        if how == "ctrl-c":  # its embedded Redis dies: serve starts it again, on its port, with its data
+            redis_pid = next(pid for pid in serve.children if "redis-server" in open(f"/proc/{pid}/cmdline").read())
+            os.kill(redis_pid, signal.SIGKILL)
+            wait_for(lambda: "the embedded Redis exited" in serve.log() and answers(serve.redis_url), "a new Redis")
+            assert serve.client().get("lightq:test-marker") == "kept"
+        events: list[dict] = []
+        stream = open_stream(serve.http, events)
+        wait_for(lambda: len(events) > 1, "the first token")
+        request_id = events[0]["id"]
+        before_stop = len(serve.log())
+        if how == "ctrl-c":
+            os.killpg(serve.process.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
+        else:
+            serve.process.send_signal(signal.SIGTERM)
+        assert serve.process.wait(timeout=WAIT_S) == 0, serve.log()[-3000:]
+        stream.join(timeout=WAIT_S)
+        log = serve.log()[before_stop:]  # (a Redis outage above is noisy, and may be)
+        assert "Traceback" not in log and "ERROR" not in log, log[-5000:]
+        assert not any(alive(pid) for pid in serve.children), "every child, Redis included, is stopped"
+        assert not answers(serve.redis_url)
+    finally:
+        serve.kill()
+    # Redis was stopped last, with everything in its append-only file: start it on the same files.
+    restarted = start_embedded_redis(appendonly=True, workdir=serve.data_dir)
+    try:
+        client = redis.Redis.from_url(restarted.url, decode_responses=True)
+        assert client.get("lightq:test-marker") == "kept"
+        keys = Keys("lightq")
+        status = client.hget(keys.meta(request_id), "status")
+        assert status in ("queued", "running", "finished"), status  # never cancelled by the stop
+        assert not client.exists(keys.cancel(request_id))
+    finally:
+        restarted.stop()
+
+
+def test_housekeeping_survives_a_redis_restart(tmp_path):
+    server = start_embedded_redis(appendonly=True, workdir=str(tmp_path / "redis"))
+    prefix = "lightq-test-rq-restart"
+    env = {**os.environ, "LIGHTQ_REDIS_URL": server.url, "LIGHTQ_REDIS_KEY_PREFIX": prefix,
+           "LIGHTQ_HOUSEKEEPING_INTERVAL_S": "1", "LIGHTQ_MODEL_DIR": "counting"}
+    log_path = tmp_path / "rq.log"
+    worker = subprocess.Popen([sys.executable, "-m", "lightq.cli", "rq-worker"], env=env,
+                              stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    cursor = Keys(prefix).housekeeping_cursor()  # every housekeeping run writes it
+    try:
+        client = redis.Redis.from_url(server.url)
+        wait_for(lambda: client.exists(cursor), "a first housekeeping run")
+        server.process.kill()
+        server.process.wait()
+        time.sleep(3)  # an outage rq notices (its clients retry a short blip on their own)
+        server.restart()
+        client = redis.Redis.from_url(server.url)
+        client.delete(cursor)
+        wait_for(lambda: client.exists(cursor), "housekeeping after the restart")
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=WAIT_S) is not None
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        server.stop()
