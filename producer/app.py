@@ -16,6 +16,7 @@ from fastapi import Depends, FastAPI
 
 from producer import dashboard, routes_native, routes_openai, routes_requests
 from producer import routes_batches
+from producer import front_door
 from producer.auth import authenticate, key_hashes
 from producer.client_latency import ClientLatency
 from producer.backlog import Gate
@@ -81,6 +82,7 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
     app = FastAPI(title="lightq producer", lifespan=lifespan, dependencies=[Depends(authenticate)])
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        larger={"/v1/batches": settings.max_batch_body_bytes})
+    front_door.install(app, settings)  # API keys on every path, JSON-only POST bodies, CORS
     # Before the lifespan: error handlers count rejections.
     app.state.metrics = ProducerMetrics(os.environ.get(MULTIPROC_ENV) or None)
     install_handlers(app)
