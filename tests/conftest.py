@@ -1,9 +1,11 @@
 """Shared fixtures: a real Redis (the local one, or an embedded one) with a
-key prefix of its own per test, removed afterwards."""
+key prefix of its own per test, removed afterwards; the session fails if its
+tests left keys without a TTL in the local Redis (``redis_left_clean``)."""
 
 from __future__ import annotations
 
 import os
+import re
 import uuid
 
 import torch
@@ -36,9 +38,41 @@ def redis_url():
         server.stop()
 
 
+TEST_PREFIX = re.compile(r"lightq-test-[0-9a-f]{10}")  # redis_settings' prefixes (also in rq names)
+
+
+@pytest.fixture(scope="session")
+def session_prefixes() -> set[str]:
+    """The key prefixes this session's tests were given (redis_settings)."""
+    return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def redis_left_clean(session_prefixes):
+    """Fails the session (an error at its last teardown) when its tests left keys without a TTL
+    in the shared local Redis. Keys of other sessions running at the same time are told apart
+    by their test prefix (``lightq-test-<hex>`` not given in this session) and left out; keys
+    with a TTL go by themselves. An embedded Redis goes with the session: nothing to check."""
+    if not answers(LOCAL_URL):
+        yield
+        return
+    client = redis.Redis.from_url(LOCAL_URL, decode_responses=True)
+    before = set(client.scan_iter(count=1000))
+    yield
+    new = set(client.scan_iter(count=1000)) - before
+    leaked = sorted(key for key in new if client.ttl(key) == -1 and not _other_sessions(key, session_prefixes))
+    client.close()
+    assert not leaked, f"tests left {len(leaked)} keys without a TTL in {LOCAL_URL}: {leaked[:20]}"
+
+
+def _other_sessions(key: str, mine: set[str]) -> bool:
+    return any(prefix not in mine for prefix in TEST_PREFIX.findall(key))
+
+
 @pytest.fixture
-def redis_settings(redis_url) -> RedisSettings:
+def redis_settings(redis_url, session_prefixes) -> RedisSettings:
     prefix = f"lightq-test-{uuid.uuid4().hex[:10]}"
+    session_prefixes.add(prefix)
     settings = RedisSettings(url=redis_url, key_prefix=prefix)
     yield settings
     client = redis.Redis.from_url(redis_url)

@@ -28,7 +28,10 @@ def stack(tmp_path_factory, redis_url):
     stack = start_stack(log, redis_url=redis_url, prefix=f"lightq-oai-{uuid.uuid4().hex[:8]}", workers=1,
                         extra=["--max_total_token_num", "4096", "--max_req_total_len", "1024"])
     yield stack
-    assert stack.stop() == 0, open(log).read()[-3000:]
+    try:
+        assert stack.stop() == 0, open(log).read()[-3000:]
+    finally:
+        stack.remove_keys()  # the local Redis outlives the test session
 
 
 @pytest.fixture(scope="module")
