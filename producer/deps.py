@@ -42,7 +42,7 @@ def get_services(request: Request) -> Services:
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
-    """The JSON body, whatever its Content-Type (LightLLM reads it the same way)."""
+    """The JSON body (its Content-Type was checked by producer.front_door: JSON, or 415)."""
     raw = await request.body()
     if not raw.strip():
         raise bad_request("request body is empty", code="empty_body", reason="invalid_json")
