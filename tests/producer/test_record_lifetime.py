@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from producer import routes_requests, store
 from shared.config import ProducerSettings, RedisSettings
 from shared.request_log import mark_ended
 from shared.requeue import requeue
@@ -35,12 +36,13 @@ async def submit(client) -> str:
     return response.json()["id"]
 
 
-async def test_live_records_have_no_ttl_until_the_end(client, worker, aredis, keys, rclient):
+async def test_live_records_have_no_ttl_until_the_end(client, worker, aredis, keys, rclient, monkeypatch):
+    monkeypatch.setattr(routes_requests, "CANCEL_WAIT_S", 0.2)  # nobody ends it here: do not wait long
     request_id = await submit(client)
     assert await aredis.ttl(keys.meta(request_id)) == -1  # queued
     request = await worker.take()
     await worker.token(request.id, 0, "Hi")
-    assert (await client.delete(f"/v1/requests/{request_id}")).status_code == 202  # nobody ends it here
+    assert (await client.delete(f"/v1/requests/{request_id}")).status_code == 202
     for key in keys.all_request_keys(request_id):
         assert await aredis.ttl(key) == -1, key  # running, cancel asked: nothing may expire yet
     pipe = rclient.pipeline()
@@ -54,8 +56,6 @@ async def test_live_records_have_no_ttl_until_the_end(client, worker, aredis, ke
 async def test_cancelling_an_ended_request_leaves_no_key_without_ttl(client, worker, aredis, keys):
     request_id = await submit(client)
     await worker.generate(await worker.take(), ["done"], finish_reason="stop")
-    from producer import store
-
     await store.request_cancel(aredis, keys, request_id, SHORT_TTL_S)  # a late cancel, e.g. a client leaving
     assert 0 < await aredis.ttl(keys.cancel(request_id)) <= SHORT_TTL_S
     await store.request_cancel(aredis, keys, "0" * 32, SHORT_TTL_S)  # no record at all
