@@ -35,9 +35,10 @@ def serve_env(data_dir: str) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", "LIGHTQ_DATA_DIR": data_dir}
 
 
-def run_serve(args: list[str], data_dir: str, timeout_s: float = WAIT_S) -> subprocess.CompletedProcess:
+def run_serve(args: list[str], data_dir: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lightq.cli", "serve", "--port", str(free_port()), *args],
-                          env=serve_env(data_dir), capture_output=True, text=True, timeout=timeout_s)
+                          env={**serve_env(data_dir), **(env or {})}, capture_output=True, text=True,
+                          timeout=WAIT_S)
 
 
 def wait_for(condition, what: str, timeout_s: float = WAIT_S):
@@ -50,20 +51,20 @@ def wait_for(condition, what: str, timeout_s: float = WAIT_S):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--model_dir", "/nonexistent/model"], "--model_dir /nonexistent/model: no such file or directory"),
-    (["--model_dir", "HuggingFaceTB/SmolLM2-135M-Instruct"], "hubs are not reachable"),
-    (["--reject_without_workers", "maybe"], "--reject_without_workers (env LIGHTQ_REJECT_WITHOUT_WORKERS): "
-                                            "input should be a valid boolean"),
-    (["--device", "cuda"], "--device cuda: CUDA is not available"),
+@pytest.mark.parametrize("args, env, says", [
+    (["--model_dir", "/nonexistent/model"], {}, "--model_dir /nonexistent/model: no such file or directory"),
+    (["--model_dir", "HuggingFaceTB/SmolLM2-135M-Instruct"], {}, "hubs are not reachable"),
+    ([], {"LIGHTQ_REJECT_WITHOUT_WORKERS": "maybe"},  # (as a flag it is a switch: argparse refuses a value)
+     "--reject_without_workers (env LIGHTQ_REJECT_WITHOUT_WORKERS): input should be a valid boolean"),
+    (["--device", "cuda"], {}, "--device cuda: CUDA is not available"),
 ])
-def test_a_bad_setting_is_one_line_and_nothing_starts(tmp_path, args, says):
-    if args[0] == "--device":
+def test_a_bad_setting_is_one_line_and_nothing_starts(tmp_path, args, env, says):
+    if args[:1] == ["--device"]:
         import torch
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
-    done = run_serve(args, str(tmp_path / "data"))
+    done = run_serve(args, str(tmp_path / "data"), env)
     assert done.returncode != 0
     output = (done.stdout + done.stderr).strip()
     assert len(output.splitlines()) == 1 and output.startswith("lightq: "), output
@@ -132,8 +133,9 @@ def alive(pid: int) -> bool:
 
 
 def open_stream(http: str, events: list[dict]) -> threading.Thread:
-    """A long streaming request, its events collected as they come, in a thread."""
-    body = {"inputs": "count", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
+    """A streaming request that stays open (its 1000 tokens never fit the pool of 512 under the
+    conservative rule, so it waits in the queue), its events collected in a thread."""
+    body = {"inputs": "count", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
 
     def follow():
         try:
@@ -143,7 +145,7 @@ def open_stream(http: str, events: list[dict]) -> threading.Thread:
                     if line.startswith("data:"):
                         events.append(json.loads(line[5:]))
         except httpx.HTTPError:
-            pass  # the producer stopping cuts the stream; the request must live on
+            pass  # the producer stopping ends the stream; the request must live on
 
     thread = threading.Thread(target=follow, daemon=True)
     thread.start()
@@ -152,7 +154,7 @@ def open_stream(http: str, events: list[dict]) -> threading.Thread:
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path, how):
-    serve = Serve(tmp_path, ["--drain_timeout", "2"])
+    serve = Serve(tmp_path, ["--drain_timeout", "2", "--admission", "conservative", "--max_total_token_num", "512"])
     try:
         assert not serve.redis_url.endswith(":6379/0"), "without a URL, serve runs a Redis of its own"
         serve.client().set("lightq:test-marker", "kept")
@@ -163,8 +165,9 @@ def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path
             assert serve.client().get("lightq:test-marker") == "kept"
         events: list[dict] = []
         stream = open_stream(serve.http, events)
-        wait_for(lambda: len(events) > 1, "the first token")
+        wait_for(lambda: events, "the stream's headers")
         request_id = events[0]["id"]
+        assert serve.client().hget(Keys("lightq").meta(request_id), "status") == "queued"
         before_stop = len(serve.log())
         if how == "ctrl-c":
             os.killpg(serve.process.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
@@ -185,7 +188,7 @@ def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path
         assert client.get("lightq:test-marker") == "kept"
         keys = Keys("lightq")
         status = client.hget(keys.meta(request_id), "status")
-        assert status in ("queued", "running", "finished"), status  # never cancelled by the stop
+        assert status == "queued", status  # never cancelled by the stop: the next serve runs it
         assert not client.exists(keys.cancel(request_id))
     finally:
         restarted.stop()
@@ -216,3 +219,20 @@ def test_housekeeping_survives_a_redis_restart(tmp_path):
         if worker.poll() is None:
             worker.kill()
         server.stop()
+
+
+def test_joining_a_pool_says_what_already_serves_it(redis_settings, rclient, caplog):
+    from lightq.serve_redis import open_redis
+    from shared import codec
+    from shared.schemas import WorkerLoad
+
+    keys = Keys(redis_settings.key_prefix)
+    load = WorkerLoad(worker_id="other-host-1", seq=1, ts_ms=int(time.time() * 1000), max_total_tokens=8192,
+                      used_tokens=0, committed_tokens=0, num_running=0, num_waiting=0)
+    rclient.set(keys.load(load.worker_id), codec.encode(load), ex=60)
+    rclient.zadd(keys.workers(), {load.worker_id: load.ts_ms})
+    flags = {"redis_url": redis_settings.url, "redis_key_prefix": redis_settings.key_prefix}
+    with caplog.at_level("INFO", logger="lightq.serve"):
+        store = open_redis(flags, data_dir="", http_port=free_port())
+    assert store.url == redis_settings.url and store.embedded is None  # an explicit URL that answers: joined
+    assert "joining the pool" in caplog.text and "1 live worker(s)" in caplog.text and "other-host-1" in caplog.text
