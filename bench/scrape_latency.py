@@ -5,7 +5,7 @@ fresh key prefix of the Redis at ``LIGHTQ_REDIS_URL`` with what a burst
 leaves there at its peak (``--queued`` requests in the ingress stream, none
 dispatched, 140-token prompts, a status hash each), serves the producer app
 with uvicorn in this process, and times ``--scrapes`` GETs of each route
-while the app's background task refreshes the cluster view every second.
+while the app's cluster-view thread reads the view every second.
 It also times one cluster-view read (``ProducerMetrics.refresh``), which is
 what every scrape awaited before the view moved off the request path. One
 line per number; the prefix is removed afterwards.
@@ -73,11 +73,10 @@ async def main(queued: int, scrapes: int) -> None:
         await fill(redis, keys, queued)
         while not server.started:
             await asyncio.sleep(0.05)
-        services = app.state.services
         reads = []
         for _ in range(5):
             start = time.perf_counter()
-            await services.metrics.refresh(services.redis, services.keys)
+            await app.state.cluster_view.refresh_now()  # on the view's thread, as every second
             reads.append(time.perf_counter() - start)
         print(line(f"cluster-view read ({queued} queued; what a scrape awaited before)", reads))
         url = f"http://127.0.0.1:{port}"

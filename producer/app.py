@@ -19,6 +19,7 @@ from producer import routes_batches
 from producer import front_door
 from producer.auth import authenticate, key_hashes
 from producer.client_latency import ClientLatency
+from producer.cluster_view import ClusterView
 from producer.backlog import Gate
 from producer.body_limit import BodyLimit
 from producer.deps import Services
@@ -45,9 +46,6 @@ def served_model_id(model_dir: str) -> str:
         return os.path.basename(model_dir.removeprefix("dummy:").rstrip("/")).removesuffix(".gguf") or model_dir
 
 
-CLOSE_WAIT_S = 2.0
-
-
 def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
     """The app; its lifespan opens Redis and loads the tokenizer unless one is given."""
 
@@ -65,16 +63,14 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
                                       model_id=served_model_id(settings.model.model_dir),
                                       gate=Gate(redis, keys, settings.max_queue_tokens, settings.reject_without_workers),
                                       api_key_hashes=key_hashes(settings.api_keys))
-        # The cluster view is read here, off the request path; /metrics serves the last one.
-        stop = asyncio.Event()
-        refresher = asyncio.create_task(metrics.run(redis, keys, settings.metrics_refresh_s, stop),
-                                        name="cluster-view")
+        # The cluster view is read on a thread of its own; /metrics serves the last read.
+        app.state.cluster_view = view = ClusterView(metrics, lambda: producer_client(settings), keys,
+                                                    settings.metrics_refresh_s)
+        view.start()
         try:
             yield
         finally:
-            stop.set()
-            if not (await asyncio.wait([refresher], timeout=CLOSE_WAIT_S))[0]:
-                refresher.cancel()  # a refresh stuck on Redis longer than that
+            await asyncio.to_thread(view.stop)
             await hub.close()
             await redis.aclose()
 

@@ -12,17 +12,14 @@ Two kinds of series:
   multiprocess files (``multiprocess_dir``) and any process's ``/metrics``
   shows the sum over all N; replicas on other hosts add up with ``sum``.
 - The cluster as Redis shows it (``producer.cluster``): gauges computed by
-  ``refresh`` off the request path (``run``, every ``--metrics_refresh_s``)
-  and served from the last snapshot, so ``/metrics`` and
+  ``refresh`` off the request path (on the ``producer.cluster_view`` thread,
+  every ``--metrics_refresh_s``) and served from the last snapshot, so ``/metrics`` and
   ``/dashboard/data`` never wait on Redis. Every process and replica
   reports the same numbers: aggregate those with ``max``, not ``sum``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections import deque
 from collections.abc import Iterator
 
 import redis.asyncio as aioredis
@@ -33,8 +30,6 @@ from prometheus_client.registry import Collector
 
 from producer.cluster import ClusterSnapshot, kv_usage, read_cluster, RequestTracker
 from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
-
-log = logging.getLogger(__name__)
 
 WORKER_FIELDS = {
     "used_tokens": ("lightq:worker_used_tokens", "WorkerLoad.used_tokens from the worker's heartbeat"),
@@ -85,9 +80,8 @@ class ProducerMetrics:
         self._snapshot = _Snapshot()
         self.exposition = self._exposition(multiprocess_dir)
         self.snapshot: ClusterSnapshot | None = None  # the last cluster view (None before the first)
-        self.history: deque[dict] = deque(maxlen=HISTORY_S)
+        self.history: tuple[dict, ...] = ()  # at most HISTORY_S points, oldest first
         self.tracker = RequestTracker()
-        self._lock = asyncio.Lock()
 
     def _exposition(self, multiprocess_dir: str | None) -> CollectorRegistry:
         """What ``/metrics`` renders: counters and histograms (this process's, or every process's
@@ -105,40 +99,22 @@ class ProducerMetrics:
         return generate_latest(self.exposition)
 
     async def refresh(self, redis: aioredis.Redis, keys: Keys) -> ClusterSnapshot:
-        """Read the cluster and make it the served snapshot; one refresh at a time."""
-        async with self._lock:
-            snap = await read_cluster(redis, keys, self.tracker)
-            self._snapshot.families = cluster_families(snap, keys)
-            self.snapshot = snap
-            self._sample(snap)
-            return snap
-
-    async def run(self, redis: aioredis.Redis, keys: Keys, period_s: float, stop: asyncio.Event) -> None:
-        """Refresh every ``period_s`` until ``stop`` is set. A failed refresh keeps the last snapshot
-        (logged once per run of failures: an outage must not flood the log). Stopped by the event,
-        not by cancelling: a cancel can be lost inside the Redis client's read."""
-        failing = False
-        while not stop.is_set():
-            try:
-                await self.refresh(redis, keys)
-                failing = False
-            except Exception as exc:  # noqa: BLE001 - the loop must outlive any one bad read
-                if not failing:
-                    log.warning("cluster view: refresh failed (%s: %s); serving the last one",
-                                type(exc).__name__, exc)
-                failing = True
-            try:
-                await asyncio.wait_for(stop.wait(), period_s)
-            except asyncio.TimeoutError:
-                pass
+        """Read the cluster and make it the served snapshot. One caller only, the cluster-view
+        thread (``producer.cluster_view``): ``tracker`` is its state. Readers on other threads
+        see whole objects, each swapped in by one assignment, never one being filled."""
+        snap = await read_cluster(redis, keys, self.tracker)
+        self._snapshot.families = cluster_families(snap, keys)
+        self.snapshot = snap
+        self._sample(snap)
+        return snap
 
     def _sample(self, snap: ClusterSnapshot) -> None:
         """At most one point a second for the dashboard's plots."""
         if self.history and snap.ts_ms - self.history[-1]["ts_ms"] < 1000:
             return
-        self.history.append({"ts_ms": snap.ts_ms, "queue_depth": snap.ingress.total,
-                             "queue_tokens": snap.queue_tokens,
-                             "generation_tokens_per_s": round(snap.generation_tokens_per_s, 3)})
+        point = {"ts_ms": snap.ts_ms, "queue_depth": snap.ingress.total, "queue_tokens": snap.queue_tokens,
+                 "generation_tokens_per_s": round(snap.generation_tokens_per_s, 3)}
+        self.history = (*self.history[1 - HISTORY_S:], point)  # a new tuple: readers never see one grow
 
 
 def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:

@@ -13,9 +13,8 @@ def parse(text: str) -> dict[tuple[str, tuple], float]:
 
 
 async def refresh(app) -> None:
-    """What the app's background task does every --metrics_refresh_s, done now (no waiting for it)."""
-    services = app.state.services
-    await services.metrics.refresh(services.redis, services.keys)
+    """A read of the cluster view now (on its thread, as every --metrics_refresh_s), not waiting for one."""
+    await app.state.cluster_view.refresh_now()
 
 
 @pytest.fixture

@@ -13,9 +13,8 @@ from shared.schemas import WorkerLoad
 
 
 async def scrape(client, app) -> dict[tuple[str, tuple], float]:
-    """/metrics after a refresh of the cluster view (what the app's background task does every period)."""
-    services = app.state.services
-    await services.metrics.refresh(services.redis, services.keys)
+    """/metrics after a read of the cluster view now (on its thread, as every --metrics_refresh_s)."""
+    await app.state.cluster_view.refresh_now()
     response = await client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     return {(s.name, tuple(sorted(s.labels.items()))): s.value

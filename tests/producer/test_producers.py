@@ -69,11 +69,13 @@ def producers(redis_settings, tmp_path):
     log = open(tmp_path / "producer.log", "w")
     process = subprocess.Popen([sys.executable, "-m", "producer.main", "--producers", str(PRODUCERS),
                                 "--port", str(port), "--model_dir", "counting", "--stream_block_ms", "100"],
-                               env=env, stdout=log, stderr=subprocess.STDOUT)
+                               env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     yield process, f"http://127.0.0.1:{port}"
-    if process.poll() is None:
-        process.kill()
-        process.wait(10)
+    try:  # a test that failed half-way: the whole group, or the children outlive a killed parent
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(10)
     log.close()
 
 
