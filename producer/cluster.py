@@ -137,7 +137,7 @@ async def read_cluster(redis: aioredis.Redis, keys: Keys, tracker: RequestTracke
                        window_s: float = WINDOW_S) -> ClusterSnapshot:
     """One snapshot; pass the same ``tracker`` every time to remember trimmed requests."""
     snap = ClusterSnapshot(ts_ms=int(time.time() * 1000), window_s=window_s)
-    snap.ingress, queued = await queued_requests(redis, keys)
+    snap.ingress, queued = await queued_requests(redis, keys, tracker.parsed if tracker else None)
     mean_len = await mean_output_length(redis, keys)
     snap.queue_prompt_tokens = sum(r.num_prompt_tokens for r in queued)
     snap.queue_output_tokens = sum(estimated_output(r, mean_len) for r in queued)
@@ -171,28 +171,53 @@ async def group_backlog(redis: aioredis.Redis, stream: str, group: str) -> Backl
     return Backlog(lag=int(lag), pending=int(info["pending"]))
 
 
-async def queued_requests(redis: aioredis.Redis, keys: Keys) -> tuple[Backlog, list[GenerateRequest]]:
-    """The ingress backlog and the requests in it (the first ``QUEUE_SCAN_MAX`` of each kind)."""
+async def queued_requests(redis: aioredis.Redis, keys: Keys, parsed: dict[str, GenerateRequest] | None = None,
+                          ) -> tuple[Backlog, list[GenerateRequest]]:
+    """The ingress backlog and the requests in it (the first ``QUEUE_SCAN_MAX`` of each kind).
+
+    ``parsed``: the entries a previous call parsed, by entry id, kept up to date here. An entry
+    never changes, and at the peak of a burst fetching and parsing thousands of them again every
+    second was most of a read's CPU (``bench.scrape_latency``); with it, a read fetches the
+    entries that arrived since the last one (and pending ones it has not seen)."""
     stream = keys.requests()
+    known = parsed if parsed is not None else {}
     backlog = await group_backlog(redis, stream, ROUTER_GROUP)
-    if backlog.total == 0:
-        return backlog, []
-    info = await _group_info(redis, stream, ROUTER_GROUP)
-    after = f"({info['last-delivered-id']}" if info else "-"
-    entries = await redis.xrange(stream, min=after, count=QUEUE_SCAN_MAX) if backlog.lag else []
+    entries: list[tuple[str, dict]] = []
+    if backlog.lag:  # never delivered: the entries after the group's last delivery
+        info = await _group_info(redis, stream, ROUTER_GROUP)
+        delivered = _entry_key(info["last-delivered-id"]) if info else (0, -1)
+        still = sorted((i for i in known if _entry_key(i) > delivered), key=_entry_key)
+        start = still[-1] if still else (info["last-delivered-id"] if info else None)
+        entries = [(entry_id, {}) for entry_id in still]  # parsed before: only newer ones are fetched
+        entries += await redis.xrange(stream, min=f"({start}" if start else "-", count=QUEUE_SCAN_MAX)
     if backlog.pending:
         pending = await redis.xpending_range(stream, ROUTER_GROUP, min="-", max="+", count=QUEUE_SCAN_MAX)
+        ids = [item["message_id"] for item in pending]
         pipe = redis.pipeline(transaction=False)
-        for item in pending:
-            pipe.xrange(stream, min=item["message_id"], max=item["message_id"])
-        entries += [e for found in await pipe.execute() for e in found]
-    requests = []
-    for _entry_id, fields in entries:
-        try:
-            requests.append(from_entry(GenerateRequest, fields))
-        except ValueError:
-            continue  # unreadable: the router dead-letters it
-    return backlog, requests
+        for entry_id in ids:
+            if entry_id not in known:  # only entries not parsed before are fetched
+                pipe.xrange(stream, min=entry_id, max=entry_id)
+        fetched = dict(e for found in await pipe.execute() for e in found)
+        entries += [(entry_id, fetched.get(entry_id, {})) for entry_id in ids]
+    current: dict[str, GenerateRequest] = {}
+    for entry_id, fields in entries:
+        request = known.get(entry_id)
+        if request is None:
+            try:
+                request = from_entry(GenerateRequest, fields)
+            except ValueError:
+                continue  # unreadable (the router dead-letters it), or deleted meanwhile
+        current[entry_id] = request
+    if parsed is not None:  # only what is still queued: the cache never outgrows the queue
+        parsed.clear()
+        parsed.update(current)
+    return backlog, list(current.values())
+
+
+def _entry_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as Redis orders them: (milliseconds, sequence)."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 async def mean_output_length(redis: aioredis.Redis, keys: Keys) -> float | None:
@@ -233,6 +258,7 @@ class RequestTracker:
         self.limit = limit
         self.last_id: str | None = None
         self.enqueued: dict[str, int] = {}  # request id -> Redis ms of its first entry, oldest first
+        self.parsed: dict[str, GenerateRequest] = {}  # queued ingress entries already parsed, by entry id
 
     async def _read_new(self, redis: aioredis.Redis, keys: Keys) -> None:
         if self.last_id is None:

@@ -10,6 +10,9 @@ import httpx
 import pytest
 
 from producer.app import create_app
+from producer.cluster import RequestTracker, read_cluster
+from shared.keys import ROUTER_GROUP
+from shared.redis import ensure_group_async
 from shared.schemas import TokenChunk
 from shared import codec
 from tests.monitoring.conftest import parse, refresh
@@ -113,3 +116,29 @@ async def test_a_resumed_stream_is_not_counted_twice(client, worker, scrape):
     samples = await scrape()
     assert samples[("lightq:time_to_first_token_seconds_count", ())] == 1
     assert samples[("lightq:generation_tokens_total", ())] == len(TEXTS)
+
+
+async def test_reads_that_reuse_parsed_entries_agree_with_fresh_ones(client, aredis, keys):
+    """The view's thread parses each queued entry once; its numbers equal a reader's that keeps nothing."""
+    tracker = RequestTracker()
+
+    async def check() -> None:
+        kept = await read_cluster(aredis, keys, tracker)
+        fresh = await read_cluster(aredis, keys)
+        assert (kept.ingress, kept.queue_prompt_tokens, kept.queue_output_tokens) == \
+               (fresh.ingress, fresh.queue_prompt_tokens, fresh.queue_output_tokens)
+        assert set(tracker.parsed) <= {entry_id for entry_id, _ in await aredis.xrange(keys.requests())}
+
+    for n in range(1, 5):  # prompts of 1 to 4 tokens
+        await client.post("/v1/requests", json={"inputs": list(range(1, n + 1)), "parameters": {"max_new_tokens": n}})
+    await check()
+    await ensure_group_async(aredis, keys.requests(), ROUTER_GROUP)
+    delivered = await aredis.xreadgroup(ROUTER_GROUP, "r1", {keys.requests(): ">"}, count=2)
+    await check()  # two pending (parsed while they were lag), two lag
+    await client.post("/v1/requests", json={"inputs": [7] * 9, "parameters": {"max_new_tokens": 5}})
+    await check()  # one more, after the known ones
+    await aredis.xack(keys.requests(), ROUTER_GROUP, delivered[0][1][0][0])
+    await aredis.xreadgroup(ROUTER_GROUP, "r1", {keys.requests(): ">"}, count=1)
+    await check()
+    snap = await read_cluster(aredis, keys, tracker)
+    assert snap.ingress.total == 4 and snap.queue_prompt_tokens == 2 + 3 + 4 + 9
