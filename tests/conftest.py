@@ -50,23 +50,29 @@ def session_prefixes() -> set[str]:
 @pytest.fixture(scope="session", autouse=True)
 def redis_left_clean(session_prefixes):
     """Fails the session (an error at its last teardown) when its tests left keys without a TTL
-    in the shared local Redis. Keys of other sessions running at the same time are told apart
-    by their test prefix (``lightq-test-<hex>`` not given in this session) and left out; keys
-    with a TTL go by themselves. An embedded Redis goes with the session: nothing to check."""
+    in the shared local Redis; keys with a TTL go by themselves. What others write meanwhile is
+    left out: keys of other test sessions (their ``lightq-test-<hex>`` prefix was not given here),
+    and keys under a namespace that had keys before the session (a ``lightq serve`` of the user's
+    on the same Redis), unless they carry one of this session's prefixes (rq keys name them).
+    An embedded Redis goes with the session: nothing to check."""
     if not answers(LOCAL_URL):
         yield
         return
     client = redis.Redis.from_url(LOCAL_URL, decode_responses=True)
     before = set(client.scan_iter(count=1000))
+    namespaces = {key.partition(":")[0] for key in before}
     yield
     new = set(client.scan_iter(count=1000)) - before
-    leaked = sorted(key for key in new if client.ttl(key) == -1 and not _other_sessions(key, session_prefixes))
+    leaked = sorted(key for key in new if client.ttl(key) == -1 and _ours(key, session_prefixes, namespaces))
     client.close()
     assert not leaked, f"tests left {len(leaked)} keys without a TTL in {LOCAL_URL}: {leaked[:20]}"
 
 
-def _other_sessions(key: str, mine: set[str]) -> bool:
-    return any(prefix not in mine for prefix in TEST_PREFIX.findall(key))
+def _ours(key: str, mine: set[str], namespaces: set[str]) -> bool:
+    prefixes = TEST_PREFIX.findall(key)
+    if prefixes:
+        return any(prefix in mine for prefix in prefixes)
+    return key.partition(":")[0] not in namespaces
 
 
 @pytest.fixture
