@@ -152,6 +152,8 @@ class StreamHub:
 
     @staticmethod
     def _parse(key: str, entries: list) -> list[store.StreamEntry]:
+        # pydantic per chunk stays: with 64 streams through one producer, decoding was ~1% of its
+        # samples (py-spy), HTTP and SSE serving most of the rest (measured for issue 13, item 4).
         chunks = []
         for entry_id, fields in entries:
             try:
