@@ -7,7 +7,10 @@ uvicorn's factory in each process of ``--producers N`` (``producer.main``).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
+import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -36,6 +39,8 @@ from shared.service import setup_logging
 # Set by producer.main for --producers N (prometheus_client reads the same variable at import
 # to put every counter and histogram in files shared by the N processes).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+PARENT_ENV = "LIGHTQ_PRODUCER_SUPERVISOR_PID"  # set by producer.main: the children's supervisor
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def served_model_id(model_dir: str) -> str:
@@ -94,4 +99,17 @@ def app_from_env() -> FastAPI:
     """uvicorn's app factory in each ``--producers`` process: the settings the parent put in the
     environment (``LIGHTQ_*``), as ``lightq producer`` builds them from flags and environment."""
     setup_logging()
+    die_with_parent()
     return create_app(build(ProducerSettings, {}))
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process (a graceful stop) when its supervisor dies, even by SIGKILL: an
+    orphaned child would keep serving the port, and a producer started again could not bind it.
+    Linux only (prctl); the check after it covers a supervisor that died before the call."""
+    supervisor = os.environ.get(PARENT_ENV)
+    if supervisor is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(supervisor):
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -7,7 +7,8 @@ flags left out fall back to ``LIGHTQ_*`` environment variables, then defaults.
 own supervisor: this process binds the socket, spawns N children that
 accept on it (the kernel hands each connection to one of them), restarts a
 child that dies, and on SIGTERM/SIGINT stops them all (each finishes its
-open requests for ``GRACEFUL_SHUTDOWN_S``). The producer is stateless
+open requests for ``GRACEFUL_SHUTDOWN_S``); a child whose supervisor dies,
+even by SIGKILL, stops too (``app.die_with_parent``). The producer is stateless
 (every request lives in Redis), so any child may answer any request. The
 children build their settings from the environment this process sets
 (``settings_env``: the settings as ``LIGHTQ_*`` variables), and share
@@ -28,7 +29,7 @@ import uvicorn
 from pydantic import SecretStr
 
 from shared.flags import add_flags, as_env, build, flat_fields, given
-from producer.app import MULTIPROC_ENV, create_app
+from producer.app import MULTIPROC_ENV, PARENT_ENV, create_app
 from shared.config import ProducerSettings
 from shared.service import setup_logging
 
@@ -49,6 +50,7 @@ def run(settings: ProducerSettings) -> None:
         # prometheus_client reads MULTIPROC_ENV when they import it.
         os.environ.update(settings_env(settings))
         os.environ[MULTIPROC_ENV] = folder
+        os.environ[PARENT_ENV] = str(os.getpid())  # the children stop when this process dies
         uvicorn.run(APP_FACTORY, factory=True, workers=settings.producers, host=settings.host,
                     port=settings.port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 

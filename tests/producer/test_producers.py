@@ -109,3 +109,23 @@ async def test_two_processes_one_port_metrics_summed_clean_stop(producers, worke
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("lightq-producer-metrics-")]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/status") as status:  # a zombie not yet reaped by init is gone too
+        return any(line.startswith("State:") and "Z" in line for line in status)
+
+
+async def test_children_stop_when_their_supervisor_is_killed(producers):
+    process, url = producers
+    children = list(await each_process(url, "/health"))
+    process.kill()  # SIGKILL: the supervisor can stop nobody
+    process.wait(10)
+    deadline = time.monotonic() + 30  # a bound on the wait (their graceful stop), not a measurement
+    while not all(gone(pid) for pid in children):
+        assert time.monotonic() < deadline, "children outlived their supervisor (and keep the port)"
+        await asyncio.sleep(0.1)
