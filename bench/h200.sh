@@ -10,8 +10,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYM
 serve() {  # serve ARGS N: lightq serve with ARGS, then N requests at 16/s through /generate_stream
   python3 -m bench.shapes llama3-8b /tmp/l3 --tokenizer
   python3 -m lightq.cli serve --port 8200 $1 --model_dir dummy:/tmp/l3 >"$OUT/serve$2.log" 2>&1 & local pid=$!
-  for i in $(seq 120); do python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8200/metrics').read().decode())" \
-    2>/dev/null | grep -q '^lightq:live_workers 1' && break; sleep 2; done; echo "worker up after ~$((i * 2)) s"
+  for i in $(seq 120); do grep -q "lightq ready" "$OUT/serve$2.log" && break; sleep 2; done; echo "worker up after ~$((i * 2)) s"
   timeout 240 python3 -m bench.serve_bench --base-url http://127.0.0.1:8200 --num-prompts $2 --request-rate 16 \
     --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 --hops 2>&1 | tee "$OUT/serve_bench$2.log" \
     | grep -E "Successful|Failed|duration|Request|Output token|(Median|P99) (TTFT|TPOT|ITL)|hop|ms  |->|client"
@@ -41,7 +40,7 @@ for part in "$@"; do
     bloom)  timeout 240 python3 -m bench.offline --model-shape bloom-7b1 --timeline 2>&1 \
                | tr '\r' '\n' | tee "$OUT/bloom.log" | grep -v "tok/s\]" | tail -9 ;;
     whole)  timeout 540 python3 -m bench.whole_path --model-shape llama3-8b 2>&1 | tr '\r' '\n' \
-               | tee "$OUT/whole.log" | grep -E "^(lightq|/generate|path|engine|lightq serve|whole_path|Median|Output)" ;;
+               | tee "$OUT/whole.log" | grep -E "^(lightq|/generate|path|engine|lightq serve|whole_path|Median|Output|.*publisher wrote)" ;;
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
     serve-tp2) serve "--workers 1 --tp 2" 150 ;;
     scale)  # the router against 32 simulated workers, on a host with cores to spare (no GPU used)

@@ -12,10 +12,14 @@ in one process tree and one lease:
    same pool settings as the offline run), every request at once through
    ``POST /generate``;
 3. the same server through ``/generate_stream`` at rate inf
-   (``bench.serve_bench``), which also gives the inter-token latency.
+   (``bench.serve_bench`` over ``--clients`` processes), which also gives
+   the inter-token latency as clients see it.
 
 Prints a table and one line: the three output throughputs, the two ratios
-to the engine, and the stream's median ITL and TPOT.
+to the engine, the stream's median ITL and TPOT as clients saw them, and
+the median gap between consecutive chunks of a request as Redis stamped
+them (XADD ids, ms): about one decode step when the publisher writes each
+step as it comes, ~0 when it writes several steps at once.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,10 +35,11 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 
 from bench import serve_bench
 from bench.shapes import SHAPES, config_dir
-from shared.embedded_redis import free_port
+from shared.embedded_redis import free_port, start_embedded_redis
 
 READY_TIMEOUT_S = 600
 
@@ -48,9 +54,10 @@ def engine_alone(args) -> float:
     return float(re.search(r"([\d,]+) output tok/s", line).group(1).replace(",", ""))
 
 
-def start_serve(args, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_serve(args, log_path: Path, redis_url: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "lightq.cli", "serve", "--port", str(port), "--workers", "1",
+               "--redis_url", redis_url, "--redis_key_prefix", "lightq-whole",
                "--model_dir", f"dummy:{config_dir(args.model_shape, tokenizer=True)}", "--max_req_total_len", "2048",
                "--device", args.device, "--running_max_req_size", str(args.running_max),
                "--graph_max_batch_size", str(args.running_max), "--batch_max_tokens", "8192",
@@ -87,6 +94,18 @@ async def generate_all(http: str, requests: list) -> float:
     return expected / wall
 
 
+def chunk_gaps_ms(redis_url: str, skip: set[str], sample: int = 200) -> list[int]:
+    """Gaps between consecutive chunk entries of ``sample`` requests, by their XADD ids (ms)."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    streams = [key for key in client.scan_iter("lightq-whole:*:chunks", count=1000) if key not in skip][:sample]
+    gaps: list[int] = []
+    for key in streams:
+        stamps = [int(entry_id.split("-")[0]) for entry_id, _ in client.xrange(key)]
+        gaps += [b - a for a, b in zip(stamps, stamps[1:])]
+    client.close()
+    return gaps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -94,20 +113,27 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--running-max", type=int, default=1024, help="both runs' running_max and graph sizes")
     parser.add_argument("--serve-args", default="", help="more flags for lightq serve")
+    parser.add_argument("--clients", type=int, default=4, help="client processes of the stream run")
     args = parser.parse_args()
     vocab = SHAPES[args.model_shape]["vocab_size"]
     requests = serve_bench.synthetic_requests(args.num_requests, 0, vocab, None)  # bench.offline's workload
     engine = engine_alone(args)
     log_path = Path(tempfile.mkdtemp(prefix="lightq-whole-")) / "serve.log"
-    process, http = start_serve(args, log_path)
+    redis_server = start_embedded_redis()
+    process, http = start_serve(args, log_path, redis_server.url)
     try:
         generate = asyncio.run(generate_all(http, requests))
         print(f"/generate: {generate:,.0f} output tok/s", flush=True)
+        before = set(redis.Redis.from_url(redis_server.url, decode_responses=True).scan_iter("lightq-whole:*:chunks"))
         stream = serve_bench.main(["--base-url", http, "--num-prompts", str(args.num_requests),
-                                   "--vocab-size", str(vocab), "--percentiles", "50,90,99"])
+                                   "--vocab-size", str(vocab), "--percentiles", "50,90,99",
+                                   "--clients", str(args.clients)])
+        gaps = chunk_gaps_ms(redis_server.url, skip=before)  # the stream run's requests alone
     finally:
         process.terminate()
         process.wait(120)
+        redis_server.stop()
+    print("".join(line for line in log_path.read_text().splitlines(keepends=True) if "publisher wrote" in line))
     rate = stream["output_throughput"]
     print(f"\n{'path':<34}{'output tok/s':>14}{'of engine':>11}")
     for name, value in [("engine alone (bench.offline)", engine), ("lightq serve, /generate", generate),
@@ -115,7 +141,9 @@ def main() -> None:
         print(f"{name:<34}{value:>14,.0f}{value / engine:>10.2f}x")
     print(f"whole_path {args.model_shape}: engine {engine:,.0f}, /generate {generate:,.0f} "
           f"({generate / engine:.2f}x), /generate_stream {rate:,.0f} ({rate / engine:.2f}x) output tok/s; "
-          f"stream median ITL {stream['itl_ms']['median']:.2f} ms, median TPOT {stream['tpot_ms']['median']:.2f} ms")
+          f"stream median ITL {stream['itl_ms']['median']:.2f} ms, median TPOT {stream['tpot_ms']['median']:.2f} ms; "
+          f"chunk gap in Redis median {statistics.median(gaps or [0]):.0f} ms, "
+          f"share of 0 ms {sum(g == 0 for g in gaps) / max(1, len(gaps)):.2f}")
 
 
 if __name__ == "__main__":

@@ -146,6 +146,14 @@ class RouterSettings(BaseSettings):
                               "(0: none; when taken, the next free port above it)")
 
 
+def default_publishers() -> int:
+    """Publisher processes per worker: one keeps up with ~25,000 tokens/s on average, but an H200
+    at batch 1,000 makes 1,000 tokens per ~25 ms step, more than one process writes in that time
+    (issue 13); hosts with 16 cores or more can spare a second."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 2 if cores >= 16 else 1
+
+
 class WorkerSettings(BaseSettings):
     model_config = _frozen("LIGHTQ_")
     redis: RedisSettings = Field(default_factory=RedisSettings)
@@ -168,6 +176,9 @@ class WorkerSettings(BaseSettings):
     graph_max_batch_size: int = Field(1000, gt=0, description="largest decode batch captured as a graph "
                                       "(capped by --running_max_req_size)")
     tp: int = Field(1, ge=1, description="tensor parallel degree: processes (GPUs) per worker")
+    publishers: int = Field(default_publishers(), ge=1,
+                            description="publisher processes per worker (detokenising and Redis writes, each "
+                                        "a shard of the requests; default: 1, 2 with 16 cores or more)")
     heartbeat_s: float = Field(0.5, gt=0, description="seconds between load records")
     past_future: AdmissionSettings = Field(default_factory=AdmissionSettings)
     drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds running requests get to finish "

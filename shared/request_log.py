@@ -12,7 +12,7 @@ import time
 
 import redis
 
-from shared.codec import encode, entry, from_entry
+from shared.codec import FIELD, encode, from_entry
 from shared.keys import Keys
 from shared.schemas import FinishReason, RequestMeta, RequestStatus, TokenChunk
 
@@ -22,8 +22,9 @@ def now_ms() -> int:
 
 
 def append_chunk(pipe: redis.client.Pipeline, keys: Keys, chunk: TokenChunk) -> None:
-    pipe.xadd(keys.chunks(chunk.request_id), entry(chunk))
-    pipe.publish(keys.channel(chunk.request_id), encode(chunk))
+    data = encode(chunk)  # once: the stream entry and the pub/sub message carry the same JSON
+    pipe.xadd(keys.chunks(chunk.request_id), {FIELD: data})
+    pipe.publish(keys.channel(chunk.request_id), data)
 
 
 def end_request(pipe: redis.client.Pipeline, keys: Keys, request_id: str, *, status: RequestStatus,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -67,7 +68,9 @@ Sample = tuple[str, int]  # (request id, choice)
 
 
 class Publisher:
-    def __init__(self, settings: WorkerSettings, client: redis.Redis, tokenizer, worker_id: str):
+    def __init__(self, settings: WorkerSettings, client: redis.Redis, tokenizer, worker_id: str,
+                 owns: Callable[[str], bool] = lambda request_id: True):
+        self.owns = owns  # whether this publisher writes a request (one shard of several; all by default)
         self.client = client
         self.keys = Keys(settings.redis.key_prefix)
         self.ttl_s = settings.redis.request_ttl_s
@@ -102,12 +105,12 @@ class Publisher:
     def _record(self, events: list[Event], pipe, stepped_ms: int | None) -> list[Sample]:
         stopped: list[Sample] = []
         for event in events:
-            if isinstance(event, Started):
+            if isinstance(event, Tokens):
+                stopped += self._tokens(pipe, event)
+            elif not self.owns(event.request_id):
+                continue
+            elif isinstance(event, Started):
                 self._started(pipe, event, stepped_ms)
-            elif isinstance(event, Tokens):
-                for token in event.rows():
-                    if (token.request_id, token.choice) not in self.ended_by_stop and self._token(pipe, token):
-                        stopped.append((token.request_id, token.choice))
             elif isinstance(event, Ended):
                 sample = (event.request_id, event.choice)
                 running = self.outputs.pop(sample, None) is not None
@@ -124,6 +127,19 @@ class Publisher:
                 self.groups.pop(event.request_id, None)
                 pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, event.inbox_id)
                 pipe.xdel(self.keys.inbox(self.worker_id), event.inbox_id)
+        return stopped
+
+    def _tokens(self, pipe, tokens: Tokens) -> list[Sample]:
+        """This shard's rows of ``tokens``, in order; the samples a stop string ended."""
+        stopped: list[Sample] = []
+        for row, request_id in enumerate(tokens.request_ids):
+            sample = (request_id, tokens.choices[row])
+            if sample in self.ended_by_stop or not self.owns(request_id):
+                continue
+            token = Token(request_id, tokens.indexes[row], tokens.token_ids[row], tokens.logprobs[row],
+                          tokens.reasons.get(row), sample[1], tokens.tops.get(row))
+            if self._token(pipe, token):
+                stopped.append(sample)
         return stopped
 
     def _started(self, pipe, event: Started, stepped_ms: int | None) -> None:

@@ -1,17 +1,21 @@
-"""The publisher process beside each worker, and the model loop's end of its pipes.
+"""The publisher processes beside each worker, and the model loop's end of their pipes.
 
 The model loop's host work and the publisher's (detokenising, stop strings,
 one Redis write per token) used to share one GIL: every publisher
-millisecond was one the model loop waited for. Here the publisher is a
-process of its own, fed one pickled message per step through a pipe (the
-step's events: a ``Tokens`` record of columns, plus the rare per-request
-events), and it answers with the samples a stop string ended through a
-second pipe. It drains whatever steps are waiting before it writes, so
-when it falls behind it catches up in one Redis pipeline, never by
-dropping anything.
+millisecond was one the model loop waited for. Here publishing is done by
+``--publishers`` processes of their own, each fed every step's events
+through a pipe (pickled once, written to each pipe: a ``Tokens`` record of
+columns plus the rare per-request events); each process publishes only the
+requests of its shard (``owner``: a stable hash of the request id, so a
+request's chunks stay in order) and answers with the samples a stop string
+ended through a second pipe. A process drains whatever steps are waiting
+before it writes, so when it falls behind it catches up in one Redis
+pipeline, never by dropping anything. Several shards exist because one
+process could not keep up with an H200 at batch 1,000 (about 40 us a token
+against a 25 ms step: issue 13).
 
-Lifetimes are tied both ways: the publisher ends when the worker closes
-its pipe or dies (end of file); a publisher that dies makes ``put`` or
+Lifetimes are tied both ways: a publisher ends when the worker closes its
+pipe or dies (end of file); a publisher that dies makes ``put`` or
 ``check`` raise ``PublisherDied``, and the worker hands its inbox back and
 exits. Its requests then resume on a worker from the last token Redis
 holds, as after any worker death: the chunk stream is the record, so no
@@ -23,7 +27,10 @@ from __future__ import annotations
 import fcntl
 import logging
 import multiprocessing
+import pickle
 import signal
+import zlib
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from shared.config import WorkerSettings
@@ -42,64 +49,88 @@ MAX_STEPS_PER_WRITE = 64  # steps drained into one Redis pipeline when behind
 CLOSE_TIMEOUT_S = 60.0
 
 
+def owner(request_id: str, shards: int) -> int:
+    """The publisher shard that writes ``request_id``'s chunks (the same in every process)."""
+    return zlib.crc32(request_id.encode()) % shards
+
+
 class PublisherDied(RuntimeError):
-    """The publisher process is gone: tokens the model loop made since its last write are lost."""
+    """A publisher process is gone: tokens the model loop made since its last write are lost."""
+
+
+@dataclass
+class _Shard:
+    process: multiprocessing.process.BaseProcess
+    events: Connection  # the model loop writes steps here
+    stops: Connection  # and reads stop-string ends here
 
 
 class PublisherLink:
-    """The model loop's side: start the process, send steps, collect stop-string ends."""
+    """The model loop's side: start the processes, send steps, collect stop-string ends."""
 
     def __init__(self, settings: WorkerSettings, worker_id: str):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
-        events_in, self._events = ctx.Pipe(duplex=False)
-        self._stops, stops_out = ctx.Pipe(duplex=False)
-        _grow(self._events)
-        self.process = ctx.Process(target=run, args=(settings, worker_id, events_in, stops_out),
-                                   name=f"lightq-publisher-{worker_id}", daemon=True)
-        self._child_ends = (events_in, stops_out)
+        self.shards: list[_Shard] = []
+        self._child_ends: list[Connection] = []
+        for shard in range(settings.publishers):
+            events_in, events_out = ctx.Pipe(duplex=False)
+            stops_in, stops_out = ctx.Pipe(duplex=False)
+            _grow(events_out)
+            process = ctx.Process(target=run, args=(settings, worker_id, shard, events_in, stops_out),
+                                  name=f"lightq-publisher-{worker_id}-{shard}", daemon=True)
+            self.shards.append(_Shard(process, events_out, stops_in))
+            self._child_ends += [events_in, stops_out]
 
     def start(self) -> None:
-        self.process.start()
-        for end in self._child_ends:  # only the child holds them now: its death reads as end of file here
+        for shard in self.shards:
+            shard.process.start()
+        for end in self._child_ends:  # only the children hold them now: a death reads as end of file here
             end.close()
-        log.info("publisher process %d started", self.process.pid)
+        log.info("publisher processes %s started", [s.process.pid for s in self.shards])
 
     def put(self, events: list[Event]) -> None:
-        """A step's events, stamped with the step's end (a request's ``stepped_ms``)."""
+        """A step's events, stamped with the step's end (a request's ``stepped_ms``), to every shard."""
         if not events:
             return
-        try:
-            self._events.send((now_ms(), events))
-        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
-            raise PublisherDied(f"publisher process {self.process.pid} is gone ({exc})") from None
+        data = pickle.dumps((now_ms(), events), protocol=pickle.HIGHEST_PROTOCOL)  # once for all shards
+        for shard in self.shards:
+            try:
+                shard.events.send_bytes(data)
+            except OSError as exc:  # BrokenPipeError among them
+                raise PublisherDied(f"publisher process {shard.process.pid} is gone ({exc})") from None
 
     def take_stopped(self) -> list[Sample]:
         """(request id, choice) of samples a stop string ended since the last call."""
         stopped: list[Sample] = []
-        try:
-            while self._stops.poll():
-                stopped += self._stops.recv()
-        except (EOFError, OSError):
-            self.check()
+        for shard in self.shards:
+            try:
+                while shard.stops.poll():
+                    stopped += shard.stops.recv()
+            except (EOFError, OSError):
+                self.check()
         return stopped
 
     def check(self) -> None:
-        if not self.process.is_alive():
-            raise PublisherDied(f"publisher process {self.process.pid} exited with {self.process.exitcode}")
+        for shard in self.shards:
+            if not shard.process.is_alive():
+                raise PublisherDied(f"publisher process {shard.process.pid} exited with {shard.process.exitcode}")
 
     def close(self) -> None:
-        """Publish everything sent so far, then stop the process (at once if it is dead)."""
-        if self.process.is_alive():
-            try:
-                self._events.send(None)
-            except OSError:
-                pass
-            self.process.join(CLOSE_TIMEOUT_S)
-        if self.process.is_alive():
-            log.warning("publisher process %d did not finish in %.0f s: killed", self.process.pid, CLOSE_TIMEOUT_S)
-            self.process.kill()
-        self._events.close()
-        self._stops.close()
+        """Publish everything sent so far, then stop the processes (at once where one is dead)."""
+        for shard in self.shards:
+            if shard.process.is_alive():
+                try:
+                    shard.events.send(None)
+                except OSError:
+                    pass
+        for shard in self.shards:
+            shard.process.join(CLOSE_TIMEOUT_S)
+            if shard.process.is_alive():
+                log.warning("publisher process %d did not finish in %.0f s: killed", shard.process.pid,
+                            CLOSE_TIMEOUT_S)
+                shard.process.kill()
+            shard.events.close()
+            shard.stops.close()
 
 
 def _grow(conn: Connection) -> None:
@@ -109,8 +140,8 @@ def _grow(conn: Connection) -> None:
         pass
 
 
-def run(settings: WorkerSettings, worker_id: str, events: Connection, stops: Connection) -> None:
-    """The publisher process: write each step's events until the worker closes the pipe."""
+def run(settings: WorkerSettings, worker_id: str, shard: int, events: Connection, stops: Connection) -> None:
+    """A publisher process: write its shard of each step's events until the worker closes the pipe."""
     # Ctrl-C reaches the whole process group; the worker decides when to stop, and this
     # process must still write what the worker's drain produces, so it ignores both signals.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -118,15 +149,21 @@ def run(settings: WorkerSettings, worker_id: str, events: Connection, stops: Con
     setup_logging()
     tokenizer = load_tokenizer(resolve(settings.model.model_dir))
     client = sync_client(settings.redis)
-    publisher = Publisher(settings, client, tokenizer, worker_id)
+    shards = settings.publishers
+    publisher = Publisher(settings, client, tokenizer, worker_id, lambda rid: owner(rid, shards) == shard)
+    writes = steps_written = most = 0  # how far behind it ran: steps per write
     while (steps := _next_steps(events)) is not None:
         last = steps[-1] is None
-        stopped = publisher.publish(steps[:-1] if last else steps)
+        batch = steps[:-1] if last else steps
+        stopped = publisher.publish(batch)
+        writes, steps_written, most = writes + 1, steps_written + len(batch), max(most, len(batch))
         if stopped and not last:
             stops.send(stopped)
         if last:
             break
     client.close()
+    log.info("publisher %d/%d wrote %d steps in %d writes (%.2f a write, at most %d)", shard, shards,
+             steps_written, writes, steps_written / max(1, writes), most)
 
 
 def _next_steps(events: Connection) -> list | None:

@@ -16,7 +16,7 @@ from shared.redis import ensure_group, sync_client
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
 from worker.events import Ended, Event, Released, Started, Token, Tokens
 from worker.publisher import Publisher, Sample
-from worker.publisher_process import PublisherDied, PublisherLink
+from worker.publisher_process import PublisherDied, PublisherLink, owner
 
 TEXT = " The answer is 42. Done here."
 RID = "r" * 32
@@ -133,12 +133,19 @@ def test_steps_written_together_keep_their_order_and_stops(publisher, client, ke
     assert [c.index for c in chunks(client, keys)] == [0, 1]
 
 
-def test_the_publisher_process_writes_in_order_and_reports_stops(redis_settings, client, keys, ids):
-    link = PublisherLink(WorkerSettings(redis=redis_settings), "w1")
+@pytest.mark.parametrize("shards", [1, 3])
+def test_the_publisher_processes_write_in_order_and_report_stops(redis_settings, client, keys, ids, shards):
+    """Every request is written once, in order, by the one shard that owns it, whichever it is."""
+    link = PublisherLink(WorkerSettings(redis=redis_settings, publishers=shards), "w1")
     link.start()
-    link.put([started(["answer"])])
-    for token in tokens(ids, 0, 4):
-        link.put([Tokens.of([token])])
+    others = [f"{i:032d}" for i in range(6)]  # spread over the shards
+    assert shards == 1 or len({owner(r, shards) for r in [RID, *others]}) == shards
+    link.put([started(["answer"]), *[Started(GenerateRequest(id=r, prompt_ids=[1, 2, 3], created_ms=0,
+                                                            params=SamplingParams(max_new_tokens=16)))
+                                     for r in others]])
+    for i in range(4):
+        rows = [tokens(ids, i, i + 1)[0], *[Token(r, i, ids[i], -0.5, None) for r in others]]
+        link.put([Tokens.of(rows)])
     deadline = time.monotonic() + 60
     stopped: list = []
     while not stopped and time.monotonic() < deadline:
@@ -147,15 +154,19 @@ def test_the_publisher_process_writes_in_order_and_reports_stops(redis_settings,
     link.close()
     assert stopped == [(RID, 0)]
     assert [c.text for c in chunks(client, keys)] == [" The", " "]
-    assert link.process.exitcode == 0
+    for r in others:
+        assert [c.index for c in chunks(client, keys, r)] == [0, 1, 2, 3]
+    assert [s.process.exitcode for s in link.shards] == [0] * shards
+    for r in others:
+        client.delete(keys.chunks(r), keys.meta(r))
 
 
 def test_a_dead_publisher_process_is_reported(redis_settings):
-    link = PublisherLink(WorkerSettings(redis=redis_settings), "w1")
+    link = PublisherLink(WorkerSettings(redis=redis_settings, publishers=2), "w1")
     link.start()
     link.check()  # alive
-    link.process.kill()
-    link.process.join(30)
+    link.shards[1].process.kill()
+    link.shards[1].process.join(30)
     with pytest.raises(PublisherDied):
         link.check()
     with pytest.raises(PublisherDied):
