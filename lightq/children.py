@@ -34,16 +34,24 @@ class Child:
     process: subprocess.Popen
     started: float = field(default_factory=time.monotonic)
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    output: threading.Thread | None = None  # copies its output
 
     def last_lines(self) -> str:
         return "\n".join(self.tail)
+
+    def flush_output(self, timeout_s: float = 2.0) -> None:
+        """Wait until its output is copied, so what serve logs about its exit comes after its own
+        last lines (bounded: a process it started may hold the pipe open a while)."""
+        if self.output is not None:
+            self.output.join(timeout_s)
 
 
 def spawn(role: str, env: dict[str, str]) -> Child:
     process = subprocess.Popen([sys.executable, "-m", "lightq.cli", role], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, start_new_session=True)
     child = Child(role, env, process)
-    threading.Thread(target=_pump, args=(child,), name=f"{role}-output", daemon=True).start()
+    child.output = threading.Thread(target=_pump, args=(child,), name=f"{role}-output", daemon=True)
+    child.output.start()
     return child
 
 
@@ -95,6 +103,7 @@ def stop_all(children: list[Child], grace_s: float) -> None:
                         child.role, child.process.pid, grace_s)
             _kill_group(child.process)
             child.process.wait()
+        child.flush_output()
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -153,6 +153,7 @@ def watch(children: list[Child], stop: threading.Event, readiness: Readiness, st
                     children[i] = spawn(child.role, child.env)  # a worker's own environment: the same GPUs
                     del due[i]
                 continue
+            child.flush_output()
             delay = policy.delay(child, now)
             if delay is None:
                 log.error("%s failed at start-up %d times in a row; its last lines:\n%s\nlightq: stopping: "
