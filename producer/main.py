@@ -3,7 +3,8 @@
 Flags are the ones ``lightq producer`` takes (generated from the settings);
 flags left out fall back to ``LIGHTQ_*`` environment variables, then defaults.
 
-``--producers N`` > 1 runs N processes behind the one port with uvicorn's
+``--producers N`` > 1 (0, the default: ``default_producers()``, a quarter of
+the cores, 1 to 4) runs N processes behind the one port with uvicorn's
 own supervisor: this process binds the socket, spawns N children that
 accept on it (the kernel hands each connection to one of them), restarts a
 child that dies, and on SIGTERM/SIGINT stops them all (each finishes its
@@ -30,7 +31,7 @@ from pydantic import SecretStr
 
 from shared.flags import add_flags, as_env, build, flat_fields, given
 from producer.app import MULTIPROC_ENV, PARENT_ENV, create_app
-from shared.config import ProducerSettings
+from shared.config import ProducerSettings, default_producers
 from shared.service import setup_logging
 
 GRACEFUL_SHUTDOWN_S = 5
@@ -40,7 +41,8 @@ APP_FACTORY = "producer.app:app_from_env"
 def run(settings: ProducerSettings) -> None:
     """Serve the producer until interrupted (the launcher's entry point)."""
     setup_logging()
-    if settings.producers == 1:
+    count = settings.producers or default_producers()
+    if count == 1:
         # Open streams would hold a shutdown forever; after the grace they are cut (and cancelled).
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
@@ -51,7 +53,7 @@ def run(settings: ProducerSettings) -> None:
         os.environ.update(settings_env(settings))
         os.environ[MULTIPROC_ENV] = folder
         os.environ[PARENT_ENV] = str(os.getpid())  # the children stop when this process dies
-        uvicorn.run(APP_FACTORY, factory=True, workers=settings.producers, host=settings.host,
+        uvicorn.run(APP_FACTORY, factory=True, workers=count, host=settings.host,
                     port=settings.port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 
 

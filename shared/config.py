@@ -84,8 +84,9 @@ class ProducerSettings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings)
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8000, description="HTTP port")
-    producers: int = Field(default_producers(), ge=1, description="producer processes serving the one port "
-                                                                  "(default: a quarter of the cores, 1 to 4)")
+    # 0, not default_producers() itself: a default that is the same on every machine (flags, docs).
+    producers: int = Field(0, ge=0, description="producer processes serving the one port (0: a quarter of "
+                                               "the cores, 1 to 4)")
     metrics_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the cluster view from "
                                                             "Redis; /metrics and /dashboard/data serve the last")
     default_max_new_tokens: int = Field(16, gt=0, description="max_new_tokens when a request gives none")
