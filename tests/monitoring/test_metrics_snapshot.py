@@ -54,7 +54,7 @@ async def test_scrapes_answer_from_the_snapshot_while_redis_is_gone(proxied, pro
     assert data.status_code == 200 and data.json()["queue"]["depth"] == 1
 
 
-async def test_the_view_is_refreshed_in_the_background(settings, tokenizer, client):
+async def test_the_view_is_refreshed_in_the_background(settings, tokenizer):
     app = create_app(settings.model_copy(update={"metrics_refresh_s": 0.05}), tokenizer=tokenizer)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer") as fast:
