@@ -4,7 +4,7 @@ Without ``--redis_url`` / ``LIGHTQ_REDIS_URL``, serve starts an embedded
 redis-server on a free port, so two servers on one host never share a
 pool by accident. It runs with append-only persistence in ``--data_dir``
 (default ``~/.cache/lightq/redis/port-<port>``: a later serve on the same
-port finds the queue where this one left it), in a process group of its
+port finds the queue where this one left it, on the same Redis port), in a process group of its
 own, is restarted if it dies (same port, same data) and is stopped last.
 A lock file in the data directory, held by serve and by the redis-server
 (an inherited descriptor), keeps a second server off the same files.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import socket
 import tempfile
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -28,11 +29,13 @@ import redis
 
 from router.registry import read_registry
 from shared.config import RedisSettings
-from shared.embedded_redis import EmbeddedRedis, start_embedded_redis
+from shared.embedded_redis import EmbeddedRedis, free_port, start_embedded_redis
 from shared.keys import Keys
 from shared.redis import answers
 
 log = logging.getLogger("lightq.serve")
+
+PORT_FILE = "redis.port"
 
 
 @dataclass
@@ -90,10 +93,29 @@ def embedded(port: int | None, data_dir: str, temporary: bool) -> ServeRedis:
         lock.close()
         raise SystemExit(f"lightq: another lightq serve (or its redis-server) uses {data_dir}: "
                          f"give this one --data_dir of its own") from None
-    server = start_embedded_redis(port, appendonly=True, workdir=data_dir, appendfsync="everysec",
-                                  pass_fds=(lock.fileno(),))
+    server = start_embedded_redis(port or saved_port(data_dir), appendonly=True, workdir=data_dir,
+                                  appendfsync="everysec", pass_fds=(lock.fileno(),))
+    with open(os.path.join(data_dir, PORT_FILE), "w") as out:
+        out.write(str(server.port))
     log.info("embedded Redis at %s (append-only, data in %s)", server.url, data_dir)
     return ServeRedis(server.url, server, lock, temporary)
+
+
+def saved_port(data_dir: str) -> int:
+    """The port this data directory's server had, if it is free, else a free one.
+
+    The same port each time: what Redis keeps names its URL (rq's scheduled housekeeping and
+    batch jobs carry their settings), and a later serve must be reachable where they point."""
+    try:
+        port = int(open(os.path.join(data_dir, PORT_FILE)).read())
+    except (OSError, ValueError):
+        return free_port()
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return free_port()
+    return port
 
 
 def log_pool(url: str, prefix: str) -> None:
