@@ -236,3 +236,27 @@ def test_joining_a_pool_says_what_already_serves_it(redis_settings, rclient, cap
         store = open_redis(flags, data_dir="", http_port=free_port())
     assert store.url == redis_settings.url and store.embedded is None  # an explicit URL that answers: joined
     assert "joining the pool" in caplog.text and "1 live worker(s)" in caplog.text and "other-host-1" in caplog.text
+
+
+def exited_child(code: int | None) -> "Child":
+    """A real child that exited with ``code``, or was killed (None: SIGKILL)."""
+    from lightq.children import Child
+
+    process = subprocess.Popen([sys.executable, "-c", f"import sys, time; time.sleep(60 if {code} is None else 0); "
+                                                      f"sys.exit({code or 0})"])
+    if code is None:
+        process.kill()
+    process.wait()
+    return Child("worker", {}, process)
+
+
+def test_restarts_back_off_and_only_start_up_failures_in_a_row_give_up():
+    from lightq.children import RestartPolicy
+
+    policy, now = RestartPolicy(), time.monotonic()
+    assert policy.delay(exited_child(1), now) == 0.5
+    assert policy.delay(exited_child(1), now + 1) == 1.0
+    assert policy.delay(exited_child(None), now + 2) == 2.0  # killed from outside: not a start-up failure
+    assert policy.delay(exited_child(1), now + 3) == 4.0
+    assert policy.delay(exited_child(1), now + 4) == 8.0
+    assert policy.delay(exited_child(1), now + 5) is None  # the third start-up failure in a row
