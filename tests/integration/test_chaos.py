@@ -35,7 +35,7 @@ def stack(redis_server, tmp_path):
     stack = start_stack(str(tmp_path / "serve.log"), redis_url=redis_server.url, prefix="lightq-chaos", workers=3,
                         extra=["--model_dir", "counting", "--max_total_token_num", "60000",
                                "--max_req_total_len", "1100", "--liveness_ttl_s", "1.5",
-                               "--drain_timeout", "2"])
+                               "--drain_timeout", "0.5"])
     yield stack
     stack.stop()
 
@@ -114,13 +114,19 @@ def test_redis_restart_mid_load_leaves_no_request_hanging(stack, redis_server):
 
 
 def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
-    ids, prompts, new_tokens = [], [], 1000  # far more than a 2 s drain can finish
+    ids, prompts, new_tokens = [], [], 1000  # far more than a 0.5 s drain can finish
     for i in range(40):
         prompts.append([500 + i])
         body = {"inputs": prompts[-1], "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
         ids.append(httpx.post(f"{stack.http}/v1/requests", json=body, timeout=30).json()["id"])
-    time.sleep(1.0)
     victim = sorted(stack.live_workers())[0]
+    # Stop it as soon as it runs something (the counting model makes 1,000 tokens in about a
+    # second: a fixed wait could let everything finish before the signal).
+    deadline = time.monotonic() + 60
+    while not any(httpx.get(f"{stack.http}/v1/requests/{i}", timeout=10).json().get("worker") == victim
+                  for i in ids):
+        assert time.monotonic() < deadline, "no request reached the worker"
+        time.sleep(0.05)
     os.kill(pid_of(victim), signal.SIGTERM)
     finals = []
     for request_id in ids:
@@ -136,7 +142,7 @@ def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
         assert time.monotonic() < deadline, "a drained worker must exit with 0"
         time.sleep(0.5)
     assert f"worker {victim} draining" in log
-    assert f"worker {victim} handed" in log  # 2 s is too short for 1,000 tokens: the rest went back
+    assert f"worker {victim} handed" in log  # 0.5 s is too short for 1,000 tokens: the rest went back
 
 
 def child_pid(parent: int, role: str) -> int:
