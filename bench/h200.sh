@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 serve() {  # serve ARGS N: lightq serve with ARGS, then N requests at 16/s through /generate_stream
   python3 -m bench.shapes llama3-8b /tmp/l3 --tokenizer
-  python3 -m lightq.cli serve --port 8200 $1 --model_dir dummy:/tmp/l3 >"$OUT/serve$2.log" 2>&1 & local pid=$!
+  python3 -m lightq.cli serve --port 8200 $1 --data_dir "$(mktemp -d)" --model_dir dummy:/tmp/l3 >"$OUT/serve$2.log" 2>&1 & local pid=$!
   for i in $(seq 120); do grep -q "lightq ready" "$OUT/serve$2.log" && break; sleep 2; done; echo "worker up after ~$((i * 2)) s"
   timeout 240 python3 -m bench.serve_bench --base-url http://127.0.0.1:8200 --num-prompts $2 --request-rate 16 \
     --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 --hops 2>&1 | tee "$OUT/serve_bench$2.log" \

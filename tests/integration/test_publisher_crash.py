@@ -1,0 +1,99 @@
+"""A publisher process killed mid-stream (real processes, counting model): its worker hands its
+requests back and exits, they resume elsewhere, and every client stream carries each index
+once, with exactly the tokens the model makes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from shared.embedded_redis import start_embedded_redis
+from tests.integration.stack import start_stack
+from tests.integration.test_chaos import pid_of
+from worker.counting_model import COUNTING_VOCAB, expected_tokens
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 600
+
+
+@pytest.fixture
+def stack(tmp_path):
+    server = start_embedded_redis()
+    stack = start_stack(str(tmp_path / "serve.log"), redis_url=server.url, prefix="lightq-pubcrash", workers=2,
+                        extra=["--model_dir", "counting", "--max_total_token_num", "60000",
+                               "--max_req_total_len", "1100"])
+    yield stack
+    stack.stop()
+    server.stop()
+
+
+def publisher_pids(worker_pid: int) -> list[int]:
+    """The worker's publisher processes: its spawned children."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline").read()
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if ppid == worker_pid and "multiprocessing.spawn" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+async def stream(client: httpx.AsyncClient, http: str, prompt: list[int]) -> list[int]:
+    """The token id of every event, in arrival order."""
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+    seen: list[int] = []
+    async with client.stream("POST", f"{http}/generate_stream", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                seen.append(json.loads(line[5:])["token"]["id"])
+    return seen
+
+
+async def kill_a_publisher(stack) -> int:
+    """Once some tokens are out, SIGKILL a publisher of a worker that runs something."""
+    client = stack.client()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        busy = [w for w, load in stack.live_workers().items() if load.used_tokens]
+        if busy:
+            await asyncio.sleep(0.3)  # some tokens delivered first
+            victim = pid_of(sorted(busy)[0])
+            pids = publisher_pids(victim)
+            assert pids, f"worker {victim} has no publisher process"
+            os.kill(pids[0], signal.SIGKILL)
+            client.close()
+            return victim
+        await asyncio.sleep(0.02)
+    raise AssertionError("no worker got busy")
+
+
+async def run(stack) -> tuple[list[tuple[list[int], list[int]]], int]:
+    prompts = [[1500 + i] for i in range(12)]
+    async with httpx.AsyncClient(timeout=180) as client:
+        results = await asyncio.gather(*(stream(client, stack.http, p) for p in prompts), kill_a_publisher(stack))
+    return list(zip(prompts, results[:-1])), results[-1]
+
+
+def test_a_killed_publisher_loses_and_repeats_no_token(stack):
+    streams, victim = asyncio.run(run(stack))
+    for prompt, seen in streams:
+        assert seen == expected_tokens(prompt[-1], NEW_TOKENS, COUNTING_VOCAB)
+    log = open(stack.log_path).read()
+    assert "publisher process" in log and "handing its requests back" in log
+    deadline = time.monotonic() + 30
+    while f"(pid {victim}) exited with 1" not in (log := open(stack.log_path).read()):
+        assert time.monotonic() < deadline, "the worker of a dead publisher must exit with an error"
+        time.sleep(0.5)
