@@ -133,7 +133,7 @@ def main() -> None:
         process.terminate()
         process.wait(120)
         redis_server.stop()
-    print("".join(line for line in log_path.read_text().splitlines(keepends=True) if "publisher wrote" in line))
+    print("".join(line for line in log_path.read_text().splitlines(keepends=True) if " wrote " in line and "steps in" in line))
     rate = stream["output_throughput"]
     print(f"\n{'path':<34}{'output tok/s':>14}{'of engine':>11}")
     for name, value in [("engine alone (bench.offline)", engine), ("lightq serve, /generate", generate),

@@ -141,7 +141,7 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
         graphs = DecodeGraphs(model, table, cache.hold_slot, config.vocab_size, buckets, device)
         if settings.tp == 1:  # small prefills too (measured on one GPU only)
             prefill_graphs = PrefillGraphs(model, table, cache.hold_slot, config.vocab_size, device)
-    eos = eos_ids(config, tokenizer)
+    eos = set(settings.eos_id) if settings.eos_id else eos_ids(config, tokenizer)  # --eos_id replaces them
     runner = ModelRunner(model, TokenPool(num_slots), table, config.vocab_size, device, eos, graphs, prefill_graphs)
     if group is not None and rank == 0:
         runner.on_forward = group.send_step  # each forward runs on the followers too

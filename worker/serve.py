@@ -18,6 +18,7 @@ import redis
 from shared.codec import from_entry
 from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP, Keys
+from shared.log_limit import LogLimiter
 from shared.redis import Backoff, ensure_group
 from shared.requeue import hand_back_inbox, requeue
 from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
@@ -50,6 +51,7 @@ class WorkerService:
         self._next_cancel_check = 0.0
         self._next_history_read = 0.0
         self._backoff = Backoff()
+        self._outage_log = LogLimiter(log)
         self.draining = False
 
     def load(self, seq: int) -> WorkerLoad:
@@ -81,8 +83,9 @@ class WorkerService:
             self._check_cancels()
             self._refresh_history()
             self._backoff.reset()
+            self._outage_log.reset()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.warning("Redis unreachable (%s)", exc)
+            self._outage_log.warning("Redis unreachable (%s)", exc)  # not once per step of an outage
             if not self.engine.has_work:
                 time.sleep(self._backoff.next())
         except redis.ResponseError as exc:
