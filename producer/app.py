@@ -33,7 +33,7 @@ from producer.stream_hub import StreamHub
 from shared.config import ProducerSettings
 from shared.flags import build
 from shared.keys import Keys
-from shared.model_files import load_tokenizer, resolve
+from shared.model_files import load_tokenizer, resolve, served_name
 from shared.service import setup_logging
 
 # Set by producer.main for --producers N (prometheus_client reads the same variable at import
@@ -41,14 +41,6 @@ from shared.service import setup_logging
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PARENT_ENV = "LIGHTQ_PRODUCER_SUPERVISOR_PID"  # set by producer.main: the children's supervisor
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def served_model_id(model_dir: str) -> str:
-    """The model's name as OpenAI clients see it: the file or folder name of its source."""
-    try:
-        return resolve(model_dir).name
-    except FileNotFoundError:  # the worker is the one that needs the files
-        return os.path.basename(model_dir.removeprefix("dummy:").rstrip("/")).removesuffix(".gguf") or model_dir
 
 
 def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
@@ -65,7 +57,7 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
         hub = StreamHub(redis, keys, settings.stream_block_ms, ClientLatency(metrics))
         app.state.services = Services(settings=settings, keys=keys, hub=hub,
                                       redis=redis, tokenizer=tok, metrics=metrics,
-                                      model_id=served_model_id(settings.model.model_dir),
+                                      model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
                                       gate=Gate(redis, keys, settings.max_queue_tokens, settings.reject_without_workers),
                                       api_key_hashes=key_hashes(settings.api_keys))
         # The cluster view is read on a thread of its own; /metrics serves the last read.

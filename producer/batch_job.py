@@ -28,7 +28,7 @@ from producer.streaming import ChunkFollower
 from producer.submit import enqueue
 from shared.config import ProducerSettings
 from shared.keys import Keys
-from shared.model_files import load_tokenizer, resolve
+from shared.model_files import load_tokenizer, resolve, served_name
 from shared.redis import async_client
 from shared.schemas import TokenChunk
 
@@ -52,11 +52,10 @@ def run_batch(batch_id: str, settings: dict) -> dict:
 
 
 async def _run(batch_id: str, settings: ProducerSettings) -> dict:
-    from producer.app import served_model_id  # the app imports the batch routes, which import this module
 
     services = Services(settings=settings, keys=Keys(settings.redis.key_prefix), redis=async_client(settings.redis),
                         tokenizer=tokenizer_for(settings.model.model_dir), metrics=ProducerMetrics(),
-                        model_id=served_model_id(settings.model.model_dir))
+                        model_id=served_name(settings.model.model_dir, settings.model.served_model_name))
     try:
         return await Feeder(services, batch_id).run()
     finally:

@@ -84,6 +84,7 @@ async def enqueue(request: GenerateRequest, route: str, services: Services,
     """
     # Without the app's gate (a caller outside it) the request is still counted in the backlog.
     gate = services.gate or Gate(services.redis, services.keys, max_queue_tokens=0, require_workers=False)
+    request = request.model_copy(update={"model": services.model_id})  # only its model's workers take it
     await gate.enqueue(request, services.settings.redis.request_ttl_s, key_hash)
     services.metrics.accepted.labels(route=route).inc()
     services.metrics.prompt_tokens.inc(request.num_prompt_tokens)

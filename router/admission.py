@@ -64,13 +64,14 @@ def worker_use(load: WorkerLoad, reserved: Sequence[ReqState], policy: Policy, e
 def choose_worker(loads: Mapping[str, WorkerLoad], reserved: Mapping[str, Sequence[ReqState]],
                   request: GenerateRequest, policy: Policy, estimator: Estimator,
                   margin: float = 0.05) -> str | None:
-    """The least loaded worker the request fits (``router.choice``), or None (the request waits)."""
+    """The least loaded worker of the request's model that it fits (``router.choice``), or None
+    (the request waits)."""
     uses = {worker_id: worker_use(load, reserved.get(worker_id, ()), policy, estimator)
-            for worker_id, load in loads.items()}
+            for worker_id, load in loads.items() if load.serves(request.model)}
     return least_loaded_fit(uses, lambda worker_id: check_worker(
         loads[worker_id], reserved.get(worker_id, ()), request, policy, estimator, margin))
 
 
-def choose_view(views: Views, candidate: Candidate) -> str | None:
+def choose_view(views: Views, candidate: Candidate, model: str | None = None) -> str | None:
     """``choose_worker`` over prepared views (one request, not a group): the same choice, faster."""
-    return views.choose(candidate)
+    return views.choose(candidate, model)

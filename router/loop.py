@@ -236,7 +236,7 @@ class Router:
                 self.views.count(worker_id, request_states(request))
             return worker_id
         candidate = Candidate(request_states(request)[0], self.rule)
-        worker_id = choose_view(self.views, candidate)
+        worker_id = choose_view(self.views, candidate, request.model)
         if worker_id is not None:
             self.views.admit(worker_id, candidate)
         return worker_id

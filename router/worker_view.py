@@ -72,9 +72,10 @@ class Views:
             views[worker_id] = view if same else WorkerView(load, reserved, self.rule)
         self._views = views
 
-    def choose(self, candidate: Candidate) -> str | None:
-        """``router.admission.least_loaded_fit`` over the views: ``choose_worker``'s choice."""
-        uses = {worker_id: view.use_ratio() for worker_id, view in self._views.items()}
+    def choose(self, candidate: Candidate, model: str | None = None) -> str | None:
+        """``router.admission.least_loaded_fit`` over the views of workers serving ``model``:
+        ``choose_worker``'s choice."""
+        uses = {worker_id: view.use_ratio() for worker_id, view in self._views.items() if view.load.serves(model)}
         return least_loaded_fit(uses, lambda worker_id: self._views[worker_id].ratio(candidate))
 
     def admit(self, worker_id: str, candidate: Candidate) -> None:

@@ -41,6 +41,9 @@ class ModelSettings(BaseSettings):
     max_req_total_len: int = Field(2048, gt=1, description="max prompt + new tokens per request")
     max_req_input_len: int = Field(0, ge=0, description="max prompt tokens per request (LightLLM's; 0: only "
                                                         "max_req_total_len bounds the prompt)")
+    served_model_name: str = Field("", description="the model's name in the pool and on the OpenAI routes; "
+                                   "requests go only to workers serving it (default: the model's file or "
+                                   "folder name)")
 
 
 class BatchSettings(BaseSettings):

@@ -85,6 +85,17 @@ def _require_config(folder: str, model_dir: str) -> None:
                                 f"(a Hugging Face model directory has one)")
 
 
+def served_name(model_dir: str, served_model_name: str = "") -> str:
+    """The model's name in the pool (workers publish it, requests carry it, OpenAI clients see it):
+    ``--served_model_name``, else the file or folder name of its source."""
+    if served_model_name:
+        return served_model_name
+    try:
+        return resolve(model_dir).name
+    except FileNotFoundError:  # the worker is the one that needs the files
+        return os.path.basename(model_dir.removeprefix("dummy:").rstrip("/")).removesuffix(".gguf") or model_dir
+
+
 def load_tokenizer(source: ModelSource):
     """A transformers tokenizer for the source (slow for GGUF: seconds)."""
     from transformers import AutoTokenizer

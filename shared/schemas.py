@@ -90,6 +90,8 @@ class GenerateRequest(_Frozen):
     resume_ids: list[int] = Field(default_factory=list)
     deadline_ms: int | None = None  # Unix ms; a request still queued past it ends ``expired``
     n: int = Field(1, ge=1, description="samples of this prompt (a group when > 1), prompt held once")
+    model: str | None = Field(None, description="the served model name it is for: only workers serving "
+                                                "it take it (None: any worker)")
     # A requeued group's progress (empty, the defaults, for a fresh one): per choice the tokens it
     # already emitted, and the choices that already ended (never run again).
     group_resume: list[list[int]] = Field(default_factory=list)
@@ -184,6 +186,7 @@ class WorkerLoad(_Frozen):
     num_waiting: int
     last_inbox_id: str = Field("0-0", description="newest inbox entry the worker has taken in")
     draining: bool = False
+    model: str | None = Field(None, description="the served model name (None: takes any request)")
     running_max_req_size: int | None = Field(None, description="most requests the worker runs at once")
     requests: list[tuple[int, int, int, int]] | None = Field(
         None, description="per running or waiting request: [prompt + output tokens, output tokens, "
@@ -193,6 +196,10 @@ class WorkerLoad(_Frozen):
     @property
     def free_tokens(self) -> int:
         return self.max_total_tokens - self.committed_tokens
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request for ``model`` may come here: one pool per served model name."""
+        return model is None or self.model is None or self.model == model
 
 
 def stream_id(entry_id: str) -> tuple[int, int]:

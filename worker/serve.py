@@ -19,6 +19,7 @@ from shared.codec import from_entry
 from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP, Keys
 from shared.log_limit import LogLimiter
+from shared.model_files import served_name
 from shared.redis import Backoff, ensure_group
 from shared.requeue import hand_back_inbox, requeue
 from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
@@ -43,6 +44,7 @@ class WorkerService:
         self.engine = engine
         self.keys = Keys(settings.redis.key_prefix)
         self.worker_id = worker_id
+        self.model = served_name(settings.model.model_dir, settings.model.served_model_name)  # its pool
         self.publisher = publisher  # started by the caller (it loads while the model does)
         self.heartbeat = Heartbeat(client, self.keys, worker_id, settings.heartbeat_s, self.load)
         self.stop_event = threading.Event()
@@ -55,7 +57,7 @@ class WorkerService:
         self.draining = False
 
     def load(self, seq: int) -> WorkerLoad:
-        return build_load(self.engine, self.worker_id, seq, self.last_inbox_id, self.draining)
+        return build_load(self.engine, self.worker_id, seq, self.last_inbox_id, self.draining, self.model)
 
     def run(self) -> None:
         """Serve until SIGTERM, then drain: no new requests, running ones get
