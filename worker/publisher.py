@@ -45,6 +45,7 @@ from worker.stop import StopMatcher
 log = logging.getLogger("lightq.worker")
 
 OUTPUT_HISTORY_LEN = 1000
+ORPHAN_RETRY_S = 20.0  # how long a write retries through an outage once the worker is gone
 
 
 @dataclass
@@ -69,8 +70,10 @@ Sample = tuple[str, int]  # (request id, choice)
 
 class Publisher:
     def __init__(self, settings: WorkerSettings, client: redis.Redis, tokenizer, worker_id: str,
-                 owns: Callable[[str], bool] = lambda request_id: True):
+                 owns: Callable[[str], bool] = lambda request_id: True,
+                 worker_alive: Callable[[], bool] = lambda: True):
         self.owns = owns  # whether this publisher writes a request (one shard of several; all by default)
+        self.worker_alive = worker_alive  # False once the worker is gone: retries are bounded then
         self.client = client
         self.keys = Keys(settings.redis.key_prefix)
         self.ttl_s = settings.redis.request_ttl_s
@@ -82,22 +85,30 @@ class Publisher:
         # events are dropped until the request's Released event (the engine's last for it).
         self.ended_by_stop: set[Sample] = set()
 
-    def publish(self, steps: list[tuple[int, list[Event]]]) -> list[Sample]:
+    def publish(self, steps: list[tuple[int, list[Event]]], give_up_s: float | None = None) -> list[Sample]:
         """Write the events of ``steps`` ((step end in Unix ms, its events), in order) in one
         pipeline; return the samples a stop string ended, for the serve loop to free.
 
         Events become Redis writes once (decoder state moves on exactly once), then are sent,
-        retrying through a Redis outage: chunks are never dropped. A retry after a partial
-        write may repeat a chunk; readers drop repeated indexes."""
+        retrying through a Redis outage: chunks are never dropped while the worker lives. A retry
+        after a partial write may repeat a chunk; readers drop repeated indexes. ``give_up_s``
+        (the worker is gone) bounds the retries: what is not written is sampled again by the
+        worker its requests move to, so an orphan must not wait for a Redis that may never return."""
         pipe, stopped = _Recorder(), []
         for stepped_ms, events in steps:
             stopped += self._record(events, pipe, stepped_ms)
         backoff = Backoff()
+        deadline = None if give_up_s is None else time.monotonic() + give_up_s
         while True:
             try:
                 pipe.replay(self.client)
                 return stopped
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if deadline is None and not self.worker_alive():
+                    deadline = time.monotonic() + ORPHAN_RETRY_S
+                if deadline is not None and time.monotonic() > deadline:
+                    log.error("publishing %d writes failed (%s): giving up, the worker is gone", len(pipe.calls), exc)
+                    return stopped
                 log.warning("publishing %d writes failed (%s): retrying in %.1f s", len(pipe.calls), exc,
                             backoff.delay)
                 time.sleep(backoff.next())

@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import zlib
@@ -39,7 +40,7 @@ from shared.redis import sync_client
 from shared.request_log import now_ms
 from shared.service import setup_logging
 from worker.events import Event
-from worker.publisher import Publisher, Sample
+from worker.publisher import ORPHAN_RETRY_S, Publisher, Sample
 
 log = logging.getLogger("lightq.worker")
 
@@ -150,12 +151,15 @@ def run(settings: WorkerSettings, worker_id: str, shard: int, events: Connection
     tokenizer = load_tokenizer(resolve(settings.model.model_dir))
     client = sync_client(settings.redis)
     shards = settings.publishers
-    publisher = Publisher(settings, client, tokenizer, worker_id, lambda rid: owner(rid, shards) == shard)
+    worker = os.getppid()  # re-parented when the worker dies: then a Redis outage is not waited out
+    publisher = Publisher(settings, client, tokenizer, worker_id, lambda rid: owner(rid, shards) == shard,
+                          lambda: os.getppid() == worker)
     writes = steps_written = most = 0  # how far behind it ran: steps per write
     while (steps := _next_steps(events)) is not None:
         last = steps[-1] is None
         batch = steps[:-1] if last else steps
-        stopped = publisher.publish(batch)
+        # After the last step (the worker closed the pipe, or died) retries are bounded.
+        stopped = publisher.publish(batch, ORPHAN_RETRY_S if last else None)
         writes, steps_written, most = writes + 1, steps_written + len(batch), max(most, len(batch))
         if stopped and not last:
             stops.send(stopped)

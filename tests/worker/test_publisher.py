@@ -212,3 +212,19 @@ def test_a_requeued_group_resumes_each_samples_text_and_counts_its_finished_ones
     meta = RequestMeta.from_hash(client.hgetall(keys.meta(RID)))
     assert meta.status is RequestStatus.FINISHED and meta.output_tokens == 3 + 7 + 4
     assert publisher.outputs == {}
+
+
+@pytest.mark.timeout(180)  # without the bound it would retry forever
+def test_an_orphaned_publisher_stops_retrying_a_dead_redis(redis_settings, tokenizer, monkeypatch):
+    """Once its worker is gone, a write that cannot reach Redis is given up after ORPHAN_RETRY_S
+    (its requests resume elsewhere), instead of retrying forever as an orphan."""
+    import redis as redis_lib
+
+    from worker import publisher as publisher_module
+
+    monkeypatch.setattr(publisher_module, "ORPHAN_RETRY_S", 0.2)
+    dead = redis_lib.Redis(port=1, socket_connect_timeout=0.05)  # nothing listens on port 1
+    alive = [True]
+    orphan = Publisher(WorkerSettings(redis=redis_settings), dead, tokenizer, "w1", worker_alive=lambda: alive[0])
+    alive[0] = False
+    assert publish(orphan, [started(), *tokens([5, 6, 7], 0, 2)]) == []  # returned: given up
