@@ -279,7 +279,7 @@ class RequestTracker:
             pipe.hgetall(keys.meta(request_id))
         out = []
         for (request_id, enqueued_ms), data in zip(list(self.enqueued.items()), await pipe.execute()):
-            request = _recent(request_id, enqueued_ms, data) if data else None
+            request = _recent(request_id, enqueued_ms, data) if data and "status" in data else None  # else gone
             if request is None or (request.is_terminal and (request.finished_ms or 0) < now_ms - self.keep_s * 1000):
                 del self.enqueued[request_id]  # expired, or ended long enough ago
             else:

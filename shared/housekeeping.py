@@ -67,7 +67,9 @@ def sweep_request_records(client: redis.Redis, keys: Keys, ttl_s: int, count: in
         raw = client.hgetall(keys.meta(request_id))
         if not raw:
             deleted += _delete_if_quiet(client, keys, request_id, ttl_s)
-        elif RequestMeta.from_hash(raw).status.is_terminal:
+        elif "status" not in raw or RequestMeta.from_hash(raw).status.is_terminal:
+            # A hash without its status (a write after the record expired, an emptied Redis) is
+            # an unknown request to every reader (a 404): its keys go like an ended request's.
             # (EXPIRE NX would do, but it needs Redis 7; the embedded one is 6.2)
             lacking = [key for key in keys.all_request_keys(request_id) if client.ttl(key) == -1]
             expired += any([client.expire(key, ttl_s) for key in lacking])

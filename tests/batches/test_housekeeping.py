@@ -52,13 +52,15 @@ def test_sweep_deletes_leftovers_and_gives_ended_requests_their_ttl(rclient, key
     _chunks(rclient, keys, "running")
     _meta(rclient, keys, "running", RequestStatus.RUNNING)
     _chunks(rclient, keys, "recent")  # no record, but written just now: leave it
+    rclient.hset(keys.meta("statusless"), "worker", "w9")  # a status-less hash: an unknown request
     done = {"deleted": 0, "expired": 0}
     for _ in range(1000):  # the cursor walks the keyspace a step per run
         step = sweep_request_records(rclient, keys, ttl_s, count=1000)
         done = {k: done[k] + step[k] for k in done}
         if rclient.get(keys.housekeeping_cursor()) == "0":
             break
-    assert done == {"deleted": 1, "expired": 1}
+    assert done == {"deleted": 1, "expired": 2}
+    assert 0 < rclient.ttl(keys.meta("statusless")) <= ttl_s
     assert not rclient.exists(keys.chunks("gone"), keys.cancel("gone"))
     assert 0 < rclient.ttl(keys.chunks("ended")) <= ttl_s and 0 < rclient.ttl(keys.meta("ended")) <= ttl_s
     assert rclient.ttl(keys.chunks("running")) == -1 and rclient.ttl(keys.chunks("recent")) == -1
