@@ -24,8 +24,13 @@ def beat(client: redis.Redis, keys: Keys, router_id: str, ttl_s: float) -> None:
 
 
 def forget(client: redis.Redis, keys: Keys, router_id: str) -> None:
-    """On a clean exit: our pending entries become claimable at once."""
+    """On a clean exit: our pending entries become claimable at once; with none, we leave the
+    group too, so the next router does not report us as gone (only a consumer without pending
+    entries may go: deleting one drops its entries from the group's pending list)."""
     client.delete(keys.router_alive(router_id))
+    stream = keys.requests()
+    if not client.xpending_range(stream, ROUTER_GROUP, min="-", max="+", count=1, consumername=router_id):
+        client.xgroup_delconsumer(stream, ROUTER_GROUP, router_id)
 
 
 def claim_from_dead_routers(client: redis.Redis, keys: Keys, router_id: str) -> list[tuple[str, dict]]:

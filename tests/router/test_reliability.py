@@ -87,3 +87,21 @@ def test_router_recreates_a_lost_consumer_group(redis_settings, rclient, keys):
     router.step()
     router.step()
     assert inbox_ids(rclient, keys, "w1") == ["x"]
+
+
+def test_a_cleanly_stopped_router_leaves_the_group_unless_it_holds_entries(redis_settings, rclient, keys):
+    """So the next router reports only a router that died as gone; held entries stay claimable."""
+    from router import liveness
+
+    publish_load(rclient, keys, "w1")
+    idle = make_router(redis_settings, rclient, name="idle")
+    submit(rclient, keys, "a")
+    idle.step()  # dispatched and acked: nothing pending
+    holding = make_router(redis_settings, rclient, name="holding")
+    submit(rclient, keys, "big", prompt_len=900, max_new=900)  # fits no worker: stays pending
+    holding.step()
+    liveness.forget(rclient, keys, "idle")
+    liveness.forget(rclient, keys, "holding")
+    names = {c["name"] for c in rclient.xinfo_consumers(keys.requests(), ROUTER_GROUP)}
+    assert "idle" not in names and "holding" in names
+    assert rclient.xpending(keys.requests(), ROUTER_GROUP)["pending"] == 1
