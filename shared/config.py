@@ -69,6 +69,11 @@ class HousekeepingSettings(BaseSettings):
     scan_count: int = Field(1000, gt=0, description="keys the request-record sweep looks at per run")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_producers() -> int:
     """One producer process per 4 cores this process may use, at most 4, at least 1.
 
@@ -77,8 +82,7 @@ def default_producers() -> int:
     tok/s of /generate at ~110% CPU on an H200 host (issue 13); four carry more
     than one GPU delivers. A 2-core machine gets 1, as before.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(4, max(1, cores // 4))
+    return min(4, max(1, usable_cores() // 4))
 
 
 class ProducerSettings(BaseSettings):
@@ -154,8 +158,7 @@ def default_publishers() -> int:
     """Publisher processes per worker: one keeps up with ~25,000 tokens/s on average, but an H200
     at batch 1,000 makes 1,000 tokens per ~25 ms step, more than one process writes in that time
     (issue 13); hosts with 16 cores or more can spare a second."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return 2 if cores >= 16 else 1
+    return 2 if usable_cores() >= 16 else 1
 
 
 class WorkerSettings(BaseSettings):

@@ -103,3 +103,14 @@ def rclient(redis_settings):
 def keys_with_prefix(client: redis.Redis, prefix: str) -> list[str]:
     """Every key under a test's prefix: for 'leaves no trace' checks."""
     return sorted(client.scan_iter(match=f"{prefix}:*", count=1000))
+
+
+@pytest.fixture
+async def proxy(redis_url):
+    """A TCP proxy in front of the test Redis that a test can cut (an outage on demand)."""
+    from tests.producer.redis_proxy import RedisProxy
+
+    proxy = RedisProxy(redis_url)
+    await proxy.start()
+    yield proxy
+    await proxy.cut()

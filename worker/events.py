@@ -91,11 +91,6 @@ class Released:
 Event = Started | Tokens | Ended | Released
 
 
-def tokens_of(events: list[Event]) -> list[Token]:
-    """Every token in ``events``, a row each, in order."""
-    return [row for event in events if isinstance(event, Tokens) for row in event.rows()]
-
-
 def flat(events: list[Event]) -> list[Event | Token]:
     """``events`` with each ``Tokens`` record spread into its rows (for readers that go by event)."""
     return [item for event in events for item in (event.rows() if isinstance(event, Tokens) else [event])]

@@ -93,6 +93,9 @@ class PublisherLink:
         """A step's events, stamped with the step's end (a request's ``stepped_ms``), to every shard."""
         if not events:
             return
+        # Pickle, not the JSON codec: this pipe joins a process to its own children (same code,
+        # never another host or version), and a step is lists the sampler made, which pickle
+        # writes fastest. Anything that leaves the worker goes through shared.codec.
         data = pickle.dumps((now_ms(), events), protocol=pickle.HIGHEST_PROTOCOL)  # once for all shards
         for shard in self.shards:
             try:

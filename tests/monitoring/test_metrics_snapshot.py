@@ -16,18 +16,9 @@ from shared.redis import ensure_group_async
 from shared.schemas import TokenChunk
 from shared import codec
 from tests.monitoring.conftest import parse, refresh
-from tests.producer.redis_proxy import RedisProxy
 
 BODY = {"inputs": [1, 2, 3], "parameters": {"max_new_tokens": 4}}
 TEXTS = ["a", "b", "c", "d"]
-
-
-@pytest.fixture
-async def proxy(redis_url):
-    proxy = RedisProxy(redis_url)
-    await proxy.start()
-    yield proxy
-    await proxy.cut()
 
 
 @pytest.fixture

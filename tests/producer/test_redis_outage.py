@@ -12,15 +12,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from producer.app import create_app
-from tests.producer.redis_proxy import RedisProxy
-
-
-@pytest.fixture
-async def proxy(redis_url):
-    proxy = RedisProxy(redis_url)
-    await proxy.start()
-    yield proxy
-    await proxy.cut()
 
 
 @pytest.fixture
