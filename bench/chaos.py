@@ -20,7 +20,7 @@ import httpx
 from shared.embedded_redis import start_embedded_redis
 from tests.integration.stack import start_stack
 from tests.integration.test_chaos import VOCAB, kill_a_worker_and_the_router, stream_one
-from worker.counting_model import expected_tokens
+from worker.model.counting_model import expected_tokens
 
 
 async def run_streams(stack, count: int, kill_after: float) -> list[list[int]]:

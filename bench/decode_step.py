@@ -19,11 +19,11 @@ import torch
 
 from bench.shapes import SHAPES, config_dir
 from shared.model_files import ModelSource
-from worker.cuda_graphs import DecodeGraphs
-from worker.forward_batch import ForwardBatch
-from worker.kv_cache import KVCache
-from worker.loader import attach_kv_cache, load_model
-from worker.req_table import ReqTable
+from worker.runner.cuda_graphs import DecodeGraphs
+from worker.model.forward_batch import ForwardBatch
+from worker.model.kv_cache import KVCache
+from worker.model.loader import attach_kv_cache, load_model
+from worker.runner.req_table import ReqTable
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:

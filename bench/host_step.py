@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.host_step --batches 1024 --profile
     .venv/bin/python -m bench.host_step --burst 1000        # one admission pass over 1,000 requests
 
-The counting model (``worker.counting_model``) answers each step with one
+The counting model (``worker.model.counting_model``) answers each step with one
 [B, V] logits tensor and no attention, so what a step costs here is the
 engine's own work: admission, the request table and slots, building the
 sampling batch, sampling, events and finish checks. On a GPU that work runs
@@ -28,12 +28,12 @@ import torch
 from shared.admission import AdmissionRule
 from shared.config import AdmissionSettings
 from shared.schemas import GenerateRequest, SamplingParams
-from worker.counting_model import CountingModel
-from worker.engine import Engine, EngineLimits
-from worker.model_runner import ModelRunner
-from worker.req_table import ReqTable
-from worker.request import Req
-from worker.token_pool import TokenPool
+from worker.model.counting_model import CountingModel
+from worker.engine.engine import Engine, EngineLimits
+from worker.runner.model_runner import ModelRunner
+from worker.runner.req_table import ReqTable
+from worker.engine.request import Req
+from worker.engine.token_pool import TokenPool
 
 VOCAB, PROMPT, NEW = 256, 16, 500
 

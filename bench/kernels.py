@@ -80,7 +80,7 @@ def _paged_batch(seq_lens: list[int], cached_lens: list[int]):
 
 
 def bench_decode(batch: int, ctx: int) -> dict:
-    from worker.kernels.decode_attention import decode_attention, decode_attention_ref
+    from worker.model.kernels.decode_attention import decode_attention, decode_attention_ref
     kv_bytes = batch * ctx * 2 * HKV * D * BYTES
     copies = max(1, -(-L2_ROTATION_BYTES // kv_bytes))  # input sets the graph rotates over
     pool, table, rows, seq_lens, _ = _paged_batch([ctx] * batch * copies, [ctx - 1] * batch * copies)
@@ -105,7 +105,7 @@ def bench_decode(batch: int, ctx: int) -> dict:
 
 
 def bench_prefill(q_lens: list[int], cached_lens: list[int]) -> dict:
-    from worker.kernels.context_attention import context_attention, context_attention_ref
+    from worker.model.kernels.context_attention import context_attention, context_attention_ref
     seqs = [q + c for q, c in zip(q_lens, cached_lens)]
     pool, table, rows, seq_lens, cached = _paged_batch(seqs, cached_lens)
     k_cache, v_cache = pool[:, :HKV], pool[:, HKV:]
@@ -124,7 +124,7 @@ def bench_prefill(q_lens: list[int], cached_lens: list[int]) -> dict:
 
 
 def bench_copy_kv(num_tokens: int) -> dict:
-    from worker.kernels.copy_kv import copy_kv, copy_kv_ref
+    from worker.model.kernels.copy_kv import copy_kv, copy_kv_ref
     pool = torch.full((4 * num_tokens + 1, 2 * HKV, D), float("nan"), device="cuda", dtype=DTYPE)
     k = torch.randn(num_tokens, HKV, D, device="cuda", dtype=DTYPE)
     v = torch.randn_like(k)
@@ -138,7 +138,7 @@ def bench_copy_kv(num_tokens: int) -> dict:
 
 
 def bench_rmsnorm(num_tokens: int, hidden: int, fused: bool) -> dict:
-    from worker.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+    from worker.model.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm, rmsnorm_ref
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=DTYPE)
     res = torch.randn_like(x)
     w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE)
@@ -158,7 +158,7 @@ def bench_rmsnorm(num_tokens: int, hidden: int, fused: bool) -> dict:
 
 
 def bench_silu_and_mul(num_tokens: int, n_cols: int) -> dict:
-    from worker.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+    from worker.model.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
     x = torch.randn(num_tokens, 2 * n_cols, device="cuda", dtype=DTYPE)  # [T, 2N]
     out = torch.full((num_tokens, n_cols), float("nan"), device="cuda", dtype=DTYPE)
     run = lambda: silu_and_mul(x, out=out)  # noqa: E731
@@ -168,7 +168,7 @@ def bench_silu_and_mul(num_tokens: int, n_cols: int) -> dict:
 
 
 def bench_rotary(num_tokens: int) -> dict:
-    from worker.kernels.rotary import rotary_embedding, rotary_embedding_ref
+    from worker.model.kernels.rotary import rotary_embedding, rotary_embedding_ref
     qkv = torch.randn(num_tokens, HQ + 2 * HKV, D, device="cuda", dtype=DTYPE)  # fused projection
     q, k = qkv[:, :HQ], qkv[:, HQ:HQ + HKV]
     angles = torch.rand(num_tokens, D // 2, device="cuda") * 6.28

@@ -22,10 +22,10 @@ from bench.sharegpt import describe, sharegpt_lengths
 from bench.shapes import SHAPES, config_dir
 from shared.config import ModelSettings, WorkerSettings
 from shared.schemas import GenerateRequest, SamplingParams
-from worker.events import Tokens
-from worker import tp as tensor_parallel
+from worker.engine.events import Tokens
+from worker.runner import tp as tensor_parallel
 from worker.main import build_engine, follower, rank_device
-from worker.request import Req
+from worker.engine.request import Req
 
 
 def workload(args) -> list[tuple[list[int], int]]:

@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.path_bench --peer 2cd5fe5            # and an older commit, in the same run
     .venv/bin/python -m bench.path_bench --route generate_stream
 
-Starts ``lightq serve`` on the counting model (``worker.counting_model``: a
+Starts ``lightq serve`` on the counting model (``worker.model.counting_model``: a
 forward costs next to nothing, so what limits delivery is the engine's host
 work, the publisher, Redis and the producer), one worker, an embedded Redis,
 then sends ``--requests`` requests of ``--new-tokens`` output tokens at once
@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from shared.embedded_redis import free_port, start_embedded_redis
-from worker.counting_model import COUNTING_VOCAB
+from worker.model.counting_model import COUNTING_VOCAB
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_FLAGS = ["--model_dir", "counting", "--workers", "1", "--max_total_token_num", "400000",

@@ -37,7 +37,7 @@ from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
 from shared.redis import ensure_group
 from shared.request_log import end_request, now_ms
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, WorkerLoad
-from worker.heartbeat import EARLY_GAP_S
+from worker.service.heartbeat import EARLY_GAP_S
 
 
 class SimWorker:

@@ -25,8 +25,8 @@ import httpx
 import uvicorn
 
 from producer.app import create_app
-from producer.metrics import ProducerMetrics
-from producer.submit import new_request
+from producer.monitoring.metrics import ProducerMetrics
+from producer.api.submit import new_request
 from shared import codec
 from shared.config import ModelSettings, ProducerSettings, RedisSettings
 from shared.embedded_redis import free_port

@@ -33,7 +33,7 @@ from bench.shapes import SHAPES, config_dir
 from shared.config import ModelSettings, WorkerSettings
 from shared.schemas import GenerateRequest, SamplingParams
 from worker.main import build_engine
-from worker.request import Req
+from worker.engine.request import Req
 
 
 class Timed:

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "router":
         from router.main import run
     elif command == "rq-worker":
-        from lightq.rq_worker import run
+        from producer.batches.rq_worker import run
     else:
         from worker.main import run
     run(settings)

@@ -1,6 +1,6 @@
 """``lightq top``: the queue and every worker, live in the terminal (``--once``: one snapshot).
 
-It reads Redis directly (``producer.cluster``, the numbers the producer's
+It reads Redis directly (``producer.monitoring.cluster``, the numbers the producer's
 ``/metrics`` reports): queue depth (lag + pending) and its tokens, the
 backlog in GPU-seconds, the drain and arrival rates and the generation
 throughput over the last minute, and per worker its KV pool use as a bar,
@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from producer.cluster import ClusterSnapshot, RequestTracker, read_cluster
+from producer.monitoring.cluster import ClusterSnapshot, RequestTracker, read_cluster
 from shared.config import RedisSettings
 from shared.flags import add_flags, build
 from shared.keys import Keys

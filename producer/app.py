@@ -17,19 +17,20 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
-from producer import dashboard, routes_native, routes_openai, routes_requests
-from producer import routes_batches
-from producer import front_door
-from producer.auth import authenticate, key_hashes
-from producer.client_latency import ClientLatency
-from producer.cluster_view import ClusterView
-from producer.backlog import Gate
-from producer.body_limit import BodyLimit
+from producer.api import routes_native, routes_openai, routes_requests
+from producer.batches import routes as routes_batches
+from producer.edge import front_door
+from producer.monitoring import dashboard
+from producer.edge.auth import authenticate, key_hashes
+from producer.monitoring.client_latency import ClientLatency
+from producer.monitoring.cluster_view import ClusterView
+from producer.edge.backlog import Gate
+from producer.edge.body_limit import BodyLimit
 from producer.deps import Services
-from producer.errors import install_handlers
-from producer.metrics import ProducerMetrics
+from producer.api.errors import install_handlers
+from producer.monitoring.metrics import ProducerMetrics
 from producer.redis_client import producer_client
-from producer.stream_hub import StreamHub
+from producer.streams.stream_hub import StreamHub
 from shared.config import ProducerSettings
 from shared.flags import build
 from shared.keys import Keys

@@ -10,11 +10,11 @@ import redis.asyncio as aioredis
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
-from producer.api_types import GenerateBody
-from producer.backlog import Gate
-from producer.errors import bad_request, from_validation, not_found
-from producer.metrics import ProducerMetrics
-from producer.stream_hub import StreamHub
+from producer.api.api_types import GenerateBody
+from producer.edge.backlog import Gate
+from producer.api.errors import bad_request, from_validation, not_found
+from producer.monitoring.metrics import ProducerMetrics
+from producer.streams.stream_hub import StreamHub
 from shared.config import ProducerSettings
 from shared.keys import Keys
 
@@ -33,7 +33,7 @@ class Services:
     metrics: ProducerMetrics
     model_id: str = "default"  # the served model's name on the OpenAI routes
     gate: Gate | None = None  # overload checks before enqueue (None: no limits, e.g. outside the app)
-    api_key_hashes: frozenset[str] = frozenset()  # producer.auth; empty: no keys needed
+    api_key_hashes: frozenset[str] = frozenset()  # producer.edge.auth; empty: no keys needed
     hub: StreamHub | None = None  # one XREAD for every followed chunk stream (None: a read per follower)
 
 
@@ -42,7 +42,7 @@ def get_services(request: Request) -> Services:
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
-    """The JSON body (its Content-Type was checked by producer.front_door: JSON, or 415)."""
+    """The JSON body (its Content-Type was checked by producer.edge.front_door: JSON, or 415)."""
     raw = await request.body()
     if not raw.strip():
         raise bad_request("request body is empty", code="empty_body", reason="invalid_json")

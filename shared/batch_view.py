@@ -6,7 +6,7 @@ batch the draws need not change, so a view draws the remaining lengths once
 and keeps each draw as a ``SortedPeak``: a candidate then costs O(K log n),
 and admitting it costs O(K n). The router keeps one per worker record
 (``router.worker_view``); a worker builds one per admission pass over its
-own waiting queue (``worker.engine``), where a burst of 1,000 requests took
+own waiting queue (``worker.engine.engine``), where a burst of 1,000 requests took
 0.6 s through ``check``.
 
 The answers are ``check``'s: exactly for conservative, aggressive and the

@@ -1,4 +1,4 @@
-"""Housekeeping of lightq's Redis records; rq runs it periodically (``lightq.rq_worker``).
+"""Housekeeping of lightq's Redis records; rq runs it periodically (``producer.batches.rq_worker``).
 
 Three sweeps, each safe to run at any time, from any number of places:
 

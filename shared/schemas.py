@@ -237,7 +237,7 @@ class RequestMeta(BaseModel):
     stepped_ms: int | None = None
     started_ms: int | None = None
     finished_ms: int | None = None
-    key_hash: str | None = None  # the submitting API key's hash (producer.auth), never the key
+    key_hash: str | None = None  # the submitting API key's hash (producer.edge.auth), never the key
 
     @staticmethod
     def fields(**values) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """``lightq worker``: load the model, size the pool, serve the inbox.
 
-With ``--tp N`` the worker is N processes (``worker.tp``): this one is rank 0
+With ``--tp N`` the worker is N processes (``worker.runner.tp``): this one is rank 0
 and serves; ranks 1..N-1 (``follower``) load their slice and run its forwards.
 """
 
@@ -19,22 +19,22 @@ from shared.keys import Keys
 from shared.model_files import load_config, load_tokenizer, resolve
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
-from worker import tp as tensor_parallel
-from worker.counting_model import COUNTING_VOCAB, CountingModel
-from worker.cuda_graphs import DecodeGraphs, default_buckets
-from worker.prefill_graphs import PrefillGraphs
-from worker.engine import Engine, EngineLimits
-from worker.kv_cache import KVCache
-from worker.layers import SINGLE, TensorParallel
-from worker.loader import attach_kv_cache, load_model
+from worker.runner import tp as tensor_parallel
+from worker.model.counting_model import COUNTING_VOCAB, CountingModel
+from worker.runner.cuda_graphs import DecodeGraphs, default_buckets
+from worker.runner.prefill_graphs import PrefillGraphs
+from worker.engine.engine import Engine, EngineLimits
+from worker.model.kv_cache import KVCache
+from worker.model.layers import SINGLE, TensorParallel
+from worker.model.loader import attach_kv_cache, load_model
 from shared.metrics_server import serve_metrics
-from worker.metrics import MeteredEngine, WorkerCollector, WorkerMetrics
-from worker.model_runner import ModelRunner
-from worker.models import model_class
-from worker.req_table import ReqTable
-from worker.publisher_process import PublisherDied, PublisherLink
-from worker.serve import WorkerService
-from worker.token_pool import TokenPool
+from worker.service.metrics import MeteredEngine, WorkerCollector, WorkerMetrics
+from worker.runner.model_runner import ModelRunner
+from worker.model.models import model_class
+from worker.runner.req_table import ReqTable
+from worker.service.publisher_process import PublisherDied, PublisherLink
+from worker.service.serve import WorkerService
+from worker.engine.token_pool import TokenPool
 
 # The model loop's share of the GIL: see run_service.
 GIL_SWITCH_S = 0.0005
@@ -120,11 +120,11 @@ def load_model_or_stand_in(settings: WorkerSettings, tokenizer, dtype: torch.dty
 
 
 def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[ModelRunner, set[int]]:
-    """Model, pool, table and graphs of this rank (``group``: a ``worker.tp.TPGroup``, None for --tp 1),
+    """Model, pool, table and graphs of this rank (``group``: a ``worker.runner.tp.TPGroup``, None for --tp 1),
     and the EOS ids; ``tokenizer`` only adds its EOS id. Every rank builds the same, in the same order."""
     size, rank = (group.size, group.rank) if group is not None else (1, 0)
     if size != settings.tp:
-        raise ValueError(f"--tp {settings.tp} needs a process group of {settings.tp} (worker.tp.launch), not {size}")
+        raise ValueError(f"--tp {settings.tp} needs a process group of {settings.tp} (worker.runner.tp.launch), not {size}")
     device = rank_device(settings, rank)
     dtype = pick_dtype(settings.dtype, device)
     model, config = load_model_or_stand_in(settings, tokenizer, dtype, device, group.tp if group else SINGLE)
@@ -183,7 +183,7 @@ def run(settings: WorkerSettings) -> None:
         raise
     if group is not None:
         group.close()
-        tensor_parallel.exit_now()  # the group is never torn down: see worker.tp.TPGroup.close
+        tensor_parallel.exit_now()  # the group is never torn down: see worker.runner.tp.TPGroup.close
 
 
 def run_service(settings: WorkerSettings, group=None) -> None:
@@ -208,7 +208,7 @@ def run_service(settings: WorkerSettings, group=None) -> None:
     # The heartbeat thread shares the GIL with the model loop. Whenever the loop waits on the GPU
     # (the sampled ids' copy) the heartbeat may take the GIL, and by default the loop gets it back
     # only after 5 ms (the switch interval): up to 5 ms added to a step. (The publisher, which
-    # did far more, is a process of its own: worker.publisher_process.)
+    # did far more, is a process of its own: worker.service.publisher_process.)
     sys.setswitchinterval(GIL_SWITCH_S)
     try:
         service.run()

@@ -13,8 +13,8 @@ import pytest
 import redis
 from rq.serializers import JSONSerializer
 
-from lightq.rq_worker import queue
-from producer import batch_job
+from producer.batches.rq_worker import queue
+from producer.batches import job as batch_job
 from shared.config import BatchSettings, HousekeepingSettings, ModelSettings, ProducerSettings, RqWorkerSettings
 from shared.model_files import load_tokenizer, resolve
 from tests.batches.helpers import ThreadWorker

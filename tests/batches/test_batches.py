@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from lightq.rq_worker import queue
-from producer.batch_job import on_failure
+from producer.batches.rq_worker import queue
+from producer.batches.job import on_failure
 from shared.codec import from_entry
 from shared.schemas import GenerateRequest
 from tests.batches.helpers import chat_line, completion_line, generate_line, jsonl, output_lines, pool
@@ -95,8 +95,8 @@ async def test_progress_counts_lines_by_where_they_are(client, worker, run_rq):
 
 async def test_a_restarted_job_resumes_without_sending_anything_twice(client, worker, run_rq, aredis, keys,
                                                                       app):
-    from producer.batches import parse_lines, prepare_line
-    from producer.submit import enqueue
+    from producer.batches.records import parse_lines, prepare_line
+    from producer.api.submit import enqueue
 
     text = jsonl(completion_line("done"), completion_line("sent"), completion_line("new"))
     batch_id = (await submit(client, text))["id"]

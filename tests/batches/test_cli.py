@@ -6,7 +6,7 @@ import asyncio
 import json
 
 from lightq.cli import main
-from lightq.rq_worker import queue
+from producer.batches.rq_worker import queue
 from tests.batches.helpers import chat_line, completion_line, generate_line, jsonl, output_lines, pool
 from tests.producer.fake_worker import serving
 

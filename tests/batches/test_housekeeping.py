@@ -6,7 +6,7 @@ import time
 
 from rq.registry import ScheduledJobRegistry
 
-from lightq.rq_worker import housekeeping, housekeeping_job_id, queue, schedule_housekeeping
+from producer.batches.rq_worker import housekeeping, housekeeping_job_id, queue, schedule_housekeeping
 from shared.codec import entry
 from shared.housekeeping import drop_stale_workers, sweep_request_records, trim_ingress
 from shared.keys import ROUTER_GROUP

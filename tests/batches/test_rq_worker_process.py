@@ -13,7 +13,7 @@ import time
 from rq import Worker
 from rq.registry import StartedJobRegistry
 
-from lightq.rq_worker import queue
+from producer.batches.rq_worker import queue
 from tests.batches.helpers import completion_line, jsonl, output_lines, pool, wait_batch
 
 

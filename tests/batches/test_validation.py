@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightq.rq_worker import queue
+from producer.batches.rq_worker import queue
 from tests.batches.helpers import MODEL, chat_line, completion_line, generate_line, jsonl
 from tests.conftest import keys_with_prefix
 

@@ -16,7 +16,7 @@ import pytest
 from shared.embedded_redis import start_embedded_redis
 from tests.integration.stack import start_stack
 from tests.integration.test_chaos import pid_of
-from worker.counting_model import COUNTING_VOCAB, expected_tokens
+from worker.model.counting_model import COUNTING_VOCAB, expected_tokens
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.forward_batch import ForwardBatch
+from worker.model.forward_batch import ForwardBatch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, DTYPES
-from worker.kernels.copy_kv import copy_kv, copy_kv_ref
+from worker.model.kernels.copy_kv import copy_kv, copy_kv_ref
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

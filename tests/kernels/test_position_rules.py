@@ -1,6 +1,6 @@
 """ALiBi (BLOOM) and the sliding window (Mistral) in the prefill and decode kernels.
 
-Each kernel against its reference, whose rule (worker.attention.position_scores)
+Each kernel against its reference, whose rule (worker.model.positions.position_scores)
 the model tests check against transformers. Outputs start as NaN and pool
 slots no request owns are NaN (helpers.make_pool), so a row left unwritten,
 a split merged that stage 1 skipped, or a read outside a request's tokens
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close, make_batch, make_pool
-from worker.kernels.context_attention import context_attention, context_attention_ref
-from worker.kernels.copy_kv import copy_kv_ref
-from worker.kernels.decode_attention import decode_attention, decode_attention_ref
-from worker.layers import alibi_slopes
-from worker.triton_attention import TritonAttention
+from worker.model.kernels.context_attention import context_attention, context_attention_ref
+from worker.model.kernels.copy_kv import copy_kv_ref
+from worker.model.kernels.decode_attention import decode_attention, decode_attention_ref
+from worker.model.layers import alibi_slopes
+from worker.model.triton_attention import TritonAttention
 
 ALIBI, WINDOW, BOTH = "alibi", "window", "alibi+window"
 

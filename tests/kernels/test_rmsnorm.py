@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close
-from worker.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+from worker.model.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 
 SHAPES = [(1, 16), (7, 96), (4, 1000)]  # 96 and 1000: rows off a power of two
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close
-from worker.kernels.rotary import rotary_embedding, rotary_embedding_ref
+from worker.model.kernels.rotary import rotary_embedding, rotary_embedding_ref
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close
-from worker.kernels import silu_and_mul as mod
-from worker.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from worker.model.kernels import silu_and_mul as mod
+from worker.model.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 

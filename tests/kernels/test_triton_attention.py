@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close, make_batch, make_pool, needs_cuda
-from worker.kernels.context_attention import context_attention_ref
-from worker.kernels.copy_kv import copy_kv_ref
-from worker.triton_attention import TritonAttention
+from worker.model.kernels.context_attention import context_attention_ref
+from worker.model.kernels.copy_kv import copy_kv_ref
+from worker.model.triton_attention import TritonAttention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, LAYER = 4, 2, 32, 1
 INDEX_FIELDS = ("out_slots", "req_rows", "cached_lens", "seq_lens", "q_starts", "q_lens")

@@ -16,9 +16,9 @@ from shared.redis import ensure_group
 from shared.schemas import GenerateRequest, SamplingParams
 from tests.monitoring.conftest import parse
 from tests.router.helpers import publish_load, submit
-from worker.engine import EngineLimits, LoadSnapshot
-from worker.events import Ended, Started, Token, Tokens
-from worker.metrics import MeteredEngine, WorkerCollector, WorkerMetrics
+from worker.engine.engine import EngineLimits, LoadSnapshot
+from worker.engine.events import Ended, Started, Token, Tokens
+from worker.service.metrics import MeteredEngine, WorkerCollector, WorkerMetrics
 from shared.metrics_server import serve_metrics as serve_worker_metrics
 
 
@@ -60,7 +60,7 @@ def test_router_counts_dispatches_and_pauses_and_reports_its_queue(redis_setting
 
 
 class StubEngine:
-    """What the collector and the wrapper read of ``worker.engine.Engine``."""
+    """What the collector and the wrapper read of ``worker.engine.engine.Engine``."""
 
     limits = EngineLimits(max_total_tokens=1000, batch_max_tokens=64, running_max_req_size=8)
     has_work = True

@@ -37,7 +37,7 @@ async def app(settings, tokenizer):
 
 @pytest.fixture
 async def client(app):
-    # Bodies sent as raw bytes say they are JSON, as real clients do (producer.front_door: 415 otherwise).
+    # Bodies sent as raw bytes say they are JSON, as real clients do (producer.edge.front_door: 415 otherwise).
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer", timeout=30,
                                  headers=JSON_HEADERS) as c:
         yield c

@@ -9,7 +9,7 @@ import pytest
 from pydantic import SecretStr
 
 from producer.app import create_app
-from producer.auth import key_hashes
+from producer.edge.auth import key_hashes
 from shared.config import ProducerSettings
 
 KEY_A, KEY_B = "sk-alpha-0123456789", "sk-bravo-9876543210"

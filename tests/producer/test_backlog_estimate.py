@@ -1,6 +1,6 @@
 """What the backlog and the cluster view count as a queued request's output still to come."""
 
-from producer.backlog import estimated_output
+from producer.edge.backlog import estimated_output
 from shared.schemas import GenerateRequest, SamplingParams
 
 

@@ -13,7 +13,7 @@ import pytest
 from pydantic import SecretStr
 
 from producer.app import create_app
-from producer.front_door import FailedAttempts
+from producer.edge.front_door import FailedAttempts
 
 KEY = "sk-front-door-0123456789"
 BODY = {"inputs": "hello", "parameters": {"max_new_tokens": 2}}

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from producer.streaming import ChunkFollower
+from producer.streams.streaming import ChunkFollower
 from shared.keys import Keys
 from shared.schemas import TokenChunk
 

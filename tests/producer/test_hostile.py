@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from producer.app import create_app
-from producer.body_limit import BodyLimit
+from producer.edge.body_limit import BodyLimit
 from tests.conftest import keys_with_prefix
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

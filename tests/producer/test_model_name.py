@@ -11,9 +11,9 @@ from shared.codec import from_entry
 from shared.config import ModelSettings, ProducerSettings, WorkerSettings
 from shared.schemas import GenerateRequest
 from tests.producer.conftest import JSON_HEADERS
-from worker.engine import LoadSnapshot
-from worker.load import build_load
-from worker.serve import WorkerService
+from worker.engine.engine import LoadSnapshot
+from worker.engine.load import build_load
+from worker.service.serve import WorkerService
 
 
 @pytest.mark.parametrize("name", ["", "my-model"])

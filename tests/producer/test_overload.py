@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from producer.app import create_app
-from producer.backlog import MAX_RETRY_AFTER_S, DrainRate
+from producer.edge.backlog import MAX_RETRY_AFTER_S, DrainRate
 from shared import codec
 from shared.keys import ROUTER_GROUP
 from shared.redis import ensure_group_async

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from producer.app import create_app
-from producer.batches import BatchLine, prepare_line
-from producer.errors import ApiError
+from producer.batches.records import BatchLine, prepare_line
+from producer.api.errors import ApiError
 from shared import codec
 from shared.schemas import GenerateRequest
 from tests.conftest import keys_with_prefix

@@ -14,7 +14,8 @@ import json
 
 import pytest
 
-from producer import routes_requests, store
+from producer import store
+from producer.api import routes_requests
 from shared.config import ProducerSettings, RedisSettings
 from shared.request_log import mark_ended
 from shared.requeue import requeue

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from producer import routes_requests
+from producer.api import routes_requests
 from shared.schemas import RequestStatus
 
 BODY = {"inputs": "Tell me about Redis streams.", "parameters": {"max_new_tokens": 8}}

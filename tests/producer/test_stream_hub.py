@@ -7,7 +7,7 @@ import asyncio
 import redis
 import redis.asyncio as aioredis
 
-from producer.stream_hub import StreamHub
+from producer.streams.stream_hub import StreamHub
 from shared.codec import entry
 from shared.keys import Keys
 from shared.schemas import TokenChunk

@@ -1,7 +1,7 @@
 import pytest
 
 from shared.model_files import load_tokenizer, resolve
-from worker.detokenizer import IncrementalDecoder, resumed_decoder
+from worker.service.detokenizer import IncrementalDecoder, resumed_decoder
 
 
 @pytest.fixture(scope="module")

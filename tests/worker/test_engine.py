@@ -8,13 +8,13 @@ import transformers
 
 from shared.model_files import ModelSource
 from shared.schemas import GenerateRequest, SamplingParams
-from worker.engine import Engine, EngineLimits
-from worker.events import Ended, Released, Started, Token, flat
-from worker.loader import attach_kv_cache, load_model
-from worker.model_runner import ModelRunner
-from worker.req_table import ReqTable
-from worker.request import Req
-from worker.token_pool import TokenPool
+from worker.engine.engine import Engine, EngineLimits
+from worker.engine.events import Ended, Released, Started, Token, flat
+from worker.model.loader import attach_kv_cache, load_model
+from worker.runner.model_runner import ModelRunner
+from worker.runner.req_table import ReqTable
+from worker.engine.request import Req
+from worker.engine.token_pool import TokenPool
 
 POOL = 200
 

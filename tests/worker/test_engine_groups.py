@@ -10,9 +10,9 @@ from shared.config import AdmissionSettings
 from shared.peak import ReqState, group_states
 from shared.schemas import GenerateRequest, SamplingParams
 from tests.worker.test_engine import POOL, make_engine, reference_greedy, tiny  # noqa: F401 (fixture)
-from worker.events import Ended, Released, Started, Token, flat
-from worker.load import request_states
-from worker.request import Req
+from worker.engine.events import Ended, Released, Started, Token, flat
+from worker.engine.load import request_states
+from worker.engine.request import Req
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 

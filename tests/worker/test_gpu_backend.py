@@ -13,14 +13,14 @@ import transformers
 from shared.config import ModelSettings, WorkerSettings
 from shared.model_files import ModelSource, resolve
 from shared.schemas import GenerateRequest, SamplingParams
-from worker.events import Token, flat
-from worker.loader import attach_kv_cache, load_model
+from worker.engine.events import Token, flat
+from worker.model.loader import attach_kv_cache, load_model
 from worker.main import build_engine
-from worker.request import Req
+from worker.engine.request import Req
 from tests.worker.model_harness import build_batch
-from worker.forward_batch import ForwardBatch
-from worker.req_table import ReqTable
-from worker.token_pool import TokenPool
+from worker.model.forward_batch import ForwardBatch
+from worker.runner.req_table import ReqTable
+from worker.engine.token_pool import TokenPool
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

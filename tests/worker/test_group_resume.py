@@ -17,9 +17,9 @@ from shared.requeue import requeue
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
 from tests.worker.test_engine import POOL, make_engine, tiny  # noqa: F401 (fixture)
 from tests.worker.test_engine_groups import count_prefill_tokens, run
-from worker.events import Ended, Released, Started, Token, flat
-from worker.load import request_states
-from worker.request import Req
+from worker.engine.events import Ended, Released, Started, Token, flat
+from worker.engine.load import request_states
+from worker.engine.request import Req
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 MAX_NEW = 14

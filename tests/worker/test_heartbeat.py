@@ -6,7 +6,7 @@ import time
 
 from shared.codec import decode
 from shared.schemas import WorkerLoad
-from worker.heartbeat import Heartbeat
+from worker.service.heartbeat import Heartbeat
 
 PERIOD_S = 60.0  # far longer than any wait below: only a poke can cause a second beat
 

@@ -10,12 +10,12 @@ import transformers
 
 from shared.model_files import ModelSource, resolve
 from tests.worker.model_harness import PoolRunner, build_batch
-from worker.attention import make_backend
-from worker.kv_cache import KVCache
-from worker.layers import rope_inv_freq, rope_parameters
-from worker.loader import attach_kv_cache, load_model
-from worker.models import model_class
-from worker.models.llama import LlamaForCausalLM
+from worker.model.attention import make_backend
+from worker.model.kv_cache import KVCache
+from worker.model.layers import rope_inv_freq, rope_parameters
+from worker.model.loader import attach_kv_cache, load_model
+from worker.model.models import model_class
+from worker.model.models.llama import LlamaForCausalLM
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-5)

@@ -6,11 +6,11 @@ from shared.codec import decode, encode
 from shared.config import WorkerSettings
 from shared.history import Estimator, OutputLengthHistory
 from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
-from worker.engine import EngineLimits, LoadSnapshot
-from worker.heartbeat import Heartbeat
-from worker.load import build_load, request_states
-from worker.request import Phase, Req
-from worker.serve import WorkerService
+from worker.engine.engine import EngineLimits, LoadSnapshot
+from worker.service.heartbeat import Heartbeat
+from worker.engine.load import build_load, request_states
+from worker.engine.request import Phase, Req
+from worker.service.serve import WorkerService
 
 
 def req(rid, prompt, max_new, output=(), resume=(), ignore_eos=False, phase=Phase.RUNNING):
@@ -22,7 +22,7 @@ def req(rid, prompt, max_new, output=(), resume=(), ignore_eos=False, phase=Phas
 
 
 class FakeEngine:
-    """The three things build_load reads from worker.engine.Engine."""
+    """The three things build_load reads from worker.engine.engine.Engine."""
 
     def __init__(self, running, waiting, pool=1000, running_max=8):
         self.limits = EngineLimits(max_total_tokens=pool, batch_max_tokens=256, running_max_req_size=running_max)

@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 from shared.model_files import ModelSource, resolve
 from tests.worker.model_harness import PoolRunner
 from tests.worker.test_llama import _assert_close, _ref_last  # the same oracle and tolerance as Llama's
-from worker.loader import attach_kv_cache, load_model
-from worker.models import MODELS, model_class
-from worker.triton_attention import TritonAttention
+from worker.model.loader import attach_kv_cache, load_model
+from worker.model.models import MODELS, model_class
+from worker.model.triton_attention import TritonAttention
 
 LLAMA_LIKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-5)

@@ -20,9 +20,9 @@ import transformers
 
 from shared.model_files import ModelSource
 from tests.worker.model_harness import PoolRunner
-from worker.layers import TensorParallel
-from worker.loader import load_model
-from worker.models.llama import LlamaForCausalLM
+from worker.model.layers import TensorParallel
+from worker.model.loader import load_model
+from worker.model.models.llama import LlamaForCausalLM
 
 TP = 2
 LLAMA_LIKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

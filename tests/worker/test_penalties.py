@@ -3,8 +3,8 @@ import math
 import torch
 
 from shared.schemas import SamplingParams
-from worker.penalties import PenaltyBatch, TokenCounts
-from worker.sampler import SamplingBatch, sample
+from worker.runner.penalties import PenaltyBatch, TokenCounts
+from worker.runner.sampler import SamplingBatch, sample
 
 V = 40
 EOS = 2

@@ -1,4 +1,4 @@
-"""A small prefill padded to its bucket (``worker.prefill_graphs``) gives the eager forward's logits.
+"""A small prefill padded to its bucket (``worker.runner.prefill_graphs``) gives the eager forward's logits.
 
 On the CPU the padded step runs eagerly through the PyTorch reference (the padding logic); on a GPU
 the captured graph is replayed against the eager Triton forward, and an engine whose prefills
@@ -13,10 +13,10 @@ import transformers
 
 from shared.model_files import ModelSource
 from tests.worker.model_harness import build_batch
-from worker.loader import attach_kv_cache, load_model
-from worker.prefill_graphs import PrefillGraphs
-from worker.req_table import ReqTable
-from worker.token_pool import TokenPool
+from worker.model.loader import attach_kv_cache, load_model
+from worker.runner.prefill_graphs import PrefillGraphs
+from worker.runner.req_table import ReqTable
+from worker.engine.token_pool import TokenPool
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +91,9 @@ def test_a_replayed_prefill_graph_gives_the_eager_logits(tiny_dir):
 def test_prefills_arriving_one_at_a_time_decode_the_cpu_tokens(tiny_dir):
     from shared.config import ModelSettings, WorkerSettings
     from shared.schemas import GenerateRequest, SamplingParams
-    from worker.events import Token, flat
+    from worker.engine.events import Token, flat
     from worker.main import build_engine
-    from worker.request import Req
+    from worker.engine.request import Req
 
     def greedy(device: str) -> dict[str, list[int]]:
         settings = WorkerSettings(model=ModelSettings(model_dir=tiny_dir, max_req_total_len=128), device=device,

@@ -14,9 +14,9 @@ from shared.keys import WORKER_GROUP
 from shared.model_files import load_tokenizer, resolve
 from shared.redis import ensure_group, sync_client
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
-from worker.events import Ended, Event, Released, Started, Token, Tokens
-from worker.publisher import Publisher, Sample
-from worker.publisher_process import PublisherDied, PublisherLink, owner
+from worker.engine.events import Ended, Event, Released, Started, Token, Tokens
+from worker.service.publisher import Publisher, Sample
+from worker.service.publisher_process import PublisherDied, PublisherLink, owner
 
 TEXT = " The answer is 42. Done here."
 RID = "r" * 32
@@ -220,7 +220,7 @@ def test_an_orphaned_publisher_stops_retrying_a_dead_redis(redis_settings, token
     (its requests resume elsewhere), instead of retrying forever as an orphan."""
     import redis as redis_lib
 
-    from worker import publisher as publisher_module
+    from worker.service import publisher as publisher_module
 
     monkeypatch.setattr(publisher_module, "ORPHAN_RETRY_S", 0.2)
     dead = redis_lib.Redis(port=1, socket_connect_timeout=0.05)  # nothing listens on port 1

@@ -5,13 +5,13 @@ import torch
 from shared.admission import AdmissionRule
 from shared.config import AdmissionSettings
 from shared.schemas import GenerateRequest, SamplingParams
-from worker.counting_model import CountingModel
-from worker.engine import Engine, EngineLimits
-from worker.events import Token, flat
-from worker.model_runner import ModelRunner
-from worker.req_table import ReqTable
-from worker.request import Req
-from worker.token_pool import TokenPool
+from worker.model.counting_model import CountingModel
+from worker.engine.engine import Engine, EngineLimits
+from worker.engine.events import Token, flat
+from worker.runner.model_runner import ModelRunner
+from worker.runner.req_table import ReqTable
+from worker.engine.request import Req
+from worker.engine.token_pool import TokenPool
 
 
 def counting_engine(room: int = 4, slots: int = 256) -> Engine:

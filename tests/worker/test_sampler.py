@@ -1,7 +1,7 @@
 import torch
 
 from shared.schemas import SamplingParams
-from worker.sampler import SamplingBatch, sample
+from worker.runner.sampler import SamplingBatch, sample
 
 
 def build(params, vocab):
@@ -88,7 +88,7 @@ def test_seeded_sampling_follows_the_distribution():
 
 
 def test_seeded_noise_is_exponential_and_keyed_by_token():
-    from worker.sampler import hash32, seed_key, seeded_noise
+    from worker.runner.sampler import hash32, seed_key, seeded_noise
 
     values = torch.arange(1 << 16, dtype=torch.int64)
     assert hash32(values).unique().numel() == 1 << 16  # a bijection: no collisions

@@ -14,7 +14,7 @@ import torch
 
 from shared.model_files import load_tokenizer, resolve
 from tests.worker.model_harness import PoolRunner
-from worker.loader import load_model
+from worker.model.loader import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from worker.stop import StopMatcher
+from worker.service.stop import StopMatcher
 
 
 def run(stops, pieces, armed_from=0):

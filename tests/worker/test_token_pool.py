@@ -3,7 +3,7 @@ import sys
 import numpy as np
 import pytest
 
-from worker.token_pool import TokenPool
+from worker.engine.token_pool import TokenPool
 
 
 def test_allocate_and_free_one_token_at_a_time_without_loss():
@@ -29,5 +29,5 @@ def test_freeing_more_than_allocated_is_an_error():
 def test_bookkeeping_modules_do_not_need_torch():
     import subprocess
 
-    code = "import sys, worker.token_pool, worker.request; assert 'torch' not in sys.modules"
+    code = "import sys, worker.engine.token_pool, worker.engine.request; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

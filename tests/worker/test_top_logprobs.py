@@ -8,9 +8,9 @@ import torch
 
 from shared.schemas import SamplingParams
 from tests.worker.test_engine import make_engine, req, tiny  # noqa: F401 (fixture)
-from worker.events import Token, flat
-from worker.penalties import TokenCounts
-from worker.sampler import SamplingBatch, sample
+from worker.engine.events import Token, flat
+from worker.runner.penalties import TokenCounts
+from worker.runner.sampler import SamplingBatch, sample
 
 CPU = torch.device("cpu")
 

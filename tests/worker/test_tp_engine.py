@@ -1,5 +1,5 @@
 """``--tp 2`` through the real worker wiring on CPU (gloo, 2 processes): the
-engine on rank 0 (this test process), a follower spawned by ``worker.tp``.
+engine on rank 0 (this test process), a follower spawned by ``worker.runner.tp``.
 Greedy tokens equal ``--tp 1``'s (and transformers') with requests joining
 mid-flight, a chunked prefill beside decodes, and a cancel; followers leave
 on shutdown or when rank 0 dies, and rank 0 leaves when a follower dies."""
@@ -18,8 +18,8 @@ import transformers
 
 from shared.config import ModelSettings, WorkerSettings
 from tests.worker.test_engine import reference_greedy, req, run_to_end
-from worker.events import Token, flat
-from worker import tp as tensor_parallel
+from worker.engine.events import Token, flat
+from worker.runner import tp as tensor_parallel
 from worker.main import build_engine, check_tp, follower, rank_device
 
 POOL = 200
@@ -121,7 +121,7 @@ def test_cancel_mid_flight_tp2_equals_tp1(engines):
 def test_group_forked_over_tp2_equals_transformers(tiny, engines):
     """A group's samples read the leader's prompt through table rows the fork copied on every rank."""
     from shared.schemas import GenerateRequest, SamplingParams
-    from worker.request import Req
+    from worker.engine.request import Req
 
     ref, _ = tiny
     prompt = list(range(30, 50))  # 20 tokens: the fork comes with the third chunk
@@ -178,7 +178,7 @@ def test_tp_must_divide_the_heads_and_find_its_gpus(tiny):
 LIFECYCLE = """
 import os, sys, time
 from tests.worker.test_tp_engine import settings
-from worker import tp
+from worker.runner import tp
 from worker.main import build_engine, follower, rank_device
 s = settings(sys.argv[1], 2)
 group = tp.launch(2, rank_device(s, 0), follower, s)

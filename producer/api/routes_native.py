@@ -1,0 +1,106 @@
+"""LightLLM's native routes (``/generate``, ``/generate_stream``), ``/health`` and ``/metrics``.
+
+Both generate routes validate and enqueue before answering anything, then
+follow the request's chunk stream; a client that leaves cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
+
+from producer.api.api_types import (BODY_DOC, GenerateResult, TokenDetail, dump_without_empty_error,
+                                special_ids, stream_event)
+from producer.edge.auth import CallerDep
+from producer.deps import GenerateBodyDep, ServicesDep
+from producer.api.errors import ApiError, bad_request
+from producer.api.params import check_group
+from producer.streams.streaming import EventStream, collect, follower, sse
+from producer.api.submit import abandon, submit
+from shared.schemas import TokenChunk
+
+router = APIRouter()
+HEALTH_TIMEOUT_S = 2.0
+PID_HEADER = "X-Lightq-Pid"  # which of the --producers processes answered
+
+
+@router.post("/generate", response_model=GenerateResult, openapi_extra=BODY_DOC)
+async def generate(request: Request, body: GenerateBodyDep, services: ServicesDep, caller: CallerDep) -> Response:
+    queued = await submit(body, "generate", services, caller.key_hash)
+    chunks = await collect(follower(services, queued.id, queued.n), request.is_disconnected,
+                           functools.partial(abandon, services, queued.id))
+    if chunks is None:
+        return Response(status_code=499)  # nobody is listening any more
+    result = generate_result(chunks, queued.num_prompt_tokens, body.params.return_details, queued.n)
+    if failed(result):
+        raise ApiError(500, result.error or "generation failed", code="generation_failed", kind="server_error")
+    return Response(dump_without_empty_error(result), media_type="application/json")
+
+
+def failed(result: GenerateResult) -> bool:
+    """Whether a sample ended in an error (then /generate answers 500, as it always did)."""
+    reasons = result.finish_reason if isinstance(result.finish_reason, list) else [result.finish_reason]
+    return "error" in reasons
+
+
+def generate_result(chunks: list[TokenChunk], prompt_tokens: int, details: bool = False,
+                    n: int = 1) -> GenerateResult:
+    """LightLLM's answer: text per sample; counts, reasons and details scalar for n=1, per sample above."""
+    tokens = [[c for c in chunks if c.choice == i and c.token_id is not None] for i in range(n)]
+    last = [[c for c in chunks if c.choice == i][-1] for i in range(n)]
+    detail = [[TokenDetail(id=c.token_id, text=c.text, logprob=c.logprob) for c in own] for own in tokens]
+
+    def shaped(values: list):
+        return values[0] if n == 1 else values
+
+    return GenerateResult(
+        generated_text=["".join(c.text for c in own) for own in tokens],
+        count_output_tokens=shaped([len(own) for own in tokens]),
+        finish_reason=shaped([c.finish_reason for c in last]),
+        prompt_tokens=prompt_tokens,
+        tokens=shaped(detail) if details else None,
+        error=next((c.error for c in last if c.error), None),
+    )
+
+
+@router.post("/generate_stream", openapi_extra=BODY_DOC, response_class=EventStream)
+async def generate_stream(request: Request, body: GenerateBodyDep, services: ServicesDep,
+                          caller: CallerDep) -> EventStream:
+    if check_group(body.params.n, body.params.best_of, "parameters.") > 1:  # LightLLM's rule too
+        raise bad_request("parameters.best_of must be 1 on /generate_stream (its events have no sample "
+                          "index): use /generate, or /v1/completions with stream and n", param="parameters.best_of")
+    queued = await submit(body, "generate_stream", services, caller.key_hash)
+    special = special_ids(services.tokenizer)  # LightLLM's "special" flag of each token event
+    events = sse(
+        follower(services, queued.id),
+        lambda _entry_id, chunk: stream_event(chunk, queued.num_prompt_tokens, special),
+        disconnected=request.is_disconnected,
+        on_abandon=functools.partial(abandon, services, queued.id),
+    )
+    return EventStream(events, request_id=queued.id)
+
+
+@router.get("/health", responses={503: {"description": "Redis does not answer"}})
+@router.get("/healthz", include_in_schema=False)
+async def health(services: ServicesDep) -> JSONResponse:
+    try:
+        healthy = bool(await asyncio.wait_for(services.redis.ping(), HEALTH_TIMEOUT_S))
+    except (RedisError, OSError, asyncio.TimeoutError):
+        healthy = False
+    headers = {PID_HEADER: str(os.getpid())}
+    if healthy:
+        return JSONResponse({"message": "Ok"}, headers=headers)
+    return JSONResponse({"message": "Error"}, status_code=503, headers=headers)
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(services: ServicesDep) -> Response:
+    """Counters and histograms as they are, the cluster gauges of the last refresh: no Redis here."""
+    return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST,
+                    headers={PID_HEADER: str(os.getpid())})

@@ -1,0 +1,109 @@
+"""Validate, tokenise and enqueue one request; nothing is written on rejection."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+import time
+import uuid
+from typing import Any
+
+from producer import store
+from producer.api.api_types import GenerateBody
+from producer.edge.backlog import Gate
+from producer.deps import Services
+from producer.api.errors import bad_request
+from producer.api.params import check_group, check_prompt_length, native_sampling
+from shared.config import ProducerSettings
+from shared.schemas import GenerateRequest, SamplingParams
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def prompt_ids(inputs: str | list[int], tokenizer: Any, param: str = "inputs") -> list[int]:
+    """Token ids of the prompt; text is encoded off the event loop."""
+    if not inputs:
+        raise bad_request(f"{param} is empty", param=param, code="empty_input", reason="empty_input")
+    if isinstance(inputs, str):
+        ids = list(await asyncio.to_thread(tokenizer.encode, inputs))
+        if not ids:
+            raise bad_request(f"{param} encodes to no tokens", param=param, code="empty_input", reason="empty_input")
+        return ids
+    vocab_size = len(tokenizer)
+    bad = next((token for token in inputs if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                          param=param, code="invalid_token_id", reason="invalid_token_id")
+    return list(inputs)
+
+
+def check_length(num_prompt_tokens: int, max_new_tokens: int, max_req_total_len: int) -> None:
+    total = num_prompt_tokens + max_new_tokens
+    if total > max_req_total_len:
+        raise bad_request(
+            f"prompt has {num_prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: "
+            f"{total} exceeds max_req_total_len {max_req_total_len}",
+            param="inputs", code="context_length_exceeded", reason="too_long",
+        )
+
+
+def new_request(ids: list[int], params: SamplingParams, timeout_s: float | None = None,
+                n: int = 1) -> GenerateRequest:
+    """A new request; its id (uuid4: 122 random bits) is unguessable, which status URLs rely on.
+
+    ``timeout_s`` becomes an absolute ``deadline_ms`` the router checks while the request waits.
+    ``n`` > 1: a group of samples. A sampled group without a seed gets one, so its samples are
+    reproducible (no longer needed for a requeue: each sample continues after the tokens it
+    already emitted, see shared.requeue).
+    """
+    created = now_ms()
+    deadline = None if timeout_s is None else created + math.ceil(timeout_s * 1000)
+    if n > 1 and params.seed is None and not params.is_greedy:
+        params = params.model_copy(update={"seed": secrets.randbits(63)})
+    return GenerateRequest(id=uuid.uuid4().hex, prompt_ids=ids, params=params, created_ms=created,
+                           deadline_ms=deadline, n=n)
+
+
+async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings) -> GenerateRequest:
+    n = check_group(body.params.n, body.params.best_of, "parameters.")
+    params = native_sampling(body.params, settings.default_max_new_tokens, tokenizer)
+    ids = await prompt_ids(body.inputs, tokenizer)
+    check_prompt_length(len(ids), settings.model.max_req_input_len, "inputs")
+    check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)
+    return new_request(ids, params, body.params.timeout, n)
+
+
+async def enqueue(request: GenerateRequest, route: str, services: Services,
+                  key_hash: str | None = None) -> GenerateRequest:
+    """Write the request (status hash + ingress entry) and count it; 429/503 when overloaded.
+
+    ``key_hash`` (``producer.edge.auth``) marks the request as the submitting key's own.
+    """
+    # Without the app's gate (a caller outside it) the request is still counted in the backlog.
+    gate = services.gate or Gate(services.redis, services.keys, max_queue_tokens=0, require_workers=False)
+    request = request.model_copy(update={"model": services.model_id})  # only its model's workers take it
+    await gate.enqueue(request, services.settings.redis.request_ttl_s, key_hash)
+    services.metrics.accepted.labels(route=route).inc()
+    services.metrics.prompt_tokens.inc(request.num_prompt_tokens)
+    return request
+
+
+async def submit(body: GenerateBody, route: str, services: Services, key_hash: str | None = None) -> GenerateRequest:
+    """Validate and enqueue; raises ApiError (400) before anything is written."""
+    return await enqueue(await prepare(body, services.tokenizer, services.settings), route, services, key_hash)
+
+
+async def abandon(services: Services, request_id: str) -> None:
+    """The client left before the end: cancel the request wherever it is."""
+    await store.request_cancel(services.redis, services.keys, request_id, services.settings.redis.request_ttl_s)
+    services.metrics.disconnects.inc()
+
+
+async def abandon_all(services: Services, request_ids: list[str]) -> None:
+    """The client of several requests (a completion's prompts) left: cancel every one."""
+    for request_id in request_ids:
+        await store.request_cancel(services.redis, services.keys, request_id, services.settings.redis.request_ttl_s)
+    services.metrics.disconnects.inc()

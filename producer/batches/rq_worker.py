@@ -1,0 +1,198 @@
+"""``lightq rq-worker``: rq's side of lightq (batch jobs and housekeeping), one service.
+
+Two rq workers, because rq runs one job at a time per worker: this process
+runs batch jobs (queue ``--batch_queue``), each in a forked job process; a
+child process runs the housekeeping queue (``--housekeeping_queue``) with
+rq's scheduler, so a batch that takes hours never holds housekeeping up.
+
+Housekeeping (``shared.housekeeping``, plus retrying abandoned batch jobs)
+reschedules itself every ``--housekeeping_interval_s`` with ``enqueue_at``,
+under one job id per time slot and ``unique=True``: any number of rq-worker
+replicas keep a single chain, and each one's start revives a broken chain.
+
+A Redis outage (a restart) ends an rq worker's loop, and its scheduler
+process with it; each worker here is started again once Redis answers
+(``work_through_outages``), and the janitor's worker restarts a scheduler
+that died under it at its next maintenance (``JanitorWorker``), so
+housekeeping carries on after Redis comes back.
+
+On SIGTERM the batch worker stops at once instead of waiting for its job
+(rq's warm shutdown, which could take hours): it kills the job process and
+exits. The job stays in rq's started registry until its heartbeat lapses;
+housekeeping then finds it abandoned, rq retries it (``Retry``), and the
+batch resumes where it was (``producer.batches.job``).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import time
+from datetime import datetime, timedelta, timezone
+
+import redis
+from rq import Queue, SimpleWorker, Worker
+from rq.exceptions import DuplicateJobError
+from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
+from rq.utils import now
+
+from shared.config import RqWorkerSettings
+from shared.housekeeping import run_all
+from shared.keys import Keys
+from shared.redis import answers, sync_client
+from shared.service import setup_logging
+
+log = logging.getLogger("lightq.rq")
+
+
+class BatchWorker(Worker):
+    """rq's forking worker, except that the first SIGTERM or SIGINT is a cold shutdown (see above)."""
+
+    def request_stop(self, signum, frame):
+        self._shutdown_requested_date = now() - timedelta(seconds=2)  # rq ignores a repeat within 1 s
+        self.request_force_stop(signum, frame)
+
+
+class JanitorWorker(SimpleWorker):
+    """rq's in-process worker whose maintenance also revives a dead scheduler at once.
+
+    rq restarts a dead scheduler process only if it can take the scheduler lock, and the lock
+    of one that died in an outage stays in Redis (persisted) for a minute; it is this worker's
+    own scheduler's lock, so it is released first. (``_process`` is rq's; rq has no accessor.)
+    """
+
+    def run_maintenance_tasks(self):
+        scheduler = self.scheduler
+        if scheduler is not None and scheduler._process is not None and not scheduler._process.is_alive():
+            log.warning("rq scheduler (pid %s) is gone: starting another", scheduler._process.pid)
+            scheduler.release_locks()
+            scheduler._process = None
+        super().run_maintenance_tasks()
+
+
+def queue(name: str, connection: redis.Redis) -> Queue:
+    """An rq queue of lightq's: JSON job arguments (never pickle)."""
+    return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def run(settings: RqWorkerSettings) -> None:
+    """The service: the housekeeping child first (before anything else starts threads), then batches."""
+    setup_logging()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # job processes are forked from this one
+    janitor = multiprocessing.get_context("fork").Process(
+        target=run_janitor, args=(settings.model_dump(mode="json"),), name="lightq-janitor")
+    janitor.start()
+    connection = redis.Redis.from_url(settings.redis.url)
+    try:
+        from producer.batches.job import tokenizer_for
+
+        tokenizer_for(settings.model.model_dir)  # once here; every forked job process has it
+        batch_queue = queue(settings.batch.queue, connection)
+        work_through_outages(settings.redis.url, lambda: BatchWorker(
+            [batch_queue], connection=connection, serializer=JSONSerializer))
+    finally:
+        janitor.terminate()
+        janitor.join(timeout=10)
+        connection.close()
+
+
+def run_janitor(settings: dict) -> None:
+    """The housekeeping worker (with rq's scheduler), in the child process."""
+    _die_with_parent()
+    parsed = RqWorkerSettings.model_validate(settings)
+    connection = redis.Redis.from_url(parsed.redis.url)
+    janitor_queue = queue(parsed.housekeeping.queue, connection)
+    interval = parsed.housekeeping.interval_s
+
+    def janitor() -> JanitorWorker:
+        schedule_housekeeping(janitor_queue, parsed, time.time())  # revives a chain broken by an outage
+        # Maintenance (and the scheduler check in it) runs between dequeues: at least every interval.
+        return JanitorWorker([janitor_queue], connection=connection, serializer=JSONSerializer,
+                             worker_ttl=interval + 15, maintenance_interval=interval)
+
+    work_through_outages(parsed.redis.url, janitor, with_scheduler=True)
+
+
+def work_through_outages(url: str, make_worker, **work_args) -> None:
+    """Run an rq worker until it is asked to stop; one that quit in a Redis outage (rq's loop
+    quits on most Redis errors) is replaced by a new one when Redis answers again."""
+    while True:
+        worker = None
+        try:
+            worker = make_worker()
+            worker.work(logging_level=os.environ.get("LIGHTQ_LOG_LEVEL", "INFO"), **work_args)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("rq worker: Redis unreachable (%s): starting again when it answers", exc)
+        if worker is not None and worker._shutdown_requested_date is not None:  # SIGTERM/SIGINT (rq's own)
+            return
+        time.sleep(1.0)  # whatever ended the loop, never spin on it
+        while not answers(url):
+            time.sleep(1.0)
+        if worker is not None and worker.scheduler is not None:
+            # Its scheduler died with it; its lock (persisted, a minute's TTL) would keep the next out.
+            try:
+                worker.scheduler.release_locks()
+            except redis.RedisError:
+                pass
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def housekeeping_job_id(prefix: str, slot: int) -> str:
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', prefix)}-housekeeping-{slot}"
+
+
+def schedule_housekeeping(janitor_queue: Queue, settings: RqWorkerSettings, at: float) -> bool:
+    """Schedule the run of the interval slot holding ``at`` (at the slot's start); False if it exists."""
+    interval = settings.housekeeping.interval_s
+    slot = int(at // interval)
+    try:
+        janitor_queue.enqueue_at(
+            datetime.fromtimestamp(slot * interval, tz=timezone.utc), housekeeping, settings.model_dump(mode="json"),
+            job_id=housekeeping_job_id(settings.redis.key_prefix, slot), unique=True,
+            result_ttl=3 * interval, failure_ttl=86_400, job_timeout=max(interval, 60))
+        return True
+    except DuplicateJobError:
+        return False
+
+
+def housekeeping(settings: dict) -> dict:
+    """The periodic job: the next run is scheduled first, so a failure here cannot end the chain."""
+    parsed = RqWorkerSettings.model_validate(settings)
+    connection = redis.Redis.from_url(parsed.redis.url)
+    client = sync_client(parsed.redis)
+    try:
+        schedule_housekeeping(queue(parsed.housekeeping.queue, connection), parsed,
+                              time.time() + parsed.housekeeping.interval_s)
+        done = run_all(client, Keys(parsed.redis.key_prefix), ttl_s=parsed.redis.request_ttl_s,
+                       stale_worker_s=parsed.housekeeping.stale_worker_s,
+                       scan_count=parsed.housekeeping.scan_count)
+        done["batch_jobs_retried"] = retry_abandoned(queue(parsed.batch.queue, connection))
+        if done["ingress_trimmed"] or done["workers_dropped"] or done["batch_jobs_retried"] or \
+                any(done["request_records"].values()):
+            log.info("housekeeping: %s", done)
+        return done
+    finally:
+        client.close()
+        connection.close()
+
+
+def retry_abandoned(batch_queue: Queue) -> int:
+    """Batch jobs whose worker died: rq retries them (or fails them once out of retries)."""
+    registry = StartedJobRegistry(queue=batch_queue)
+    abandoned = len(registry.get_expired_job_ids())
+    if abandoned:
+        registry.cleanup()
+    return abandoned

@@ -1,0 +1,272 @@
+"""The continuous-batching engine: add, cancel, step.
+
+A step decodes one token for every prefilled request (one forward, a CUDA
+graph on GPU) and prefills prompt chunks of at most ``batch_max_tokens``
+tokens in total (a second forward), so a long prompt is spread over steps
+and never stalls everyone's decode. Admission is the worker's own check on
+its pool, by the same rule the router applies (``shared.admission``):
+conservative (prompt + max_new_tokens of everything running fits, so the
+pool can never run out) or past-future (the estimated peak fits). When an
+estimate was wrong and the pool cannot hold this step's tokens, the newest
+running request is paused: its slots are freed and it waits at the head of
+the queue with its output kept, to be prefilled again (prompt + output) and
+continue. Finished and cancelled requests free their slots at once.
+
+A group (n samples of one prompt, ``worker.engine.request``) is admitted whole,
+its prompt counted once (``worker.engine.load.request_states``); its leader
+prefills the prompt and the step that completes it forks the other samples,
+which share the prompt's slots. From then on each sample is a request of
+its own here: it decodes, finishes, is cancelled or paused alone (a paused
+sample lets go of the shared prompt and is prefilled again on its own copy,
+simpler than pausing whole groups and as correct). The inbox entry is
+released with the group's last sample. A requeued group forks only its
+unfinished samples, and one that had emitted tokens is prefilled after
+them on top of the shared prompt before it samples again
+(``worker.engine.request``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shared.schemas import FinishReason, RequestStatus
+from shared.admission import AdmissionRule
+from shared.batch_view import BatchView, Candidate
+from shared.config import AdmissionSettings
+from worker.engine.events import Ended, Event, Released, Started, Tokens
+from worker.engine.load import request_states
+from worker.engine.request import Phase, Req, sampling_after_prefill
+
+if TYPE_CHECKING:  # the engine itself stays free of torch
+    from worker.runner.sampler import Sampled
+
+log = logging.getLogger("lightq.worker")
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_total_tokens: int
+    batch_max_tokens: int
+    running_max_req_size: int
+    mix_max_prefill_tokens: int = 0  # a step prefilling at most this many tokens feeds its decodes in that forward
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    used_tokens: int
+    committed_tokens: int
+    num_running: int
+    num_waiting: int
+
+
+class Engine:
+    def __init__(self, runner, limits: EngineLimits, eos_ids: set[int], rule: AdmissionRule | None = None):
+        self.runner = runner
+        self.limits = limits
+        self.eos_ids = eos_ids
+        self.rule = rule or AdmissionRule(AdmissionSettings(admission="conservative"))
+        self.num_pauses = 0
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self._lock = threading.Lock()  # guards what the heartbeat thread reads
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_unstarted(self) -> list[Req]:
+        """Remove and return the waiting requests that never started here (no events were sent
+        for them; a paused one has, and stays)."""
+        with self._lock:
+            unstarted = [r for r in self.waiting if not r.is_paused]
+            self.waiting = deque(r for r in self.waiting if r.is_paused)
+        return unstarted
+
+    def add(self, req: Req) -> None:
+        with self._lock:
+            self.waiting.append(req)
+
+    def requests(self) -> list[Req]:
+        with self._lock:
+            return [*self.running, *self.waiting]
+
+    def snapshot(self) -> LoadSnapshot:
+        with self._lock:
+            # committed: prompt + max_new_tokens of every sample, each group's prompt once
+            committed = sum(s.conservative_need for s in request_states([*self.running, *self.waiting]))
+            return LoadSnapshot(self.runner.pool.num_used, committed, len(self.running), len(self.waiting))
+
+    def cancel(self, req: Req) -> list[Event]:
+        """End ``req`` now (wherever it is) and free its slots; an unforked group ends every sample."""
+        if req.phase is Phase.FINISHED:
+            return []
+        if req.is_unforked_leader:  # it stands for every open sample, each after its emitted tokens
+            ends = [(c, len(req.group.msg.emitted(c))) for c in req.group.msg.open_choices]
+        else:
+            ends = [(req.choice, len(req.output_ids))]
+        events: list[Event] = [Ended(req.id, RequestStatus.CANCELLED, "cancelled", num, choice=c) for c, num in ends]
+        return events + self._release(req, "cancelled")
+
+    def stop(self, req: Req) -> list[Event]:
+        """End ``req``, which the publisher found a stop string in (it wrote the end)."""
+        if req.phase is Phase.FINISHED:
+            return []
+        return self._release(req, "stop")
+
+    def step(self, early: Callable[[list[Event]], None] | None = None) -> list[Event]:
+        """Admit, prefill, decode. The prefill goes first, and ``early`` (if given) gets its events
+        (admissions, first tokens) before the decode runs: a new request's first token does not wait
+        for the decode forward. The other events are returned."""
+        events: list[Event] = [Started(r.msg, r.taken_ms) for r in self._admit() if not r.is_paused]
+        for req in self.running:
+            req.is_paused = False
+        self._pause_overflow()
+        decoding = [r for r in self.running if r.is_prefilled]  # before the prefill: it samples its own
+        prefill = self._prefill_chunks(reserved=len(decoding))
+        # A small prefill takes the decoding requests along as one-token chunks of its forward: one
+        # weight read and one round of launches, not two (a small prefill's forward waits on the
+        # host's launches). A large one goes alone, then the decode graph: the prefill kernel reads
+        # a decode row's whole context in one program, which costs more than it saves there.
+        mixed = bool(decoding and prefill and sum(n for _, n in prefill) <= self.limits.mix_max_prefill_tokens)
+        chunks = ([(r, 1) for r in decoding] if mixed else []) + prefill
+        if chunks:
+            events += self._prefill(chunks)
+        if decoding and not mixed:
+            if early is not None and events:
+                early(events)
+                events = []
+            events += self._sample_and_finish(decoding, self.runner.decode(decoding))
+        return events
+
+    def _prefill(self, chunks: list[tuple[Req, int]]) -> list[Event]:
+        """One prefill forward over (request, tokens) chunks; those that complete sample."""
+        reqs = [r for r, _ in chunks]
+        completing = [r for r, n in chunks if n == r.num_uncached]
+        forks = {r: r.fork_members() for r in completing if r.is_unforked_leader}
+        sampled = self.runner.prefill(reqs, [n for _, n in chunks], completing, forks)
+        self._join_forks(forks)
+        sampling = [r for _, r in sampling_after_prefill(completing, forks)]
+        return self._sample_and_finish(sampling, sampled)
+
+    def _join_forks(self, forks: dict[Req, list[Req]]) -> None:
+        """A forked group's new samples run from now on (the runner gave them rows and the prompt)."""
+        with self._lock:
+            for leader, members in forks.items():
+                leader.group.live += len(members)
+                for member in members:
+                    member.phase = Phase.RUNNING
+                    self.running.append(member)
+
+    def _admit(self) -> list[Req]:
+        """Move waiting requests into the running set, in order, while the rule allows."""
+        admitted: list[Req] = []
+        if not self.waiting:  # most steps: nothing to admit, so no O(batch) summary either
+            return admitted  # (read without the lock: one added meanwhile waits a step)
+        states = request_states(self.running)
+        # Prepared once for the pass: each candidate costs O(K log n), not check's O(K n log n)
+        # (a burst of 1,000 requests took 0.6 s of one step through check).
+        view = BatchView(states, self.limits.max_total_tokens, self.limits.running_max_req_size, self.rule)
+        with self._lock:
+            while self.waiting:
+                req = self.waiting[0]
+                candidate = request_states([req])  # a group: all its samples, the prompt once
+                if not self._fits(view, states, candidate):
+                    break
+                self.waiting.popleft()
+                self.runner.start(req)
+                req.phase = Phase.RUNNING
+                self.running.append(req)
+                admitted.append(req)
+                states += candidate
+                for state in candidate:
+                    view.add(state)
+        return admitted
+
+    def _fits(self, view: BatchView, states: list, candidate: list) -> bool:
+        if len(candidate) == 1:
+            return view.ratio(Candidate(candidate[0], self.rule)) is not None
+        # A group is a set of states: check takes it whole (rare, and fewer than running_max anyway)
+        return self.rule.fits(states, candidate, self.limits.max_total_tokens, self.limits.running_max_req_size)
+
+    def _pause_overflow(self) -> None:
+        """Free slots for this step's tokens by pausing the newest requests (an estimate was wrong)."""
+        while self.runner.pool.num_free < self._slots_needed() and len(self.running) > 1:
+            victim = self.running[-1]
+            with self._lock:
+                self.running.pop()
+                self.runner.finish(victim)
+                victim.phase, victim.is_prefilled, victim.is_paused = Phase.WAITING, False, True
+                self.waiting.appendleft(victim)
+            self.num_pauses += 1
+            log.info("paused %s (%d tokens out) to free KV slots: an estimate was short", victim.id,
+                     len(victim.output_ids))
+
+    def _slots_needed(self) -> int:
+        """Slots this step must have: one per decoding request, one for any prefill to progress."""
+        return sum(r.is_prefilled for r in self.running) + any(not r.is_prefilled for r in self.running)
+
+    def _prefill_chunks(self, reserved: int = 0) -> list[tuple[Req, int]]:
+        """(request, tokens to prefill now), oldest first, within ``batch_max_tokens`` and the
+        pool's free slots less ``reserved`` (this step's decode tokens, when mixed in)."""
+        budget, free = self.limits.batch_max_tokens, self.runner.pool.num_free - reserved
+        chunks: list[tuple[Req, int]] = []
+        for req in self.running:
+            if budget <= 0:
+                break
+            if not req.is_prefilled:
+                n = min(req.num_uncached, budget, free)
+                if n <= 0:
+                    break
+                chunks.append((req, n))
+                budget, free = budget - n, free - n
+        return chunks
+
+    def _sample_and_finish(self, reqs: list[Req], sampled: Sampled) -> list[Event]:
+        """The forward's tokens as one ``Tokens`` record (columns, no object per token), then
+        the releases of the requests they finished (after it: the publisher writes in order)."""
+        if not reqs:
+            return []
+        indexes: list[int] = []
+        reasons: dict[int, FinishReason] = {}
+        for row, (req, token_id) in enumerate(zip(reqs, sampled.ids)):
+            req.is_prefilled = True
+            req.output_ids.append(token_id)
+            indexes.append(len(req.output_ids) - 1)
+            reason = self._finish_reason(req, token_id)
+            if reason is not None:
+                reasons[row] = reason
+        tops = {row: top for row, top in enumerate(sampled.top) if top is not None}
+        tokens = Tokens([r.id for r in reqs], [r.choice for r in reqs], indexes, sampled.ids, sampled.logprobs,
+                        reasons, tops)
+        events: list[Event] = [tokens]
+        for row, reason in reasons.items():
+            events += self._release(reqs[row], reason)
+        return events
+
+    def _finish_reason(self, req: Req, token_id: int):
+        if token_id in self.eos_ids and not req.msg.params.ignore_eos:
+            return "stop"
+        if req.is_done_generating:
+            return "length"
+        return None
+
+    def _release(self, req: Req, reason) -> list[Event]:
+        """Free ``req``; its inbox entry goes when it was its group's last live sample."""
+        with self._lock:
+            if req.phase is Phase.RUNNING:
+                self.running.remove(req)
+                self.runner.finish(req)
+            else:
+                self.waiting.remove(req)
+            req.phase = Phase.FINISHED
+            req.finish_reason = reason
+        if req.group is not None:
+            req.group.live -= 1
+            if req.group.live > 0:
+                return []
+        return [Released(req.id, req.inbox_id)]

@@ -1,0 +1,57 @@
+"""The worker's load record: what the router's admission check reads.
+
+Besides the pool totals it lists, for every running or waiting request, the
+``ReqState`` summary [prompt + output tokens, output tokens, max_new_tokens,
+ignore_eos] from which the router estimates each request's remaining
+length and the batch's peak (router/admission.py). A waiting request is
+listed with the tokens it will hold once prefilled: the peak counts them
+from the start. A group counts its prompt once (``shared.peak.group_states``):
+before its fork as a state per open sample (a requeued group's finished
+ones left out, the tokens each emitted held and generated), after it with
+the prompt on the first member still sharing it. Runs on the heartbeat
+thread while the model loop changes the engine's lists, so it reads a copy
+and tolerates a request appearing in both lists for an instant (it is
+listed once).
+"""
+
+from __future__ import annotations
+
+from shared.admission import request_states as message_states
+from shared.peak import ReqState
+from shared.request_log import now_ms
+from shared.schemas import WorkerLoad
+from worker.engine.request import Phase, Req
+
+
+def request_states(reqs: list[Req]) -> list[ReqState]:
+    """One state per sample; each group's shared prompt counted once."""
+    seen: set[int] = set()
+    carried: set[int] = set()  # groups whose shared prompt is already counted
+    states: list[ReqState] = []
+    for req in reqs:
+        if id(req) in seen or req.phase is Phase.FINISHED:
+            continue
+        seen.add(id(req))
+        params = req.msg.params
+        if req.is_unforked_leader:  # every open sample, as the router counted the group's message
+            states += message_states(req.group.msg)
+            continue
+        held = req.num_tokens
+        if req.num_shared:  # a member reading the group's prompt: count it with the first one only
+            if id(req.group) in carried:
+                held -= req.num_shared
+            carried.add(id(req.group))
+        states.append(ReqState(held, len(req.output_ids), params.max_new_tokens, int(params.ignore_eos)))
+    return states
+
+
+def build_load(engine, worker_id: str, seq: int, last_inbox_id: str, draining: bool = False,
+               model: str | None = None) -> WorkerLoad:
+    """``engine`` is a ``worker.engine.engine.Engine`` (limits, snapshot(), requests())."""
+    snap = engine.snapshot()
+    return WorkerLoad(worker_id=worker_id, seq=seq, ts_ms=now_ms(),
+                      max_total_tokens=engine.limits.max_total_tokens, used_tokens=snap.used_tokens,
+                      committed_tokens=snap.committed_tokens, num_running=snap.num_running,
+                      num_waiting=snap.num_waiting, last_inbox_id=last_inbox_id, draining=draining, model=model,
+                      running_max_req_size=engine.limits.running_max_req_size,
+                      requests=[tuple(s) for s in request_states(engine.requests())])

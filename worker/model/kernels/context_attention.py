@@ -1,0 +1,235 @@
+"""Prefill attention over packed sequences, K/V gathered from the token pool.
+
+FlashAttention-2 style: each program owns BLOCK_M queries of one request and
+one query head, and streams that request's K/V in BLOCK_N tiles through the
+request -> token table with a base-2 online softmax. Request b's new queries
+sit at packed rows q_starts[b] .. q_starts[b] + q_lens[b] - 1 and have
+positions cached_lens[b] + i, so query i sees pool positions
+0 .. cached_lens[b] + i (causal, offset by the cached prefix): a chunked or
+prefix-cached prefill needs nothing else. The new tokens' K/V must already be
+in the pool (copy_kv runs first). GQA: query head h reads KV head h // group.
+
+Position rules (worker.model.attention.position_scores), each a constexpr switch
+so the Llama path compiles as before: ALiBi adds slope[h] * (key_pos -
+query_pos) to the scores (BLOOM); a sliding window W hides keys at
+key_pos <= query_pos - W (Mistral). With a window the block starts at its
+first query's window edge and every tile is masked: a window wider than the
+context (the common case) then costs one masked tile pass, no more.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.model.positions import position_scores
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slope, window, slot_ptr, k_ptr, v_ptr, stride_ks, stride_vs,
+                  lo, hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Online-softmax update over pool positions [lo, hi) of one request.
+
+    MASKED=False: every position is visible to every query of the block, so no
+    masks (most tiles). MASKED=True: the diagonal tiles, with the causal mask
+    (and the window's, if any) and the hi bound; masked columns read slot 0, a
+    valid row, and their V is masked to 0 so whatever the pool holds there
+    cannot leak in. slope is ALiBi's, already in log2 units like qk.
+    """
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        if MASKED:
+            slots = tl.load(slot_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
+        else:
+            slots = tl.load(slot_ptr + offs_n).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + offs_d[:, None])  # [D, BLOCK_N]
+        qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        rel = offs_n[None, :] - q_pos[:, None]  # key - query position, [BLOCK_M, BLOCK_N]
+        if HAS_ALIBI:
+            qk += slope * rel.to(tl.float32)
+        if MASKED:
+            visible = n_mask[None, :] & (rel <= 0)
+            if HAS_WINDOW:
+                visible = visible & (rel > -window)
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptr + slots[:, None] * stride_vs + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr + slots[:, None] * stride_vs + offs_d[None, :])  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _context_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    q_starts_ptr, q_lens_ptr, cached_lens_ptr, seq_lens_ptr, req_rows_ptr, table_ptr,
+    qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    slopes_ptr, window,  # ALiBi slopes [Hq] fp32 and the window: read only when HAS_ALIBI / HAS_WINDOW
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_table,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start_m = tl.program_id(2) * BLOCK_M
+    q_len = tl.load(q_lens_ptr + b)
+    # The grid is sized for the longest request; shorter ones stop here.
+    if start_m >= q_len:
+        return
+    q_start = tl.load(q_starts_ptr + b).to(tl.int64)
+    cached = tl.load(cached_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    row = tl.load(req_rows_ptr + b).to(tl.int64)
+    kv_h = h // GROUP
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # query index within the request
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < q_len
+    q_rows = q_start + offs_m
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)  # [BLOCK_M, D]
+    q_pos = cached + offs_m  # absolute position of each query
+
+    # Finite init: a row whose first tile is fully masked gives exp2(-inf - m) = 0, not NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    slot_ptr = table_ptr + row * stride_table
+    k_head, v_head = k_ptr + kv_h * stride_kh, v_ptr + kv_h * stride_vh
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(slopes_ptr + h) * 1.4426950408889634  # to log2 units, as qk_scale
+    kv_end = tl.minimum(seq_len, cached + start_m + BLOCK_M)  # past the block's last query position
+    if HAS_WINDOW:
+        # Nothing before the first query's window edge is visible to the block.
+        lo = tl.maximum(cached + start_m - window + 1, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slope, window, slot_ptr, k_head,
+                                      v_head, stride_ks, stride_vs, lo, kv_end, HEAD_DIM, BLOCK_N, True,
+                                      HAS_ALIBI, HAS_WINDOW)
+    else:
+        # Positions <= cached + start_m are visible to every query of the block
+        # (and < seq_len, as start_m < q_len): whole tiles of them need no mask.
+        full_end = (cached + start_m + 1) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slope, window, slot_ptr, k_head,
+                                      v_head, stride_ks, stride_vs, 0, full_end, HEAD_DIM, BLOCK_N, False,
+                                      HAS_ALIBI, HAS_WINDOW)
+        # The rest, up to the block's last query position: causal mask.
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slope, window, slot_ptr, k_head,
+                                      v_head, stride_ks, stride_vs, full_end, kv_end, HEAD_DIM, BLOCK_N, True,
+                                      HAS_ALIBI, HAS_WINDOW)
+    # Every valid row saw its own position, so l_i > 0 wherever the store is unmasked.
+    if HAS_WINDOW:
+        # Padding rows (past q_len) may see nothing inside their window: 0/0, never stored.
+        l_i = tl.where(l_i > 0, l_i, 1.0)
+    acc = acc / l_i[:, None]
+    tl.store(o_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def launch_config(head_dim: int) -> dict:
+    """Default tiles and warps, from a sweep on an H200 at D=128, bf16 (a module
+    function so a tuning run can swap it). D <= 64 is untuned."""
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def check_position_rules(q: torch.Tensor, alibi_slopes: torch.Tensor | None, window: int | None) -> None:
+    """alibi_slopes: fp32 [Hq] on q's device; window: a positive int. Shared with decode_attention."""
+    if alibi_slopes is not None:
+        assert alibi_slopes.shape == (q.shape[1],) and alibi_slopes.dtype == torch.float32, (
+            f"alibi_slopes {tuple(alibi_slopes.shape)} {alibi_slopes.dtype}: want fp32 [{q.shape[1]}]")
+        assert alibi_slopes.device == q.device and alibi_slopes.stride(0) == 1, (
+            "alibi_slopes: contiguous, on q's device")
+    assert window is None or window >= 1, f"window {window}: want None or >= 1"
+
+
+def _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table) -> None:
+    assert q.dim() == 3 and o.shape == q.shape, f"q {tuple(q.shape)} / o {tuple(o.shape)}: want [T, Hq, D]"
+    assert k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "k_cache / v_cache: want equal [S, Hkv, D]"
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[1]
+    assert k_cache.shape[2] == head_dim, f"head_dim q {head_dim} vs cache {k_cache.shape[2]}"
+    assert num_heads % num_kv_heads == 0, f"Hq {num_heads} not a multiple of Hkv {num_kv_heads}"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: power of two >= 16 (tl.dot)"
+    assert q.dtype == o.dtype == k_cache.dtype == v_cache.dtype, "q, o and the cache share a dtype"
+    assert all(t.stride(-1) == 1 for t in (q, o, k_cache, v_cache)), "head dim must be contiguous"
+    batch = index_tensors[0].shape[0]
+    for t in index_tensors:
+        assert t.shape == (batch,) and not t.is_floating_point(), "index tensors: integer [B]"
+    assert req_table.dim() == 2 and req_table.stride(1) == 1 and not req_table.is_floating_point()
+    devices = {t.device for t in (q, k_cache, v_cache, o, req_table, *index_tensors)}
+    assert len(devices) == 1, f"inputs on several devices: {devices}"
+
+
+def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
+                      q_starts: torch.Tensor, q_lens: torch.Tensor, cached_lens: torch.Tensor,
+                      seq_lens: torch.Tensor, req_rows: torch.Tensor, req_table: torch.Tensor,
+                      max_q_len: int, sm_scale: float | None = None,
+                      alibi_slopes: torch.Tensor | None = None, window: int | None = None,
+                      block_m: int | None = None, block_n: int | None = None) -> None:
+    """o[T, Hq, D] = causal attention of q over the pool, per request (see module doc).
+
+    k_cache / v_cache: [S, Hkv, D] views of one pool layer (pool[:, :Hkv], pool[:, Hkv:]).
+    max_q_len (host int) sizes the grid; it must be >= every q_lens[b].
+    alibi_slopes [Hq] fp32 / window: the position rules, None for none.
+    """
+    index_tensors = (q_starts, q_lens, cached_lens, seq_lens, req_rows)
+    _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table)
+    check_position_rules(q, alibi_slopes, window)
+    num_heads, head_dim = q.shape[1:]  # q: [T, Hq, D]
+    batch = q_lens.shape[0]
+    if batch == 0 or max_q_len == 0:
+        return
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    cfg = launch_config(head_dim)  # {BLOCK_M, BLOCK_N, num_warps, num_stages}
+    tile_m, tile_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    block_m, block_n = block_m or tile_m, block_n or tile_n
+    grid = (batch, num_heads, triton.cdiv(max_q_len, block_m))
+    _context_attention_kernel[grid](
+        q, k_cache, v_cache, o, q_starts, q_lens, cached_lens, seq_lens, req_rows, req_table,
+        # Without ALiBi, q stands in for the slopes pointer: never read, but a tensor either way.
+        scale * LOG2E, q if alibi_slopes is None else alibi_slopes, window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        o.stride(0), o.stride(1), req_table.stride(0),
+        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=window is not None, **cfg,
+    )
+
+
+def context_attention_ref(q, k_cache, v_cache, q_starts, q_lens, cached_lens, seq_lens,
+                          req_rows, req_table, sm_scale: float | None = None,
+                          alibi_slopes: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Plain PyTorch, one request at a time, in fp32. Returns [T, Hq, D] in q's dtype.
+
+    The causal mask, ALiBi and the window come from worker.model.attention.position_scores,
+    the rule the model tests check against transformers.
+    """
+    num_heads, head_dim = q.shape[1:]
+    group = num_heads // k_cache.shape[1]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    out = torch.empty_like(q)
+    for b in range(q_lens.shape[0]):
+        start, n, cached, seq = (int(x[b]) for x in (q_starts, q_lens, cached_lens, seq_lens))
+        slots = req_table[int(req_rows[b]), :seq].long()
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [seq, Hq, D]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        qb = q[start:start + n].float()  # [n, Hq, D]
+        scores = torch.einsum("qhd,khd->qhk", qb, k) * scale  # [n, Hq, seq]
+        rel = torch.arange(seq)[None, :] - (cached + torch.arange(n))[:, None]  # [n, seq]
+        scores = position_scores(scores, rel.to(q.device), alibi_slopes, window)
+        out[start:start + n] = torch.einsum("qhk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,237 @@
+"""Decode attention (one query per request) over the token pool, split-K.
+
+Flash-decoding in two launches:
+  stage 1, grid (B, Hkv, num_splits): program (b, g, s) attends every query
+    head of KV group g over positions [s * split_len, (s + 1) * split_len) of
+    request b. The group's heads are one tl.dot operand, padded to >= 16 rows,
+    so each K/V tile is loaded once per group, not once per query head. It
+    writes a normalised partial output and its base-2 log-sum-exp.
+  stage 2, grid (B, Hq): merges the partials of the splits request b uses.
+Splitting the sequence keeps the GPU busy when B * Hkv is small and contexts
+are long; splits past a request's length exit at once.
+
+Host ints, fixed at CUDA-graph capture: B, Hq, Hkv, D, max_seq_len and,
+derived from them, num_splits and split_len. Everything per request
+(seq_lens, req_rows, req_table) is read on the device, so a captured graph
+stays valid while every seq_lens[b] <= the max_seq_len it was captured with.
+A longer request would silently lose its tail (stage 2 clamps to num_splits
+rather than read out of bounds), so capture at the longest allowed context.
+
+Position rules (worker.model.attention.position_scores), constexpr switches so the
+Llama path compiles as before: ALiBi adds slope[h] * (key_pos - query_pos),
+the query sitting at seq_len - 1 (BLOOM); a sliding window W keeps only the
+last W positions, so stage 1 starts at seq_len - W and splits wholly before
+it exit at once, and stage 2 merges only the splits from there on (Mistral).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.model.positions import position_scores
+from worker.model.kernels.context_attention import check_position_rules
+
+LOG2E = 1.4426950408889634
+# Split choice and tiles from a sweep on an H200 (Llama-3-8B shapes, bf16, CUDA graphs):
+# B=256 x 4k context reads K/V at ~4.3 TB/s, the card's measured copy rate.
+MIN_SPLIT_LEN = 128  # shorter splits spend more on stage 2 than they win in parallelism
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 4  # stage-1 programs aimed at per SM when B * Hkv alone is too few
+DEFAULT_BLOCK_N = 128
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr, k_ptr, v_ptr, req_rows_ptr, seq_lens_ptr, table_ptr, part_o_ptr, part_lse_ptr,
+    qk_scale, split_len, slopes_ptr, window,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_start = s * split_len
+    split_end = tl.minimum(split_start + split_len, seq_len)
+    if HAS_WINDOW:
+        split_start = tl.maximum(split_start, seq_len - window)  # positions before it left the window
+    # Grid sized for max_seq_len: splits past this request's end (or before its window) have no work.
+    if split_start >= split_end:
+        return
+    row = tl.load(req_rows_ptr + b).to(tl.int64)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < GROUP  # rows past the group are padding for tl.dot
+    heads = g * GROUP + offs_h
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None], other=0.0)  # [BLOCK_H, D]
+    if HAS_ALIBI:
+        # log2 units, as qk_scale; padding rows get slope 0 (their output is never stored).
+        slopes = tl.load(slopes_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634  # [BLOCK_H]
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(split_start, split_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < split_end
+        # Masked columns read slot 0, a valid pool row; their scores are masked below.
+        slots = tl.load(table_ptr + row * stride_table + offs_n, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None],
+                    mask=n_mask[None, :], other=0.0)  # [D, BLOCK_N]
+        qk = tl.dot(q, k) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        if HAS_ALIBI:
+            qk += slopes[:, None] * (offs_n - (seq_len - 1)).to(tl.float32)[None, :]
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + g * stride_vh + offs_d[None, :],
+                    mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # The split holds >= 1 position, so l_i > 0.
+    base = b.to(tl.int64) * stride_pb + heads * stride_ph + s * stride_ps  # [BLOCK_H]
+    tl.store(part_o_ptr + base[:, None] + offs_d[None, :], acc / l_i[:, None], mask=h_mask[:, None])
+    tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + s, m_i + tl.log2(l_i),
+             mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, split_len, num_splits, window,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    # Only the splits stage 1 wrote; the clamp guards a seq_len past max_seq_len.
+    num_used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < num_used
+    if HAS_WINDOW:
+        s_mask = s_mask & (offs_s >= tl.maximum(seq_len - window, 0) // split_len)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
+                  mask=s_mask, other=float("-inf"))  # [BLOCK_S]
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no split used: avoid -inf - -inf
+    weight = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
+    part = tl.load(part_o_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
+                   + offs_s[:, None] * stride_ps + offs_d[None, :],
+                   mask=s_mask[:, None], other=0.0)  # [BLOCK_S, D]
+    total = tl.sum(weight, 0)
+    # seq_len == 0 (a padding request) has no split: write zeros, not NaN.
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+def stage1_config(head_dim: int) -> dict:
+    """Warps and pipeline depth of stage 1 (a module function so a tuning run can swap it)."""
+    return dict(num_warps=4, num_stages=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the CPU interpreter: few programs, fast tests
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                  block_n: int) -> tuple[int, int]:
+    """(num_splits, split_len) from host ints only: about PROGRAMS_PER_SM per SM,
+    no split shorter than MIN_SPLIT_LEN, split_len a multiple of block_n."""
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, batch * num_kv_heads))
+    by_len = triton.cdiv(max_seq_len, MIN_SPLIT_LEN)
+    num_splits = max(1, min(want, by_len, MAX_SPLITS))
+    split_len = triton.cdiv(triton.cdiv(max(1, max_seq_len), num_splits), block_n) * block_n
+    return triton.cdiv(max(1, max_seq_len), split_len), split_len
+
+
+def _check_inputs(q, k_cache, v_cache, o, req_rows, seq_lens, req_table) -> None:
+    assert q.dim() == 3 and o.shape == q.shape, f"q {tuple(q.shape)} / o {tuple(o.shape)}: want [B, Hq, D]"
+    assert k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "k_cache / v_cache: want equal [S, Hkv, D]"
+    batch, num_heads, head_dim = q.shape
+    assert k_cache.shape[2] == head_dim and num_heads % k_cache.shape[1] == 0, (
+        f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}")
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: power of two >= 16 (tl.dot)"
+    assert q.dtype == o.dtype == k_cache.dtype == v_cache.dtype, "q, o and the cache share a dtype"
+    assert all(t.stride(-1) == 1 for t in (q, o, k_cache, v_cache)), "head dim must be contiguous"
+    for t in (req_rows, seq_lens):
+        assert t.shape == (batch,) and not t.is_floating_point(), "req_rows / seq_lens: integer [B]"
+    assert req_table.dim() == 2 and req_table.stride(1) == 1 and not req_table.is_floating_point()
+    devices = {t.device for t in (q, k_cache, v_cache, o, req_rows, seq_lens, req_table)}
+    assert len(devices) == 1, f"inputs on several devices: {devices}"
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
+                     req_rows: torch.Tensor, seq_lens: torch.Tensor, req_table: torch.Tensor,
+                     max_seq_len: int, sm_scale: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None, window: int | None = None,
+                     num_splits: int | None = None, block_n: int = DEFAULT_BLOCK_N) -> None:
+    """o[B, Hq, D] = attention of request b's one query over its first seq_lens[b] pool tokens.
+
+    k_cache / v_cache: [S, Hkv, D] views of one pool layer. max_seq_len (host
+    int, >= every seq_lens[b]) sizes the split grid; no host sync happens here.
+    alibi_slopes [Hq] fp32 / window: the position rules, None for none.
+    """
+    _check_inputs(q, k_cache, v_cache, o, req_rows, seq_lens, req_table)
+    check_position_rules(q, alibi_slopes, window)
+    batch, num_heads, head_dim = q.shape  # q: [B, Hq, D]
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if batch == 0:
+        return
+    if num_splits is None:
+        num_splits, split_len = choose_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device), block_n)
+    else:
+        split_len = triton.cdiv(max(1, max_seq_len), num_splits)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    part_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
+        # Without ALiBi, q stands in for the slopes pointer: never read, but a tensor either way.
+        q, k_cache, v_cache, req_rows, seq_lens, req_table, part_o, part_lse, scale * LOG2E, split_len,
+        q if alibi_slopes is None else alibi_slopes, window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_table.stride(0), *part_o.stride()[:3], *part_lse.stride()[:2],
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=window is not None, **stage1_config(head_dim),
+    )
+    _decode_stage2_kernel[(batch, num_heads)](
+        part_o, part_lse, seq_lens, o, split_len, num_splits, window or 0,
+        *part_o.stride()[:3], *part_lse.stride()[:2], o.stride(0), o.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), HAS_WINDOW=window is not None,
+        num_warps=4,
+    )
+
+
+def decode_attention_ref(q, k_cache, v_cache, req_rows, seq_lens, req_table, sm_scale: float | None = None,
+                         alibi_slopes: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Plain PyTorch in fp32, one request at a time. Returns [B, Hq, D] in q's dtype.
+    ALiBi and the window: worker.model.attention.position_scores, as the model tests check it."""
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // k_cache.shape[1]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    out = torch.empty_like(q)
+    for b in range(batch):
+        slots = req_table[int(req_rows[b]), :int(seq_lens[b])].long()
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [seq, Hq, D]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        seq = slots.shape[0]
+        scores = torch.einsum("hd,khd->hk", q[b].float(), k)[None] * scale  # [1, Hq, seq]
+        rel = (torch.arange(seq, device=q.device) - (seq - 1))[None]  # [1, seq]: the query is the last token
+        scores = position_scores(scores, rel, alibi_slopes, window)
+        out[b] = torch.einsum("hk,khd->hd", scores[0].softmax(-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,204 @@
+"""Building blocks of lightq's decoders (Llama family, BLOOM), numerically matching transformers.
+
+Parameters are allocated uninitialised (``torch.empty``) on the target device
+and dtype, never on CPU first: a checkpoint or the dummy initialiser fills
+every one of them (the loader checks), so initialising would be wasted work.
+No autograd: parameters have ``requires_grad=False``.
+
+Tensor parallelism (``TensorParallel``, size N > 1): a ``Linear`` built with
+split="column" holds rank r's rows of W (its share of the outputs: heads, MLP
+columns), split="row" holds rank r's columns and sums the partial products
+over the group (one all-reduce). A split parameter carries ``tp_dim``, the
+dim the loader slices checkpoint tensors along.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from worker.model.ops import ops_for
+
+
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group (one process per GPU).
+
+    size 1, the default, never touches torch.distributed; otherwise the
+    process group (``group``, None for the default one) must be initialised.
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: object = None  # torch.distributed ProcessGroup
+
+    def part(self, n: int, what: str) -> int:
+        """This rank's share of n (heads, features, vocabulary rows)."""
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) must be divisible by the tensor-parallel size {self.size}")
+        return n // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """In-place sum over the group."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] from each rank -> [..., size * n], rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = TensorParallel()
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), W: [out, in]; the same names as nn.Linear.
+
+    split="column": W holds out/N rows (b too), y is this rank's out/N outputs.
+    split="row": W holds in/N columns, x is this rank's in/N inputs, y the
+    full sum over ranks; b is whole and added once, after the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str, tp: TensorParallel = SINGLE, split: str | None = None):
+        super().__init__()
+        assert split in (None, "column", "row"), split
+        if split == "column":
+            out_features = tp.part(out_features, "output features")
+        elif split == "row":
+            in_features = tp.part(in_features, "input features")
+        self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
+        if split is not None:
+            self.weight.tp_dim = 0 if split == "column" else 1
+        if split == "column" and bias:
+            self.bias.tp_dim = 0
+        self.tp = tp
+        self.reduce = split == "row" and tp.size > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.reduce:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out], summed over ranks
+        return y if self.bias is None else y + self.bias
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight (``TorchOps.rms_norm``); ``add_norm`` fuses the residual add before it."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = eps
+        self.weight = empty_param(hidden_size, dtype=dtype, device=device)
+        self.ops = ops_for(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add and the norm after it, one kernel on CUDA.
+        The sum is rounded to the model dtype before the norm, as the unfused model has it."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / std * weight + bias over the last dim: F.layer_norm, as
+    transformers' nn.LayerNorm (the statistics are fp32 inside on CUDA too)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = eps
+        self.weight = empty_param(hidden_size, dtype=dtype, device=device)
+        self.bias = empty_param(hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused in one matmul: rows [gate; up].
+    Tensor parallel: each rank holds its I/N columns of gate and of up, and of down's inputs."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str, tp: TensorParallel = SINGLE):
+        super().__init__()
+        tp.part(intermediate_size, "intermediate_size")  # gate and up split alike
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device, tp, "column")
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device, tp, "row")
+        self.ops = ops_for(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings as one dict with ``rope_type`` and ``rope_theta``.
+
+    transformers 5 keeps them in ``config.rope_parameters``; older versions
+    in ``config.rope_theta`` plus an optional ``config.rope_scaling`` dict
+    (whose type key was once ``type``).
+    """
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        params = {"rope_theta": getattr(config, "rope_theta", 10000.0),
+                  **(getattr(config, "rope_scaling", None) or {})}
+    params = dict(params)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] (fp32, CPU) and the cos/sin scale factor."""
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    # "dynamic" and "longrope" change with the sequence length: not supported.
+    if rope_type in ("linear", "llama3", "yarn"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        return inv_freq.float().cpu(), float(scaling)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, yarn are)")
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for given positions; HF Llama's rotate-half convention."""
+
+    def __init__(self, config, head_dim: int, device: torch.device | str):
+        super().__init__()
+        inv_freq, self.scaling = rope_inv_freq(config, head_dim)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, D] in ``dtype`` (broadcast over heads)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], fp32 as HF
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes [num_heads] fp32 (Press et al.; BLOOM's exact values).
+
+    For a power of two n: 2^(-8/n), 2^(-16/n), ... For other n, the slopes
+    of the next lower power of two, then every other slope of twice that.
+    """
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * i / closest) for i in range(1, closest + 1)]
+    extra = [2.0 ** (-4.0 * i / closest) for i in range(1, 2 * (num_heads - closest), 2)]
+    return torch.tensor(slopes + extra, dtype=torch.float32)

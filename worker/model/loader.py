@@ -1,0 +1,132 @@
+"""Build a lightq model on its device and fill its weights.
+
+Start-up, in this order (the KV pool is sized from what the weights leave)::
+
+    model, config = load_model(source, dtype, device)          # weights on device
+    num_slots = <free memory> // KVCache.bytes_per_token(model.num_layers,
+                                    model.num_kv_heads, model.head_dim, dtype)
+    cache = attach_kv_cache(model, num_slots, device)          # pool + backend
+    logits = model(batch)                                      # [B, vocab] fp32
+
+Weights go straight into the model's parameters, which are allocated once on
+the target device: tensors are streamed from the checkpoint one at a time and
+dropped after the copy, so no second copy of the model stays around. Only
+transformers' config, tokenizer and GGUF reading are used, never its models
+(a meta-device transformers model only maps GGUF tensor names).
+
+Sources (``shared.model_files.ModelSource``):
+- ``hf``: config.json + one or many ``*.safetensors`` in a directory;
+- ``gguf``: a .gguf file, dequantised by transformers/gguf (on CPU, fp32);
+- ``dummy``: config.json of a directory, random N(0, 0.02) weights (norms 1)
+  drawn on the device in the target dtype, for benchmarks at real shapes.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from shared.model_files import ModelSource, load_config
+from worker.model.attention import make_backend
+from worker.model.kv_cache import KVCache
+from worker.model.layers import SINGLE, LayerNorm, RMSNorm, TensorParallel
+from worker.model.models import model_class
+
+WeightStream = Iterator[tuple[str, torch.Tensor]]
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str,
+               seed: int = 0, tp: TensorParallel = SINGLE) -> tuple[nn.Module, object]:
+    """(model with weights on ``device``, no attention backend yet; its transformers config).
+
+    ``seed`` only matters for dummy weights. ``tp``: this process's rank in a
+    tensor-parallel group (initialised by the caller); the model keeps its
+    shard of every split weight and ``model.num_kv_heads`` is its share.
+    """
+    config = load_config(source)
+    model = model_class(config)(config, dtype=dtype, device=device, tp=tp)
+    if source.kind == "hf":
+        model.load_weights(safetensors_weights(source.path))
+    elif source.kind == "gguf":
+        model.load_weights(gguf_weights(source.path, config))
+    elif source.kind == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        raise ValueError(f"unknown model source kind {source.kind!r}")
+    return model.eval(), config
+
+
+def attach_kv_cache(model: nn.Module, num_slots: int, device: torch.device | str) -> KVCache:
+    """Allocate the KV pool for ``model`` (in its dtype) and give the model its backend."""
+    cache = KVCache(model.num_layers, num_slots, model.num_kv_heads, model.head_dim, model.dtype, device)
+    model.set_backend(make_backend(cache, device))
+    return cache
+
+
+def safetensors_weights(folder: str) -> WeightStream:
+    """Every tensor of every ``*.safetensors`` in ``folder``, one at a time, on CPU."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    with tqdm(total=total, desc="loading weights", unit="tensor") as bar:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update()
+
+
+def gguf_weights(path: str, config) -> WeightStream:
+    """The GGUF's tensors under transformers names, dequantised to fp32 on CPU.
+
+    transformers maps llama.cpp names to its own through a model's state-dict
+    names, so it gets a transformers model built on the meta device (no
+    memory); it also undoes llama.cpp's Q/K row permutation for rotary.
+    The file is dequantised whole; tensors are popped as they are yielded so
+    each is freed after its copy.
+    """
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        names_only = transformers.AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=names_only)["tensors"]
+    del names_only
+    while tensors:
+        name = next(iter(tensors))
+        yield name, torch.as_tensor(tensors.pop(name))
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights drawn on the parameters' own device and dtype, reproducible by seed.
+
+    Matrices and biases ~ N(0, 0.02) (never zeros: zeros would make every
+    logit equal); norm weights 1, as a trained model's are near 1, and norm
+    biases 0. Norms are found by module type: BLOOM's are named ``ln_f`` too.
+    Under tensor parallelism every rank draws the same sequence, so the
+    replicated parameters (norms, row-parallel biases) agree across ranks.
+    """
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm))]
+    norm_weights = {id(m.weight) for m in norms}
+    norm_biases = {id(m.bias) for m in norms if getattr(m, "bias", None) is not None}
+    for param in model.parameters():
+        if id(param) in norm_weights:
+            param.fill_(1.0)
+        elif id(param) in norm_biases:
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=generator)

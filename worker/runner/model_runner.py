@@ -1,0 +1,197 @@
+"""Turns requests into forward passes and sampled tokens.
+
+It owns the TokenAttention bookkeeping on the device side: pool slots are
+taken from the ``TokenPool`` for every new token, recorded in the request
+-> token table, and handed back when the request ends. Decode steps go
+through CUDA graphs when a ``DecodeGraphs`` is attached (GPU), else eager.
+
+Every forward goes through ``forward(step)`` with the step's host arrays
+(``StepInputs``): it writes the table and runs the model. Under tensor
+parallelism rank 0's runner has ``on_forward`` set (``worker.runner.tp``), which
+hands each step to the other ranks first; they call ``forward`` with it.
+
+A group's prompt is prefilled once, by its leader; the step that completes
+it also forks the other samples (``prefill``'s ``forks``): their table rows
+get a copy of the leader's prompt positions (``StepInputs.forks``, so
+tensor-parallel followers copy too), and each samples its first token from
+the leader's last-position logits. No K/V is copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from worker.model.forward_batch import ForwardBatch
+from worker.runner.req_table import ReqTable
+from worker.engine.request import Req, sampling_after_prefill
+from worker.runner.penalties import TokenCounts
+from worker.runner.sampler import RowParams, Sampled, SamplingBatch, sample
+from worker.engine.token_pool import TokenPool
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One forward's inputs on the host: all a tensor-parallel follower needs to run it too."""
+
+    input_ids: np.ndarray  # [T] int64, packed new tokens
+    positions: np.ndarray  # [T] their positions
+    slots: np.ndarray  # [T] their pool slots
+    rows: np.ndarray  # [B] request-table rows
+    cached: np.ndarray  # [B] tokens of each request already in the pool
+    q_lens: np.ndarray  # [B] new tokens of each request
+    is_decode: bool
+    # [F, 3] (member row, leader row, prompt length): table[member, :len] = table[leader, :len],
+    # after this step's writes (prefill steps only).
+    forks: np.ndarray = field(default_factory=lambda: np.empty((0, 3), dtype=np.int64))
+
+
+class ModelRunner:
+    def __init__(self, model, pool: TokenPool, table: ReqTable, vocab_size: int, device: torch.device,
+                 eos_ids: set[int] = frozenset(), graphs=None, prefill_graphs=None):
+        self.model = model
+        self.pool = pool
+        self.table = table
+        self.vocab_size = vocab_size
+        self.device = device
+        self.graphs = graphs  # worker.runner.cuda_graphs.DecodeGraphs or None
+        self.prefill_graphs = prefill_graphs  # worker.runner.prefill_graphs.PrefillGraphs or None
+        self.on_forward = None  # tensor parallel, rank 0: StepInputs -> None, called before each forward
+        # Per table row token counts, for penalties and min_new_tokens (one row per request).
+        self.counts = TokenCounts(table.hold_row, vocab_size, eos_ids, device)
+        # The last step's parameter tensors, keyed by its samples in order: decode steps of an
+        # unchanged batch reuse them (a sample's parameters never change while it runs).
+        self._row_params: tuple[tuple, RowParams | None] = ((), None)
+
+    def start(self, req: Req) -> None:
+        req.row = self.table.allocate_row()
+        req.slot_ids = np.empty(req.max_len, dtype=np.int64)
+        req.num_cached = req.num_shared = 0
+        self._start_counts(req)
+
+    def _start_counts(self, req: Req) -> None:
+        """The row's token counts: prompt, and output so far (resumed or paused), for penalties."""
+        params = req.msg.params
+        if params.has_penalties or params.min_new_tokens:  # only they read the row's counts
+            self.counts.start(req.row, req.msg.prompt_ids, req.output_ids)
+
+    def finish(self, req: Req) -> None:
+        """Free the request's row and own slots; a group's prompt slots go with their last holder."""
+        self.pool.free(req.slot_ids[req.num_shared:req.num_cached])
+        if req.num_shared:
+            group = req.group
+            group.holders -= 1
+            if group.holders == 0:
+                self.pool.free(group.prompt_slots)
+                group.prompt_slots = None
+        self.table.free_row(req.row)
+        req.row = None
+        req.num_cached = req.num_shared = 0
+
+    def _fork(self, leader: Req, members: list[Req]) -> list[tuple[int, int, int]]:
+        """Share the leader's (complete) prompt with ``members``: rows, not K/V, are copied.
+        Each sample, the leader too, takes its choice's emitted tokens (a requeued group):
+        they are uncached, prefilled by later steps on top of the shared prompt."""
+        group, n = leader.group, len(leader.msg.prompt_ids)
+        group.forked, group.prompt_slots = True, leader.slot_ids[:n].copy()
+        group.holders = 1 + len(members)
+        leader.num_shared = n
+        leader.take_emitted()
+        if leader.output_ids:  # its row's counts were started from the prompt alone
+            self._start_counts(leader)
+        for member in members:
+            member.take_emitted()
+            self.start(member)
+            member.slot_ids[:n] = group.prompt_slots
+            member.num_cached = member.num_shared = n
+        return [(m.row, leader.row, n) for m in members]
+
+    @torch.inference_mode()
+    def decode(self, reqs: list[Req]) -> Sampled:
+        """One token for each request (all prefilled): feed its last token, sample the next."""
+        slots = self.pool.allocate(len(reqs))
+        rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
+        positions = np.fromiter((r.num_cached for r in reqs), dtype=np.int64, count=len(reqs))
+        input_ids = np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int64, count=len(reqs))
+        for req, slot in zip(reqs, slots):
+            req.slot_ids[req.num_cached] = slot
+            req.num_cached += 1
+        ones = np.ones(len(reqs), dtype=np.int64)
+        logits = self.forward(StepInputs(input_ids, positions, slots, rows, positions, ones, True))
+        return self._sample(logits, reqs)
+
+    @torch.inference_mode()
+    def prefill(self, reqs: list[Req], num_new: list[int], completing: list[Req],
+                forks: dict[Req, list[Req]] | None = None) -> Sampled:
+        """Feed ``num_new[i]`` uncached tokens of each request; sample for those in ``completing``
+        and, right after each leader in ``forks`` (which must complete), for its new members."""
+        forks = forks or {}
+        slots = self.pool.allocate(sum(num_new))
+        cached = np.array([r.num_cached for r in reqs], dtype=np.int64)
+        q_lens = np.array(num_new, dtype=np.int64)
+        input_ids: list[int] = []
+        offset = 0
+        for req, n, start in zip(reqs, num_new, cached):
+            new = slots[offset:offset + n]
+            req.slot_ids[start:start + n] = new
+            input_ids.extend(req.all_ids[start:start + n])
+            req.num_cached += n
+            offset += n
+        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, q_lens)])
+        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        copies = [c for leader, members in forks.items() for c in self._fork(leader, members)]
+        logits = self.forward(StepInputs(np.array(input_ids, dtype=np.int64), positions, slots, rows, cached,
+                                         q_lens, False, np.array(copies, dtype=np.int64).reshape(-1, 3)))
+        pairs = sampling_after_prefill(completing, forks)
+        if not pairs:  # nothing completed, or only samples that resume after emitted tokens
+            return Sampled([], [], [])
+        # Each completing request samples from its own last logits, a fork's members from their leader's
+        # (those that resume after emitted tokens do not sample yet: see sampling_after_prefill).
+        position = {r: i for i, r in enumerate(reqs)}
+        return self._sample(logits[[position[source] for source, _ in pairs]], [r for _, r in pairs])
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Table writes, then the forward (a CUDA graph for a decode that fits one): logits [B, vocab]."""
+        if self.on_forward is not None:
+            self.on_forward(step)
+        if step.is_decode and self.graphs is not None and self.graphs.can_run(len(step.rows)):
+            return self.graphs.run(step.input_ids, step.positions, step.slots, step.rows)
+        if step.is_decode:
+            self.table.write_scattered(step.rows, step.positions, step.slots)
+        else:  # every new token's slot in one indexed write (a mixed step has a row per decoding request)
+            if len(step.positions) and int(step.positions.max()) >= self.table.max_len:
+                raise ValueError(f"position {int(step.positions.max())} past the table's {self.table.max_len}")
+            self.table.write_scattered(np.repeat(step.rows, step.q_lens), step.positions, step.slots)
+            for member, leader, n in step.forks.tolist():
+                self.table.table[member, :n] = self.table.table[leader, :n]
+            graphs = self.prefill_graphs
+            if graphs is not None and graphs.can_run(len(step.rows), len(step.input_ids), len(step.forks)):
+                return graphs.run(step.input_ids, step.positions, step.slots, int(step.rows[0]), int(step.cached[0]))
+        return self.model.forward(self._batch(step.input_ids, step.positions, step.slots, step.rows, step.cached,
+                                              step.q_lens, step.is_decode))
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> Sampled:
+        params = [r.msg.params for r in reqs]
+        key = tuple((r.id, r.choice) for r in reqs)
+        if key != self._row_params[0]:
+            self._row_params = (key, RowParams.build(params, self.vocab_size, self.device))
+        batch = SamplingBatch.build(params, self.vocab_size, self.device, rows=[r.row for r in reqs],
+                                    output_lens=[len(r.output_ids) for r in reqs], fixed=self._row_params[1])
+        return sample(logits, batch, self.counts)
+
+    def _batch(self, input_ids, positions, slots, rows, cached, q_lens, is_decode: bool) -> ForwardBatch:
+        def dev(values: np.ndarray, dtype=torch.int32) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(self.device, dtype=dtype, non_blocking=True)
+
+        seq_lens = cached + q_lens
+        q_starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+        return ForwardBatch(
+            input_ids=dev(input_ids, torch.int64), positions=dev(positions, torch.int64),
+            out_slots=dev(slots, torch.int64), req_rows=dev(rows), cached_lens=dev(cached),
+            seq_lens=dev(seq_lens), q_starts=dev(q_starts), q_lens=dev(q_lens),
+            req_table=self.table.table, max_seq_len=int(seq_lens.max()), max_q_len=int(q_lens.max()),
+            is_decode=is_decode,
+        )

@@ -1,0 +1,113 @@
+"""The worker's Prometheus endpoint (``--metrics_port``): its batch, pool and tokens.
+
+Gauges are read when scraped, on the HTTP server's thread, from the
+engine's public state (``snapshot()``, ``limits``, ``requests()``: the same
+reads the heartbeat thread makes) and from Redis (the inbox group).
+Counters come from ``MeteredEngine``, which wraps ``Engine.step`` and
+counts the events it returns; every other attribute is the engine's own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shared.redis import group_backlog
+from shared.keys import WORKER_GROUP, Keys
+from worker.engine.engine import Engine
+from worker.engine.events import Ended, Event, Started, Tokens
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class WorkerMetrics:
+    def __init__(self, worker_id: str):
+        # No collect() at registration: a collector reads Redis, which may be down at start-up.
+        self.registry = CollectorRegistry(auto_describe=False)
+        reg, worker = self.registry, {"worker": worker_id}
+        self.generation_tokens = Counter("lightq:worker_generation_tokens", "output tokens sampled",
+                                         ["worker"], registry=reg).labels(**worker)
+        self.prompt_tokens = Counter("lightq:worker_prompt_tokens", "tokens prefilled (prompt + resumed output)",
+                                     ["worker"], registry=reg).labels(**worker)
+        self.ended = Counter("lightq:worker_requests_ended", "requests that ended here, by finish reason",
+                             ["worker", "reason"], registry=reg)
+        self.step_time = Histogram("lightq:worker_step_seconds", "one engine step (prefill chunk + decode)",
+                                   ["worker"], buckets=STEP_BUCKETS, registry=reg).labels(**worker)
+        self.worker_id = worker_id
+
+    def count(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, Tokens):
+                self.generation_tokens.inc(len(event))
+                for reason in event.reasons.values():
+                    self.ended.labels(worker=self.worker_id, reason=reason).inc()
+            elif isinstance(event, Started):
+                # what its prefill feeds: the prompt once, then each sample's resumed tokens
+                msg = event.msg
+                self.prompt_tokens.inc(len(msg.prompt_ids) + sum(len(msg.emitted(c)) for c in msg.open_choices))
+            elif isinstance(event, Ended):
+                self.ended.labels(worker=self.worker_id, reason=event.reason).inc()
+
+
+class MeteredEngine:
+    """``Engine`` with its steps timed and their events counted; a pass-through otherwise."""
+
+    def __init__(self, engine: Engine, metrics: WorkerMetrics):
+        self._engine = engine
+        self._metrics = metrics
+
+    def step(self, early: Callable[[list[Event]], None] | None = None) -> list[Event]:
+        def counted(events: list[Event]) -> None:
+            self._metrics.count(events)
+            early(events)
+
+        start = time.perf_counter()
+        events = self._engine.step(counted if early is not None else None)
+        self._metrics.step_time.observe(time.perf_counter() - start)
+        self._metrics.count(events)
+        return events
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+class WorkerCollector(Collector):
+    def __init__(self, engine: Engine, client: redis.Redis, keys: Keys, worker_id: str):
+        self.engine = engine
+        self.client = client
+        self.keys = keys
+        self.worker_id = worker_id
+
+    def collect(self) -> Iterable[Metric]:
+        snap, limits, w = self.engine.snapshot(), self.engine.limits, [self.worker_id]
+        pool = limits.max_total_tokens
+        yield _gauge("lightq:worker_running_requests", "requests in the running batch", w, snap.num_running)
+        yield _gauge("lightq:worker_waiting_requests", "requests taken in, not yet admitted to the batch", w,
+                     snap.num_waiting)
+        yield _gauge("lightq:worker_used_tokens", "KV pool tokens holding a request's K/V", w, snap.used_tokens)
+        yield _gauge("lightq:worker_committed_tokens", "prompt + max_new_tokens over running and waiting "
+                     "requests", w, snap.committed_tokens)
+        yield _gauge("lightq:worker_max_total_tokens", "KV pool size in tokens", w, pool)
+        yield _gauge("lightq:worker_kv_usage_ratio", "KV pool tokens in use / pool size", w,
+                     snap.used_tokens / pool if pool else 0.0)
+        yield from self._inbox()
+
+    def _inbox(self) -> Iterable[Metric]:
+        stream = self.keys.inbox(self.worker_id)
+        lag, pending = group_backlog(self.client, stream, WORKER_GROUP)
+        labels = ["stream", "group"]
+        yield _gauge("lightq:stream_lag", "entries never delivered to the group", [stream, WORKER_GROUP],
+                     lag, labels)
+        yield _gauge("lightq:stream_pending", "entries delivered, not acknowledged", [stream, WORKER_GROUP],
+                     pending, labels)
+
+
+def _gauge(name: str, doc: str, label_values: list[str], value: float, labels: list[str] | None = None) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=labels or ["worker"])
+    family.add_metric(label_values, value)
+    return family

@@ -1,0 +1,186 @@
+"""The publisher processes beside each worker, and the model loop's end of their pipes.
+
+The model loop's host work and the publisher's (detokenising, stop strings,
+one Redis write per token) used to share one GIL: every publisher
+millisecond was one the model loop waited for. Here publishing is done by
+``--publishers`` processes of their own, each fed every step's events
+through a pipe (pickled once, written to each pipe: a ``Tokens`` record of
+columns plus the rare per-request events); each process publishes only the
+requests of its shard (``owner``: a stable hash of the request id, so a
+request's chunks stay in order) and answers with the samples a stop string
+ended through a second pipe. A process drains whatever steps are waiting
+before it writes, so when it falls behind it catches up in one Redis
+pipeline, never by dropping anything. Several shards exist because one
+process could not keep up with an H200 at batch 1,000 (about 40 us a token
+against a 25 ms step: issue 13).
+
+Lifetimes are tied both ways: a publisher ends when the worker closes its
+pipe or dies (end of file); a publisher that dies makes ``put`` or
+``check`` raise ``PublisherDied``, and the worker hands its inbox back and
+exits. Its requests then resume on a worker from the last token Redis
+holds, as after any worker death: the chunk stream is the record, so no
+index is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import zlib
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from shared.config import WorkerSettings
+from shared.model_files import load_tokenizer, resolve
+from shared.redis import sync_client
+from shared.request_log import now_ms
+from shared.service import setup_logging
+from worker.engine.events import Event
+from worker.service.publisher import ORPHAN_RETRY_S, Publisher, Sample
+
+log = logging.getLogger("lightq.worker")
+
+F_SETPIPE_SZ = 1031  # Linux: a larger pipe lets the model loop run a few steps ahead without blocking
+PIPE_BYTES = 1 << 20
+MAX_STEPS_PER_WRITE = 64  # steps drained into one Redis pipeline when behind
+CLOSE_TIMEOUT_S = 60.0
+
+
+def owner(request_id: str, shards: int) -> int:
+    """The publisher shard that writes ``request_id``'s chunks (the same in every process)."""
+    return zlib.crc32(request_id.encode()) % shards
+
+
+class PublisherDied(RuntimeError):
+    """A publisher process is gone: tokens the model loop made since its last write are lost."""
+
+
+@dataclass
+class _Shard:
+    process: multiprocessing.process.BaseProcess
+    events: Connection  # the model loop writes steps here
+    stops: Connection  # and reads stop-string ends here
+
+
+class PublisherLink:
+    """The model loop's side: start the processes, send steps, collect stop-string ends."""
+
+    def __init__(self, settings: WorkerSettings, worker_id: str):
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
+        self.shards: list[_Shard] = []
+        self._child_ends: list[Connection] = []
+        for shard in range(settings.publishers):
+            events_in, events_out = ctx.Pipe(duplex=False)
+            stops_in, stops_out = ctx.Pipe(duplex=False)
+            _grow(events_out)
+            process = ctx.Process(target=run, args=(settings, worker_id, shard, events_in, stops_out),
+                                  name=f"lightq-publisher-{worker_id}-{shard}", daemon=True)
+            self.shards.append(_Shard(process, events_out, stops_in))
+            self._child_ends += [events_in, stops_out]
+
+    def start(self) -> None:
+        for shard in self.shards:
+            shard.process.start()
+        for end in self._child_ends:  # only the children hold them now: a death reads as end of file here
+            end.close()
+        log.info("publisher processes %s started", [s.process.pid for s in self.shards])
+
+    def put(self, events: list[Event]) -> None:
+        """A step's events, stamped with the step's end (a request's ``stepped_ms``), to every shard."""
+        if not events:
+            return
+        # Pickle, not the JSON codec: this pipe joins a process to its own children (same code,
+        # never another host or version), and a step is lists the sampler made, which pickle
+        # writes fastest. Anything that leaves the worker goes through shared.codec.
+        data = pickle.dumps((now_ms(), events), protocol=pickle.HIGHEST_PROTOCOL)  # once for all shards
+        for shard in self.shards:
+            try:
+                shard.events.send_bytes(data)
+            except OSError as exc:  # BrokenPipeError among them
+                raise PublisherDied(f"publisher process {shard.process.pid} is gone ({exc})") from None
+
+    def take_stopped(self) -> list[Sample]:
+        """(request id, choice) of samples a stop string ended since the last call."""
+        stopped: list[Sample] = []
+        for shard in self.shards:
+            try:
+                while shard.stops.poll():
+                    stopped += shard.stops.recv()
+            except (EOFError, OSError):
+                self.check()
+        return stopped
+
+    def check(self) -> None:
+        for shard in self.shards:
+            if not shard.process.is_alive():
+                raise PublisherDied(f"publisher process {shard.process.pid} exited with {shard.process.exitcode}")
+
+    def close(self) -> None:
+        """Publish everything sent so far, then stop the processes (at once where one is dead)."""
+        for shard in self.shards:
+            if shard.process.is_alive():
+                try:
+                    shard.events.send(None)
+                except OSError:
+                    pass
+        for shard in self.shards:
+            shard.process.join(CLOSE_TIMEOUT_S)
+            if shard.process.is_alive():
+                log.warning("publisher process %d did not finish in %.0f s: killed", shard.process.pid,
+                            CLOSE_TIMEOUT_S)
+                shard.process.kill()
+            shard.events.close()
+            shard.stops.close()
+
+
+def _grow(conn: Connection) -> None:
+    try:
+        fcntl.fcntl(conn.fileno(), F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:  # not Linux, or above the system's pipe-max-size: the default pipe still works
+        pass
+
+
+def run(settings: WorkerSettings, worker_id: str, shard: int, events: Connection, stops: Connection) -> None:
+    """A publisher process: write its shard of each step's events until the worker closes the pipe."""
+    # Ctrl-C reaches the whole process group; the worker decides when to stop, and this
+    # process must still write what the worker's drain produces, so it ignores both signals.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    setup_logging()
+    tokenizer = load_tokenizer(resolve(settings.model.model_dir))
+    client = sync_client(settings.redis)
+    shards = settings.publishers
+    worker = os.getppid()  # re-parented when the worker dies: then a Redis outage is not waited out
+    publisher = Publisher(settings, client, tokenizer, worker_id, lambda rid: owner(rid, shards) == shard,
+                          lambda: os.getppid() == worker)
+    writes = steps_written = most = 0  # how far behind it ran: steps per write
+    while (steps := _next_steps(events)) is not None:
+        last = steps[-1] is None
+        batch = steps[:-1] if last else steps
+        # After the last step (the worker closed the pipe, or died) retries are bounded.
+        stopped = publisher.publish(batch, ORPHAN_RETRY_S if last else None)
+        writes, steps_written, most = writes + 1, steps_written + len(batch), max(most, len(batch))
+        if stopped and not last:
+            stops.send(stopped)
+        if last:
+            break
+    client.close()
+    log.info("publisher %d/%d wrote %d steps in %d writes (%.2f a write, at most %d)", shard, shards,
+             steps_written, writes, steps_written / max(1, writes), most)
+
+
+def _next_steps(events: Connection) -> list | None:
+    """The waiting steps (at least one; blocks for it), or None at the end. A list that ends
+    with None is the last one: the worker closed the pipe after those steps."""
+    steps: list = []
+    try:
+        steps.append(events.recv())
+        while steps[-1] is not None and len(steps) < MAX_STEPS_PER_WRITE and events.poll():
+            steps.append(events.recv())
+    except EOFError:  # the worker is gone: write what arrived, then stop
+        return [*steps, None] if steps else None
+    return steps

@@ -1,0 +1,196 @@
+"""The worker's service loop (rq's ``Worker.work`` shape).
+
+inbox (block only when idle) -> cancels -> engine.step() -> publisher.
+The model loop never touches text or waits on Redis writes: tokens go to
+the publisher process (``worker.service.publisher_process``), load records to the
+heartbeat thread. If the publisher process dies, the worker hands its inbox
+back and exits with an error (the launcher or the orchestrator restarts it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+
+from shared.codec import from_entry
+from shared.config import WorkerSettings
+from shared.keys import WORKER_GROUP, Keys
+from shared.log_limit import LogLimiter
+from shared.model_files import served_name
+from shared.redis import Backoff, ensure_group
+from shared.requeue import hand_back_inbox, requeue
+from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
+from worker.engine.engine import Engine
+from worker.engine.events import Ended, Released
+from worker.service.heartbeat import Heartbeat
+from worker.engine.load import build_load
+from worker.service.publisher_process import PublisherDied, PublisherLink
+from worker.engine.request import Req
+
+log = logging.getLogger("lightq.worker")
+
+CANCEL_CHECK_S = 0.05
+IDLE_BLOCK_MS = 200
+
+
+class WorkerService:
+    def __init__(self, settings: WorkerSettings, client: redis.Redis, engine: Engine, worker_id: str,
+                 publisher: PublisherLink):
+        self.settings = settings
+        self.client = client
+        self.engine = engine
+        self.keys = Keys(settings.redis.key_prefix)
+        self.worker_id = worker_id
+        self.model = served_name(settings.model.model_dir, settings.model.served_model_name)  # its pool
+        self.publisher = publisher  # started by the caller (it loads while the model does)
+        self.heartbeat = Heartbeat(client, self.keys, worker_id, settings.heartbeat_s, self.load)
+        self.stop_event = threading.Event()
+        self.last_inbox_id = "0-0"
+        self._read_id = "0"  # our own pending entries first, then new ones
+        self._next_cancel_check = 0.0
+        self._next_history_read = 0.0
+        self._backoff = Backoff()
+        self._outage_log = LogLimiter(log)
+        self.draining = False
+
+    def load(self, seq: int) -> WorkerLoad:
+        return build_load(self.engine, self.worker_id, seq, self.last_inbox_id, self.draining, self.model)
+
+    def run(self) -> None:
+        """Serve until SIGTERM, then drain: no new requests, running ones get
+        ``drain_timeout`` to finish, the rest goes back to the ingress stream."""
+        self.heartbeat.start()
+        log.info("worker %s serving (pool %d tokens)", self.worker_id, self.engine.limits.max_total_tokens)
+        try:
+            while not self.stop_event.is_set():
+                self._serve_once()
+            self._drain()
+        except PublisherDied as exc:  # hand back below, then fail: the worker must not serve on
+            log.error("worker %s: %s; handing its requests back and exiting", self.worker_id, exc)
+            raise
+        finally:
+            self.publisher.close()  # every token so far is in Redis before anything is handed back
+            self._hand_back()
+            self.heartbeat.stop()
+            log.info("worker %s stopped", self.worker_id)
+
+    def _serve_once(self) -> None:
+        """One turn of the loop; a Redis outage pauses intake, never running requests."""
+        try:
+            if not self.draining:
+                self._read_inbox()
+            self._check_cancels()
+            self._refresh_history()
+            self._backoff.reset()
+            self._outage_log.reset()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._outage_log.warning("Redis unreachable (%s)", exc)  # not once per step of an outage
+            if not self.engine.has_work:
+                time.sleep(self._backoff.next())
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._read_id = "0"  # Redis lost our inbox group (restarted empty): recreate it
+        self.publisher.check()
+        if self.engine.has_work:
+            events = self.engine.step(self.publisher.put)
+            self.publisher.put(events)
+            if any(isinstance(e, Released) for e in events):
+                self.heartbeat.poke()  # room freed: the routers hear of it now, not at the next period
+            self._free_stopped()
+
+    def _drain(self) -> None:
+        self.draining = True
+        self.heartbeat.beat()  # routers see ``draining`` now and stop dispatching here
+        self._hand_back_unstarted()
+        deadline = time.monotonic() + self.settings.drain_timeout
+        log.info("worker %s draining: %d running", self.worker_id, len(self.engine.running))
+        while self.engine.running and time.monotonic() < deadline:
+            self._serve_once()
+
+    def _hand_back_unstarted(self) -> None:
+        """Requests queued here that never started go back to the ingress stream at once, not after
+        the drain (another worker can start them now). Requeued before their inbox entry goes: a
+        crash between the two requeues one twice at worst (a duplicate), never loses it."""
+        unstarted = [(req.msg, req.inbox_id) for req in self.engine.take_unstarted()]
+        inbox = self.keys.inbox(self.worker_id)
+        try:  # and what the inbox holds that this worker never read
+            reply = self.client.xreadgroup(WORKER_GROUP, self.worker_id, {inbox: ">"}, count=100_000)
+            unstarted += [(from_entry(GenerateRequest, fields), entry_id) for entry_id, fields in
+                          (reply[0][1] if reply else [])]
+            for msg, entry_id in unstarted:
+                requeue(self.client, self.keys, msg, self.settings.redis.request_ttl_s,
+                        self.settings.max_attempts, count_attempt=False)
+                pipe = self.client.pipeline(transaction=True)
+                pipe.xack(inbox, WORKER_GROUP, entry_id)
+                pipe.xdel(inbox, entry_id)
+                pipe.execute()
+        except redis.RedisError as exc:  # those not requeued are still in the inbox: handed back at exit
+            log.warning("handing back unstarted requests failed (%s): they go back at exit", exc)
+        if unstarted:
+            log.info("worker %s handed %d unstarted requests back", self.worker_id, len(unstarted))
+
+    def _hand_back(self) -> None:
+        """Requeue what is still in our inbox (waiting, unfinished, or dispatched late)."""
+        try:
+            count = hand_back_inbox(self.client, self.keys, self.worker_id, self.settings.redis.request_ttl_s,
+                                    self.settings.max_attempts, count_attempt=False)
+        except redis.RedisError as exc:  # the router reaps our inbox once our record expires
+            log.warning("hand-back failed (%s): the router will re-dispatch", exc)
+            return
+        if count:
+            log.info("worker %s handed %d requests back", self.worker_id, count)
+
+    def _read_inbox(self) -> None:
+        if self._read_id == "0":  # first turn, or after a Redis restart lost the group
+            ensure_group(self.client, self.keys.inbox(self.worker_id), WORKER_GROUP)
+        block = None if self.engine.has_work or self._read_id == "0" else IDLE_BLOCK_MS
+        reply = self.client.xreadgroup(WORKER_GROUP, self.worker_id, {self.keys.inbox(self.worker_id): self._read_id},
+                                       count=1024, block=block)
+        self._read_id = ">"
+        for entry_id, fields in reply[0][1] if reply else []:
+            self._take(entry_id, from_entry(GenerateRequest, fields))
+            self.last_inbox_id = entry_id
+
+    def _take(self, entry_id: str, msg: GenerateRequest) -> None:
+        req = Req(msg=msg, inbox_id=entry_id)
+        if msg.max_tokens_needed > self.engine.limits.max_total_tokens:
+            error = f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds {self.engine.limits.max_total_tokens}"
+            self.publisher.put([Ended(msg.id, RequestStatus.FAILED, "error", msg.num_emitted, error),
+                                Released(msg.id, entry_id)])
+            return
+        self.engine.add(req)
+
+    def _free_stopped(self) -> None:
+        """Requests the publisher ended on a stop string: free their slots now."""
+        stopped = set(self.publisher.take_stopped())
+        if stopped:
+            for req in self.engine.requests():
+                if (req.id, req.choice) in stopped:
+                    self.publisher.put(self.engine.stop(req))
+            self.heartbeat.poke()
+
+    def _refresh_history(self) -> None:
+        """The output lengths past-future admission estimates from, re-read now and then."""
+        now = time.monotonic()
+        if now < self._next_history_read:
+            return
+        rule = self.engine.rule
+        self._next_history_read = now + rule.settings.history_refresh_s
+        rule.learn(self.client.lrange(self.keys.output_lengths(), 0, rule.history.window - 1))
+
+    def _check_cancels(self) -> None:
+        now = time.monotonic()
+        if now < self._next_cancel_check or not self.engine.has_work:
+            return
+        self._next_cancel_check = now + CANCEL_CHECK_S
+        reqs = self.engine.requests()
+        # One MGET, not an EXISTS per request: with 1,000 requests every 50 ms, the EXISTS
+        # commands alone were a tenth of the model loop's time in a burst.
+        marks = self.client.mget([self.keys.cancel(req.id) for req in reqs])
+        for req, mark in zip(reqs, marks):
+            if mark is not None:
+                self.publisher.put(self.engine.cancel(req))
