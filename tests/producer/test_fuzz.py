@@ -67,7 +67,7 @@ def api_schema(settings, tokenizer, redis_settings):
     app = create_app(settings.model_copy(update={"max_queue_tokens": 1_000_000, "max_body_bytes": 64 * 1024}),
                      tokenizer=tokenizer)
     yield schemathesis.openapi.from_asgi("/openapi.json", app)
-    worker.service.stop.set()
+    worker.stop.set()
     worker.join(timeout=5)
 
 

@@ -9,7 +9,7 @@ positions cached_lens[b] + i, so query i sees pool positions
 prefix-cached prefill needs nothing else. The new tokens' K/V must already be
 in the pool (copy_kv runs first). GQA: query head h reads KV head h // group.
 
-Position rules (worker.model.attention.position_scores), each a constexpr switch
+Position rules (worker.model.positions.position_scores), each a constexpr switch
 so the Llama path compiles as before: ALiBi adds slope[h] * (key_pos -
 query_pos) to the scores (BLOOM); a sliding window W hides keys at
 key_pos <= query_pos - W (Mistral). With a window the block starts at its
@@ -215,7 +215,7 @@ def context_attention_ref(q, k_cache, v_cache, q_starts, q_lens, cached_lens, se
                           alibi_slopes: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Plain PyTorch, one request at a time, in fp32. Returns [T, Hq, D] in q's dtype.
 
-    The causal mask, ALiBi and the window come from worker.model.attention.position_scores,
+    The causal mask, ALiBi and the window come from worker.model.positions.position_scores,
     the rule the model tests check against transformers.
     """
     num_heads, head_dim = q.shape[1:]

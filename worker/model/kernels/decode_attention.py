@@ -17,7 +17,7 @@ stays valid while every seq_lens[b] <= the max_seq_len it was captured with.
 A longer request would silently lose its tail (stage 2 clamps to num_splits
 rather than read out of bounds), so capture at the longest allowed context.
 
-Position rules (worker.model.attention.position_scores), constexpr switches so the
+Position rules (worker.model.positions.position_scores), constexpr switches so the
 Llama path compiles as before: ALiBi adds slope[h] * (key_pos - query_pos),
 the query sitting at seq_len - 1 (BLOOM); a sliding window W keeps only the
 last W positions, so stage 1 starts at seq_len - W and splits wholly before
@@ -220,7 +220,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def decode_attention_ref(q, k_cache, v_cache, req_rows, seq_lens, req_table, sm_scale: float | None = None,
                          alibi_slopes: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Plain PyTorch in fp32, one request at a time. Returns [B, Hq, D] in q's dtype.
-    ALiBi and the window: worker.model.attention.position_scores, as the model tests check it."""
+    ALiBi and the window: worker.model.positions.position_scores, as the model tests check it."""
     batch, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
