@@ -68,7 +68,7 @@ def line(name: str, times: list[float]) -> str:
 async def main(queued: int, scrapes: int) -> None:
     redis_settings = RedisSettings(key_prefix=f"lightq-scrape-bench-{uuid.uuid4().hex[:8]}")
     settings = ProducerSettings(redis=redis_settings, model=ModelSettings(model_dir="counting"))
-    keys, redis = Keys(redis_settings.key_prefix), async_client(redis_settings)
+    keys, redis = redis_settings.keys, async_client(redis_settings)
     port = free_port()
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -34,7 +34,6 @@ from lightq.serve_redis import ServeRedis, open_redis
 from router.registry import read_registry
 from shared.config import ProducerSettings, ServeSettings, WorkerSettings
 from shared.flags import as_env, build
-from shared.keys import Keys
 
 log = logging.getLogger("lightq.serve")
 
@@ -114,7 +113,7 @@ class Readiness:
     def __init__(self, url: str, flags: dict[str, Any], num_workers: int):
         producer = build(ProducerSettings, flags)
         self.client = redis.Redis.from_url(url, decode_responses=True)
-        self.keys = Keys(producer.redis.key_prefix)
+        self.keys = producer.redis.keys
         self.http = f"http://{producer.host}:{producer.port}"
         self.num_workers = num_workers
         self.ready = False

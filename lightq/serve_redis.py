@@ -68,6 +68,38 @@ def default_data_dir(port: int) -> str:
     return os.path.join(cache, "lightq", "redis", f"port-{port}")
 
 
+def running_serves() -> dict[str, str]:
+    """URL of each embedded Redis a running ``lightq serve`` holds in the default place, by its
+    data directory: ``lightq top`` and ``lightq dead-letters`` find serve's Redis through it.
+    A data directory whose lock can be taken has no serve (the lock is released at once)."""
+    root = os.path.dirname(default_data_dir(0))
+    found: dict[str, str] = {}
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        data_dir = os.path.join(root, name)
+        try:
+            port = int(open(os.path.join(data_dir, PORT_FILE)).read())
+            with open(os.path.join(data_dir, "serve.lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: no serve holds it
+        except BlockingIOError:
+            found[data_dir] = f"redis://127.0.0.1:{port}/0"
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def find_serve_url(flags: dict[str, Any]) -> str | None:
+    """The URL a monitoring command should read: the one given, else the one running serve's
+    embedded Redis (None: the settings' default). Several running serves: SystemExit naming them."""
+    url = explicit_url(flags)
+    if url is not None:
+        return url
+    serves = running_serves()
+    if len(serves) > 1:
+        listed = "\n  ".join(f"--redis_url {u}   ({d})" for d, u in serves.items())
+        raise SystemExit(f"lightq: {len(serves)} lightq serve are running; pick one:\n  {listed}")
+    return next(iter(serves.values()), None)
+
+
 def open_redis(flags: dict[str, Any], data_dir: str, http_port: int) -> ServeRedis:
     """The Redis this serve uses (see the module's doc); SystemExit with one line when there is none."""
     url = explicit_url(flags)

@@ -20,10 +20,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from lightq.serve_redis import find_serve_url
 from producer.monitoring.cluster import ClusterSnapshot, RequestTracker, read_cluster
 from shared.config import RedisSettings
 from shared.flags import add_flags, build
-from shared.keys import Keys
 from shared.redis import async_client
 
 BAR_WIDTH = 24
@@ -83,7 +83,7 @@ def render(snap: ClusterSnapshot, depths: list[float] | None = None) -> Group:
 
 
 async def _loop(settings: RedisSettings, once: bool, interval: float, console: Console) -> None:
-    redis, keys = async_client(settings), Keys(settings.key_prefix)
+    redis, keys = async_client(settings), settings.keys
     try:
         if once:
             console.print(render(await read_cluster(redis, keys)))
@@ -103,6 +103,9 @@ async def _loop(settings: RedisSettings, once: bool, interval: float, console: C
 def run(flags: dict[str, Any], console: Console | None = None) -> int:
     once = bool(flags.pop("once", False))
     interval = flags.pop("interval", None) or 1.0
+    url = find_serve_url(flags)  # no URL given: a running lightq serve's own Redis, if one runs
+    if url is not None:
+        flags["redis_url"] = url
     settings = build(RedisSettings, flags)
     console = console or Console(width=None if not once else max(Console().width, 120))
     try:

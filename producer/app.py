@@ -33,7 +33,6 @@ from producer.redis_client import producer_client
 from producer.streams.stream_hub import StreamHub
 from shared.config import ProducerSettings
 from shared.flags import build
-from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve, served_name
 from shared.service import setup_logging
 
@@ -53,7 +52,7 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
         if tok is None:
             tok = await asyncio.to_thread(load_tokenizer, resolve(settings.model.model_dir))
         redis = producer_client(settings)
-        keys = Keys(settings.redis.key_prefix)
+        keys = settings.redis.keys
         metrics: ProducerMetrics = app.state.metrics
         hub = StreamHub(redis, keys, settings.stream_block_ms, ClientLatency(metrics))
         app.state.services = Services(settings=settings, keys=keys, hub=hub,

@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.keys import Keys
+
 
 def _frozen(prefix: str) -> SettingsConfigDict:
     return SettingsConfigDict(env_prefix=prefix, frozen=True, extra="ignore", protected_namespaces=())
@@ -28,6 +30,11 @@ class RedisSettings(BaseSettings):
     request_ttl_s: int = Field(3600, gt=0, description="seconds a finished request's records stay readable")
     max_connections: int = Field(2000, gt=0, description="Redis connections one async client may open "
                                                           "(each open stream holds one)")
+
+    @property
+    def keys(self) -> Keys:
+        """This deployment's key names: the one way a process builds its ``Keys``."""
+        return Keys(self.key_prefix)
 
 
 class ModelSettings(BaseSettings):

@@ -210,7 +210,3 @@ class ErrorBody(BaseModel):
     """OpenAI's error shape, used for every 4xx/5xx this service answers."""
 
     error: ErrorDetail
-
-
-class HealthBody(BaseModel):
-    message: str

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
-import time
 import uuid
 from typing import Any
 
@@ -16,11 +15,8 @@ from producer.deps import Services
 from producer.api.errors import bad_request
 from producer.api.params import check_group, check_prompt_length, native_sampling
 from shared.config import ProducerSettings
+from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, SamplingParams
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 async def prompt_ids(inputs: str | list[int], tokenizer: Any, param: str = "inputs") -> list[int]:

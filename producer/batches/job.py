@@ -35,7 +35,7 @@ from shared.schemas import TokenChunk
 log = logging.getLogger("lightq.batch")
 
 ROUTE = "batch"  # the route label of requests a batch sends (producer metrics)
-CANCEL_CHECK_S = 0.5
+BATCH_CANCEL_CHECK_S = 0.5  # a batch's cancel is read at most this often (a batch runs for minutes)
 _tokenizers: dict[str, Any] = {}
 
 
@@ -53,7 +53,7 @@ def run_batch(batch_id: str, settings: dict) -> dict:
 
 async def _run(batch_id: str, settings: ProducerSettings) -> dict:
 
-    services = Services(settings=settings, keys=Keys(settings.redis.key_prefix), redis=async_client(settings.redis),
+    services = Services(settings=settings, keys=settings.redis.keys, redis=async_client(settings.redis),
                         tokenizer=tokenizer_for(settings.model.model_dir), metrics=ProducerMetrics(),
                         model_id=served_name(settings.model.model_dir, settings.model.served_model_name))
     try:
@@ -147,8 +147,8 @@ class Feeder:
         return chunks
 
     async def cancel_requested(self) -> bool:
-        """Whether a cancel request came (read at most every CANCEL_CHECK_S, shared by all followers)."""
-        if not self._cancelled and time.monotonic() - self._checked_at >= CANCEL_CHECK_S:
+        """Whether a cancel request came (read at most every BATCH_CANCEL_CHECK_S, shared by all followers)."""
+        if not self._cancelled and time.monotonic() - self._checked_at >= BATCH_CANCEL_CHECK_S:
             self._checked_at = time.monotonic()
             self._cancelled = bool(await self.redis.hget(self.keys.batch(self.batch_id), "cancelling_at"))
         return self._cancelled

@@ -25,7 +25,6 @@ from producer.batches.records import (BatchRecord, BatchStatus, endpoint_of, lin
 from producer.deps import Services, ServicesDep
 from producer.api.errors import ApiError, bad_request
 from shared.config import ProducerSettings
-from shared.keys import Keys
 from shared.schemas import RequestStatus
 
 router = APIRouter(prefix="/v1/batches")
@@ -114,7 +113,7 @@ async def create_batch(request: Request, services: ServicesDep, caller: CallerDe
 
 def submit_job(settings: ProducerSettings, batch_id: str, text: str, record: BatchRecord, owner: str) -> None:
     """The batch's record, its input, its place in the owner's index and its rq job, in one transaction."""
-    keys, batch = Keys(settings.redis.key_prefix), settings.batch
+    keys, batch = settings.redis.keys, settings.batch
     connection = redis.Redis.from_url(settings.redis.url)  # rq wants bytes replies
     try:
         queue = Queue(batch.queue, connection=connection, serializer=JSONSerializer)

@@ -42,7 +42,6 @@ from rq.utils import now
 
 from shared.config import RqWorkerSettings
 from shared.housekeeping import run_all
-from shared.keys import Keys
 from shared.redis import answers, sync_client
 from shared.service import setup_logging
 
@@ -176,7 +175,7 @@ def housekeeping(settings: dict) -> dict:
     try:
         schedule_housekeeping(queue(parsed.housekeeping.queue, connection), parsed,
                               time.time() + parsed.housekeeping.interval_s)
-        done = run_all(client, Keys(parsed.redis.key_prefix), ttl_s=parsed.redis.request_ttl_s,
+        done = run_all(client, parsed.redis.keys, ttl_s=parsed.redis.request_ttl_s,
                        stale_worker_s=parsed.housekeeping.stale_worker_s,
                        scan_count=parsed.housekeeping.scan_count)
         done["batch_jobs_retried"] = retry_abandoned(queue(parsed.batch.queue, connection))

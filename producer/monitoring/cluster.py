@@ -22,11 +22,11 @@ Times in the status hashes (``*_ms``) are the writers' clocks (NTP assumed).
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict
 from redis.exceptions import ResponseError
 
 from producer.edge.backlog import estimated_output
@@ -39,7 +39,14 @@ RECENT_MAX = 2000  # ingress entries scanned for recent requests (bounds a scrap
 QUEUE_SCAN_MAX = 10_000  # queued entries whose tokens are counted
 HISTORY_LEN = 200  # output lengths the estimate averages
 MIN_THROUGHPUT = 1.0  # tokens/s assumed when nothing finished lately: a backlog with no drain stays large
-_ID = re.compile(r'"id":"([^"]+)"')
+
+
+class _IngressId(BaseModel):
+    """An ingress entry's request id alone: the view reads it through the codec without
+    building the whole ``GenerateRequest`` (its prompt ids are most of the entry)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
 
 
 @dataclass(frozen=True)
@@ -266,9 +273,12 @@ class RequestTracker:
         else:
             entries = await redis.xrange(keys.requests(), min=f"({self.last_id}", count=10 * self.limit)
         for entry_id, fields in entries:
-            match = _ID.search(next(iter(fields.values()), ""))
-            if match:
-                self.enqueued.setdefault(match.group(1), int(entry_id.partition("-")[0]))
+            try:
+                request_id = from_entry(_IngressId, fields).id
+            except ValueError:  # pydantic's ValidationError is one: an entry not ours, skipped
+                request_id = None
+            if request_id is not None:
+                self.enqueued.setdefault(request_id, int(entry_id.partition("-")[0]))
             self.last_id = entry_id
 
     async def refresh(self, redis: aioredis.Redis, keys: Keys, now_ms: int) -> list[RecentRequest]:

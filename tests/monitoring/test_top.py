@@ -55,3 +55,39 @@ def test_cli_once(rclient, keys, redis_settings):
 def test_bar_and_sparkline():
     assert bar(0.5, 10).plain == "█████░░░░░" and bar(2.0, 4).plain == "████"
     assert sparkline([0, 1, 2]) == " ▄█" and sparkline([]) == ""
+
+
+def _hold(data_dir, port: int):
+    """A stand-in for a running serve: its data directory's port file and lock, held."""
+    import fcntl
+    import os
+
+    os.makedirs(data_dir)
+    (data_dir / "redis.port").write_text(str(port))
+    lock = open(data_dir / "serve.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return lock
+
+
+def test_top_finds_the_running_serves_redis(tmp_path, monkeypatch):
+    from lightq.serve_redis import find_serve_url
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("LIGHTQ_REDIS_URL", raising=False)
+    root = tmp_path / "lightq" / "redis"
+    assert find_serve_url({}) is None  # nothing there: the settings' default
+    stale = root / "port-8001"
+    stale.mkdir(parents=True)
+    (stale / "redis.port").write_text("6001")  # a serve that stopped: its lock is free
+    assert find_serve_url({}) is None
+    held = _hold(root / "port-8000", 6000)
+    assert find_serve_url({}) == "redis://127.0.0.1:6000/0"
+    assert find_serve_url({"redis_url": "redis://elsewhere:6379/0"}) == "redis://elsewhere:6379/0"
+    other = _hold(root / "port-8002", 6002)
+    try:
+        find_serve_url({})
+        raise AssertionError("two running serves must be named, not guessed between")
+    except SystemExit as exc:
+        assert "redis://127.0.0.1:6000/0" in str(exc) and "redis://127.0.0.1:6002/0" in str(exc)
+    held.close()
+    other.close()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import redis
 
 from shared.config import WorkerSettings
-from shared.keys import WORKER_GROUP, Keys
+from shared.keys import WORKER_GROUP
 from shared.redis import Backoff
 from shared.request_log import append_chunk, mark_ended, now_ms
 from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
@@ -75,7 +75,7 @@ class Publisher:
         self.owns = owns  # whether this publisher writes a request (one shard of several; all by default)
         self.worker_alive = worker_alive  # False once the worker is gone: retries are bounded then
         self.client = client
-        self.keys = Keys(settings.redis.key_prefix)
+        self.keys = settings.redis.keys
         self.ttl_s = settings.redis.request_ttl_s
         self.tokenizer = tokenizer
         self.worker_id = worker_id
