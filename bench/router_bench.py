@@ -9,29 +9,54 @@ at the inbox's newest entry, as if each worker took in everything sent to it
 and kept a steady batch. The ingress stream holds ``--requests`` requests
 before the clock starts; the real ``router.loop.Router`` steps until all are
 dispatched (each dispatch is the real Lua script into a real inbox). It runs
-twice: with the prepared worker views (``router.worker_view``, production)
-and with the full ``check_worker`` per worker per request (the peer, as the
-router decided before the views), and prints one line each.
+twice: with the prepared worker views (``router.admission.Views``, production)
+and with ``choose_by_check``, every worker's check from scratch per request
+(the peer, as the router decided before the views), and prints one line each.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import redis
 
-from router.admission import choose_worker
+from router.admission import least_loaded_fit
 from router.loop import Router
+from shared.admission import request_states
+from shared.batch_view import Policy
 from shared.codec import encode, entry
 from shared.config import AdmissionSettings, RedisSettings, RouterSettings
 from shared.keys import Keys
+from shared.peak import ReqState, check
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
 
 REPUBLISH_S = 0.2
+
+
+def choose_by_check(loads: Mapping[str, WorkerLoad], reserved: Mapping[str, Sequence[ReqState]],
+                    request: GenerateRequest, policy: Policy) -> str | None:
+    """The router's choice with ``shared.peak.check`` from scratch over every worker's record and
+    reservations: the peer here, and the reference tests/router/test_worker_view.py holds the
+    views to."""
+    candidate = request_states(request)
+
+    def states(worker_id: str) -> list[ReqState]:
+        return [ReqState(*r) for r in loads[worker_id].requests] + list(reserved.get(worker_id, ()))
+
+    def ratio(worker_id: str) -> float | None:
+        load = loads[worker_id]
+        return None if load.draining else check(states(worker_id), candidate, load.max_total_tokens,
+                                                load.running_max_req_size, policy)
+
+    uses = {worker_id: math.inf if load.draining else policy.use(states(worker_id)) / load.max_total_tokens
+            for worker_id, load in loads.items() if load.serves(request.model)}
+    return least_loaded_fit(uses, ratio)
 
 
 def publish(client: redis.Redis, keys: Keys, args) -> None:
@@ -64,9 +89,16 @@ def run(args, full_check: bool) -> dict:
                                   past_future=AdmissionSettings(admission=args.admission))
         router = Router(settings, redis.Redis.from_url(args.redis_url, decode_responses=True), "bench")
         if full_check:  # the peer: every worker's full check for every request
-            router._choose = lambda loads, request: choose_worker(
-                loads, router.reservations.pending(), request, router.rule.policy, router.rule.estimator,
-                router.rule.margin)
+            seen: dict[str, dict[str, WorkerLoad]] = {}
+            refresh = router.views.refresh
+
+            def remember(loads, pending, rebuild=frozenset()):  # the records the router decides on
+                seen["loads"] = loads
+                refresh(loads, pending, rebuild)
+
+            router.views.refresh = remember
+            router._choose = lambda request: choose_by_check(seen["loads"], router.reservations.pending(),
+                                                             request, router.rule.policy)
         decisions: list[float] = []
         router.on_decision = lambda request, worker, seconds: decisions.append(seconds * 1000)
         done, started = 0, time.perf_counter()

@@ -11,7 +11,7 @@ A closed loop of ``--clients`` clients each sends its next request when the
 previous one ends, for ``--duration_s`` simulated seconds measured after
 ``--warmup_s`` (the history starts from its prior either way).
 
-Admission is FCFS through ``shared.peak.check``, the router's own rule:
+Admission is FCFS through ``shared.peak.check`` with the router's policies:
 past-future estimates from ``shared.history`` fed with the lengths of the
 requests finished so far (the prior, the largest max_new_tokens, until
 then); the oracle is the same check on exact lengths. When a worker's next
@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from bench.workloads import NAMES, Request, cap, requests, stream, summary
+from shared.admission import POLICIES as ADMISSION_POLICIES
 from shared.history import Estimator, OutputLengthHistory
 from shared.peak import ReqState, check
 
@@ -113,8 +114,6 @@ class Simulator:
                  past: Iterator[Request] | None = None):
         self.cfg, self.policy = cfg, policy
         self.oracle = policy == "oracle"
-        self.check_policy = "past_future" if self.oracle else policy
-        self.margin = 0.0 if self.oracle else cfg.margin
         self.source = source
         self.queue: deque[Job] = deque()
         self.workers = [Worker() for _ in range(cfg.workers)]
@@ -122,6 +121,9 @@ class Simulator:
         self.history = OutputLengthHistory(cfg.window, prior=max_new_tokens)
         self.history.update(self.recent)
         self.estimator = Estimator(self.history, seed=cfg.seed)
+        # the oracle: past-future's check on the true lengths, with no margin
+        self.admission = (ADMISSION_POLICIES["past_future"](self.estimator, 0.0) if self.oracle
+                          else ADMISSION_POLICIES[policy](self.estimator, cfg.margin))
         self.finish_events: list[tuple[int, int, Job, int]] = []
         self.durations: list[float] = []
         self.ends: list[float] = []
@@ -196,8 +198,7 @@ class Simulator:
             if admitted[i] and prefill + candidate.held > self.cfg.batch_max_tokens:
                 continue
             states = [j.state(step, self.oracle) for j in worker.running]
-            ratio = check(states, candidate, self.cfg.pool, self.cfg.running_max, self.check_policy,
-                          self.estimator, self.margin)
+            ratio = check(states, candidate, self.cfg.pool, self.cfg.running_max, self.admission)
             if ratio is not None and ratio < best_ratio:
                 best, best_ratio = i, ratio
         return best

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import redis
 
-from router.admission import request_states
+from shared.admission import request_states
 from shared.codec import FIELD, encode, from_entry
 from shared.keys import ROUTER_GROUP, Keys
 from shared.peak import ReqState

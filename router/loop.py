@@ -22,16 +22,16 @@ from collections import deque
 
 import redis
 
-from router.admission import choose_view, choose_worker, request_states
-from router.dispatch import Dispatcher, Item
 from router import liveness
+from router.admission import Views
+from router.dispatch import Dispatcher, Item
 from router.janitor import reap_dead_worker
 from router.registry import read_registry
 from router.reservations import Reservations
-from router.worker_view import Candidate, Views
+from shared.admission import AdmissionRule, request_states
+from shared.batch_view import Candidate
 from shared.codec import from_entry
 from shared.config import RouterSettings
-from shared.admission import AdmissionRule
 from shared.keys import ROUTER_GROUP, Keys
 from shared.log_limit import LogLimiter
 from shared.redis import Backoff, ensure_group
@@ -60,7 +60,7 @@ class Router:
         self._queued_ids: set[str] = set()
         self._cancelled_ids: set[str] = set()  # queued requests found cancelled, until they end here
         self._next_cancel_check = 0.0
-        self.views = Views(self.rule)  # admissible workers, prepared for this step's decisions
+        self.views = Views(self.rule.policy)  # admissible workers, prepared for this step's decisions
 
     def run(self) -> None:
         """Step until stopped; ride out Redis outages with exponential backoff."""
@@ -160,14 +160,14 @@ class Router:
         loads = dict(loads)  # a worker found dead while dispatching leaves this step's choice
         cancelled, dispatched = self._cancelled(), 0
         while self.queue:
-            run = self._decide(loads, cancelled)
+            run = self._decide(cancelled)
             if not run:
                 break
             dispatched += self._send(run, loads)
         return dispatched
 
-    def _decide(self, loads: dict, cancelled: set[str]) -> list[Item]:
-        """Decisions for the head of the queue, in order, until one must wait (a group goes alone)."""
+    def _decide(self, cancelled: set[str]) -> list[Item]:
+        """Decisions for the head of the queue, in order, until one must wait."""
         run: list[Item] = []
         while self.queue and len(run) < self.settings.dispatch_batch:
             entry_id, request = self.queue[0]
@@ -178,17 +178,13 @@ class Router:
                 self._cancelled_ids.discard(request.id)
                 self._pop()
                 continue
-            if request.n > 1 and run:  # a group is checked in full against sent dispatches only
-                break
             started = time.perf_counter()
-            worker_id = self._choose(loads, request)
+            worker_id = self._choose(request)
             self.on_decision(request, worker_id, time.perf_counter() - started)
             if worker_id is None:
                 break
             run.append(Item(worker_id, self.reservations.tail(worker_id), entry_id, request))
             self.queue.popleft()
-            if request.n > 1:
-                break
         return run
 
     def _send(self, run: list[Item], loads: dict) -> int:
@@ -227,16 +223,11 @@ class Router:
             self._cancelled_ids.update(request.id for (_, request), hit in zip(self.queue, pipe.execute()) if hit)
         return self._cancelled_ids
 
-    def _choose(self, loads: dict, request: GenerateRequest) -> str | None:
-        """A worker for the request, counted on its view at once (the next decision sees it)."""
-        if request.n > 1:  # a group: rare, checked in full
-            worker_id = choose_worker(loads, self.reservations.pending(), request, self.rule.policy,
-                                      self.rule.estimator, self.rule.margin)
-            if worker_id is not None:
-                self.views.count(worker_id, request_states(request))
-            return worker_id
-        candidate = Candidate(request_states(request)[0], self.rule)
-        worker_id = choose_view(self.views, candidate, request.model)
+    def _choose(self, request: GenerateRequest) -> str | None:
+        """A worker for the request (a group: all its samples, the prompt once), counted on its
+        view at once (the next decision sees it)."""
+        candidate = Candidate(request_states(request), self.rule.policy)
+        worker_id = self.views.choose(candidate, request.model)
         if worker_id is not None:
             self.views.admit(worker_id, candidate)
         return worker_id

@@ -106,10 +106,7 @@ class RouterCollector(Collector):
         family = GaugeMetricFamily("lightq:worker_estimated_peak_ratio", "estimated peak KV use of the worker's "
                                    "batch (past-future quantile estimate) / its pool", labels=["worker"])
         for load in loads:
-            if load.requests is None:
-                peak = load.committed_tokens
-            else:
-                peak = self.router.rule.estimator.peak_quantile([ReqState(*state) for state in load.requests])
+            peak = self.router.rule.estimator.peak_quantile([ReqState(*state) for state in load.requests])
             family.add_metric([load.worker_id], peak / load.max_total_tokens if load.max_total_tokens else 0.0)
         return family
 

@@ -1,123 +1,179 @@
-"""A batch's admission check, prepared once for many candidates (``shared.peak.check``, faster).
+"""The admission checker: a batch prepared once, asked about many candidates.
 
-``check`` redoes K Monte-Carlo draws over all n requests of a batch, and K
-peaks, for every candidate: O(K n log n) a call. Between two changes of the
-batch the draws need not change, so a view draws the remaining lengths once
-and keeps each draw as a ``SortedPeak``: a candidate then costs O(K log n),
-and admitting it costs O(K n). The router keeps one per worker record
-(``router.worker_view``); a worker builds one per admission pass over its
-own waiting queue (``worker.engine.engine``), where a burst of 1,000 requests took
-0.6 s through ``check``.
+Both the router (one view per worker record, ``router.admission``) and the
+worker (one view per admission pass over its own waiting queue,
+``worker.engine.engine``) ask a ``BatchView`` whether a candidate fits: a
+request's state, or a group's samples' states with its prompt counted once.
+A ``Policy`` (``shared.admission``) says how to project the batch's use;
+the view keeps that projection as a ``Tally`` that answers for one more
+candidate without starting over:
 
-The answers are ``check``'s: exactly for conservative, aggressive and the
-quantile estimate; for past_future the same computation over draws made once
-per view instead of once per call (both seeded, so a blocked head of line
-gets the same answer until something changes). A group (n > 1) is a set of
-states: it goes through ``check`` itself.
+- ``SumTally`` (conservative, aggressive): the sum of each state's need; a
+  candidate costs O(1).
+- ``PeakTally`` (past_future: K draws; past_future_quantile: one): per
+  draw of the remaining lengths, the batch's (held, remaining) pairs kept
+  sorted (``shared.peak.SortedPeak``); a candidate costs O(K log n), a
+  group O(K n log n).
+
+``shared.peak.check`` computes the same answers from scratch, for every
+candidate: O(K n log n) each, which was nearly all of the router's time at
+32 workers, and 0.6 s for a worker's burst of 1,000 requests. The answers
+are ``check``'s: exactly for the sums and the quantile; for past_future the
+same computation over draws made once per view instead of once per call
+(both seeded, so a blocked head of line gets the same answer until
+something changes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from shared.admission import AdmissionRule
-from shared.peak import ReqState, SortedPeak, num_draws, use_limit
+from shared.peak import Projection, ReqState, SortedPeak, num_draws
 
 MAX_DRAWS = num_draws(0)  # K for an empty batch: the most a check ever takes
 
 
 class Candidate:
-    """A request about to be placed: its state and, per draw, its remaining length."""
+    """A request about to be placed: its states and, per draw, each state's remaining length,
+    drawn once for every view it is asked of (``lengths[k][j]``: draw k, state j)."""
 
-    def __init__(self, state: ReqState, rule: AdmissionRule):
-        self.state = state
-        estimator = rule.estimator
-        if rule.policy == "past_future_quantile":
-            self.remaining = [estimator.remaining_quantile(state)]
-        elif rule.policy == "past_future":  # re-seeded: the same request gets the same draws on every retry
-            estimator.rng.seed(estimator.seed)
-            self.remaining = [estimator.remaining_sampled(state) for _ in range(MAX_DRAWS)]
-        else:  # conservative, aggressive: sums, no lengths to estimate
-            self.remaining = []
+    def __init__(self, states: Sequence[ReqState], policy: Policy):
+        self.states = tuple(states)
+        self.lengths = policy.lengths(self.states)
+
+    def __len__(self) -> int:
+        return len(self.states)
 
 
-class BatchView:
-    """The requests on one pool, ready to answer ``ratio(candidate)``.
+class Tally(Protocol):
+    """A batch's projected use, kept up to date as states join it."""
 
-    ``states`` None: the batch is known only by its ``committed`` tokens (a worker record
-    without request summaries), checked conservatively against the whole pool.
+    def use(self) -> int: ...
+    def use_with(self, candidate: Candidate) -> int: ...
+    def add(self, states: Sequence[ReqState], lengths: Sequence[Sequence[int]] = ()) -> None: ...
+    def admit(self, candidate: Candidate) -> None: ...
+
+
+class Policy(Projection, Protocol):
+    """An admission policy: ``use`` and ``limit`` from scratch (``shared.peak.Projection``),
+    and the prepared form the view keeps. One class per policy, in ``shared.admission``."""
+
+    name: str
+
+    def tally(self, states: Sequence[ReqState]) -> Tally:
+        """``states`` prepared for many questions."""
+        ...
+
+    def lengths(self, states: Sequence[ReqState]) -> list[list[int]]:
+        """A candidate's remaining lengths per draw ([] when the policy draws none)."""
+        ...
+
+
+class SumTally:
+    """A sum of one need per state: conservative (prompt + max_new_tokens), aggressive (held now)."""
+
+    def __init__(self, states: Sequence[ReqState], need: Callable[[ReqState], int]):
+        self.need = need
+        self.total = sum(map(need, states))
+
+    def use(self) -> int:
+        return self.total
+
+    def use_with(self, candidate: Candidate) -> int:
+        return self.total + sum(map(self.need, candidate.states))
+
+    def add(self, states: Sequence[ReqState], lengths: Sequence[Sequence[int]] = ()) -> None:
+        self.total += sum(map(self.need, states))
+
+    def admit(self, candidate: Candidate) -> None:
+        self.add(candidate.states)
+
+
+class PeakTally:
+    """The past-future peak per draw of the remaining lengths, each draw a ``SortedPeak``.
+
+    Invariant: ``draws`` holds ``num_draws(count)`` draws of every counted state; K only
+    shrinks as the batch grows, so a question reads all of them (a group's reads the first
+    ``num_draws(count + len(group) - 1)``: K follows the batch without the candidate, as
+    in the paper and in ``check``).
     """
 
-    def __init__(self, states: Sequence[ReqState] | None, max_total_tokens: int, max_requests: int | None,
-                 rule: AdmissionRule, committed: int = 0):
-        self.policy = rule.policy
-        self.estimator = rule.estimator
-        self.max_total_tokens = max_total_tokens
-        self.max_requests = None if states is None else max_requests
-        self.fallback = states is None
-        self.summed = self.fallback or self.policy in ("conservative", "aggressive")
-        self.limit = max_total_tokens if self.fallback else use_limit(max_total_tokens, self.policy, rule.margin)
-        states = [] if states is None else list(states)
+    def __init__(self, states: Sequence[ReqState], remaining: Callable[[ReqState], int],
+                 draws: Callable[[int], int]):
+        self.remaining = remaining  # a state's length for one draw, when it comes without its own
+        self.num_draws = draws
         self.count = len(states)
-        self.added = 0  # states added since the view was built
-        self.total = committed if self.fallback else sum(self._term(s) for s in states)
-        self.draws: list[SortedPeak] = []
-        if not self.summed:
-            self._draw(states)
+        self.draws = [SortedPeak((s.held, remaining(s)) for s in states) for _ in range(draws(len(states)))]
         self._use: int | None = None  # use() until the next add
         self._asked: tuple[Candidate, list[int]] | None = None  # the last candidate's peak per draw
 
-    def _term(self, state: ReqState) -> int:
-        if self.fallback or self.policy == "conservative":
-            return state.conservative_need
-        return state.held
+    def use(self) -> int:
+        if self._use is None:
+            self._use = max(draw.peak() for draw in self.draws)
+        return self._use
 
-    def _remaining(self, state: ReqState) -> int:
-        if self.policy == "past_future_quantile":
-            return self.estimator.remaining_quantile(state)
-        return self.estimator.remaining_sampled(state)
+    def use_with(self, candidate: Candidate) -> int:
+        draws = self.draws[:self.num_draws(self.count + len(candidate) - 1)]
+        if len(candidate) == 1:
+            held = candidate.states[0].held
+            peaks = [draw.peak_with(held, lengths[0]) for draw, lengths in zip(draws, candidate.lengths)]
+        else:
+            helds = [s.held for s in candidate.states]
+            peaks = [draw.peak_with_all(list(zip(helds, lengths))) for draw, lengths in zip(draws, candidate.lengths)]
+        self._asked = (candidate, peaks)
+        return max(peaks)
 
-    def _draw(self, states: list[ReqState]) -> None:
-        if self.policy != "past_future_quantile":
-            self.estimator.rng.seed(self.estimator.seed)
-        draws = 1 if self.policy == "past_future_quantile" else num_draws(len(states))
-        self.draws = [SortedPeak((s.held, self._remaining(s)) for s in states) for _ in range(draws)]
+    def add(self, states: Sequence[ReqState], lengths: Sequence[Sequence[int]] = ()) -> None:
+        """``states`` join, one at a time, with ``lengths[k][j]`` for draw k (else drawn here)."""
+        self._use, self._asked = None, None
+        for j, state in enumerate(states):
+            self.count += 1
+            del self.draws[self.num_draws(self.count):]
+            for k, draw in enumerate(self.draws):
+                draw.add(state.held, lengths[k][j] if lengths else self.remaining(state))
+
+    def admit(self, candidate: Candidate) -> None:
+        """If the candidate was just asked about, its peaks are the use from now on (no rebuild)."""
+        asked = self._asked[1] if self._asked is not None and self._asked[0] is candidate else None
+        self.add(candidate.states, candidate.lengths)
+        if asked is not None:
+            self._use = max(asked[:len(self.draws)])
+
+
+class BatchView:
+    """The requests on one pool, ready to answer ``ratio(candidate)``; ``added`` counts the
+    states that joined since it was built."""
+
+    def __init__(self, states: Sequence[ReqState], max_total_tokens: int, max_requests: int | None,
+                 policy: Policy):
+        self.max_total_tokens = max_total_tokens
+        self.max_requests = max_requests
+        self.limit = policy.limit(max_total_tokens)
+        self.tally = policy.tally(states)
+        self.count = len(states)
+        self.added = 0
 
     def use(self) -> int:
         """The projected use without a candidate: what orders workers, least loaded first."""
-        if self._use is None:
-            self._use = self.total if self.summed else max((draw.peak() for draw in self.draws), default=0)
-        return self._use
+        return self.tally.use()
 
-    def add(self, state: ReqState, remaining: Sequence[int] = ()) -> None:
-        """A request now counts against this pool (admitted, dispatched, or seen in an inbox);
-        ``remaining``: its length per draw, if already drawn (else drawn here)."""
-        self.count += 1
-        self.added += 1
-        self._use, self._asked = None, None
-        self.total += self._term(state) if self.summed else 0
-        if self.policy != "past_future_quantile":
-            del self.draws[num_draws(self.count):]  # K only shrinks as the batch grows: ratio reads them all
-        for i, draw in enumerate(self.draws):
-            draw.add(state.held, remaining[i] if remaining else self._remaining(state))
+    def add(self, states: Sequence[ReqState]) -> None:
+        """Requests that now count against this pool (dispatched, or seen in an inbox), their
+        lengths drawn here."""
+        self.count += len(states)
+        self.added += len(states)
+        self.tally.add(states)
 
     def admit(self, candidate: Candidate) -> None:
-        """``add`` the candidate, with its own draws; if ``ratio`` was just asked about it, its
-        peaks are the view's use from now on, with no rebuild of the draws."""
-        asked = self._asked[1] if self._asked is not None and self._asked[0] is candidate else None
-        self.add(candidate.state, candidate.remaining)
-        if asked is not None and not self.summed:
-            self._use = max(asked[:len(self.draws)])
+        """``add`` the candidate with its own draws (what ``ratio`` just weighed)."""
+        self.count += len(candidate)
+        self.added += len(candidate)
+        self.tally.admit(candidate)
 
     def ratio(self, candidate: Candidate) -> float | None:
         """Use / pool with the candidate, or None if it does not fit (``check``'s answer)."""
-        if self.max_requests is not None and self.count + 1 > self.max_requests:
+        if self.max_requests is not None and self.count + len(candidate) > self.max_requests:
             return None
-        if self.summed:
-            use = self.total + self._term(candidate.state)
-        else:  # K follows the batch without the candidate, as in the paper (add keeps K draws)
-            held = candidate.state.held
-            peaks = [draw.peak_with(held, remaining) for draw, remaining in zip(self.draws, candidate.remaining)]
-            self._asked = (candidate, peaks)
-            use = max(peaks)
+        use = self.tally.use_with(candidate)
         return use / self.max_total_tokens if use <= self.limit else None

@@ -131,11 +131,14 @@ class ProducerSettings(BaseSettings):
     batch: BatchSettings = Field(default_factory=BatchSettings)
 
 
+PolicyName = Literal["conservative", "aggressive", "past_future", "past_future_quantile"]  # shared.admission.POLICIES
+
+
 class AdmissionSettings(BaseSettings):
-    """The admission rule; router and worker apply the same one (shared.peak.check)."""
+    """The admission rule; router and worker apply the same one (shared.admission)."""
 
     model_config = _frozen("LIGHTQ_")
-    admission: Literal["conservative", "aggressive", "past_future", "past_future_quantile"] = Field(
+    admission: PolicyName = Field(
         "past_future", description="admission policy: conservative (prompt + max_new_tokens), aggressive "
                                    "(current use under 95 percent), past_future (Monte-Carlo peak), past_future_quantile")
     admission_margin: float = Field(0.05, ge=0, lt=1, description="share of a worker's pool past-future keeps free")

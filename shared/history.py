@@ -94,6 +94,10 @@ class Estimator:
         # An unfinished request adds at least one more token.
         return max(1, self.history.total_at(s.generated, s.max_new_tokens, u) - s.generated)
 
+    def restart(self) -> None:
+        """Back to the start of the seeded stream: the same questions get the same draws."""
+        self.rng.seed(self.seed)
+
     def remaining_sampled(self, s: ReqState) -> int:
         return self._remaining(s, self.rng.random())
 
@@ -104,7 +108,7 @@ class Estimator:
         # Every check restarts the seeded stream: asking again about the same batch (a blocked
         # head of line is retried every poll) gives the same answer instead of a fresh lottery
         # ticket, while the K draws within a check stay independent.
-        self.rng.seed(self.seed)
+        self.restart()
         exact = all(s.ignore_eos or s.generated >= s.max_new_tokens for s in states)
         # K follows the batch without the candidate, as in the paper.
         draws = 1 if exact else num_draws(len(states) - 1)

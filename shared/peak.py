@@ -33,10 +33,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate
-from typing import Literal, NamedTuple, Protocol
-
-Policy = Literal["conservative", "aggressive", "past_future", "past_future_quantile"]
-AGGRESSIVE_WATERMARK = 0.95
+from typing import NamedTuple, Protocol
 
 
 class ReqState(NamedTuple):
@@ -125,17 +122,17 @@ class SortedPeak:
         after = self._suffix_max[p] + a if p < len(self._held) else 0
         return max(self._prefix_max[p], self._held_before[p] + a + (p + 1) * b, after)
 
+    def peak_with_all(self, pairs: Sequence[tuple[int, int]]) -> int:
+        """``peak_tokens`` of the pairs plus several more (a group): O(n log n), groups are rare."""
+        if len(pairs) == 1:
+            return self.peak_with(*pairs[0])
+        return peak_tokens([*zip(self._held, (-nb for nb in self._neg_b)), *pairs])
+
     def add(self, a: int, b: int) -> None:
         p = bisect_right(self._neg_b, -b)
         self._neg_b.insert(p, -b)
         self._held.insert(p, a)
         self._stale = True
-
-
-def fits(pairs: Sequence[tuple[int, int]], candidate: tuple[int, int],
-         max_total_tokens: int, margin: float) -> bool:
-    """Whether the batch plus ``candidate`` peaks within the pool less a safety margin."""
-    return peak_tokens([*pairs, candidate]) <= max_total_tokens * (1 - margin)
 
 
 def num_draws(batch_size: int) -> int:
@@ -149,40 +146,29 @@ def worst_peak(states: Sequence[ReqState], remaining: Callable[[ReqState], int],
     return max(peak_tokens([(s.held, remaining(s)) for s in states]) for _ in range(max(draws, 1)))
 
 
-class PeakEstimator(Protocol):  # shared.history.Estimator
-    def peak_sampled(self, states: Sequence[ReqState]) -> int: ...
-    def peak_quantile(self, states: Sequence[ReqState]) -> int: ...
+class Projection(Protocol):
+    """How a policy projects a batch's use, from scratch (``shared.batch_view.Policy`` adds the prepared way)."""
 
+    def use(self, states: Sequence[ReqState]) -> int:
+        """The tokens ``states`` are expected to need at most."""
+        ...
 
-def projected_use(states: Sequence[ReqState], policy: Policy, estimator: PeakEstimator) -> int:
-    """The tokens ``states`` are expected to need at most, as ``policy`` sees it."""
-    if policy == "conservative":  # TGI's: every request may run to max_new_tokens
-        return sum(s.conservative_need for s in states)
-    if policy == "aggressive":  # what they hold now; overflow is left to pausing
-        return sum(s.held for s in states)
-    if policy == "past_future":
-        return estimator.peak_sampled(states)
-    return estimator.peak_quantile(states)
-
-
-def use_limit(max_total_tokens: int, policy: Policy, margin: float) -> float:
-    if policy == "conservative":  # an exact upper bound needs no margin
-        return max_total_tokens
-    if policy == "aggressive":
-        return max_total_tokens * AGGRESSIVE_WATERMARK
-    return max_total_tokens * (1 - margin)
+    def limit(self, max_total_tokens: int) -> float:
+        """The most that use may be on a pool of ``max_total_tokens``."""
+        ...
 
 
 def check(states: Sequence[ReqState], candidate: ReqState | Sequence[ReqState], max_total_tokens: int,
-          max_requests: int | None, policy: Policy, estimator: PeakEstimator, margin: float) -> float | None:
-    """Admission of ``candidate`` beside ``states`` on one pool: the resulting use / pool, or
-    None if it does not fit. The router (per worker record) and the simulator call this;
-    a worker gating its own waiting queue should too. A group is admitted whole: pass its
-    samples' states (``group_states``) as ``candidate``."""
+          max_requests: int | None, policy: Projection) -> float | None:
+    """Admission of ``candidate`` beside ``states`` on one pool, from scratch: the resulting
+    use / pool, or None if it does not fit. The reference: the router and the worker ask
+    ``shared.batch_view.BatchView``, which gives these answers faster (tests/shared/test_batch_view.py,
+    tests/router/test_worker_view.py); bench/scheduler_sim.py runs this. A group is admitted
+    whole: pass its samples' states (``group_states``) as ``candidate``."""
     candidates = [candidate] if isinstance(candidate, ReqState) else list(candidate)
     if max_requests is not None and len(states) + len(candidates) > max_requests:
         return None
-    use = projected_use([*states, *candidates], policy, estimator)
-    if use > use_limit(max_total_tokens, policy, margin):
+    use = policy.use([*states, *candidates])
+    if use > policy.limit(max_total_tokens):
         return None
     return use / max_total_tokens

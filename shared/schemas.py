@@ -188,14 +188,9 @@ class WorkerLoad(_Frozen):
     draining: bool = False
     model: str | None = Field(None, description="the served model name (None: takes any request)")
     running_max_req_size: int | None = Field(None, description="most requests the worker runs at once")
-    requests: list[tuple[int, int, int, int]] | None = Field(
-        None, description="per running or waiting request: [prompt + output tokens, output tokens, "
-                          "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState); None from workers that "
-                          "publish no summaries, which the router then checks conservatively")
-
-    @property
-    def free_tokens(self) -> int:
-        return self.max_total_tokens - self.committed_tokens
+    requests: list[tuple[int, int, int, int]] = Field(
+        description="per running or waiting request: [prompt + output tokens, output tokens, "
+                    "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState), a group's prompt counted once")
 
     def serves(self, model: str | None) -> bool:
         """Whether a request for ``model`` may come here: one pool per served model name."""

@@ -228,7 +228,7 @@ def test_joining_a_pool_says_what_already_serves_it(redis_settings, rclient, cap
 
     keys = Keys(redis_settings.key_prefix)
     load = WorkerLoad(worker_id="other-host-1", seq=1, ts_ms=int(time.time() * 1000), max_total_tokens=8192,
-                      used_tokens=0, committed_tokens=0, num_running=0, num_waiting=0)
+                      used_tokens=0, committed_tokens=0, num_running=0, num_waiting=0, requests=[])
     rclient.set(keys.load(load.worker_id), codec.encode(load), ex=60)
     rclient.zadd(keys.workers(), {load.worker_id: load.ts_ms})
     flags = {"redis_url": redis_settings.url, "redis_key_prefix": redis_settings.key_prefix}

@@ -23,7 +23,7 @@ async def test_page_is_self_contained(client):
 
 async def test_data_equals_metrics(app, client, worker, aredis, keys):
     load = WorkerLoad(worker_id="w1", seq=1, ts_ms=1, max_total_tokens=2000, used_tokens=500,
-                      committed_tokens=700, num_running=3, num_waiting=1)
+                      committed_tokens=700, num_running=3, num_waiting=1, requests=[])
     await aredis.zadd(keys.workers(), {"w1": 1})
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await aredis.xadd(keys.dead_letters(), {"msg": "x", "reason": "test"})

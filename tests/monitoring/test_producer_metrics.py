@@ -29,7 +29,7 @@ def body(ids, max_new, ignore_eos=False):
 
 async def test_every_name_is_exported_with_the_lightq_prefix(client, scrape, aredis, keys):
     load = WorkerLoad(worker_id="w1", seq=1, ts_ms=1, max_total_tokens=100, used_tokens=1, committed_tokens=1,
-                      num_running=1, num_waiting=0)
+                      num_running=1, num_waiting=0, requests=[])
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await aredis.zadd(keys.workers(), {"w1": 1})
     response = await client.get("/metrics")
@@ -66,7 +66,7 @@ async def test_lag_and_pending_per_stream(client, scrape, aredis, keys):
     assert samples[("lightq:queue_tokens", (("kind", "prompt"),))] == 3  # pending entries count too
 
     load = WorkerLoad(worker_id="w1", seq=1, ts_ms=1, max_total_tokens=1000, used_tokens=250,
-                      committed_tokens=400, num_running=2, num_waiting=3)
+                      committed_tokens=400, num_running=2, num_waiting=3, requests=[])
     await aredis.zadd(keys.workers(), {"w1": 1})
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await ensure_group_async(aredis, keys.inbox("w1"), WORKER_GROUP)

@@ -20,7 +20,7 @@ from tests.router.helpers import submit
 def seed(rclient, keys) -> None:
     for worker_id, used in (("gpu-a", 750), ("gpu-b", 100)):
         load = WorkerLoad(worker_id=worker_id, seq=1, ts_ms=now_ms(), max_total_tokens=1000, used_tokens=used,
-                          committed_tokens=used, num_running=3, num_waiting=1)
+                          committed_tokens=used, num_running=3, num_waiting=1, requests=[])
         rclient.set(keys.load(worker_id), encode(load), ex=60)
         rclient.zadd(keys.workers(), {worker_id: now_ms()})
     ensure_group(rclient, keys.requests(), ROUTER_GROUP)

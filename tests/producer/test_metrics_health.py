@@ -44,7 +44,7 @@ async def test_ingress_depth_follows_the_router_group(app, client, aredis, keys)
 
 async def test_worker_gauges_for_live_workers_only(app, client, aredis, keys):
     load = WorkerLoad(worker_id="w1", seq=3, ts_ms=1, max_total_tokens=8192, used_tokens=300,
-                      committed_tokens=900, num_running=2, num_waiting=1)
+                      committed_tokens=900, num_running=2, num_waiting=1, requests=[])
     await aredis.zadd(keys.workers(), {"w1": 1, "gone": 1})  # "gone" has no heartbeat any more
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await ensure_group_async(aredis, keys.inbox("w1"), WORKER_GROUP)

@@ -11,13 +11,15 @@ from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, Sampling
 def publish_load(client, keys: Keys, worker_id: str, max_total: int = 1000, committed: int = 0,
                  last_inbox_id: str = "0-0", ttl_ms: int = 5000, requests: list | None = None,
                  running_max: int | None = None, age_ms: int = 0, model: str | None = None) -> None:
-    """A worker's record; without ``requests`` it is an old-style one (committed tokens only)."""
-    if requests is not None:
-        committed = sum(held - done + max_new for held, done, max_new, _ in requests)
+    """A worker's record; without ``requests``, one request holding ``committed`` tokens with
+    nothing left to add (so every policy projects ``committed``)."""
+    if requests is None:
+        requests = [(committed, 0, 0, 0)] if committed else []
+    committed = sum(held - done + max_new for held, done, max_new, _ in requests)
     load = WorkerLoad(worker_id=worker_id, seq=1, ts_ms=now_ms() - age_ms, max_total_tokens=max_total,
-                      used_tokens=0, committed_tokens=committed, num_running=len(requests or []), num_waiting=0,
+                      used_tokens=0, committed_tokens=committed, num_running=len(requests), num_waiting=0,
                       last_inbox_id=last_inbox_id, running_max_req_size=running_max, model=model,
-                      requests=[tuple(r) for r in requests] if requests is not None else None)
+                      requests=[tuple(r) for r in requests])
     client.set(keys.load(worker_id), encode(load), px=ttl_ms)
     client.zadd(keys.workers(), {worker_id: now_ms()})
 

@@ -2,15 +2,20 @@
 
 import pytest
 
-from router.admission import check, choose_worker, request_state
+from router.admission import Views
 from router.reservations import Reservations
+from shared.admission import POLICIES, PastFuture, request_state, request_states
+from shared.batch_view import Candidate
 from shared.history import Estimator, OutputLengthHistory
-from shared.peak import ReqState
+from shared.peak import ReqState, check
 from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
 
 
 def load(worker_id, max_total=100, committed=0, draining=False, last_inbox_id="0-0", requests=None,
          running_max=None, used=0):
+    """A record; without ``requests``, one request holding ``committed`` tokens with nothing left to add."""
+    if requests is None:
+        requests = [(committed, 0, 0, 0)] if committed else []
     return WorkerLoad(worker_id=worker_id, seq=1, ts_ms=0, max_total_tokens=max_total, used_tokens=used,
                       committed_tokens=committed, num_running=0, num_waiting=0, draining=draining,
                       last_inbox_id=last_inbox_id, requests=requests, running_max_req_size=running_max)
@@ -28,7 +33,10 @@ def estimator(history=(), prior=2048, seed=0):
 
 
 def choose(loads, reserved, req, policy="conservative", est=None):
-    return choose_worker(loads, reserved, req, policy, est or estimator())
+    """The router's choice (``Views``) for ``req`` among ``loads``, with ``reserved`` on top."""
+    views = Views(POLICIES[policy](est or estimator(), 0.05))
+    views.refresh(loads, reserved)
+    return views.choose(Candidate(request_states(req), views.policy), req.model)
 
 
 def test_request_state_counts_resumed_tokens_as_held_and_generated():
@@ -107,12 +115,6 @@ def test_aggressive_looks_only_at_tokens_held_now():
     assert choose({"a": load("a", max_total=100, requests=[(86, 0, 1, 0)])}, {}, req, "aggressive") is None
 
 
-def test_record_without_summaries_is_checked_conservatively_under_any_policy():
-    loads = {"a": load("a", max_total=100, committed=81)}
-    assert choose(loads, {}, request(10, 10), "past_future", estimator([1] * 200)) is None
-    assert choose({"a": load("a", max_total=100, committed=80)}, {}, request(10, 10), "past_future") == "a"
-
-
 def test_lowest_resulting_peak_ratio_wins_across_pool_sizes():
     req = request(10, 10, ignore_eos=True)
     loads = {"big": load("big", max_total=1000, requests=[(400, 0, 100, 1)]),  # (500 + 20) / 1000
@@ -124,8 +126,8 @@ def test_lowest_resulting_peak_ratio_wins_across_pool_sizes():
 def test_check_returns_the_ratio_or_none():
     est = estimator()
     states = [ReqState(10, 0, 10, 1)]
-    assert check(states, ReqState(10, 0, 10, 1), 100, None, "past_future", est, 0.05) == pytest.approx(0.4)
-    assert check(states, ReqState(10, 0, 10, 1), 100, 1, "past_future", est, 0.05) is None
+    assert check(states, ReqState(10, 0, 10, 1), 100, None, PastFuture(est, 0.05)) == pytest.approx(0.4)
+    assert check(states, ReqState(10, 0, 10, 1), 100, 1, PastFuture(est, 0.05)) is None
 
 
 def test_reservations_settle_when_the_worker_reports_the_entry():

@@ -1,10 +1,9 @@
 """One pool per served model: the router sends a request only to workers of its model
 (real Redis, workers played by the test)."""
 
-from router.admission import choose_worker
 from shared.schemas import GenerateRequest, SamplingParams
 from tests.router.helpers import inbox_ids, publish_load, submit
-from tests.router.test_admission import estimator, load
+from tests.router.test_admission import choose, load
 from tests.router.test_loop import make_router
 
 
@@ -14,7 +13,7 @@ def test_requests_go_only_to_workers_of_their_model(redis_settings, rclient, key
     router = make_router(redis_settings, rclient)
     submit(rclient, keys, "for-a", model="a")
     submit(rclient, keys, "for-b", model="b")
-    submit(rclient, keys, "group-a", model="a", n=2)  # groups take the full check's path
+    submit(rclient, keys, "group-a", model="a", n=2)  # a group: the same check, all its samples
     submit(rclient, keys, "any", model=None)  # an older producer's: any worker
     router.step()
     assert inbox_ids(rclient, keys, "big-a") == ["for-a", "group-a"]
@@ -36,5 +35,5 @@ def test_choose_worker_filters_by_model():
     loads = {"a": load("a").model_copy(update={"model": "a"}), "b": load("b").model_copy(update={"model": "b"})}
     req = GenerateRequest(id="r", prompt_ids=[1] * 10, created_ms=0, model="b",
                           params=SamplingParams(max_new_tokens=10))
-    assert choose_worker(loads, {}, req, "conservative", estimator()) == "b"
-    assert choose_worker(loads, {}, req.model_copy(update={"model": "z"}), "conservative", estimator()) is None
+    assert choose(loads, {}, req, "conservative") == "b"
+    assert choose(loads, {}, req.model_copy(update={"model": "z"}), "conservative") is None

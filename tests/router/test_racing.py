@@ -11,14 +11,13 @@ import threading
 
 import pytest
 
-from router.admission import request_state
 from router.loop import Router
 from router.registry import read_registry
+from shared.admission import POLICIES, request_state
 from shared.codec import entry, from_entry
 from shared.config import AdmissionSettings, RouterSettings
 from shared.history import Estimator, OutputLengthHistory
 from shared.keys import ROUTER_GROUP
-from shared.peak import projected_use, use_limit
 from shared.redis import ensure_group
 from shared.schemas import GenerateRequest, SamplingParams
 from tests.router.helpers import finished_lengths, inbox_ids, publish_load, submit
@@ -68,8 +67,8 @@ def test_two_routers_never_over_admit_one_worker(redis_settings, rclient, keys, 
 
     dispatched = [request_state(from_entry(GenerateRequest, f)) for _, f in rclient.xrange(keys.inbox("w1"))]
     estimator = Estimator(OutputLengthHistory(200, prior=50), seed=0)  # exact lengths: the history is unused
-    margin = routers[0].rule.margin
-    assert projected_use(dispatched, policy, estimator) <= use_limit(POOL, policy, margin)
+    admission = POLICIES[policy](estimator, routers[0].rule.settings.admission_margin)
+    assert admission.use(dispatched) <= admission.limit(POOL)
     allowed = 10 if policy == "conservative" else 9  # 100 tokens each; past-future: 950 after the margin
     assert len(dispatched) == allowed  # and the routers did fill the worker
     assert sum(len(r.queue) for r in routers) == BURST - allowed

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from shared.peak import ReqState, SortedPeak, fits, num_draws, peak_tokens, worst_peak
+from shared.peak import ReqState, SortedPeak, num_draws, peak_tokens, worst_peak
 
 
 def simulated_peak(pairs):
@@ -60,17 +60,29 @@ def test_a_run_of_adds_then_a_question_equals_the_simulation(seed):
     assert sorted_peak.peak() == simulated_peak(pairs)
 
 
+@pytest.mark.parametrize("seed", range(50))
+def test_sorted_peak_with_several_more_pairs_equals_the_simulation(seed):
+    """A group's samples asked about at once (``peak_with_all``)."""
+    rng = random.Random(seed)
+    hi = rng.choice([3, 20, 200])
+    pairs = [(rng.randint(0, hi), rng.randint(0, hi)) for _ in range(rng.randint(0, 12))]
+    sorted_peak = SortedPeak(pairs)
+    sorted_peak.add(5, 5)  # unbuilt adds count too
+    group = [(rng.randint(0, hi), rng.randint(0, hi)) for _ in range(rng.randint(1, 4))]
+    assert sorted_peak.peak_with_all(group) == simulated_peak([*pairs, (5, 5), *group])
+
+
 def test_order_of_the_input_does_not_matter():
     pairs = [(5, 1), (1, 9), (7, 7), (3, 9)]
     assert peak_tokens(pairs) == peak_tokens(list(reversed(pairs))) == simulated_peak(pairs)
 
 
-def test_fits_keeps_the_margin():
+def test_a_candidate_fits_within_the_margin():
     pairs = [(10, 50), (20, 30)]
     # with (40, 5): peak = max(60, 30+60, 70+15) = 90
-    assert fits(pairs, (40, 5), 100, margin=0.1)
-    assert not fits(pairs, (40, 5), 100, margin=0.11)
-    assert fits([], (10, 10), 20, margin=0)
+    assert peak_tokens([*pairs, (40, 5)]) <= 100 * (1 - 0.1)
+    assert not peak_tokens([*pairs, (40, 5)]) <= 100 * (1 - 0.11)
+    assert peak_tokens([(10, 10)]) <= 20 * (1 - 0)
 
 
 def test_num_draws_follows_the_paper():

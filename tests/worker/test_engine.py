@@ -6,6 +6,8 @@ import pytest
 import torch
 import transformers
 
+from shared.admission import AdmissionRule
+from shared.config import AdmissionSettings
 from shared.model_files import ModelSource
 from shared.schemas import GenerateRequest, SamplingParams
 from worker.engine.engine import Engine, EngineLimits
@@ -36,7 +38,8 @@ def make_engine(folder, running_max=8, batch_max_tokens=64, mix_max=0):
     cache = attach_kv_cache(model, POOL, "cpu")
     table = ReqTable(running_max, 128, cache.hold_slot, "cpu")
     runner = ModelRunner(model, TokenPool(POOL), table, config.vocab_size, torch.device("cpu"))
-    return Engine(runner, EngineLimits(POOL, batch_max_tokens, running_max, mix_max), eos_ids=set())
+    return Engine(runner, EngineLimits(POOL, batch_max_tokens, running_max, mix_max), eos_ids=set(),
+                  rule=AdmissionRule(AdmissionSettings(admission="conservative")))
 
 
 def req(rid, prompt, max_new, **params):
@@ -199,9 +202,6 @@ def test_penalties_apply_per_request_in_one_batch(tiny):
 
 
 def test_past_future_overcommits_pauses_and_still_matches_transformers(tiny):
-    from shared.admission import AdmissionRule
-    from shared.config import AdmissionSettings
-
     ref, folder = tiny
     engine = make_engine(folder)
     # The history says outputs are short (5 tokens); these run 40: the pool (200) overflows.

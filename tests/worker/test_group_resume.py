@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.admission import request_states as router_states
+from shared.admission import request_states as router_states
 from shared.codec import from_entry
 from shared.peak import ReqState
 from shared.request_log import append_chunk

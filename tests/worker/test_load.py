@@ -1,11 +1,11 @@
 """The load record a worker publishes, down to what the router reads back."""
 
-from router.admission import choose_worker
 from router.registry import read_registry
 from shared.codec import decode, encode
 from shared.config import WorkerSettings
 from shared.history import Estimator, OutputLengthHistory
 from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
+from tests.router.test_admission import choose
 from worker.engine.engine import EngineLimits, LoadSnapshot
 from worker.service.heartbeat import Heartbeat
 from worker.engine.load import build_load, request_states
@@ -71,6 +71,6 @@ def test_service_heartbeat_reaches_the_router(redis_settings, rclient, keys):
     big = GenerateRequest(id="x", prompt_ids=[1] * 500, created_ms=0,
                           params=SamplingParams(max_new_tokens=500, ignore_eos=True))
     est = Estimator(OutputLengthHistory(window=10, prior=50))
-    assert choose_worker(registry.live, {}, big, "past_future", est) is None  # 1,000 more: over 950
+    assert choose(registry.live, {}, big, "past_future", est) is None  # 1,000 more: over 950
     small = big.model_copy(update={"params": SamplingParams(max_new_tokens=100, ignore_eos=True)})
-    assert choose_worker(registry.live, {}, small, "past_future", est) == "w1"
+    assert choose(registry.live, {}, small, "past_future", est) == "w1"

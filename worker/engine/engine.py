@@ -4,13 +4,14 @@ A step decodes one token for every prefilled request (one forward, a CUDA
 graph on GPU) and prefills prompt chunks of at most ``batch_max_tokens``
 tokens in total (a second forward), so a long prompt is spread over steps
 and never stalls everyone's decode. Admission is the worker's own check on
-its pool, by the same rule the router applies (``shared.admission``):
-conservative (prompt + max_new_tokens of everything running fits, so the
-pool can never run out) or past-future (the estimated peak fits). When an
-estimate was wrong and the pool cannot hold this step's tokens, the newest
-running request is paused: its slots are freed and it waits at the head of
-the queue with its output kept, to be prefilled again (prompt + output) and
-continue. Finished and cancelled requests free their slots at once.
+its pool, by the same rule and checker the router applies
+(``shared.admission``, ``shared.batch_view``): conservative (prompt +
+max_new_tokens of everything running fits, so the pool can never run out)
+or past-future (the estimated peak fits). When an estimate was wrong and
+the pool cannot hold this step's tokens, the newest running request is
+paused: its slots are freed and it waits at the head of the queue with its
+output kept, to be prefilled again (prompt + output) and continue.
+Finished and cancelled requests free their slots at once.
 
 A group (n samples of one prompt, ``worker.engine.request``) is admitted whole,
 its prompt counted once (``worker.engine.load.request_states``); its leader
@@ -34,10 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.schemas import FinishReason, RequestStatus
 from shared.admission import AdmissionRule
 from shared.batch_view import BatchView, Candidate
-from shared.config import AdmissionSettings
+from shared.schemas import FinishReason, RequestStatus
 from worker.engine.events import Ended, Event, Released, Started, Tokens
 from worker.engine.load import request_states
 from worker.engine.request import Phase, Req, sampling_after_prefill
@@ -65,11 +65,11 @@ class LoadSnapshot:
 
 
 class Engine:
-    def __init__(self, runner, limits: EngineLimits, eos_ids: set[int], rule: AdmissionRule | None = None):
+    def __init__(self, runner, limits: EngineLimits, eos_ids: set[int], rule: AdmissionRule):
         self.runner = runner
         self.limits = limits
         self.eos_ids = eos_ids
-        self.rule = rule or AdmissionRule(AdmissionSettings(admission="conservative"))
+        self.rule = rule  # the router's rule, from the same settings (shared.admission)
         self.num_pauses = 0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -167,31 +167,24 @@ class Engine:
         admitted: list[Req] = []
         if not self.waiting:  # most steps: nothing to admit, so no O(batch) summary either
             return admitted  # (read without the lock: one added meanwhile waits a step)
-        states = request_states(self.running)
-        # Prepared once for the pass: each candidate costs O(K log n), not check's O(K n log n)
-        # (a burst of 1,000 requests took 0.6 s of one step through check).
-        view = BatchView(states, self.limits.max_total_tokens, self.limits.running_max_req_size, self.rule)
+        # Prepared once for the pass: each candidate costs O(K log n), not O(K n log n) from
+        # scratch (a burst of 1,000 requests took 0.6 s of one step that way).
+        policy = self.rule.policy
+        view = BatchView(request_states(self.running), self.limits.max_total_tokens,
+                         self.limits.running_max_req_size, policy)
         with self._lock:
             while self.waiting:
                 req = self.waiting[0]
-                candidate = request_states([req])  # a group: all its samples, the prompt once
-                if not self._fits(view, states, candidate):
+                candidate = Candidate(request_states([req]), policy)  # a group: all its samples, the prompt once
+                if view.ratio(candidate) is None:
                     break
                 self.waiting.popleft()
                 self.runner.start(req)
                 req.phase = Phase.RUNNING
                 self.running.append(req)
                 admitted.append(req)
-                states += candidate
-                for state in candidate:
-                    view.add(state)
+                view.admit(candidate)
         return admitted
-
-    def _fits(self, view: BatchView, states: list, candidate: list) -> bool:
-        if len(candidate) == 1:
-            return view.ratio(Candidate(candidate[0], self.rule)) is not None
-        # A group is a set of states: check takes it whole (rare, and fewer than running_max anyway)
-        return self.rule.fits(states, candidate, self.limits.max_total_tokens, self.limits.running_max_req_size)
 
     def _pause_overflow(self) -> None:
         """Free slots for this step's tokens by pausing the newest requests (an estimate was wrong)."""
