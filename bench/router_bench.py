@@ -86,7 +86,7 @@ def run(args, full_check: bool) -> dict:
             pipe.xadd(keys.requests(), entry(request))
         pipe.execute()
         settings = RouterSettings(redis=RedisSettings(url=args.redis_url, key_prefix=prefix),
-                                  past_future=AdmissionSettings(admission=args.admission))
+                                  admission_rule=AdmissionSettings(admission=args.admission))
         router = Router(settings, redis.Redis.from_url(args.redis_url, decode_responses=True), "bench")
         if full_check:  # the peer: every worker's full check for every request
             seen: dict[str, dict[str, WorkerLoad]] = {}

@@ -150,7 +150,7 @@ def run_one(args, num_workers: int) -> dict:
     for proc in procs:
         proc.start()
     settings = RouterSettings(redis=RedisSettings(url=args.redis_url, key_prefix=prefix), poll_ms=5, read_batch=512,
-                              past_future=AdmissionSettings(admission=args.admission))
+                              admission_rule=AdmissionSettings(admission=args.admission))
     the_router = Router(settings, redis.Redis.from_url(args.redis_url, decode_responses=True), "bench-router")
     decisions: list[float] = []
     dispatched = [0]

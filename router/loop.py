@@ -51,7 +51,7 @@ class Router:
         self.router_id = router_id
         self.reservations = Reservations()
         self.dispatcher = Dispatcher(client, self.keys)
-        self.rule = AdmissionRule(settings.past_future)
+        self.rule = AdmissionRule(settings.admission_rule)
         self._next_history_read = 0.0
         self.queue: deque[tuple[str, GenerateRequest]] = deque()
         self.stop_event = threading.Event()
@@ -117,7 +117,7 @@ class Router:
         now = time.monotonic()
         if now < self._next_history_read:
             return
-        self._next_history_read = now + self.settings.past_future.history_refresh_s
+        self._next_history_read = now + self.settings.admission_rule.history_refresh_s
         self.rule.learn(self.client.lrange(self.keys.output_lengths(), 0, self.rule.history.window - 1))
         self.views.clear()  # their draws came from the old history
 

@@ -156,7 +156,8 @@ class RouterSettings(BaseSettings):
     read_batch: int = Field(64, gt=0, description="ingress entries read per XREADGROUP")
     dispatch_batch: int = Field(32, gt=0, description="admission decisions sent to Redis in one round trip")
     poll_ms: int = Field(100, gt=0, description="idle wait between admission attempts")
-    past_future: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    # Not ``admission``: pydantic-settings would read LIGHTQ_ADMISSION, the policy's variable, for it.
+    admission_rule: AdmissionSettings = Field(default_factory=AdmissionSettings)
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it goes to the dead-letter stream")
     liveness_ttl_s: float = Field(3.0, gt=0, description="a router silent this long is dead: others claim its entries")
     stale_load_s: float = Field(5.0, gt=0, description="a load record older than this counts as full")
@@ -197,7 +198,7 @@ class WorkerSettings(BaseSettings):
                             description="publisher processes per worker (detokenising and Redis writes, each "
                                         "a shard of the requests; default: 1, 2 with 16 cores or more)")
     heartbeat_s: float = Field(0.5, gt=0, description="seconds between load records")
-    past_future: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    admission_rule: AdmissionSettings = Field(default_factory=AdmissionSettings)  # named as the router's
     drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds running requests get to finish "
                                                           "before the rest is handed back")
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it is dead-lettered")

@@ -153,7 +153,7 @@ def build_engine(settings: WorkerSettings, tokenizer=None, group=None) -> Engine
     runner, eos = build_runner(settings, tokenizer, group)
     limits = EngineLimits(runner.pool.num_slots, settings.batch_max_tokens, settings.running_max_req_size,
                           settings.mix_max_prefill_tokens)
-    return Engine(runner, limits, eos, AdmissionRule(settings.past_future))
+    return Engine(runner, limits, eos, AdmissionRule(settings.admission_rule))
 
 
 def follower(rank: int, size: int, port: int, settings: WorkerSettings) -> None:

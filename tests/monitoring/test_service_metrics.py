@@ -29,7 +29,7 @@ def samples(registry: CollectorRegistry) -> dict:
 def metered_router(redis_settings, rclient) -> MeteredRouter:
     metrics = RouterMetrics("r1")
     router = MeteredRouter(RouterSettings(redis=redis_settings, poll_ms=10,
-                                                past_future=AdmissionSettings(admission="conservative")),
+                                                admission_rule=AdmissionSettings(admission="conservative")),
                            rclient, "r1", metrics=metrics)
     metrics.registry.register(RouterCollector(router))
     ensure_group(rclient, router.keys.requests(), ROUTER_GROUP)

@@ -96,7 +96,7 @@ def test_dead_worker_requests_go_back_with_emitted_tokens(redis_settings, rclien
 def test_policy_decides_how_much_one_worker_takes(redis_settings, rclient, keys, policy, ignore_eos, expected):
     publish_load(rclient, keys, "w1", max_total=2000, requests=[], running_max=64)
     finished_lengths(rclient, keys, [20] * 200)
-    router = make_router(redis_settings, rclient, past_future=AdmissionSettings(admission=policy))
+    router = make_router(redis_settings, rclient, admission_rule=AdmissionSettings(admission=policy))
     for i in range(10):
         submit(rclient, keys, f"q{i}", 100, 400, ignore_eos=ignore_eos)
     router.step()
@@ -107,7 +107,7 @@ def test_policy_decides_how_much_one_worker_takes(redis_settings, rclient, keys,
 def test_history_is_read_from_redis_with_the_prior_filling_the_rest(redis_settings, rclient, keys):
     finished_lengths(rclient, keys, [7, 8, 9])
     router = make_router(redis_settings, rclient,
-                         past_future=AdmissionSettings(history_window=10, history_prior=500))
+                         admission_rule=AdmissionSettings(history_window=10, history_prior=500))
     router.step()
     assert router.rule.history.values == [7, 8, 9] + [500] * 5
 

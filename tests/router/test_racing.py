@@ -51,7 +51,7 @@ def test_two_routers_never_over_admit_one_worker(redis_settings, rclient, keys, 
     for i in range(BURST):
         submit(rclient, keys, f"q{i}", 50, 50, ignore_eos=ignore_eos)
     settings = RouterSettings(redis=redis_settings, poll_ms=5, read_batch=20, stale_load_s=600,
-                              past_future=AdmissionSettings(admission=policy))
+                              admission_rule=AdmissionSettings(admission=policy))
     ensure_group(rclient, keys.requests(), ROUTER_GROUP)
     routers = [Router(settings, rclient.__class__.from_url(redis_settings.url, decode_responses=True), name)
                for name in ("r1", "r2")]
@@ -78,7 +78,7 @@ def test_a_router_learns_the_other_routers_dispatches_and_decides_again(redis_se
     publish_load(rclient, keys, "w1", max_total=300, requests=[])
     publish_load(rclient, keys, "w2", max_total=300, requests=[])
     settings = RouterSettings(redis=redis_settings, poll_ms=5, read_batch=2,
-                              past_future=AdmissionSettings(admission="conservative"))
+                              admission_rule=AdmissionSettings(admission="conservative"))
     ensure_group(rclient, keys.requests(), ROUTER_GROUP)
     r1, r2 = (Router(settings, rclient, name) for name in ("r1", "r2"))
     for i in range(4):
@@ -107,7 +107,7 @@ def test_a_run_of_decisions_goes_in_one_round_trip_and_a_refused_one_keeps_its_o
                                                                                      keys):
     publish_load(rclient, keys, "w1", max_total=10_000, requests=[])
     router = Router(RouterSettings(redis=redis_settings, poll_ms=5, read_batch=8,
-                                   past_future=AdmissionSettings(admission="conservative")), rclient, "r1")
+                                   admission_rule=AdmissionSettings(admission="conservative")), rclient, "r1")
     ensure_group(rclient, keys.requests(), ROUTER_GROUP)
     calls = []
     send_many = router.dispatcher.send_many

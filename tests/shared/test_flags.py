@@ -1,7 +1,7 @@
 import argparse
 
+from shared.config import RouterSettings, WorkerSettings
 from shared.flags import add_flags, as_env, build, given
-from shared.config import WorkerSettings
 
 
 def parse(argv):
@@ -32,3 +32,11 @@ def test_settings_are_frozen():
     except Exception:
         return
     raise AssertionError("settings must be frozen")
+
+
+def test_admission_flags_and_their_environment_reach_the_rule(monkeypatch):
+    settings = build(RouterSettings, {"admission": "conservative", "admission_margin": 0.1})
+    assert (settings.admission_rule.admission, settings.admission_rule.admission_margin) == ("conservative", 0.1)
+    # a child process gets --admission as LIGHTQ_ADMISSION, which no settings field but the policy reads
+    monkeypatch.setenv("LIGHTQ_ADMISSION", "aggressive")
+    assert RouterSettings().admission_rule.admission == WorkerSettings().admission_rule.admission == "aggressive"
