@@ -9,9 +9,8 @@ time is the real cost of a token for the whole batch). CUDA events split the
 step into the model's forward (the CUDA graph), sampling, and the host's own
 work between them (engine bookkeeping, batch building: nothing on the GPU).
 With ``--arrival N``, steps that each take in a new request of N prompt
-tokens are timed too, mixed (one forward: the decode tokens ride in the
-prefill) and, as the peer, separate (a decode forward, then a prefill one);
-"prefill" is the second forward's time. With ``--trace B`` a torch profiler table of the kernels of one eager
+tokens are timed too (a prefill forward, then the decode one); "prefill" is
+the prefill forward's time. With ``--trace B`` a torch profiler table of the kernels of one eager
 forward at batch B follows (kernel times are the graph's; eager only adds
 launch gaps), grouped by kernel name, so the largest costs read off the top.
 """
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import pstats
 import statistics
 import time
@@ -85,7 +83,7 @@ def fill(engine, batch: int, context: int, vocab: int, rng, steps: int) -> list[
 
 def measure(engine, steps: int, arrival: list[int] | None = None) -> dict[str, float]:
     """Median step times; with ``arrival`` (prompt ids), a new request joins before every step,
-    as in serving at a steady rate: its prefill runs as the step's second forward."""
+    as in serving at a steady rate: its prefill runs as the step's first forward."""
     runner = engine.runner
     forward, sample = Timed(runner.forward), Timed(runner._sample)
     runner.forward, runner._sample = forward, sample
@@ -101,7 +99,7 @@ def measure(engine, steps: int, arrival: list[int] | None = None) -> dict[str, f
             start = time.perf_counter()
             engine.step()
             walls.append((time.perf_counter() - start) * 1e3)
-            each = forward.take_each_ms()  # the decode graph's forward, the prefill's (a mixed step: one)
+            each = forward.take_each_ms()  # the prefill's forward, the decode graph's
             fwd.append(sum(ms for is_decode, ms in each if is_decode is not False))
             prefill.append(sum(ms for is_decode, ms in each if is_decode is False))
             smp.append(sample.take_ms())
@@ -176,11 +174,9 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     for b in batches:
         reqs = fill(engine, b, args.context, vocab, rng, 2 * args.steps + 10)
         rows.append((b, 0, measure(engine, args.steps)))
-        if args.arrival:  # mixed steps (one forward) and, as the peer, a decode forward then a prefill one
+        if args.arrival:  # steps that each take in a new request: its prefill, then the decode
             prompt = rng.integers(3, vocab, size=args.arrival).tolist()
-            for mixed in (True, False):
-                engine.limits = dataclasses.replace(engine.limits, mix_max_prefill_tokens=args.arrival if mixed else 0)
-                rows.append((b, f"{args.arrival}{'' if mixed else ' sep'}", measure(engine, args.steps, prompt)))
+            rows.append((b, str(args.arrival), measure(engine, args.steps, prompt)))
         if b in traced:
             trace(engine, b)
             if args.arrival:

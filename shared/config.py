@@ -186,9 +186,6 @@ class WorkerSettings(BaseSettings):
     # LightLLM's default. At 256, a burst of 1,000 requests on an H200 ran 256 at a time while the
     # rest waited in the queue (issue 13); the KV pool, not this cap, should bound the batch.
     running_max_req_size: int = Field(1000, gt=0, description="max requests running at once")
-    mix_max_prefill_tokens: int = Field(0, ge=0, description="a step that prefills at most this many prompt "
-                                        "tokens feeds the decoding requests in the same forward (0: never; a "
-                                        "larger prefill runs after the decode step, as its own forward)")
     cuda_graphs: bool = Field(True, description="capture decode steps, and one-request prefills of at most 512 "
                               "tokens (--tp 1), as CUDA graphs (GPU only)")
     graph_max_batch_size: int = Field(1000, gt=0, description="largest decode batch captured as a graph "

@@ -151,8 +151,7 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
 def build_engine(settings: WorkerSettings, tokenizer=None, group=None) -> Engine:
     """The engine on rank 0's runner (see ``build_runner``)."""
     runner, eos = build_runner(settings, tokenizer, group)
-    limits = EngineLimits(runner.pool.num_slots, settings.batch_max_tokens, settings.running_max_req_size,
-                          settings.mix_max_prefill_tokens)
+    limits = EngineLimits(runner.pool.num_slots, settings.batch_max_tokens, settings.running_max_req_size)
     return Engine(runner, limits, eos, AdmissionRule(settings.admission_rule))
 
 

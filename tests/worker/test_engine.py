@@ -33,12 +33,12 @@ def tiny(tmp_path_factory):
     return ref, str(folder)
 
 
-def make_engine(folder, running_max=8, batch_max_tokens=64, mix_max=0):
+def make_engine(folder, running_max=8, batch_max_tokens=64):
     model, config = load_model(ModelSource("hf", folder), torch.float32, "cpu")
     cache = attach_kv_cache(model, POOL, "cpu")
     table = ReqTable(running_max, 128, cache.hold_slot, "cpu")
     runner = ModelRunner(model, TokenPool(POOL), table, config.vocab_size, torch.device("cpu"))
-    return Engine(runner, EngineLimits(POOL, batch_max_tokens, running_max, mix_max), eos_ids=set(),
+    return Engine(runner, EngineLimits(POOL, batch_max_tokens, running_max), eos_ids=set(),
                   rule=AdmissionRule(AdmissionSettings(admission="conservative")))
 
 
@@ -80,12 +80,10 @@ def test_continuous_batching_matches_transformers_greedy(tiny):
     assert engine.runner.table.num_free_rows == 8
 
 
-@pytest.mark.parametrize("mix_max", [8, 7, 0])
-def test_a_small_prefill_takes_the_decoding_requests_into_its_forward(tiny, mix_max):
-    """Mixed steps: one forward per step (decode tokens ride in the prefill), the same tokens;
-    a prefill of more than ``mix_max`` tokens runs as its own forward after the decode one."""
+def test_a_step_with_a_prefill_runs_it_as_its_own_forward_before_the_decode(tiny):
+    """A prompt chunk beside decoding requests: the prefill forward, then the decode one."""
     ref, folder = tiny
-    engine = make_engine(folder, batch_max_tokens=8, mix_max=mix_max)
+    engine = make_engine(folder, batch_max_tokens=8)
     forwards: list[bool] = []  # is_decode of each forward of the current step
     real_forward = engine.runner.forward
     engine.runner.forward = lambda step: forwards.append(step.is_decode) or real_forward(step)
@@ -106,8 +104,7 @@ def test_a_small_prefill_takes_the_decoding_requests_into_its_forward(tiny, mix_
     assert tokens["a"] == reference_greedy(ref, prompts["a"], 10)
     assert tokens["b"] == reference_greedy(ref, prompts["b"], 6)
     prefill_steps = per_step[2:5]  # b's chunks of 8, 8 and 4 tokens, while a decodes
-    expected = {8: [[False]] * 3, 7: [[False, True]] * 2 + [[False]], 0: [[False, True]] * 3}  # prefill first
-    assert prefill_steps == expected[mix_max]
+    assert prefill_steps == [[False, True]] * 3  # is_decode of each forward: the prefill first
     assert engine.runner.pool.num_free == POOL
 
 

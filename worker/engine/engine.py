@@ -53,7 +53,6 @@ class EngineLimits:
     max_total_tokens: int
     batch_max_tokens: int
     running_max_req_size: int
-    mix_max_prefill_tokens: int = 0  # a step prefilling at most this many tokens feeds its decodes in that forward
 
 
 @dataclass(frozen=True)
@@ -127,16 +126,10 @@ class Engine:
             req.is_paused = False
         self._pause_overflow()
         decoding = [r for r in self.running if r.is_prefilled]  # before the prefill: it samples its own
-        prefill = self._prefill_chunks(reserved=len(decoding))
-        # A small prefill takes the decoding requests along as one-token chunks of its forward: one
-        # weight read and one round of launches, not two (a small prefill's forward waits on the
-        # host's launches). A large one goes alone, then the decode graph: the prefill kernel reads
-        # a decode row's whole context in one program, which costs more than it saves there.
-        mixed = bool(decoding and prefill and sum(n for _, n in prefill) <= self.limits.mix_max_prefill_tokens)
-        chunks = ([(r, 1) for r in decoding] if mixed else []) + prefill
+        chunks = self._prefill_chunks()
         if chunks:
             events += self._prefill(chunks)
-        if decoding and not mixed:
+        if decoding:
             if early is not None and events:
                 early(events)
                 events = []
@@ -203,10 +196,10 @@ class Engine:
         """Slots this step must have: one per decoding request, one for any prefill to progress."""
         return sum(r.is_prefilled for r in self.running) + any(not r.is_prefilled for r in self.running)
 
-    def _prefill_chunks(self, reserved: int = 0) -> list[tuple[Req, int]]:
+    def _prefill_chunks(self) -> list[tuple[Req, int]]:
         """(request, tokens to prefill now), oldest first, within ``batch_max_tokens`` and the
-        pool's free slots less ``reserved`` (this step's decode tokens, when mixed in)."""
-        budget, free = self.limits.batch_max_tokens, self.runner.pool.num_free - reserved
+        pool's free slots."""
+        budget, free = self.limits.batch_max_tokens, self.runner.pool.num_free
         chunks: list[tuple[Req, int]] = []
         for req in self.running:
             if budget <= 0:
