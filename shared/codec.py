@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -24,7 +25,8 @@ def entry(message: BaseModel) -> dict[str, str]:
     return {FIELD: encode(message)}
 
 
-def from_entry(cls: type[M], fields: dict) -> M:
+def from_entry(cls: type[M], fields: Mapping[Any, str | bytes]) -> M:
+    """The message in a stream entry's fields (read with or without decode_responses)."""
     raw = fields.get(FIELD) if FIELD in fields else fields.get(FIELD.encode())
     if raw is None:
         raise ValueError(f"stream entry has no {FIELD!r} field: {list(fields)}")

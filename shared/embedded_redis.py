@@ -44,7 +44,7 @@ def free_port() -> int:
 
 @dataclass
 class EmbeddedRedis:
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     url: str
     workdir: str
     port: int
@@ -88,7 +88,7 @@ def start_embedded_redis(port: int | None = None, timeout_s: float = 10.0, appen
     return EmbeddedRedis(process=process, url=url, workdir=workdir, port=port, args=args, pass_fds=pass_fds)
 
 
-def _launch(args: list[str], url: str, pass_fds: tuple[int, ...], timeout_s: float) -> subprocess.Popen:
+def _launch(args: list[str], url: str, pass_fds: tuple[int, ...], timeout_s: float) -> subprocess.Popen[bytes]:
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True, pass_fds=pass_fds)
     deadline = time.monotonic() + timeout_s

@@ -54,7 +54,7 @@ def trim_ingress(client: redis.Redis, keys: Keys) -> int:
             ms, seq = stream_id(group["last-delivered-id"])
             floors.append((ms, seq + 1))
     ms, seq = min(floors)
-    return client.xtrim(stream, minid=f"{ms}-{seq}", approximate=False)
+    return int(client.xtrim(stream, minid=f"{ms}-{seq}", approximate=False))
 
 
 def sweep_request_records(client: redis.Redis, keys: Keys, ttl_s: int, count: int) -> dict[str, int]:
@@ -63,7 +63,8 @@ def sweep_request_records(client: redis.Redis, keys: Keys, ttl_s: int, count: in
     cursor = int(client.get(keys.housekeeping_cursor()) or 0)
     cursor, found = client.scan(cursor=cursor, match=f"{_glob_escape(keys.prefix)}:{{r:*}}:*", count=count)
     deleted = expired = 0
-    for request_id in sorted({_request_id(key) for key in found if client.ttl(key) == -1} - {None}):
+    ids = {_request_id(key) for key in found if client.ttl(key) == -1}
+    for request_id in sorted(request_id for request_id in ids if request_id is not None):
         raw = client.hgetall(keys.meta(request_id))
         if not raw:
             deleted += _delete_if_quiet(client, keys, request_id, ttl_s)
@@ -108,7 +109,8 @@ def drop_stale_workers(client: redis.Redis, keys: Keys, stale_s: float) -> list[
     return dropped
 
 
-def run_all(client: redis.Redis, keys: Keys, *, ttl_s: int, stale_worker_s: float, scan_count: int) -> dict:
+def run_all(client: redis.Redis, keys: Keys, *, ttl_s: int, stale_worker_s: float,
+            scan_count: int) -> dict[str, object]:
     """Every sweep once; what each did."""
     return {
         "ingress_trimmed": trim_ingress(client, keys),

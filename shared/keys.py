@@ -9,23 +9,26 @@ land in one slot, so a request's status and chunks can be written together.
 | P:{q}:dead                  | stream        | router -> operators       |
 | P:workers                   | sorted set    | worker -> router (score = last seen ms) |
 | P:{w:ID}:load               | string + TTL  | worker -> router, producer (WorkerLoad JSON) |
-| P:{w:ID}:inbox              | stream        | router -> worker; routers (entries after the load's last_inbox_id: dispatches it does not show yet) |
+| P:{w:ID}:inbox              | stream        | router -> worker; routers (its entries past the load's last_inbox_id) |
 | P:{r:ID}:meta               | hash + TTL    | producer, router, worker -> producer |
 | P:{r:ID}:chunks             | stream + TTL  | worker -> producer (durable chunk log) |
 | P:{r:ID}:tokens             | pub/sub       | worker -> anyone (live chunks) |
 | P:{r:ID}:cancel             | string + TTL  | producer -> router, worker |
 | P:outlen                    | capped list   | worker -> router (finished output lengths) |
-| P:{q}:enqueued_tokens       | counter       | producer (cost ever enqueued; ingress entries carry the total before them) |
+| P:{q}:enqueued_tokens       | counter       | producer (cost ever enqueued; an ingress entry has the sum before it) |
 | P:{k:HASH}:rpm:MINUTE       | counter + TTL | producer (requests of one API key in one minute) |
 | P:{w:ID}:reap               | string + TTL  | router lock while re-dispatching a dead worker's requests |
-| P:{rt:ID}:alive             | string + TTL  | router liveness; a missing key lets other routers claim its pending entries |
+| P:{rt:ID}:alive             | string + TTL  | router liveness; when gone, other routers claim its pending entries |
 | P:{b:ID}:batch              | hash + TTL    | producer, rq batch job -> producer (batch status and counts) |
 | P:{b:ID}:input              | string + TTL  | producer -> rq batch job (the JSONL as submitted) |
 | P:{b:ID}:inflight           | hash + TTL    | rq batch job (line -> request id, while it runs) |
 | P:{b:ID}:results            | hash + TTL    | rq batch job (line -> output line, until the output is written) |
 | P:{b:ID}:output             | string + TTL  | rq batch job -> producer (the output JSONL) |
-| P:batches:OWNER             | zset          | producer (an owner's batch ids by creation time; expired ones pruned on listing) |
+| P:batches:OWNER             | zset          | producer (an owner's batch ids by creation time; expired ones pruned) |
 | P:housekeeping:cursor       | string        | rq housekeeping (SCAN cursor of the request-record sweep) |
+
+Routers read a worker's inbox past its load's ``last_inbox_id``: dispatches the load does not show yet.
+Expired batch ids leave an owner's zset when the owner's batches are listed.
 """
 
 from __future__ import annotations

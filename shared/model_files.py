@@ -17,7 +17,10 @@ import os
 import re
 from dataclasses import dataclass
 from importlib.util import find_spec
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -96,7 +99,7 @@ def served_name(model_dir: str, served_model_name: str = "") -> str:
         return os.path.basename(model_dir.removeprefix("dummy:").rstrip("/")).removesuffix(".gguf") or model_dir
 
 
-def load_tokenizer(source: ModelSource):
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     """A transformers tokenizer for the source (slow for GGUF: seconds)."""
     from transformers import AutoTokenizer
 
@@ -108,7 +111,7 @@ def load_tokenizer(source: ModelSource):
     return AutoTokenizer.from_pretrained(source.path)
 
 
-def load_config(source: ModelSource):
+def load_config(source: ModelSource) -> PretrainedConfig:
     """The transformers config (architecture, sizes) for the source."""
     from transformers import AutoConfig
 
