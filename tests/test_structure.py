@@ -219,9 +219,12 @@ def test_no_import_circle():
     report = []
     for component in components:
         chain = shortest_circle(component[0], edges, set(component))
-        report.append(f"circle among {len(component)} modules ({', '.join(component)}), e.g.:\n    "
-                      + "\n    ".join(edge.where() for edge in chain))
-    assert not report, "import circles (break them, or allow a lazy edge in ALLOWED_LAZY with a reason):\n" + "\n".join(report)
+        report.append(
+            f"circle among {len(component)} modules ({', '.join(component)}), e.g.:\n    "
+            + "\n    ".join(edge.where() for edge in chain)
+        )
+    hint = "import circles (break them, or allow a lazy edge in ALLOWED_LAZY with a reason):"
+    assert not report, "\n".join([hint, *report])
 
 
 def test_allowed_lazy_edges_still_exist():
