@@ -52,7 +52,7 @@ def requeue_dead(client: redis.Redis, keys: Keys, entry_ids: list[str], ttl_s: i
 
 def main(settings: RedisSettings, action: str, entry_ids: list[str]) -> None:
     client = redis.Redis.from_url(settings.url, decode_responses=True)
-    keys = Keys(settings.key_prefix)
+    keys = settings.keys
     console = Console()
     if action == "requeue":
         console.print(f"requeued {requeue_dead(client, keys, entry_ids, settings.request_ttl_s)} dead letter(s)")

@@ -31,8 +31,8 @@ from router.reservations import Reservations
 from shared.admission import AdmissionRule, request_states
 from shared.batch_view import Candidate
 from shared.codec import from_entry
-from shared.config import RouterSettings
-from shared.keys import ROUTER_GROUP, Keys
+from shared.config import CANCEL_CHECK_S, RouterSettings
+from shared.keys import ROUTER_GROUP
 from shared.log_limit import LogLimiter
 from shared.redis import Backoff, ensure_group
 from shared.request_log import end_request, now_ms
@@ -40,14 +40,12 @@ from shared.schemas import GenerateRequest, RequestStatus
 
 log = logging.getLogger("lightq.router")
 
-CANCEL_CHECK_S = 0.05  # as the worker's: a cancel waits at most this long for the router to see it
-
 
 class Router:
     def __init__(self, settings: RouterSettings, client: redis.Redis, router_id: str):
         self.settings = settings
         self.client = client
-        self.keys = Keys(settings.redis.key_prefix)
+        self.keys = settings.redis.keys
         self.router_id = router_id
         self.reservations = Reservations()
         self.dispatcher = Dispatcher(client, self.keys)

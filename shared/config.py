@@ -16,6 +16,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.keys import Keys
 
+# How often the router and the worker look up the cancel keys of the requests they hold: a cancel
+# waits at most this long to be seen (a lookup is one round trip for every request held).
+CANCEL_CHECK_S = 0.05
+
 
 def _frozen(prefix: str) -> SettingsConfigDict:
     return SettingsConfigDict(env_prefix=prefix, frozen=True, extra="ignore", protected_namespaces=())

@@ -15,7 +15,6 @@ import torch
 
 from shared.admission import AdmissionRule
 from shared.config import WorkerSettings
-from shared.keys import Keys
 from shared.model_files import load_config, load_tokenizer, resolve
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
@@ -200,7 +199,7 @@ def run_service(settings: WorkerSettings, group=None) -> None:
         return
     client = sync_client(settings.redis)
     metrics = WorkerMetrics(worker_id)
-    metrics.registry.register(WorkerCollector(engine, client, Keys(settings.redis.key_prefix), worker_id))
+    metrics.registry.register(WorkerCollector(engine, client, settings.redis.keys, worker_id))
     server = serve_metrics(metrics.registry, settings.metrics_port)
     service = WorkerService(settings, client, MeteredEngine(engine, metrics), worker_id, publisher)
     service.stop_event = stop

@@ -16,8 +16,8 @@ import time
 import redis
 
 from shared.codec import from_entry
-from shared.config import WorkerSettings
-from shared.keys import WORKER_GROUP, Keys
+from shared.config import CANCEL_CHECK_S, WorkerSettings
+from shared.keys import WORKER_GROUP
 from shared.log_limit import LogLimiter
 from shared.model_files import served_name
 from shared.redis import Backoff, ensure_group
@@ -32,7 +32,6 @@ from worker.engine.request import Req
 
 log = logging.getLogger("lightq.worker")
 
-CANCEL_CHECK_S = 0.05
 IDLE_BLOCK_MS = 200
 
 
@@ -42,7 +41,7 @@ class WorkerService:
         self.settings = settings
         self.client = client
         self.engine = engine
-        self.keys = Keys(settings.redis.key_prefix)
+        self.keys = settings.redis.keys
         self.worker_id = worker_id
         self.model = served_name(settings.model.model_dir, settings.model.served_model_name)  # its pool
         self.publisher = publisher  # started by the caller (it loads while the model does)
