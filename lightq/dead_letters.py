@@ -13,29 +13,45 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from shared.codec import FIELD, decode, entry
+from shared.codec import entry, from_entry
 from shared.config import RedisSettings
 from shared.keys import Keys
 from shared.request_log import emitted_chunks
 from shared.requeue import resume_fields
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import DeadLetter, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 
 
-def list_dead(client: redis.Redis, keys: Keys) -> list[tuple[str, dict]]:
-    return client.xrange(keys.dead_letters())
+def read_dead_letter(fields: dict[str, str]) -> DeadLetter:
+    """An entry of the stream. One written before dead letters were typed (the request itself
+    in the message field, ``reason`` and ``failed_ms`` beside it, or an unreadable entry's
+    fields plus ``reason``) still sits in a persistent Redis: it reads into the same model."""
+    try:
+        return from_entry(DeadLetter, fields)
+    except ValueError:
+        pass
+    rest = {k: v for k, v in fields.items() if k not in ("reason", "failed_ms")}
+    try:
+        request: GenerateRequest | None = from_entry(GenerateRequest, rest)
+    except ValueError:
+        request = None
+    return DeadLetter(reason=fields.get("reason", ""), failed_ms=int(fields.get("failed_ms", 0)), request=request,
+                      raw=None if request is not None else rest)
+
+
+def list_dead(client: redis.Redis, keys: Keys) -> list[tuple[str, DeadLetter]]:
+    return [(entry_id, read_dead_letter(fields)) for entry_id, fields in client.xrange(keys.dead_letters())]
 
 
 def requeue_dead(client: redis.Redis, keys: Keys, entry_ids: list[str], ttl_s: int) -> int:
     """Requeue the given dead-letter entries (all when empty); returns how many went back."""
     count = 0
-    for entry_id, fields in list_dead(client, keys):
-        if (entry_ids and entry_id not in entry_ids) or FIELD not in fields:
+    for entry_id, letter in list_dead(client, keys):
+        request = letter.request
+        if (entry_ids and entry_id not in entry_ids) or request is None:  # an unreadable entry stays
             continue
-        request = decode(GenerateRequest, fields[FIELD])
         # The dead-letter end is a tokenless chunk, deleted below: these chunks have not ended.
         chunks = [c for c in emitted_chunks(client, keys, request.id) if c.token_id is not None]
-        terminal = [i for i, f in client.xrange(keys.chunks(request.id))
-                    if decode(TokenChunk, f[FIELD]).token_id is None]
+        terminal = [i for i, f in client.xrange(keys.chunks(request.id)) if from_entry(TokenChunk, f).token_id is None]
         pipe = client.pipeline(transaction=True)
         if terminal:
             pipe.xdel(keys.chunks(request.id), *terminal)
@@ -58,8 +74,8 @@ def main(settings: RedisSettings, action: str, entry_ids: list[str]) -> None:
         console.print(f"requeued {requeue_dead(client, keys, entry_ids, settings.request_ttl_s)} dead letter(s)")
         return
     table = Table("entry", "request", "attempts", "prompt tokens", "reason")
-    for entry_id, fields in list_dead(client, keys):
-        request = decode(GenerateRequest, fields[FIELD]) if FIELD in fields else None
+    for entry_id, letter in list_dead(client, keys):
+        request = letter.request
         table.add_row(entry_id, request.id if request else "-", str(request.attempt + 1) if request else "-",
-                      str(len(request.prompt_ids)) if request else "-", fields.get("reason", ""))
+                      str(len(request.prompt_ids)) if request else "-", letter.reason)
     console.print(table)

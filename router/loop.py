@@ -30,13 +30,13 @@ from router.registry import read_registry
 from router.reservations import Reservations
 from shared.admission import AdmissionRule, request_states
 from shared.batch_view import Candidate
-from shared.codec import from_entry
+from shared.codec import entry, from_entry
 from shared.config import CANCEL_CHECK_S, RouterSettings
 from shared.keys import ROUTER_GROUP
 from shared.log_limit import LogLimiter
 from shared.redis import Backoff, ensure_group
 from shared.request_log import end_request, now_ms
-from shared.schemas import GenerateRequest, RequestStatus
+from shared.schemas import DeadLetter, GenerateRequest, RequestStatus
 
 log = logging.getLogger("lightq.router")
 
@@ -150,7 +150,8 @@ class Router:
         except ValueError as exc:  # unreadable: never retry it, keep it for inspection
             log.error("dead-lettering unreadable entry %s: %s", entry_id, exc)
             pipe = self.client.pipeline(transaction=True)
-            pipe.xadd(self.keys.dead_letters(), {**fields, "reason": f"unreadable: {exc}"[:500]})
+            letter = DeadLetter(reason=f"unreadable: {exc}"[:500], failed_ms=now_ms(), raw=fields)
+            pipe.xadd(self.keys.dead_letters(), entry(letter))
             pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
             pipe.execute()
 

@@ -24,7 +24,7 @@ import redis
 from shared.codec import entry, from_entry
 from shared.keys import Keys
 from shared.request_log import emitted_chunks, end_request, has_ended, mark_ended, now_ms
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import DeadLetter, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 
 
 def hand_back_inbox(client: redis.Redis, keys: Keys, worker_id: str, ttl_s: int, max_attempts: int,
@@ -89,6 +89,6 @@ def resume_fields(request: GenerateRequest, chunks: list[TokenChunk]) -> dict:
 def dead_letter(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest, reason: str,
                 num_output: int, ttl_s: int) -> None:
     """Park the request in the dead-letter stream and end it ``failed`` with the reason."""
-    pipe.xadd(keys.dead_letters(), {**entry(request), "reason": reason, "failed_ms": str(now_ms())})
+    pipe.xadd(keys.dead_letters(), entry(DeadLetter(reason=reason, failed_ms=now_ms(), request=request)))
     end_request(pipe, keys, request.id, status=RequestStatus.FAILED, reason="error", num_output=num_output,
                 ttl_s=ttl_s, error=f"dead-lettered: {reason}")

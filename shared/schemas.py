@@ -3,6 +3,7 @@
 producer --GenerateRequest--> {q}:requests --router--> {w:ID}:inbox --> worker
 worker --TokenChunk--> {r:ID}:chunks (durable) and {r:ID}:tokens (pub/sub)
 worker --WorkerLoad--> {w:ID}:load (heartbeat with TTL)
+router, worker --DeadLetter--> {q}:dead (read by ``lightq dead-letters``)
 """
 
 from __future__ import annotations
@@ -195,6 +196,24 @@ class WorkerLoad(_Frozen):
     def serves(self, model: str | None) -> bool:
         """Whether a request for ``model`` may come here: one pool per served model name."""
         return model is None or self.model is None or self.model == model
+
+
+class DeadLetter(_Frozen):
+    """An entry of the dead-letter stream: a request whose workers died ``max_attempts``
+    times, as it was when it was parked (``lightq dead-letters requeue`` sends it back), or an
+    ingress entry no router could read, its fields kept as they were for inspection."""
+
+    kind: Literal["dead_letter"] = "dead_letter"
+    reason: str
+    failed_ms: int
+    request: GenerateRequest | None = None
+    raw: dict[str, str] | None = Field(None, description="the unreadable entry's fields")
+
+    @model_validator(mode="after")
+    def _one_of_request_or_raw(self) -> DeadLetter:
+        if (self.request is None) == (self.raw is None):
+            raise ValueError("a dead letter holds either its request or the raw fields of an unreadable entry")
+        return self
 
 
 def stream_id(entry_id: str) -> tuple[int, int]:

@@ -3,12 +3,12 @@
 import subprocess
 import sys
 
-from lightq.dead_letters import requeue_dead
+from lightq.dead_letters import list_dead, requeue_dead
 from router.loop import Router
-from shared.codec import from_entry
+from shared.codec import entry, from_entry
 from shared.config import RouterSettings
 from shared.request_log import append_chunk
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import DeadLetter, GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
 from tests.router.helpers import publish_load, submit
 
 
@@ -42,3 +42,25 @@ def test_cli_lists_dead_letters(redis_settings, rclient, keys):
     out = subprocess.run([sys.executable, "-m", "lightq.cli", "dead-letters", "list", "--redis_url", redis_settings.url,
                           "--redis_key_prefix", redis_settings.key_prefix], capture_output=True, text=True, check=True)
     assert "p" in out.stdout and "died" in out.stdout
+
+
+def test_an_unreadable_ingress_entry_is_parked_with_its_fields(redis_settings, rclient, keys):
+    router = Router(RouterSettings(redis=redis_settings, poll_ms=10), rclient, "r1")
+    rclient.xadd(keys.requests(), {"msg": "not json"})
+    router.step()
+    [(entry_id, fields)] = rclient.xrange(keys.dead_letters())
+    letter = from_entry(DeadLetter, fields)
+    assert letter.request is None and letter.raw == {"msg": "not json"} and letter.reason.startswith("unreadable")
+    assert requeue_dead(rclient, keys, [], ttl_s=60) == 0  # nothing to send back: it stays for inspection
+    assert list_dead(rclient, keys) == [(entry_id, letter)]
+
+
+def test_entries_written_before_dead_letters_were_typed_still_read(rclient, keys):
+    request = GenerateRequest(id="old", prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=4), created_ms=0)
+    rclient.xadd(keys.dead_letters(), {**entry(request), "reason": "its worker died", "failed_ms": "7"})
+    rclient.xadd(keys.dead_letters(), {"msg": "garbage", "reason": "unreadable: x"})
+    [(_, parked), (_, unreadable)] = list_dead(rclient, keys)
+    assert parked == DeadLetter(reason="its worker died", failed_ms=7, request=request)
+    assert unreadable == DeadLetter(reason="unreadable: x", failed_ms=0, raw={"msg": "garbage"})
+    assert requeue_dead(rclient, keys, [], ttl_s=60) == 1
+    assert from_entry(GenerateRequest, rclient.xrange(keys.requests())[-1][1]).id == "old"

@@ -7,7 +7,7 @@ from shared.codec import entry, from_entry
 from shared.config import RouterSettings
 from shared.keys import ROUTER_GROUP
 from shared.request_log import now_ms
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
+from shared.schemas import DeadLetter, GenerateRequest, RequestMeta, RequestStatus, SamplingParams
 from tests.router.helpers import inbox_ids, publish_load, submit
 
 
@@ -36,7 +36,8 @@ def test_a_request_whose_workers_keep_dying_is_dead_lettered(redis_settings, rcl
     status = meta(rclient, keys, "poison")
     assert status.status is RequestStatus.FAILED and "dead-lettered" in status.error
     [(_, fields)] = rclient.xrange(keys.dead_letters())
-    assert from_entry(GenerateRequest, fields).id == "poison" and "died" in fields["reason"]
+    letter = from_entry(DeadLetter, fields)
+    assert letter.request.id == "poison" and "died" in letter.reason and letter.raw is None
     assert rclient.xlen(keys.requests()) == 2  # the original and one re-dispatch, nothing more
 
 
