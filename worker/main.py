@@ -27,12 +27,11 @@ from worker.model.kv_cache import KVCache
 from worker.model.layers import SINGLE, TensorParallel
 from worker.model.loader import attach_kv_cache, load_model
 from shared.metrics_server import serve_metrics
-from worker.service.metrics import MeteredEngine, WorkerCollector, WorkerMetrics
+from worker.service.metrics import MeteredService, WorkerCollector, WorkerMetrics
 from worker.runner.model_runner import ModelRunner
 from worker.model.models import model_class
 from worker.runner.req_table import ReqTable
 from worker.service.publisher_process import PublisherDied, PublisherLink
-from worker.service.serve import WorkerService
 from worker.engine.token_pool import TokenPool
 
 # The model loop's share of the GIL: see run_service.
@@ -201,7 +200,7 @@ def run_service(settings: WorkerSettings, group=None) -> None:
     metrics = WorkerMetrics(worker_id)
     metrics.registry.register(WorkerCollector(engine, client, settings.redis.keys, worker_id))
     server = serve_metrics(metrics.registry, settings.metrics_port)
-    service = WorkerService(settings, client, MeteredEngine(engine, metrics), worker_id, publisher)
+    service = MeteredService(settings, client, engine, worker_id, publisher, metrics=metrics)
     service.stop_event = stop
     # The heartbeat thread shares the GIL with the model loop. Whenever the loop waits on the GPU
     # (the sampled ids' copy) the heartbeat may take the GIL, and by default the loop gets it back

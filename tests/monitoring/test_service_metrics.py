@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from router.metrics import MeteredRouter, RouterCollector, RouterMetrics
 from shared.metrics_server import serve_metrics as serve_router_metrics
-from shared.config import AdmissionSettings, RouterSettings
+from shared.config import AdmissionSettings, RouterSettings, WorkerSettings
 from shared.embedded_redis import free_port
 from shared.keys import ROUTER_GROUP, WORKER_GROUP
 from shared.redis import ensure_group
@@ -18,7 +18,7 @@ from tests.monitoring.conftest import parse
 from tests.router.helpers import publish_load, submit
 from worker.engine.engine import EngineLimits, LoadSnapshot
 from worker.engine.events import Ended, Started, Token, Tokens
-from worker.service.metrics import MeteredEngine, WorkerCollector, WorkerMetrics
+from worker.service.metrics import MeteredService, WorkerCollector, WorkerMetrics
 from shared.metrics_server import serve_metrics as serve_worker_metrics
 
 
@@ -60,7 +60,7 @@ def test_router_counts_dispatches_and_pauses_and_reports_its_queue(redis_setting
 
 
 class StubEngine:
-    """What the collector and the wrapper read of ``worker.engine.engine.Engine``."""
+    """What the collector and the service loop read of ``worker.engine.engine.Engine``."""
 
     limits = EngineLimits(max_total_tokens=1000, batch_max_tokens=64, running_max_req_size=8)
     has_work = True
@@ -71,8 +71,20 @@ class StubEngine:
     def snapshot(self) -> LoadSnapshot:
         return LoadSnapshot(used_tokens=400, committed_tokens=600, num_running=2, num_waiting=5)
 
-    def step(self, early=None):
-        return self.events
+    def step(self, early):
+        early(self.events[:1])  # the prefill's events go out before the decode runs
+        return self.events[1:]
+
+
+class StubPublisher:
+    def __init__(self):
+        self.events = []
+
+    def put(self, events):
+        self.events += events
+
+    def take_stopped(self):
+        return []
 
 
 def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys):
@@ -81,8 +93,10 @@ def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys
               Ended("c", "cancelled", "cancelled", 2)]
     metrics, engine = WorkerMetrics("w1"), StubEngine(events)
     metrics.registry.register(WorkerCollector(engine, rclient, keys, "w1"))
-    metered = MeteredEngine(engine, metrics)
-    assert metered.step() == events and metered.has_work and metered.limits is engine.limits
+    service = MeteredService(WorkerSettings(redis=redis_settings), rclient, engine, "w1", StubPublisher(),
+                             metrics=metrics)
+    service._step()
+    assert service.publisher.events == events
     ensure_group(rclient, keys.inbox("w1"), WORKER_GROUP)
     rclient.xadd(keys.inbox("w1"), {"msg": "x"})
     s, w1 = samples(metrics.registry), (("worker", "w1"),)

@@ -3,14 +3,14 @@
 Gauges are read when scraped, on the HTTP server's thread, from the
 engine's public state (``snapshot()``, ``limits``, ``requests()``: the same
 reads the heartbeat thread makes) and from Redis (the inbox group).
-Counters come from ``MeteredEngine``, which wraps ``Engine.step`` and
-counts the events it returns; every other attribute is the engine's own.
+Counters come from ``MeteredService``, the service loop with its
+``on_step`` hook counting each engine step's events and timing the step
+(as ``router.metrics.MeteredRouter`` counts the router's steps).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -21,6 +21,7 @@ from shared.redis import group_backlog
 from shared.keys import WORKER_GROUP, Keys
 from worker.engine.engine import Engine
 from worker.engine.events import Ended, Event, Started, Tokens
+from worker.service.serve import WorkerService
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -54,26 +55,17 @@ class WorkerMetrics:
                 self.ended.labels(worker=self.worker_id, reason=event.reason).inc()
 
 
-class MeteredEngine:
-    """``Engine`` with its steps timed and their events counted; a pass-through otherwise."""
+class MeteredService(WorkerService):
+    """The worker's service loop with its engine steps timed and their events counted; behaviour
+    unchanged."""
 
-    def __init__(self, engine: Engine, metrics: WorkerMetrics):
-        self._engine = engine
-        self._metrics = metrics
+    def __init__(self, *args, metrics: WorkerMetrics, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.metrics = metrics
 
-    def step(self, early: Callable[[list[Event]], None] | None = None) -> list[Event]:
-        def counted(events: list[Event]) -> None:
-            self._metrics.count(events)
-            early(events)
-
-        start = time.perf_counter()
-        events = self._engine.step(counted if early is not None else None)
-        self._metrics.step_time.observe(time.perf_counter() - start)
-        self._metrics.count(events)
-        return events
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
+    def on_step(self, events: list[Event], seconds: float) -> None:
+        self.metrics.step_time.observe(seconds)
+        self.metrics.count(events)
 
 
 class WorkerCollector(Collector):

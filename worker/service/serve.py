@@ -24,7 +24,7 @@ from shared.redis import Backoff, ensure_group
 from shared.requeue import hand_back_inbox, requeue
 from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
 from worker.engine.engine import Engine
-from worker.engine.events import Ended, Released
+from worker.engine.events import Ended, Event, Released
 from worker.service.heartbeat import Heartbeat
 from worker.engine.load import build_load
 from worker.service.publisher_process import PublisherDied, PublisherLink
@@ -95,11 +95,26 @@ class WorkerService:
             self._read_id = "0"  # Redis lost our inbox group (restarted empty): recreate it
         self.publisher.check()
         if self.engine.has_work:
-            events = self.engine.step(self.publisher.put)
+            self._step()
+
+    def _step(self) -> None:
+        """One engine step; the prefill's events go to the publisher before the decode runs."""
+        early: list[Event] = []
+
+        def hand_over(events: list[Event]) -> None:
+            early.extend(events)
             self.publisher.put(events)
-            if any(isinstance(e, Released) for e in events):
-                self.heartbeat.poke()  # room freed: the routers hear of it now, not at the next period
-            self._free_stopped()
+
+        started = time.perf_counter()
+        events = self.engine.step(hand_over)
+        self.on_step([*early, *events], time.perf_counter() - started)
+        self.publisher.put(events)
+        if any(isinstance(e, Released) for e in events):
+            self.heartbeat.poke()  # room freed: the routers hear of it now, not at the next period
+        self._free_stopped()
+
+    def on_step(self, events: list[Event], seconds: float) -> None:
+        """Hook for metrics: one engine step took ``seconds`` and made ``events`` (its early ones too)."""
 
     def _drain(self) -> None:
         self.draining = True
