@@ -8,18 +8,19 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 
 from router.metrics import MeteredRouter, RouterCollector, RouterMetrics
-from shared.metrics_server import serve_metrics as serve_router_metrics
 from shared.config import AdmissionSettings, RouterSettings, WorkerSettings
 from shared.embedded_redis import free_port
 from shared.keys import ROUTER_GROUP, WORKER_GROUP
+from shared.metrics_server import serve_metrics as serve_router_metrics
+from shared.metrics_server import serve_metrics as serve_worker_metrics
 from shared.redis import ensure_group
 from shared.schemas import GenerateRequest, SamplingParams
 from tests.monitoring.conftest import parse
 from tests.router.helpers import publish_load, submit
+from tests.worker.token_rows import pack
 from worker.engine.engine import EngineLimits, LoadSnapshot
-from worker.engine.events import Ended, Started, Token, Tokens
+from worker.engine.events import Ended, Started, Token
 from worker.service.metrics import MeteredService, WorkerCollector, WorkerMetrics
-from shared.metrics_server import serve_metrics as serve_worker_metrics
 
 
 def samples(registry: CollectorRegistry) -> dict:
@@ -89,7 +90,7 @@ class StubPublisher:
 
 def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys):
     events = [Started(GenerateRequest(id="a", prompt_ids=[1, 2, 3], resume_ids=[7], created_ms=0,
-                                      params=SamplingParams(max_new_tokens=4))), Tokens.of([Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length")]),
+                                      params=SamplingParams(max_new_tokens=4))), pack([Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length")]),
               Ended("c", "cancelled", "cancelled", 2)]
     metrics, engine = WorkerMetrics("w1"), StubEngine(events)
     metrics.registry.register(WorkerCollector(engine, rclient, keys, "w1"))

@@ -10,13 +10,14 @@ from shared.admission import AdmissionRule
 from shared.config import AdmissionSettings
 from shared.model_files import ModelSource
 from shared.schemas import GenerateRequest, SamplingParams
+from tests.worker.token_rows import flat
 from worker.engine.engine import Engine, EngineLimits
-from worker.engine.events import Ended, Released, Started, Token, flat
+from worker.engine.events import Ended, Released, Started, Token
+from worker.engine.request import Req
+from worker.engine.token_pool import TokenPool
 from worker.model.loader import attach_kv_cache, load_model
 from worker.runner.model_runner import ModelRunner
 from worker.runner.req_table import ReqTable
-from worker.engine.request import Req
-from worker.engine.token_pool import TokenPool
 
 POOL = 200
 

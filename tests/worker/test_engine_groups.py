@@ -10,7 +10,8 @@ from shared.config import AdmissionSettings
 from shared.peak import ReqState, group_states
 from shared.schemas import GenerateRequest, SamplingParams
 from tests.worker.test_engine import POOL, make_engine, reference_greedy, tiny  # noqa: F401 (fixture)
-from worker.engine.events import Ended, Released, Started, Token, flat
+from tests.worker.token_rows import flat
+from worker.engine.events import Ended, Released, Started, Token
 from worker.engine.load import request_states
 from worker.engine.request import Req
 

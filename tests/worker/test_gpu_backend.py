@@ -13,14 +13,15 @@ import transformers
 from shared.config import ModelSettings, WorkerSettings
 from shared.model_files import ModelSource, resolve
 from shared.schemas import GenerateRequest, SamplingParams
-from worker.engine.events import Token, flat
-from worker.model.loader import attach_kv_cache, load_model
-from worker.main import build_engine
-from worker.engine.request import Req
 from tests.worker.model_harness import build_batch
-from worker.model.forward_batch import ForwardBatch
-from worker.runner.req_table import ReqTable
+from tests.worker.token_rows import flat
+from worker.engine.events import Token
+from worker.engine.request import Req
 from worker.engine.token_pool import TokenPool
+from worker.main import build_engine
+from worker.model.forward_batch import ForwardBatch
+from worker.model.loader import attach_kv_cache, load_model
+from worker.runner.req_table import ReqTable
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -17,7 +17,8 @@ from shared.requeue import requeue
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
 from tests.worker.test_engine import POOL, make_engine, tiny  # noqa: F401 (fixture)
 from tests.worker.test_engine_groups import count_prefill_tokens, run
-from worker.engine.events import Ended, Released, Started, Token, flat
+from tests.worker.token_rows import flat
+from worker.engine.events import Ended, Released, Started, Token
 from worker.engine.load import request_states
 from worker.engine.request import Req
 

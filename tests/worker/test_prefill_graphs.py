@@ -13,10 +13,10 @@ import transformers
 
 from shared.model_files import ModelSource
 from tests.worker.model_harness import build_batch
+from worker.engine.token_pool import TokenPool
 from worker.model.loader import attach_kv_cache, load_model
 from worker.runner.prefill_graphs import PrefillGraphs
 from worker.runner.req_table import ReqTable
-from worker.engine.token_pool import TokenPool
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +91,10 @@ def test_a_replayed_prefill_graph_gives_the_eager_logits(tiny_dir):
 def test_prefills_arriving_one_at_a_time_decode_the_cpu_tokens(tiny_dir):
     from shared.config import ModelSettings, WorkerSettings
     from shared.schemas import GenerateRequest, SamplingParams
-    from worker.engine.events import Token, flat
-    from worker.main import build_engine
+    from tests.worker.token_rows import flat
+    from worker.engine.events import Token
     from worker.engine.request import Req
+    from worker.main import build_engine
 
     def greedy(device: str) -> dict[str, list[int]]:
         settings = WorkerSettings(model=ModelSettings(model_dir=tiny_dir, max_req_total_len=128), device=device,

@@ -14,6 +14,7 @@ from shared.keys import WORKER_GROUP
 from shared.model_files import load_tokenizer, resolve
 from shared.redis import ensure_group, sync_client
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
+from tests.worker.token_rows import pack, rows
 from worker.engine.events import Ended, Event, Released, Started, Token, Tokens
 from worker.service.publisher import Publisher, Sample
 from worker.service.publisher_process import PublisherDied, PublisherLink, owner
@@ -53,9 +54,9 @@ def publish(publisher: Publisher, events: list, steps: int = 1) -> list[Sample]:
     for event in events:
         if isinstance(event, Token):
             if packed and isinstance(packed[-1], Tokens):
-                packed[-1] = Tokens.of([*packed[-1].rows(), event])
+                packed[-1] = pack([*rows(packed[-1]), event])
             else:
-                packed.append(Tokens.of([event]))
+                packed.append(pack([event]))
         else:
             packed.append(event)
     size = -(-len(packed) // steps)
@@ -145,7 +146,7 @@ def test_the_publisher_processes_write_in_order_and_report_stops(redis_settings,
                                      for r in others]])
     for i in range(4):
         rows = [tokens(ids, i, i + 1)[0], *[Token(r, i, ids[i], -0.5, None) for r in others]]
-        link.put([Tokens.of(rows)])
+        link.put([pack(rows)])
     deadline = time.monotonic() + 60
     stopped: list = []
     while not stopped and time.monotonic() < deadline:

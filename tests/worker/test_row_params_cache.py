@@ -5,13 +5,14 @@ import torch
 from shared.admission import AdmissionRule
 from shared.config import AdmissionSettings
 from shared.schemas import GenerateRequest, SamplingParams
-from worker.model.counting_model import CountingModel
+from tests.worker.token_rows import flat
 from worker.engine.engine import Engine, EngineLimits
-from worker.engine.events import Token, flat
-from worker.runner.model_runner import ModelRunner
-from worker.runner.req_table import ReqTable
+from worker.engine.events import Token
 from worker.engine.request import Req
 from worker.engine.token_pool import TokenPool
+from worker.model.counting_model import CountingModel
+from worker.runner.model_runner import ModelRunner
+from worker.runner.req_table import ReqTable
 
 
 def counting_engine(room: int = 4, slots: int = 256) -> Engine:

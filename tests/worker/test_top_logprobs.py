@@ -8,7 +8,8 @@ import torch
 
 from shared.schemas import SamplingParams
 from tests.worker.test_engine import make_engine, req, tiny  # noqa: F401 (fixture)
-from worker.engine.events import Token, flat
+from tests.worker.token_rows import flat
+from worker.engine.events import Token
 from worker.runner.penalties import TokenCounts
 from worker.runner.sampler import SamplingBatch, sample
 

@@ -18,9 +18,10 @@ import transformers
 
 from shared.config import ModelSettings, WorkerSettings
 from tests.worker.test_engine import reference_greedy, req, run_to_end
-from worker.engine.events import Token, flat
-from worker.runner import tp as tensor_parallel
+from tests.worker.token_rows import flat
+from worker.engine.events import Token
 from worker.main import build_engine, check_tp, follower, rank_device
+from worker.runner import tp as tensor_parallel
 
 POOL = 200
 RUNNING_MAX = 8

@@ -27,7 +27,7 @@ class Started:
 
 @dataclass(frozen=True)
 class Token:
-    """One sampled token: a row of ``Tokens``, built only where one is read (tests, the publisher)."""
+    """One sampled token: a row of ``Tokens``, built only where one is read (the publisher)."""
 
     request_id: str
     index: int
@@ -55,18 +55,6 @@ class Tokens:
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    @classmethod
-    def of(cls, rows: list[Token]) -> Tokens:
-        """The record of these rows (the inverse of ``rows``)."""
-        return cls([t.request_id for t in rows], [t.choice for t in rows], [t.index for t in rows],
-                   [t.token_id for t in rows], [t.logprob for t in rows],
-                   {i: t.finish_reason for i, t in enumerate(rows) if t.finish_reason is not None},
-                   {i: t.top for i, t in enumerate(rows) if t.top is not None})
-
-    def rows(self) -> list[Token]:
-        return [Token(self.request_ids[i], self.indexes[i], self.token_ids[i], self.logprobs[i],
-                      self.reasons.get(i), self.choices[i], self.tops.get(i)) for i in range(len(self))]
-
 
 @dataclass(frozen=True)
 class Ended:
@@ -90,7 +78,3 @@ class Released:
 
 Event = Started | Tokens | Ended | Released
 
-
-def flat(events: list[Event]) -> list[Event | Token]:
-    """``events`` with each ``Tokens`` record spread into its rows (for readers that go by event)."""
-    return [item for event in events for item in (event.rows() if isinstance(event, Tokens) else [event])]

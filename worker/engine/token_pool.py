@@ -22,9 +22,6 @@ class TokenPool:
     def num_used(self) -> int:
         return self.num_slots - self.num_free
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free
-
     def allocate(self, n: int) -> np.ndarray:
         if n > self.num_free:
             raise MemoryError(f"KV pool exhausted: asked {n} slots, {self.num_free} free")
