@@ -28,12 +28,12 @@ import torch
 from shared.admission import AdmissionRule
 from shared.config import AdmissionSettings
 from shared.schemas import GenerateRequest, SamplingParams
-from worker.model.counting_model import CountingModel
 from worker.engine.engine import Engine, EngineLimits
-from worker.runner.model_runner import ModelRunner
-from worker.runner.req_table import ReqTable
 from worker.engine.request import Req
 from worker.engine.token_pool import TokenPool
+from worker.model.counting_model import CountingModel
+from worker.runner.model_runner import ModelRunner
+from worker.runner.req_table import ReqTable
 
 VOCAB, PROMPT, NEW = 256, 16, 500
 

@@ -53,7 +53,8 @@ class SimWorker:
         self.seq, self.last_beat = self.seq + 1, time.monotonic()
         states = [(p + g, g, m, 1) for _, p, g, m, _ in self.running]
         load = WorkerLoad(worker_id=self.worker_id, seq=self.seq, ts_ms=now_ms(), max_total_tokens=self.pool,
-                          used_tokens=sum(s[0] for s in states), committed_tokens=sum(p + m for _, p, _, m, _ in self.running),
+                          used_tokens=sum(s[0] for s in states),
+                          committed_tokens=sum(p + m for _, p, _, m, _ in self.running),
                           num_running=len(states), num_waiting=0, last_inbox_id=self.last_inbox_id,
                           running_max_req_size=self.args.batch, requests=states)
         pipe = self.client.pipeline(transaction=False)
@@ -126,7 +127,8 @@ def feed(url: str, prefix: str, args, outstanding: int, done: mp.Value, stop: mp
         pipe = client.pipeline(transaction=False)
         for _ in range(min(gap, 256)):
             msg = GenerateRequest(id=uuid.uuid4().hex, prompt_ids=prompt, params=params, created_ms=now_ms())
-            pipe.hset(keys.meta(msg.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=msg.created_ms))
+            pipe.hset(keys.meta(msg.id),
+                      mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=msg.created_ms))
             pipe.expire(keys.meta(msg.id), 120)
             pipe.xadd(keys.requests(), entry(msg))
         pipe.execute()
@@ -198,8 +200,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         args.workers, args.duration_s, args.warmup_s = "1,4,32", 3.0, 1.0
     model = args.batch / ((args.step_ms + args.per_req_ms * args.batch) / 1000)
-    print(f"one worker, by the step model at a full batch: {model:.0f} tokens/s, {model / args.output_len:.0f} requests/s")
-    print(f"{'workers':>7} {'decision p50 ms':>16} {'p99 ms':>8} {'dispatch/s':>11} {'tokens/s':>10} {'vs N x one':>11}")
+    print(f"one worker, by the step model at a full batch: {model:.0f} tokens/s, "
+          f"{model / args.output_len:.0f} requests/s")
+    print(f"{'workers':>7} {'decision p50 ms':>16} {'p99 ms':>8} {'dispatch/s':>11} {'tokens/s':>10} "
+          f"{'vs N x one':>11}")
     rows, one = [], None
     for n in [int(x) for x in args.workers.split(",")]:
         row = run_one(args, n)

@@ -40,9 +40,9 @@ import argparse
 import heapq
 import time
 from collections import deque
-from itertools import islice
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from itertools import islice
 
 import numpy as np
 
@@ -141,7 +141,7 @@ class Simulator:
     def measuring(self) -> bool:
         return self.now >= self.cfg.warmup_s
 
-    def run(self) -> "Simulator":
+    def run(self) -> Simulator:
         for _ in range(self.cfg.clients):
             self._submit()
         while self.now < self.cfg.warmup_s + self.cfg.duration_s:
@@ -285,7 +285,7 @@ class Result:
     peak_use: float
 
     @classmethod
-    def of(cls, sim: Simulator) -> "Result":
+    def of(cls, sim: Simulator) -> Result:
         cfg, ended = sim.cfg, sim.done
         ok = [j for j in ended if sim.met_sla(j)]
         waits = np.array([j.queued_steps for j in ended] or [0])

@@ -30,8 +30,8 @@ from bench.offline import sync
 from bench.shapes import SHAPES, config_dir
 from shared.config import ModelSettings, WorkerSettings
 from shared.schemas import GenerateRequest, SamplingParams
-from worker.main import build_engine
 from worker.engine.request import Req
+from worker.main import build_engine
 
 
 class Timed:
@@ -125,7 +125,8 @@ def trace(engine, batch: int) -> None:
     finally:
         engine.runner.graphs = graphs
     print(f"\nkernels of one eager decode step at batch {batch} (GPU time):")
-    print(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=18, max_name_column_width=70))
+    sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=18, max_name_column_width=70))
 
 
 def trace_arrival(engine, prompt: list[int]) -> None:
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     room = args.steps + 8 if args.arrival else 0  # arrivals join the running batch, one a step
     settings = WorkerSettings(
         model=ModelSettings(model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048),
-        device=args.device, batch_max_tokens=8192, running_max_req_size=max(batches) + room, graph_max_batch_size=max(batches) + room)
+        device=args.device, batch_max_tokens=8192, running_max_req_size=max(batches) + room,
+        graph_max_batch_size=max(batches) + room)
     engine = build_engine(settings)
     vocab, rng = SHAPES[args.model_shape]["vocab_size"], np.random.default_rng(0)
     rows = []
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         for req in reqs:
             engine.cancel(req)
     print(f"\n{args.model_shape}, context {args.context}, median of {args.steps} engine steps (ms)")
-    print(f"{'batch':>5} {'arrival':>11} {'step':>8} {'decode':>8} {'prefill':>8} {'sample':>8} {'host':>8} {'tok/s':>9}")
+    print(f"{'batch':>5} {'arrival':>11} {'step':>8} {'decode':>8} {'prefill':>8} {'sample':>8} {'host':>8} "
+          f"{'tok/s':>9}")
     for b, arrival, m in rows:
         print(f"{b:>5} {arrival:>11} {m['wall']:>8.2f} {m['forward']:>8.2f} {m['prefill']:>8.2f} {m['sample']:>8.2f} "
               f"{m['host']:>8.2f} {b / m['wall'] * 1e3:>9,.0f}")

@@ -15,6 +15,7 @@ from Redis every ``history_refresh_s``, not per request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -75,10 +76,8 @@ class Router:
                     outage_log.warning("Redis unreachable (%s): retrying in %.1f s", exc, backoff.delay)
                     self.stop_event.wait(backoff.next())
         finally:
-            try:  # entries we still hold become claimable by other routers at once
+            with contextlib.suppress(redis.RedisError):  # entries we hold become claimable by others at once
                 liveness.forget(self.client, self.keys, self.router_id)
-            except redis.RedisError:
-                pass
 
     def step(self) -> int:
         """Read, reap, dispatch; returns how many requests were dispatched."""

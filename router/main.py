@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from router.metrics import MeteredRouter, RouterCollector, RouterMetrics
-from shared.metrics_server import serve_metrics
 from shared.config import RouterSettings
+from shared.metrics_server import serve_metrics
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
 

@@ -19,9 +19,9 @@ from prometheus_client.registry import Collector
 
 from router.loop import Router
 from router.registry import read_registry
-from shared.redis import group_backlog
 from shared.keys import ROUTER_GROUP
 from shared.peak import ReqState
+from shared.redis import group_backlog
 from shared.schemas import WorkerLoad
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -35,7 +35,8 @@ class RouterMetrics:
         self.dispatches = Counter("lightq:router_dispatches", "requests sent to a worker's inbox",
                                   ["router"], registry=self.registry).labels(**labels)
         self.pauses = Counter("lightq:router_pauses", "steps that ended with the head of the queue fitting "
-                              "no worker (everything behind it waits)", ["router"], registry=self.registry).labels(**labels)
+                              "no worker (everything behind it waits)", ["router"],
+                              registry=self.registry).labels(**labels)
         self.dispatch_step = Histogram("lightq:router_dispatch_step_seconds", "duration of a step that "
                                        "dispatched (read, reap, admit, send)", ["router"], buckets=STEP_BUCKETS,
                                        registry=self.registry).labels(**labels)

@@ -125,7 +125,8 @@ class ProducerSettings(BaseSettings):
     api_keys: SecretStr = Field(SecretStr(""), description="comma-separated API keys; when set, every request "
                                                            "but /health (and /metrics with --metrics_open) needs "
                                                            "'Authorization: Bearer KEY'")
-    rate_limit_rpm: int = Field(0, ge=0, description="requests (POSTs) per minute per API key; 429 past it (0: no limit)")
+    rate_limit_rpm: int = Field(0, ge=0, description="requests (POSTs) per minute per API key; 429 past it "
+                                                     "(0: no limit)")
     metrics_open: bool = Field(False, description="with --api_keys, leave /metrics open (for scrapers without a key)")
     allowed_origins: str = Field("", description="comma-separated origins browsers may call the API from (CORS; "
                                                  "'*' for any); none: cross-origin calls are refused")
@@ -144,12 +145,14 @@ class AdmissionSettings(BaseSettings):
     model_config = _frozen("LIGHTQ_")
     admission: PolicyName = Field(
         "past_future", description="admission policy: conservative (prompt + max_new_tokens), aggressive "
-                                   "(current use under 95 percent), past_future (Monte-Carlo peak), past_future_quantile")
+                                   "(current use under 95 percent), past_future (Monte-Carlo peak), "
+                                   "past_future_quantile")
     admission_margin: float = Field(0.05, ge=0, lt=1, description="share of a worker's pool past-future keeps free")
     admission_quantile: float = Field(0.9, gt=0, le=1, description="quantile of L | L > d for past_future_quantile")
     admission_seed: int = Field(0, description="seed of the Monte-Carlo length draws")
     history_window: int = Field(200, ge=2, description="recent output lengths the estimate uses")
-    history_prior: int = Field(2048, gt=0, description="pessimistic output length filling the window until requests finish")
+    history_prior: int = Field(2048, gt=0, description="pessimistic output length filling the window until "
+                                                       "requests finish")
     history_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the output-length history")
 
 

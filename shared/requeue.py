@@ -71,7 +71,7 @@ def requeue(client: redis.Redis, keys: Keys, request: GenerateRequest, ttl_s: in
     return 0
 
 
-def resume_fields(request: GenerateRequest, chunks: list[TokenChunk]) -> dict:
+def resume_fields(request: GenerateRequest, chunks: list[TokenChunk]) -> dict[str, list[int] | list[list[int]]]:
     """The message fields that make the next attempt continue after ``chunks`` (the request's
     de-duplicated chunks, ``emitted_chunks``, of a request that has not ended): ``resume_ids``
     for a single request; per choice its tokens and the finished choices for a group."""

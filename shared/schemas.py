@@ -9,7 +9,7 @@ router, worker --DeadLetter--> {q}:dead (read by ``lightq dead-letters``)
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
@@ -99,7 +99,7 @@ class GenerateRequest(_Frozen):
     finished_choices: list[int] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _check_group_resume(self) -> "GenerateRequest":
+    def _check_group_resume(self) -> GenerateRequest:
         if self.group_resume and (self.n == 1 or len(self.group_resume) != self.n):
             raise ValueError("group_resume needs a group (n > 1) and one list per choice")
         done = self.finished_choices
@@ -165,9 +165,9 @@ class TokenChunk(_Frozen):
     error: str | None = None
 
     @model_serializer(mode="wrap")
-    def _without_empty_top(self, handler: SerializerFunctionWrapHandler) -> dict:
+    def _without_empty_top(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """One chunk per token goes over Redis: no ``top_logprobs: null`` on every one."""
-        data = handler(self)
+        data: dict[str, Any] = handler(self)
         if data.get("top_logprobs") is None:
             data.pop("top_logprobs", None)
         return data
@@ -254,7 +254,7 @@ class RequestMeta(BaseModel):
     key_hash: str | None = None  # the submitting API key's hash (producer.edge.auth), never the key
 
     @staticmethod
-    def fields(**values) -> dict[str, str]:
+    def fields(**values: object) -> dict[str, str]:
         """Hash fields for HSET: enums by value, None dropped."""
         out: dict[str, str] = {}
         for name, value in values.items():
@@ -265,5 +265,5 @@ class RequestMeta(BaseModel):
         return out
 
     @classmethod
-    def from_hash(cls, data: dict[str, str]) -> "RequestMeta":
+    def from_hash(cls, data: dict[str, str]) -> RequestMeta:
         return cls.model_validate(data)

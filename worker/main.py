@@ -15,24 +15,24 @@ import torch
 
 from shared.admission import AdmissionRule
 from shared.config import WorkerSettings
+from shared.metrics_server import serve_metrics
 from shared.model_files import load_config, load_tokenizer, resolve
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
-from worker.runner import tp as tensor_parallel
-from worker.model.counting_model import COUNTING_VOCAB, CountingModel
-from worker.runner.cuda_graphs import DecodeGraphs, default_buckets
-from worker.runner.prefill_graphs import PrefillGraphs
 from worker.engine.engine import Engine, EngineLimits
+from worker.engine.token_pool import TokenPool
+from worker.model.counting_model import COUNTING_VOCAB, CountingModel
 from worker.model.kv_cache import KVCache
 from worker.model.layers import SINGLE, TensorParallel
 from worker.model.loader import attach_kv_cache, load_model
-from shared.metrics_server import serve_metrics
-from worker.service.metrics import MeteredService, WorkerCollector, WorkerMetrics
-from worker.runner.model_runner import ModelRunner
 from worker.model.models import model_class
+from worker.runner import tp as tensor_parallel
+from worker.runner.cuda_graphs import DecodeGraphs, default_buckets
+from worker.runner.model_runner import ModelRunner
+from worker.runner.prefill_graphs import PrefillGraphs
 from worker.runner.req_table import ReqTable
+from worker.service.metrics import MeteredService, WorkerCollector, WorkerMetrics
 from worker.service.publisher_process import PublisherDied, PublisherLink
-from worker.engine.token_pool import TokenPool
 
 # The model loop's share of the GIL: see run_service.
 GIL_SWITCH_S = 0.0005
@@ -122,7 +122,8 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
     and the EOS ids; ``tokenizer`` only adds its EOS id. Every rank builds the same, in the same order."""
     size, rank = (group.size, group.rank) if group is not None else (1, 0)
     if size != settings.tp:
-        raise ValueError(f"--tp {settings.tp} needs a process group of {settings.tp} (worker.runner.tp.launch), not {size}")
+        raise ValueError(f"--tp {settings.tp} needs a process group of {settings.tp} (worker.runner.tp.launch), "
+                         f"not {size}")
     device = rank_device(settings, rank)
     dtype = pick_dtype(settings.dtype, device)
     model, config = load_model_or_stand_in(settings, tokenizer, dtype, device, group.tp if group else SINGLE)

@@ -90,7 +90,8 @@ class StubPublisher:
 
 def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys):
     events = [Started(GenerateRequest(id="a", prompt_ids=[1, 2, 3], resume_ids=[7], created_ms=0,
-                                      params=SamplingParams(max_new_tokens=4))), pack([Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length")]),
+                                      params=SamplingParams(max_new_tokens=4))),
+              pack([Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length")]),
               Ended("c", "cancelled", "cancelled", 2)]
     metrics, engine = WorkerMetrics("w1"), StubEngine(events)
     metrics.registry.register(WorkerCollector(engine, rclient, keys, "w1"))

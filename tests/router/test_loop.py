@@ -6,9 +6,8 @@ from router.loop import Router
 from shared.codec import from_entry
 from shared.config import AdmissionSettings, RouterSettings
 from shared.keys import ROUTER_GROUP
-from shared.request_log import emitted_chunks
+from shared.request_log import append_chunk, emitted_chunks
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
-from shared.request_log import append_chunk
 from tests.router.helpers import finished_lengths, inbox_ids, publish_load, submit
 
 

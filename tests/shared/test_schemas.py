@@ -12,7 +12,8 @@ def test_request_round_trips_through_a_stream_entry():
     assert msg.max_tokens_needed == 8
 
 
-@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": 0}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}])
+@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": 0}, {"top_p": 0}, {"top_p": 1.5},
+                                 {"top_k": -2}])
 def test_sampling_params_reject_out_of_range(bad):
     with pytest.raises(ValidationError):
         SamplingParams(**bad)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker.engine.token_pool import TokenPool
 from worker.model.attention import TorchAttention
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_cache import KVCache
 from worker.runner.req_table import ReqTable
-from worker.engine.token_pool import TokenPool
 
 
 def build_batch(table: torch.Tensor, rows: list[int], cached: list[int], new: list[list[int]],

@@ -10,13 +10,13 @@ from shared.config import AdmissionSettings, ModelSettings, WorkerSettings
 from shared.keys import WORKER_GROUP
 from shared.redis import ensure_group
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
-from worker.model.counting_model import CountingModel
 from worker.engine.engine import Engine, EngineLimits
+from worker.engine.token_pool import TokenPool
+from worker.model.counting_model import CountingModel
 from worker.runner.model_runner import ModelRunner
 from worker.runner.req_table import ReqTable
 from worker.service.publisher_process import PublisherLink
 from worker.service.serve import WorkerService
-from worker.engine.token_pool import TokenPool
 
 SLOTS = 4096
 

@@ -181,7 +181,8 @@ def test_torch_attention_vs_dense(hq, hkv, decode):
         new_slots.append(table[row, c:c + n])
         start += c + n
     T = sum(q_lens)
-    q, k, v = torch.randn(T, hq, d, generator=gen), torch.randn(T, hkv, d, generator=gen), torch.randn(T, hkv, d, generator=gen)
+    q = torch.randn(T, hq, d, generator=gen)
+    k, v = torch.randn(T, hkv, d, generator=gen), torch.randn(T, hkv, d, generator=gen)
     batch = build_batch(table, rows, cached, [[0] * n for n in q_lens], [s.numpy() for s in new_slots])
     out = backend.forward(layer, q, k, v, batch)
 

@@ -7,9 +7,9 @@ from shared.history import Estimator, OutputLengthHistory
 from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
 from tests.router.test_admission import choose
 from worker.engine.engine import EngineLimits, LoadSnapshot
-from worker.service.heartbeat import Heartbeat
 from worker.engine.load import build_load, request_states
 from worker.engine.request import Phase, Req
+from worker.service.heartbeat import Heartbeat
 from worker.service.serve import WorkerService
 
 

@@ -93,7 +93,7 @@ def test_tp2_matches_tp1(name, group_results):
             scale = want.abs().max().item()
             # Only the summation order differs (partial sums across ranks).
             torch.testing.assert_close(got, want, atol=1e-5 * max(scale, 1.0), rtol=1e-5,
-                                       msg=lambda m: f"rank {rank}, step {step}: {m}")
+                                       msg=lambda m, rank=rank, step=step: f"rank {rank}, step {step}: {m}")
 
 
 def test_split_must_divide():

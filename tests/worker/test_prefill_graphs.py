@@ -50,7 +50,8 @@ def compare(folder: str, device: str, capture: bool) -> None:
         slots = pool.allocate(cached_len + new_len)
         table.write(row, 0, slots)
         if cached_len:  # the cached prefix, prefilled eagerly first
-            model.forward(_on(build_batch(table.table, [row], [0], [prompt[:cached_len]], [slots[:cached_len]]), device))
+            cached = build_batch(table.table, [row], [0], [prompt[:cached_len]], [slots[:cached_len]])
+            model.forward(_on(cached, device))
         eager = model.forward(_on(build_batch(table.table, [row], [cached_len], [prompt[cached_len:]],
                                               [slots[cached_len:]]), device)).float().cpu()
         graphs.logits.fill_(float("nan"))  # poisoned: the run must write it

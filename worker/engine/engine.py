@@ -33,14 +33,15 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from shared.admission import AdmissionRule
 from shared.batch_view import BatchView, Candidate
 from shared.schemas import FinishReason, RequestStatus
 from worker.engine.events import Ended, Event, Released, Started, Tokens
-from worker.engine.load import request_states
+from worker.engine.load import LoadSnapshot, request_states
 from worker.engine.request import Phase, Req, sampling_after_prefill
+from worker.engine.token_pool import TokenPool
 
 if TYPE_CHECKING:  # the engine itself stays free of torch
     from worker.runner.sampler import Sampled
@@ -55,16 +56,21 @@ class EngineLimits:
     running_max_req_size: int
 
 
-@dataclass(frozen=True)
-class LoadSnapshot:
-    used_tokens: int
-    committed_tokens: int
-    num_running: int
-    num_waiting: int
+class Runner(Protocol):
+    """What the engine asks of ``worker.runner.model_runner.ModelRunner``: the pool's slots, a table
+    row per request, and the forwards."""
+
+    pool: TokenPool
+
+    def start(self, req: Req) -> None: ...
+    def finish(self, req: Req) -> None: ...
+    def prefill(self, reqs: list[Req], num_new: list[int], completing: list[Req],
+                forks: dict[Req, list[Req]] | None = None) -> Sampled: ...
+    def decode(self, reqs: list[Req]) -> Sampled: ...
 
 
 class Engine:
-    def __init__(self, runner, limits: EngineLimits, eos_ids: set[int], rule: AdmissionRule):
+    def __init__(self, runner: Runner, limits: EngineLimits, eos_ids: set[int], rule: AdmissionRule):
         self.runner = runner
         self.limits = limits
         self.eos_ids = eos_ids
@@ -104,8 +110,9 @@ class Engine:
         """End ``req`` now (wherever it is) and free its slots; an unforked group ends every sample."""
         if req.phase is Phase.FINISHED:
             return []
-        if req.is_unforked_leader:  # it stands for every open sample, each after its emitted tokens
-            ends = [(c, len(req.group.msg.emitted(c))) for c in req.group.msg.open_choices]
+        group = req.unforked_group
+        if group is not None:  # it stands for every open sample, each after its emitted tokens
+            ends = [(c, len(group.msg.emitted(c))) for c in group.msg.open_choices]
         else:
             ends = [(req.choice, len(req.output_ids))]
         events: list[Event] = [Ended(req.id, RequestStatus.CANCELLED, "cancelled", num, choice=c) for c, num in ends]
@@ -150,6 +157,7 @@ class Engine:
         """A forked group's new samples run from now on (the runner gave them rows and the prompt)."""
         with self._lock:
             for leader, members in forks.items():
+                assert leader.group is not None, "only a group's leader forks"
                 leader.group.live += len(members)
                 for member in members:
                     member.phase = Phase.RUNNING
@@ -234,14 +242,14 @@ class Engine:
             events += self._release(reqs[row], reason)
         return events
 
-    def _finish_reason(self, req: Req, token_id: int):
+    def _finish_reason(self, req: Req, token_id: int) -> FinishReason | None:
         if token_id in self.eos_ids and not req.msg.params.ignore_eos:
             return "stop"
         if req.is_done_generating:
             return "length"
         return None
 
-    def _release(self, req: Req, reason) -> list[Event]:
+    def _release(self, req: Req, reason: FinishReason) -> list[Event]:
         """Free ``req``; its inbox entry goes when it was its group's last live sample."""
         with self._lock:
             if req.phase is Phase.RUNNING:

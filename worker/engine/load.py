@@ -3,7 +3,7 @@
 Besides the pool totals it lists, for every running or waiting request, the
 ``ReqState`` summary [prompt + output tokens, output tokens, max_new_tokens,
 ignore_eos] from which the router estimates each request's remaining
-length and the batch's peak (router/admission.py). A waiting request is
+length and the batch's peak (router.admission, shared.batch_view). A waiting request is
 listed with the tokens it will hold once prefilled: the peak counts them
 from the start. A group counts its prompt once (``shared.peak.group_states``):
 before its fork as a state per open sample (a requeued group's finished
@@ -16,11 +16,38 @@ listed once).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 from shared.admission import request_states as message_states
 from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import WorkerLoad
 from worker.engine.request import Phase, Req
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    used_tokens: int
+    committed_tokens: int
+    num_running: int
+    num_waiting: int
+
+
+class Limits(Protocol):
+    @property
+    def max_total_tokens(self) -> int: ...
+    @property
+    def running_max_req_size(self) -> int: ...
+
+
+class LoadSource(Protocol):
+    """What the record is read from: ``worker.engine.engine.Engine``, on the heartbeat thread."""
+
+    @property
+    def limits(self) -> Limits: ...
+    def snapshot(self) -> LoadSnapshot: ...
+    def requests(self) -> list[Req]: ...
 
 
 def request_states(reqs: list[Req]) -> list[ReqState]:
@@ -33,8 +60,9 @@ def request_states(reqs: list[Req]) -> list[ReqState]:
             continue
         seen.add(id(req))
         params = req.msg.params
-        if req.is_unforked_leader:  # every open sample, as the router counted the group's message
-            states += message_states(req.group.msg)
+        group = req.unforked_group
+        if group is not None:  # every open sample, as the router counted the group's message
+            states += message_states(group.msg)
             continue
         held = req.num_tokens
         if req.num_shared:  # a member reading the group's prompt: count it with the first one only
@@ -45,13 +73,13 @@ def request_states(reqs: list[Req]) -> list[ReqState]:
     return states
 
 
-def build_load(engine, worker_id: str, seq: int, last_inbox_id: str, draining: bool = False,
+def build_load(engine: LoadSource, worker_id: str, seq: int, last_inbox_id: str, draining: bool = False,
                model: str | None = None) -> WorkerLoad:
-    """``engine`` is a ``worker.engine.engine.Engine`` (limits, snapshot(), requests())."""
     snap = engine.snapshot()
     return WorkerLoad(worker_id=worker_id, seq=seq, ts_ms=now_ms(),
                       max_total_tokens=engine.limits.max_total_tokens, used_tokens=snap.used_tokens,
                       committed_tokens=snap.committed_tokens, num_running=snap.num_running,
                       num_waiting=snap.num_waiting, last_inbox_id=last_inbox_id, draining=draining, model=model,
                       running_max_req_size=engine.limits.running_max_req_size,
-                      requests=[tuple(s) for s in request_states(engine.requests())])
+                      requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos)
+                                for s in request_states(engine.requests())])

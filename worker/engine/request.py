@@ -102,16 +102,24 @@ class Req:
             self.msg = sample_msg(self.msg, self.choice)
 
     @property
-    def is_unforked_leader(self) -> bool:
-        return self.group is not None and not self.group.forked
+    def unforked_group(self) -> Group | None:
+        """The group this request still stands for whole (as its leader, before the fork), else None."""
+        return self.group if self.group is not None and not self.group.forked else None
 
-    def fork_members(self) -> list["Req"]:
+    @property
+    def is_unforked_leader(self) -> bool:
+        return self.unforked_group is not None
+
+    def fork_members(self) -> list[Req]:
         """The group's other open samples, each with its own params (derived seed) and no slots yet."""
-        return [Req(msg=sample_msg(self.group.msg, c), inbox_id=self.inbox_id, choice=c, group=self.group)
-                for c in self.group.msg.open_choices if c != self.choice]
+        group = self.unforked_group
+        assert group is not None, "only an unforked group's leader forks"
+        return [Req(msg=sample_msg(group.msg, c), inbox_id=self.inbox_id, choice=c, group=group)
+                for c in group.msg.open_choices if c != self.choice]
 
     def take_emitted(self) -> None:
         """At the fork: this sample continues after the tokens its choice already emitted."""
+        assert self.group is not None, "only a group's samples fork"
         self.output_ids = list(self.group.msg.emitted(self.choice))
 
     @property

@@ -26,7 +26,8 @@ class TokenPool:
         if n > self.num_free:
             raise MemoryError(f"KV pool exhausted: asked {n} slots, {self.num_free} free")
         self.num_free -= n
-        return self._free[self.num_free:self.num_free + n].copy()
+        slots: np.ndarray = self._free[self.num_free:self.num_free + n].copy()
+        return slots
 
     def free(self, slots: np.ndarray) -> None:
         n = len(slots)

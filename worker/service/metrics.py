@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.redis import group_backlog
 from shared.keys import WORKER_GROUP, Keys
+from shared.redis import group_backlog
 from worker.engine.engine import Engine
 from worker.engine.events import Ended, Event, Started, Tokens
 from worker.service.serve import WorkerService

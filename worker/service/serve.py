@@ -25,10 +25,10 @@ from shared.requeue import hand_back_inbox, requeue
 from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
 from worker.engine.engine import Engine
 from worker.engine.events import Ended, Event, Released
-from worker.service.heartbeat import Heartbeat
 from worker.engine.load import build_load
-from worker.service.publisher_process import PublisherDied, PublisherLink
 from worker.engine.request import Req
+from worker.service.heartbeat import Heartbeat
+from worker.service.publisher_process import PublisherDied, PublisherLink
 
 log = logging.getLogger("lightq.worker")
 
@@ -172,7 +172,8 @@ class WorkerService:
     def _take(self, entry_id: str, msg: GenerateRequest) -> None:
         req = Req(msg=msg, inbox_id=entry_id)
         if msg.max_tokens_needed > self.engine.limits.max_total_tokens:
-            error = f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds {self.engine.limits.max_total_tokens}"
+            error = (f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds "
+                     f"{self.engine.limits.max_total_tokens}")
             self.publisher.put([Ended(msg.id, RequestStatus.FAILED, "error", msg.num_emitted, error),
                                 Released(msg.id, entry_id)])
             return
