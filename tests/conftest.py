@@ -25,6 +25,42 @@ from shared.redis import answers
 LOCAL_URL = os.environ.get("LIGHTQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
+# `make test-fast` runs -m "not integration and not slow". Marked here by node id prefix (a folder, a
+# module, or a test) rather than in each file; seconds from --durations on 2 busy cores.
+INTEGRATION = (  # starts real processes or the whole stack
+    "tests/integration/",  # lightq serve and the whole stack
+    "tests/batches/test_e2e_batch.py",  # the stack, and `lightq batch submit` (60 s)
+    "tests/batches/test_rq_worker_process.py",  # rq worker processes (85 s)
+    "tests/producer/test_producers.py::test_two_processes",  # producer.main with its children (60 s)
+    "tests/producer/test_producers.py::test_children_stop",
+    "tests/worker/test_tp_engine.py",  # tensor-parallel follower processes (50 s)
+    "tests/worker/test_models_tp.py",  # torch.multiprocessing ranks (70 s)
+    "tests/worker/test_publisher.py::test_the_publisher_processes",  # publisher processes (80 s)
+    "tests/worker/test_publisher.py::test_a_dead_publisher_process",
+    "tests/worker/test_drain.py",  # a worker service with its publisher processes (35 s)
+    "tests/monitoring/test_top.py::test_cli_once",  # `lightq top` in a subprocess
+    "tests/router/test_dead_letters.py::test_cli_lists",  # `lightq dead-letters` in a subprocess
+)
+LONG = (  # in-process, but long: marked slow
+    "tests/producer/test_fuzz.py",  # schemathesis over the whole API (80 s)
+    "tests/worker/test_engine_groups.py::test_paused_samples_recompute",  # (45 s)
+    "tests/worker/test_engine.py::test_past_future_overcommits",  # (20 s)
+    "tests/worker/test_group_resume.py::test_requeued_greedy_group",  # 14 cases (25 s)
+    # ALiBi and window rules over grids, under Triton's CPU interpreter (50 s); the kernels' own
+    # reference tests stay in the fast set
+    "tests/kernels/test_position_rules.py::test_context_attention_rules",
+    "tests/kernels/test_position_rules.py::test_decode_attention_rules",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(INTEGRATION):
+            item.add_marker(pytest.mark.integration)
+        if item.nodeid.startswith(LONG):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def redis_url():
     """The local Redis when one answers, else an embedded one for the session."""
