@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-test serve test clean
+.PHONY: install install-test serve test test-fast lint clean
 
 install: $(VENV)/.installed-serve
 
@@ -33,8 +33,21 @@ $(VENV)/.installed-test: $(VENV)/.installed-serve
 serve: install
 	$(VENV)/bin/lightq serve $(ARGS)
 
+# The whole suite: the README's test command, and CI's.
 test: install-test
 	$(PY) -m pytest -q $(ARGS)
+
+# The unit tests alone, in under two minutes: without the tests marked integration (they start
+# real processes or the whole stack; tests/conftest.py marks them by path) or slow (they load the
+# embedded model or run long).
+test-fast: install-test
+	$(PY) -m pytest -q -m "not integration and not slow" $(ARGS)
+
+# Lint and format checks over the whole tree, then mypy on what pyproject.toml's [tool.mypy] names.
+lint: install-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) *.egg-info
