@@ -1,0 +1,20 @@
+"""bench/cpu_bench.py's workload and thread count (the benchmark itself runs lightq serve and transformers)."""
+
+from bench.cpu_bench import FIRST_ID, lightq_threads, workload
+from lightq.launcher import worker_env
+
+
+def test_workload_is_seeded_and_in_range():
+    work = workload()
+    assert work == workload() and work != workload(seed=1)
+    assert len(work.prompts) == 32 and work.new_tokens == 64 and work.output_tokens == 32 * 64
+    assert all(16 <= len(p) <= 256 for p in work.prompts)
+    assert len({len(p) for p in work.prompts}) > 16  # lengths spread over the range
+    assert all(FIRST_ID <= i < 49152 for p in work.prompts for i in p)
+
+
+def test_transformers_gets_the_workers_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert lightq_threads() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert lightq_threads() == int(worker_env({}, 1)["OMP_NUM_THREADS"]) >= 1
