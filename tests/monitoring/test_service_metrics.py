@@ -14,6 +14,7 @@ from shared.keys import ROUTER_GROUP, WORKER_GROUP
 from shared.metrics_server import serve_metrics as serve_router_metrics
 from shared.metrics_server import serve_metrics as serve_worker_metrics
 from shared.redis import ensure_group
+from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, SamplingParams
 from tests.monitoring.conftest import parse
 from tests.router.helpers import publish_load, submit
@@ -65,6 +66,8 @@ class StubEngine:
 
     limits = EngineLimits(max_total_tokens=1000, batch_max_tokens=64, running_max_req_size=8)
     has_work = True
+    running = [object()] * 3  # the batch after the step
+    num_pauses = 2
 
     def __init__(self, events):
         self.events = events
@@ -89,7 +92,8 @@ class StubPublisher:
 
 
 def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys):
-    events = [Started(GenerateRequest(id="a", prompt_ids=[1, 2, 3], resume_ids=[7], created_ms=0,
+    created = now_ms() - 1500  # queued 1.5 s before its admission here
+    events = [Started(GenerateRequest(id="a", prompt_ids=[1, 2, 3], resume_ids=[7], created_ms=created,
                                       params=SamplingParams(max_new_tokens=4))),
               pack([Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length")]),
               Ended("c", "cancelled", "cancelled", 2)]
@@ -107,6 +111,12 @@ def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys
     assert s[("lightq:worker_requests_ended_total", (("reason", "length"), ("worker", "w1")))] == 1
     assert s[("lightq:worker_requests_ended_total", (("reason", "cancelled"), ("worker", "w1")))] == 1
     assert s[("lightq:worker_step_seconds_count", w1)] == 1
+    assert s[("lightq:worker_queue_seconds_count", w1)] == 1
+    assert 1.5 <= s[("lightq:worker_queue_seconds_sum", w1)] < 60
+    assert s[("lightq:worker_queue_seconds_bucket", (("le", "1.0"), ("worker", "w1")))] == 0
+    assert s[("lightq:worker_batch_requests_sum", w1)] == 3
+    assert s[("lightq:worker_batch_requests_bucket", (("le", "2.0"), ("worker", "w1")))] == 0
+    assert s[("lightq:worker_preemptions_total", w1)] == 2
     assert s[("lightq:worker_kv_usage_ratio", w1)] == 0.4
     assert (s[("lightq:worker_running_requests", w1)], s[("lightq:worker_waiting_requests", w1)]) == (2, 5)
     assert s[("lightq:stream_lag", (("group", WORKER_GROUP), ("stream", keys.inbox("w1"))))] == 1

@@ -14,16 +14,19 @@ from collections.abc import Iterable
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from shared.keys import WORKER_GROUP, Keys
 from shared.redis import group_backlog
+from shared.request_log import now_ms
 from worker.engine.engine import Engine
 from worker.engine.events import Ended, Event, Started, Tokens
 from worker.service.serve import WorkerService
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 class WorkerMetrics:
@@ -39,9 +42,14 @@ class WorkerMetrics:
                              ["worker", "reason"], registry=reg)
         self.step_time = Histogram("lightq:worker_step_seconds", "one engine step (prefill chunk + decode)",
                                    ["worker"], buckets=STEP_BUCKETS, registry=reg).labels(**worker)
+        self.queue_time = Histogram("lightq:worker_queue_seconds", "from a request's creation at the producer "
+                                    "to its admission into this worker's batch (the clocks of two hosts)",
+                                    ["worker"], buckets=QUEUE_BUCKETS, registry=reg).labels(**worker)
+        self.batch_size = Histogram("lightq:worker_batch_requests", "requests in the running batch after a step",
+                                    ["worker"], buckets=BATCH_BUCKETS, registry=reg).labels(**worker)
         self.worker_id = worker_id
 
-    def count(self, events: list[Event]) -> None:
+    def count(self, events: list[Event], now_ms: int) -> None:
         for event in events:
             if isinstance(event, Tokens):
                 self.generation_tokens.inc(len(event))
@@ -50,6 +58,7 @@ class WorkerMetrics:
             elif isinstance(event, Started):
                 # what its prefill feeds: the prompt once, then each sample's resumed tokens
                 msg = event.msg
+                self.queue_time.observe(max(0, now_ms - msg.created_ms) / 1000)
                 self.prompt_tokens.inc(len(msg.prompt_ids) + sum(len(msg.emitted(c)) for c in msg.open_choices))
             elif isinstance(event, Ended):
                 self.ended.labels(worker=self.worker_id, reason=event.reason).inc()
@@ -65,7 +74,8 @@ class MeteredService(WorkerService):
 
     def on_step(self, events: list[Event], seconds: float) -> None:
         self.metrics.step_time.observe(seconds)
-        self.metrics.count(events)
+        self.metrics.batch_size.observe(len(self.engine.running))
+        self.metrics.count(events, now_ms())
 
 
 class WorkerCollector(Collector):
@@ -87,6 +97,8 @@ class WorkerCollector(Collector):
         yield _gauge("lightq:worker_max_total_tokens", "KV pool size in tokens", w, pool)
         yield _gauge("lightq:worker_kv_usage_ratio", "KV pool tokens in use / pool size", w,
                      snap.used_tokens / pool if pool else 0.0)
+        yield _counter("lightq:worker_preemptions", "running requests paused to free KV slots (an estimate "
+                       "was short; each is prefilled again later)", w, self.engine.num_pauses)
         yield from self._inbox()
 
     def _inbox(self) -> Iterable[Metric]:
@@ -101,5 +113,11 @@ class WorkerCollector(Collector):
 
 def _gauge(name: str, doc: str, label_values: list[str], value: float, labels: list[str] | None = None) -> Metric:
     family = GaugeMetricFamily(name, doc, labels=labels or ["worker"])
+    family.add_metric(label_values, value)
+    return family
+
+
+def _counter(name: str, doc: str, label_values: list[str], value: float) -> Metric:
+    family = CounterMetricFamily(name, doc, labels=["worker"])
     family.add_metric(label_values, value)
     return family
