@@ -26,7 +26,7 @@ LOCAL_URL = os.environ.get("LIGHTQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 # `make test-fast` runs -m "not integration and not slow". Marked here by node id prefix (a folder, a
-# module, or a test) rather than in each file; seconds from --durations on 2 busy cores.
+# module, or a test) rather than in each file; seconds from --durations on a 2-core machine.
 INTEGRATION = (  # starts real processes or the whole stack
     "tests/integration/",  # lightq serve and the whole stack
     "tests/batches/test_e2e_batch.py",  # the stack, and `lightq batch submit` (60 s)
@@ -46,6 +46,9 @@ LONG = (  # in-process, but long: marked slow
     "tests/worker/test_engine_groups.py::test_paused_samples_recompute",  # (45 s)
     "tests/worker/test_engine.py::test_past_future_overcommits",  # (20 s)
     "tests/worker/test_group_resume.py::test_requeued_greedy_group",  # 14 cases (25 s)
+    "tests/worker/test_group_resume.py::test_requeued_seeded_group",  # (5 s)
+    "tests/worker/test_group_resume.py::test_a_poisoned_seed",  # (5 s)
+    "tests/worker/test_publisher.py::test_an_orphaned_publisher",  # retries a dead Redis (8 s)
     # ALiBi and window rules over grids, under Triton's CPU interpreter (50 s); the kernels' own
     # reference tests stay in the fast set
     "tests/kernels/test_position_rules.py::test_context_attention_rules",
