@@ -21,7 +21,8 @@ from rich.table import Table
 from rich.text import Text
 
 from lightq.serve_redis import find_serve_url
-from producer.monitoring.cluster import ClusterSnapshot, RequestTracker, read_cluster
+from producer.monitoring.cluster import ClusterSnapshot, read_cluster
+from producer.monitoring.recent import RequestTracker
 from shared.config import RedisSettings
 from shared.flags import add_flags, build
 from shared.redis import async_client

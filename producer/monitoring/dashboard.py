@@ -18,7 +18,8 @@ from importlib import resources
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from producer.monitoring.cluster import ClusterSnapshot, RecentRequest
+from producer.monitoring.cluster import ClusterSnapshot
+from producer.monitoring.recent import RecentRequest
 from producer.deps import ServicesDep
 from producer.monitoring.metrics import ProducerMetrics
 

@@ -28,7 +28,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from producer.monitoring.cluster import ClusterSnapshot, kv_usage, read_cluster, RequestTracker
+from producer.monitoring.cluster import ClusterSnapshot, kv_usage, read_cluster
+from producer.monitoring.recent import RequestTracker
 from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
 
 WORKER_FIELDS = {

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from producer.app import create_app
-from producer.monitoring.cluster import RequestTracker, read_cluster
+from producer.monitoring.cluster import read_cluster
+from producer.monitoring.recent import RequestTracker
 from shared.keys import ROUTER_GROUP
 from shared.redis import ensure_group_async
 from shared.schemas import TokenChunk
