@@ -6,6 +6,7 @@ CUDA) and handed to the model; the model never branches on the device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -37,6 +38,20 @@ class AttentionBackend(Protocol):
         ...
 
 
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP = 8
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """Requests of a decode step attended together (sorted by length), and what every layer reuses."""
+
+    members: torch.Tensor | None  # [b] their places in the batch (None: all of it, in order)
+    size: int
+    slots: torch.Tensor  # [b * L] pool slots to read, padding pointed at each request's first slot
+    mask: torch.Tensor  # [b, heads, 1, L] additive: -inf past seq_len and where a position rule hides
+
+
 class TorchAttention:
     """The pure-PyTorch backend: the CPU path and the kernels' test oracle.
 
@@ -54,6 +69,8 @@ class TorchAttention:
 
     def __init__(self, cache: KVCache):
         self.cache = cache
+        self._step: ForwardBatch | None = None  # the decode step whose groups are kept
+        self._groups: dict[tuple, list[_DecodeGroup]] = {}
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, alibi_slopes: torch.Tensor | None = None,
@@ -76,27 +93,67 @@ class TorchAttention:
                 rules: dict) -> torch.Tensor:
         """q [B, Hq, Q, D] over keys/values [B, Hkv, L, D]; rel [B, Q, L] = key - query position
         (None: plain causal from the first key) -> [B, Hq, Q, D] fp32."""
+        gqa = q.shape[-3] != keys.shape[-3]
         if rel is None:
-            return F.scaled_dot_product_attention(q.float(), keys, values, is_causal=True,
-                                                  enable_gqa=q.shape[-3] != keys.shape[-3])
-        heads = q.shape[-3] if rules["alibi_slopes"] is not None else 1  # else one mask for every head
+            return F.scaled_dot_product_attention(q.float(), keys, values, is_causal=True, enable_gqa=gqa)
+        mask = self._mask(rel, rules)
+        return F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask, enable_gqa=gqa)
+
+    @staticmethod
+    def _mask(rel: torch.Tensor, rules: dict) -> torch.Tensor:
+        """The additive mask [B, heads, Q, L] fp32 of the position rules for rel [B, Q, L]: one for
+        every head (heads 1) unless ALiBi gives each its own (heads Hq)."""
+        alibi = rules["alibi_slopes"]
+        heads = 1 if alibi is None else alibi.shape[0]
         B, Q, L = rel.shape
-        flat = rel.reshape(B * Q, L)
-        mask = position_scores(torch.zeros(B * Q, heads, L, device=q.device), flat, **rules)
-        mask = mask.view(B, Q, heads, L).transpose(1, 2)  # [B, heads, Q, L]
-        return F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask,
-                                              enable_gqa=q.shape[-3] != keys.shape[-3])
+        mask = position_scores(torch.zeros(B * Q, heads, L, device=rel.device), rel.reshape(B * Q, L), **rules)
+        return mask.view(B, Q, heads, L).transpose(1, 2)
 
     def _decode(self, buf: torch.Tensor, q: torch.Tensor, batch: ForwardBatch, rules: dict) -> torch.Tensor:
-        """One query per request: all requests at once, keys padded to max_seq_len."""
-        L = batch.max_seq_len
-        slots = batch.req_table[batch.req_rows.long(), :L].long()  # [B, L]
-        # The query sits at seq_len - 1, so padding past seq_len has rel > 0: hidden, and read
-        # from the request's own first slot (written) instead of whatever the table holds there.
-        rel = torch.arange(L, device=q.device)[None, :] - (batch.seq_lens[:, None].long() - 1)  # [B, L]
-        keys, values = self._gather(buf, torch.where(rel > 0, slots[:, :1], slots))  # [B, Hkv, L, D]
-        out = self._attend(q[:, :, None, :], keys, values, rel[:, None, :], rules)  # [B, Hq, 1, D]
-        return out[:, :, 0].to(q.dtype)
+        """One query per request, in groups of similar lengths (each padded to its longest)."""
+        out = torch.empty_like(q)
+        hkv = self.cache.num_kv_heads
+        for group in self._decode_groups(batch, rules):
+            kv = buf.flatten(1).index_select(0, group.slots).view(group.size, -1, 2 * hkv, buf.shape[-1])
+            kv = kv.float().transpose(1, 2)  # [b, 2Hkv, L, D]
+            qg = q if group.members is None else q.index_select(0, group.members)
+            o = F.scaled_dot_product_attention(qg.float()[:, :, None, :], kv[:, :hkv], kv[:, hkv:],
+                                               attn_mask=group.mask, enable_gqa=q.shape[1] != hkv)  # [b, Hq, 1, D]
+            if group.members is None:
+                out.copy_(o[:, :, 0])
+            else:
+                out.index_copy_(0, group.members, o[:, :, 0].to(q.dtype))
+        return out
+
+    def _decode_groups(self, batch: ForwardBatch, rules: dict) -> list[_DecodeGroup]:
+        """The step's groups, worked out at its first layer and kept for the others (per position rules:
+        a layer's window may differ). Requests sorted by length, then cut into up to MAX_DECODE_GROUPS
+        groups of at least MIN_DECODE_GROUP: padding every request to the batch's longest read half as
+        many keys again as there were on a 32-request CPU workload; four groups, an eighth."""
+        key = (rules["alibi_slopes"] is not None, rules["window"])
+        if self._step is not batch:
+            self._step, self._groups = batch, {}
+        if key not in self._groups:
+            self._groups[key] = self._make_groups(batch, rules)
+        return self._groups[key]
+
+    def _make_groups(self, batch: ForwardBatch, rules: dict) -> list[_DecodeGroup]:
+        B = batch.num_requests
+        seq_lens = batch.seq_lens.long()
+        count = max(1, min(MAX_DECODE_GROUPS, B // MIN_DECODE_GROUP))
+        order = torch.argsort(seq_lens) if count > 1 else None
+        groups = []
+        for members in (torch.tensor_split(order, count) if order is not None else [None]):
+            lens = seq_lens if members is None else seq_lens.index_select(0, members)
+            rows = batch.req_rows.long() if members is None else batch.req_rows.long().index_select(0, members)
+            L = int(lens.max())
+            slots = batch.req_table.index_select(0, rows)[:, :L].long()  # [b, L]
+            # The query sits at seq_len - 1, so padding past seq_len has rel > 0: hidden, and read from the
+            # request's own first slot (written) instead of whatever the table holds there.
+            rel = torch.arange(L, device=slots.device)[None, :] - (lens[:, None] - 1)  # [b, L]
+            slots = torch.where(rel > 0, slots[:, :1], slots).reshape(-1)
+            groups.append(_DecodeGroup(members, len(lens), slots, self._mask(rel[:, None, :], rules)))
+        return groups
 
     def _prefill(self, buf: torch.Tensor, q: torch.Tensor, batch: ForwardBatch, rules: dict) -> torch.Tensor:
         """A loop over requests: each attends its q_lens[b] queries causally."""
