@@ -38,9 +38,22 @@ def main() -> None:
     parser.add_argument("--kill-after", type=float, default=2.0)
     args = parser.parse_args()
     redis_server = start_embedded_redis(appendonly=True)
-    stack = start_stack(f"{tempfile.mkdtemp()}/serve.log", redis_url=redis_server.url, prefix="lightq-chaos",
-                        workers=args.workers, extra=["--model_dir", "counting", "--max_total_token_num", "60000",
-                                                     "--max_req_total_len", "1024", "--liveness_ttl_s", "1.5"])
+    stack = start_stack(
+        f"{tempfile.mkdtemp()}/serve.log",
+        redis_url=redis_server.url,
+        prefix="lightq-chaos",
+        workers=args.workers,
+        extra=[
+            "--model_dir",
+            "counting",
+            "--max_total_token_num",
+            "60000",
+            "--max_req_total_len",
+            "1024",
+            "--liveness_ttl_s",
+            "1.5",
+        ],
+    )
     try:
         results = asyncio.run(run_streams(stack, args.streams, args.kill_after))
     finally:
@@ -49,8 +62,10 @@ def main() -> None:
     from tests.integration.test_chaos import NEW_TOKENS
 
     exact = sum(tokens == expected_tokens(2000 + i, NEW_TOKENS, VOCAB) for i, tokens in enumerate(results))
-    print(f"chaos: {args.streams} streams, {args.workers} workers, a worker and the router killed after "
-          f"{args.kill_after:.0f} s: {exact} exact, {args.streams - exact} with a missing, repeated or wrong token")
+    print(
+        f"chaos: {args.streams} streams, {args.workers} workers, a worker and the router killed after "
+        f"{args.kill_after:.0f} s: {exact} exact, {args.streams - exact} with a missing, repeated or wrong token"
+    )
 
 
 if __name__ == "__main__":

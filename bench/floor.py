@@ -23,8 +23,14 @@ import numpy as np
 from bench.sharegpt import sharegpt_lengths
 
 
-def bounds(lengths: list[tuple[int, int]], weight_bytes: float, kv_bytes_per_token: float, flops_per_token: float,
-           bandwidth: float, flops: float) -> dict[str, float]:
+def bounds(
+    lengths: list[tuple[int, int]],
+    weight_bytes: float,
+    kv_bytes_per_token: float,
+    flops_per_token: float,
+    bandwidth: float,
+    flops: float,
+) -> dict[str, float]:
     prompt = np.array([i for i, _ in lengths])
     output = np.array([o for _, o in lengths])
     steps = np.arange(output.max())
@@ -33,9 +39,13 @@ def bounds(lengths: list[tuple[int, int]], weight_bytes: float, kv_bytes_per_tok
     memory = (weight_bytes + context * kv_bytes_per_token) / bandwidth
     compute = batch * flops_per_token / flops
     prefill = prompt.sum() * flops_per_token / flops
-    return {"steps": len(steps), "decode_overlap_s": float(np.maximum(memory, compute).sum()),
-            "decode_sum_s": float((memory + compute).sum()), "prefill_s": float(prefill),
-            "output_tokens": int(output.sum())}
+    return {
+        "steps": len(steps),
+        "decode_overlap_s": float(np.maximum(memory, compute).sum()),
+        "decode_sum_s": float((memory + compute).sum()),
+        "prefill_s": float(prefill),
+        "output_tokens": int(output.sum()),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -48,12 +58,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--bandwidth-tbs", type=float, default=4.22, help="measured copy bandwidth, read + write")
     p.add_argument("--tflops", type=float, default=790.0, help="measured bf16 matrix rate")
     args = p.parse_args(argv)
-    b = bounds(sharegpt_lengths(args.num_requests, args.seed), args.weights_gb * 1e9, args.kv_kb_per_token * 1024,
-               args.gflop_per_token * 1e9, args.bandwidth_tbs * 1e12, args.tflops * 1e12)
+    b = bounds(
+        sharegpt_lengths(args.num_requests, args.seed),
+        args.weights_gb * 1e9,
+        args.kv_kb_per_token * 1024,
+        args.gflop_per_token * 1e9,
+        args.bandwidth_tbs * 1e12,
+        args.tflops * 1e12,
+    )
     for name, decode in (("perfect overlap", b["decode_overlap_s"]), ("no overlap", b["decode_sum_s"])):
         total = decode + b["prefill_s"]
-        print(f"floor ({name}): {b['steps']} decode steps {decode:.2f} s + prefill {b['prefill_s']:.2f} s = "
-              f"{total:.2f} s, {b['output_tokens'] / total:,.0f} output tok/s")
+        print(
+            f"floor ({name}): {b['steps']} decode steps {decode:.2f} s + prefill {b['prefill_s']:.2f} s = "
+            f"{total:.2f} s, {b['output_tokens'] / total:,.0f} output tok/s"
+        )
     return b
 
 

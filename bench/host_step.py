@@ -43,11 +43,16 @@ def engine_with(batch: int) -> Engine:
     slots = batch * (PROMPT + NEW + 8)
     table = ReqTable(batch, PROMPT + NEW + 8, slots, device)
     runner = ModelRunner(CountingModel(VOCAB, device), TokenPool(slots), table, VOCAB, device, set(), None)
-    engine = Engine(runner, EngineLimits(slots, 1 << 20, batch), set(),
-                    AdmissionRule(AdmissionSettings(admission="conservative")))
+    engine = Engine(
+        runner, EngineLimits(slots, 1 << 20, batch), set(), AdmissionRule(AdmissionSettings(admission="conservative"))
+    )
     for i in range(batch):
-        msg = GenerateRequest(id=f"r{i}", prompt_ids=[1 + i % 200] * PROMPT, created_ms=0,
-                              params=SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        msg = GenerateRequest(
+            id=f"r{i}",
+            prompt_ids=[1 + i % 200] * PROMPT,
+            created_ms=0,
+            params=SamplingParams(max_new_tokens=NEW, ignore_eos=True),
+        )
         engine.add(Req(msg=msg, inbox_id=f"{i}-0"))
     return engine
 
@@ -78,12 +83,21 @@ def admission_pass(burst: int, policy: str) -> float:
     device, slots = torch.device("cpu"), burst * 2048
     table = ReqTable(burst, 2048, slots, device)
     runner = ModelRunner(CountingModel(VOCAB, device), TokenPool(slots), table, VOCAB, device, set(), None)
-    engine = Engine(runner, EngineLimits(slots, 1 << 30, burst), set(),
-                    AdmissionRule(AdmissionSettings(admission=policy)))
+    engine = Engine(
+        runner, EngineLimits(slots, 1 << 30, burst), set(), AdmissionRule(AdmissionSettings(admission=policy))
+    )
     for i, (prompt, output) in enumerate(sharegpt_lengths(burst, 0)):
-        engine.add(Req(msg=GenerateRequest(id=f"r{i}", prompt_ids=[5] * prompt, created_ms=0,
-                                           params=SamplingParams(max_new_tokens=output, ignore_eos=True)),
-                       inbox_id=f"{i}-0"))
+        engine.add(
+            Req(
+                msg=GenerateRequest(
+                    id=f"r{i}",
+                    prompt_ids=[5] * prompt,
+                    created_ms=0,
+                    params=SamplingParams(max_new_tokens=output, ignore_eos=True),
+                ),
+                inbox_id=f"{i}-0",
+            )
+        )
     started = time.perf_counter()
     admitted = engine._admit()
     seconds = time.perf_counter() - started

@@ -33,6 +33,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _time(fn) -> float:
     import triton.testing
+
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
@@ -57,10 +58,16 @@ def _graph_ms(fns) -> float:
     return sorted(times[3:])[len(times[3:]) // 2]
 
 
-def _row(kernel: str, shape: str, err: float, ms: float, nbytes: float, flops: float = 0.0,
-         note: str = "") -> dict:
-    return dict(kernel=kernel, shape=shape, err=err, ms=ms, gbps=nbytes / ms / 1e6,
-                tflops=flops / ms / 1e9 if flops else None, note=note)
+def _row(kernel: str, shape: str, err: float, ms: float, nbytes: float, flops: float = 0.0, note: str = "") -> dict:
+    return dict(
+        kernel=kernel,
+        shape=shape,
+        err=err,
+        ms=ms,
+        gbps=nbytes / ms / 1e6,
+        tflops=flops / ms / 1e9 if flops else None,
+        note=note,
+    )
 
 
 def _paged_batch(seq_lens: list[int], cached_lens: list[int]):
@@ -73,7 +80,7 @@ def _paged_batch(seq_lens: list[int], cached_lens: list[int]):
     rows = torch.randperm(batch, device="cuda", dtype=torch.int32)
     used = 0
     for b, n in enumerate(seq_lens):
-        table[rows[b], :n] = perm[used:used + n]
+        table[rows[b], :n] = perm[used : used + n]
         used += n
     to_dev = lambda xs: torch.tensor(xs, device="cuda", dtype=torch.int32)  # noqa: E731
     return pool, table, rows, to_dev(seq_lens), to_dev(cached_lens)
@@ -81,14 +88,16 @@ def _paged_batch(seq_lens: list[int], cached_lens: list[int]):
 
 def bench_decode(batch: int, ctx: int) -> dict:
     from worker.model.kernels.decode_attention import decode_attention, decode_attention_ref
+
     kv_bytes = batch * ctx * 2 * HKV * D * BYTES
     copies = max(1, -(-L2_ROTATION_BYTES // kv_bytes))  # input sets the graph rotates over
     pool, table, rows, seq_lens, _ = _paged_batch([ctx] * batch * copies, [ctx - 1] * batch * copies)
     k_cache, v_cache = pool[:, :HKV], pool[:, HKV:]
     q = torch.randn(copies, batch, HQ, D, device="cuda", dtype=DTYPE)  # [copies, B, Hq, D]
     o = torch.full_like(q, float("nan"))
-    sets = [(q[c], o[c], rows[c * batch:(c + 1) * batch], seq_lens[c * batch:(c + 1) * batch])
-            for c in range(copies)]
+    sets = [
+        (q[c], o[c], rows[c * batch : (c + 1) * batch], seq_lens[c * batch : (c + 1) * batch]) for c in range(copies)
+    ]
 
     def step(c: int) -> None:
         qc, oc, rc, sc = sets[c]
@@ -100,12 +109,12 @@ def bench_decode(batch: int, ctx: int) -> dict:
     ms = _graph_ms([lambda c=c: step(c) for c in range(copies)])
     err = err if not o.isnan().any() else math.inf
     nbytes = kv_bytes + batch * ctx * 4 + 2 * q[0].numel() * BYTES  # K, V, table; q, o
-    return _row("decode_attention", f"B={batch} ctx={ctx}", err, ms, nbytes,
-                note=f"graph; eager {eager_ms:.3f} ms")
+    return _row("decode_attention", f"B={batch} ctx={ctx}", err, ms, nbytes, note=f"graph; eager {eager_ms:.3f} ms")
 
 
 def bench_prefill(q_lens: list[int], cached_lens: list[int]) -> dict:
     from worker.model.kernels.context_attention import context_attention, context_attention_ref
+
     seqs = [q + c for q, c in zip(q_lens, cached_lens)]
     pool, table, rows, seq_lens, cached = _paged_batch(seqs, cached_lens)
     k_cache, v_cache = pool[:, :HKV], pool[:, HKV:]
@@ -125,6 +134,7 @@ def bench_prefill(q_lens: list[int], cached_lens: list[int]) -> dict:
 
 def bench_copy_kv(num_tokens: int) -> dict:
     from worker.model.kernels.copy_kv import copy_kv, copy_kv_ref
+
     pool = torch.full((4 * num_tokens + 1, 2 * HKV, D), float("nan"), device="cuda", dtype=DTYPE)
     k = torch.randn(num_tokens, HKV, D, device="cuda", dtype=DTYPE)
     v = torch.randn_like(k)
@@ -139,6 +149,7 @@ def bench_copy_kv(num_tokens: int) -> dict:
 
 def bench_rmsnorm(num_tokens: int, hidden: int, fused: bool) -> dict:
     from worker.model.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=DTYPE)
     res = torch.randn_like(x)
     w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE)
@@ -159,6 +170,7 @@ def bench_rmsnorm(num_tokens: int, hidden: int, fused: bool) -> dict:
 
 def bench_silu_and_mul(num_tokens: int, n_cols: int) -> dict:
     from worker.model.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+
     x = torch.randn(num_tokens, 2 * n_cols, device="cuda", dtype=DTYPE)  # [T, 2N]
     out = torch.full((num_tokens, n_cols), float("nan"), device="cuda", dtype=DTYPE)
     run = lambda: silu_and_mul(x, out=out)  # noqa: E731
@@ -169,8 +181,9 @@ def bench_silu_and_mul(num_tokens: int, n_cols: int) -> dict:
 
 def bench_rotary(num_tokens: int) -> dict:
     from worker.model.kernels.rotary import rotary_embedding, rotary_embedding_ref
+
     qkv = torch.randn(num_tokens, HQ + 2 * HKV, D, device="cuda", dtype=DTYPE)  # fused projection
-    q, k = qkv[:, :HQ], qkv[:, HQ:HQ + HKV]
+    q, k = qkv[:, :HQ], qkv[:, HQ : HQ + HKV]
     angles = torch.rand(num_tokens, D // 2, device="cuda") * 6.28
     cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
     q_ref, k_ref = rotary_embedding_ref(q, cos, sin), rotary_embedding_ref(k, cos, sin)
@@ -211,8 +224,10 @@ def main() -> int:
     for r in rows:
         tflops = f"{r['tflops']:8.1f}" if r["tflops"] else ""
         flag = "" if r["err"] < TOLERANCE else "MISMATCH "
-        print(f"{r['kernel']:<18} {r['shape']:<24} {r['err']:8.1e} {r['ms']:9.4f} {r['gbps']:8.0f} {tflops:>8}"
-              f"  {flag}{r['note']}")
+        print(
+            f"{r['kernel']:<18} {r['shape']:<24} {r['err']:8.1e} {r['ms']:9.4f} {r['gbps']:8.0f} {tflops:>8}"
+            f"  {flag}{r['note']}"
+        )
     return 0 if all(r["err"] < TOLERANCE for r in rows) else 2
 
 

@@ -80,9 +80,13 @@ def wait_final(stack: Stack, ids: list[str], timeout_s: float) -> list[RequestMe
 def run(args) -> dict:
     redis_server = start_embedded_redis()
     folder = tempfile.mkdtemp(prefix="lightq-load-")
-    stack = start_stack(f"{folder}/serve.log", redis_url=redis_server.url, prefix="lightq-load",
-                        workers=args.workers, extra=["--model_dir", "counting", "--max_total_token_num", "200000",
-                                                     "--running_max_req_size", "512"])
+    stack = start_stack(
+        f"{folder}/serve.log",
+        redis_url=redis_server.url,
+        prefix="lightq-load",
+        workers=args.workers,
+        extra=["--model_dir", "counting", "--max_total_token_num", "200000", "--running_max_req_size", "512"],
+    )
     try:
         start = time.perf_counter()
         ids = asyncio.run(submit_all(stack.http, args.requests, args.concurrency, args.new_tokens))
@@ -93,11 +97,18 @@ def run(args) -> dict:
         redis_server.stop()
     finished = [m for m in finals if m.status.value == "finished" and m.output_tokens == args.new_tokens]
     added = np.array([m.dispatched_ms - m.created_ms for m in finals if m.dispatched_ms])
-    result = dict(requests=args.requests, accepted_per_s=len(ids) / accepted_s, lost=args.requests - len(finished),
-                  dispatch_p50_ms=float(np.percentile(added, 50)), dispatch_p99_ms=float(np.percentile(added, 99)))
-    print(f"load: {args.requests} requests, {args.workers} workers: {result['accepted_per_s']:.0f} accepted/s, "
-          f"{result['lost']} lost, router added latency p50 {result['dispatch_p50_ms']:.0f} ms "
-          f"p99 {result['dispatch_p99_ms']:.0f} ms")
+    result = dict(
+        requests=args.requests,
+        accepted_per_s=len(ids) / accepted_s,
+        lost=args.requests - len(finished),
+        dispatch_p50_ms=float(np.percentile(added, 50)),
+        dispatch_p99_ms=float(np.percentile(added, 99)),
+    )
+    print(
+        f"load: {args.requests} requests, {args.workers} workers: {result['accepted_per_s']:.0f} accepted/s, "
+        f"{result['lost']} lost, router added latency p50 {result['dispatch_p50_ms']:.0f} ms "
+        f"p99 {result['dispatch_p99_ms']:.0f} ms"
+    )
     return result
 
 

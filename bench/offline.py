@@ -18,14 +18,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.sharegpt import describe, sharegpt_lengths
 from bench.shapes import SHAPES, config_dir
+from bench.sharegpt import describe, sharegpt_lengths
 from shared.config import ModelSettings, WorkerSettings
 from shared.schemas import GenerateRequest, SamplingParams
 from worker.engine.events import Tokens
-from worker.runner import tp as tensor_parallel
-from worker.main import build_engine, follower, rank_device
 from worker.engine.request import Req
+from worker.main import build_engine, follower, rank_device
+from worker.runner import tp as tensor_parallel
 
 
 def workload(args) -> list[tuple[list[int], int]]:
@@ -37,15 +37,22 @@ def workload(args) -> list[tuple[list[int], int]]:
 def run_lightq(args, work) -> float:
     settings = WorkerSettings(
         model=ModelSettings(model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048),
-        device=args.device, max_total_token_num=args.max_total_token_num, batch_max_tokens=args.batch_max_tokens,
-        running_max_req_size=args.running_max, graph_max_batch_size=args.graph_max_bs,
-        cuda_graphs=not args.no_graphs, tp=args.tp)
+        device=args.device,
+        max_total_token_num=args.max_total_token_num,
+        batch_max_tokens=args.batch_max_tokens,
+        running_max_req_size=args.running_max,
+        graph_max_batch_size=args.graph_max_bs,
+        cuda_graphs=not args.no_graphs,
+        tp=args.tp,
+    )
     # --tp N: N - 1 follower processes, as `lightq worker --tp N` starts them (worker.main.run)
     group = tensor_parallel.launch(args.tp, rank_device(settings, 0), follower, settings) if args.tp > 1 else None
     try:
         engine = build_engine(settings, group=group)
-        print(f"lightq: KV pool {engine.limits.max_total_tokens} tokens, graphs {engine.runner.graphs is not None},"
-              f" tp {args.tp}")
+        print(
+            f"lightq: KV pool {engine.limits.max_total_tokens} tokens, graphs {engine.runner.graphs is not None},"
+            f" tp {args.tp}"
+        )
         warm = [(ids[:16], 4) for ids, _ in work[:8]]
         drive(engine, warm, progress=False)
         timeline: list[tuple[float, int, bool]] | None = [] if args.timeline else None
@@ -61,8 +68,9 @@ def run_lightq(args, work) -> float:
 def drive(engine, work, progress: bool, timeline: list | None = None) -> float:
     """Run ``work`` to the end; ``timeline`` gets (seconds, decoding requests, prefilled too) per step."""
     for i, (ids, out) in enumerate(work):
-        msg = GenerateRequest(id=f"r{i}", prompt_ids=ids, created_ms=0,
-                              params=SamplingParams(max_new_tokens=out, ignore_eos=True))
+        msg = GenerateRequest(
+            id=f"r{i}", prompt_ids=ids, created_ms=0, params=SamplingParams(max_new_tokens=out, ignore_eos=True)
+        )
         engine.add(Req(msg=msg, inbox_id=f"{i}-0"))
     bar = tqdm(total=sum(o for _, o in work), unit="tok", disable=not progress, mininterval=2)
     sync()
@@ -85,13 +93,16 @@ def print_timeline(timeline: list[tuple[float, int, bool]]) -> None:
     print(f"{'steps':<22} {'count':>6} {'seconds':>8} {'ms/step':>8} {'mean batch':>10}")
     bands = [("with prefill", lambda d, p: p)] + [
         (f"decode, batch {lo}-{hi - 1}", lambda d, p, lo=lo, hi=hi: not p and lo <= d < hi)
-        for lo, hi in ((1, 16), (16, 64), (64, 256), (256, 512), (512, 100_000))]
+        for lo, hi in ((1, 16), (16, 64), (64, 256), (256, 512), (512, 100_000))
+    ]
     for name, member in bands:
         rows = [(t, d) for t, d, p in timeline if member(d, p)]
         if rows:
             total = sum(t for t, _ in rows)
-            print(f"{name:<22} {len(rows):>6} {total:>8.2f} {total / len(rows) * 1e3:>8.2f} "
-                  f"{sum(d for _, d in rows) / len(rows):>10.0f}")
+            print(
+                f"{name:<22} {len(rows):>6} {total:>8.2f} {total / len(rows) * 1e3:>8.2f} "
+                f"{sum(d for _, d in rows) / len(rows):>10.0f}"
+            )
 
 
 def run_hf_peer(args, work) -> float:
@@ -121,8 +132,10 @@ def sync() -> None:
 def report(name: str, work, seconds: float) -> float:
     out = sum(o for _, o in work)
     total = out + sum(len(i) for i, _ in work)
-    print(f"{name}: {len(work)} requests in {seconds:.2f} s: {len(work) / seconds:.2f} req/s, "
-          f"{out / seconds:,.0f} output tok/s, {total / seconds:,.0f} total tok/s")
+    print(
+        f"{name}: {len(work)} requests in {seconds:.2f} s: {len(work) / seconds:.2f} req/s, "
+        f"{out / seconds:,.0f} output tok/s, {total / seconds:,.0f} total tok/s"
+    )
     return out / seconds
 
 

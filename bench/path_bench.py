@@ -15,8 +15,8 @@ index arrived once, in order.
 
 With ``--peer COMMIT`` the same burst runs first against that commit (a git
 worktree in a temporary folder, with this tree's virtual environment and
-the stand-in's small vocabulary, ``peer_tree``) and the line compares the two. On a 2-core machine every process of the pool
-shares the cores with the client, so the figure is a proxy for where the
+the stand-in's small vocabulary, ``peer_tree``) and the line compares the two. On a 2-core
+machine every process of the pool shares the cores with the client, so the figure is a proxy for where the
 path's host work stands, not a serving figure.
 """
 
@@ -39,15 +39,37 @@ from shared.embedded_redis import free_port, start_embedded_redis
 from worker.model.counting_model import COUNTING_VOCAB
 
 REPO = Path(__file__).resolve().parent.parent
-SERVE_FLAGS = ["--model_dir", "counting", "--workers", "1", "--max_total_token_num", "400000",
-               "--running_max_req_size", "1024", "--max_queue_tokens", "100000000"]
+SERVE_FLAGS = [
+    "--model_dir",
+    "counting",
+    "--workers",
+    "1",
+    "--max_total_token_num",
+    "400000",
+    "--running_max_req_size",
+    "1024",
+    "--max_queue_tokens",
+    "100000000",
+]
 
 
 def start_serve(tree: Path, redis_url: str, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
-    args = [sys.executable, "-m", "lightq.cli", "serve", "--port", str(port), "--redis_url", redis_url,
-            "--redis_key_prefix", f"lightq-path-{port}", *SERVE_FLAGS, *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "lightq.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--redis_url",
+        redis_url,
+        "--redis_key_prefix",
+        f"lightq-path-{port}",
+        *SERVE_FLAGS,
+        *extra,
+    ]
     process = subprocess.Popen(args, cwd=tree, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     http = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -115,8 +137,12 @@ def peer_tree(commit: str) -> Path:
     model sampled over the tokenizer's whole vocabulary (49,152), which cost more than the path
     it stands in for; the peer gets the same small vocabulary, so only the path differs."""
     folder = Path(tempfile.mkdtemp(prefix="lightq-peer-"))
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), commit], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), commit],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     main = folder / "worker" / "main.py"
     old = "vocab = len(tokenizer) if tokenizer is not None else 49152"
     text = main.read_text()
@@ -137,8 +163,11 @@ def main() -> None:
     parser.add_argument("--serve-args", default="", help="extra flags for lightq serve (both trees)")
     args = parser.parse_args()
     args.serve_args = args.serve_args.split()
-    print(f"path_bench: counting model, 1 worker, {args.requests} x {args.new_tokens} tokens at once, "
-          f"/{args.route}, {os.cpu_count()} cores", flush=True)
+    print(
+        f"path_bench: counting model, 1 worker, {args.requests} x {args.new_tokens} tokens at once, "
+        f"/{args.route}, {os.cpu_count()} cores",
+        flush=True,
+    )
     peer = None
     if args.peer:
         tree = peer_tree(args.peer)

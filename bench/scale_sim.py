@@ -52,11 +52,19 @@ class SimWorker:
     def beat(self) -> None:
         self.seq, self.last_beat = self.seq + 1, time.monotonic()
         states = [(p + g, g, m, 1) for _, p, g, m, _ in self.running]
-        load = WorkerLoad(worker_id=self.worker_id, seq=self.seq, ts_ms=now_ms(), max_total_tokens=self.pool,
-                          used_tokens=sum(s[0] for s in states),
-                          committed_tokens=sum(p + m for _, p, _, m, _ in self.running),
-                          num_running=len(states), num_waiting=0, last_inbox_id=self.last_inbox_id,
-                          running_max_req_size=self.args.batch, requests=states)
+        load = WorkerLoad(
+            worker_id=self.worker_id,
+            seq=self.seq,
+            ts_ms=now_ms(),
+            max_total_tokens=self.pool,
+            used_tokens=sum(s[0] for s in states),
+            committed_tokens=sum(p + m for _, p, _, m, _ in self.running),
+            num_running=len(states),
+            num_waiting=0,
+            last_inbox_id=self.last_inbox_id,
+            running_max_req_size=self.args.batch,
+            requests=states,
+        )
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.keys.load(self.worker_id), encode(load), px=3000)
         pipe.zadd(self.keys.workers(), {self.worker_id: now_ms()})
@@ -65,8 +73,9 @@ class SimWorker:
     def step(self, done: mp.Value) -> None:
         room = self.args.batch - len(self.running)
         if room > 0:
-            reply = self.client.xreadgroup(WORKER_GROUP, self.worker_id, {self.keys.inbox(self.worker_id): ">"},
-                                           count=room)
+            reply = self.client.xreadgroup(
+                WORKER_GROUP, self.worker_id, {self.keys.inbox(self.worker_id): ">"}, count=room
+            )
             for entry_id, fields in reply[0][1] if reply else []:
                 msg = from_entry(GenerateRequest, fields)
                 self.running.append([msg.id, msg.num_prompt_tokens, 0, msg.params.max_new_tokens, entry_id])
@@ -86,8 +95,15 @@ class SimWorker:
     def _finish(self, finished: list[list]) -> None:
         pipe = self.client.pipeline(transaction=False)
         for request_id, _, generated, _, inbox_id in finished:
-            end_request(pipe, self.keys, request_id, status=RequestStatus.FINISHED, reason="length",
-                        num_output=generated, ttl_s=60)
+            end_request(
+                pipe,
+                self.keys,
+                request_id,
+                status=RequestStatus.FINISHED,
+                reason="length",
+                num_output=generated,
+                ttl_s=60,
+            )
             pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, inbox_id)
             pipe.xdel(self.keys.inbox(self.worker_id), inbox_id)
             pipe.lpush(self.keys.output_lengths(), generated)
@@ -127,8 +143,9 @@ def feed(url: str, prefix: str, args, outstanding: int, done: mp.Value, stop: mp
         pipe = client.pipeline(transaction=False)
         for _ in range(min(gap, 256)):
             msg = GenerateRequest(id=uuid.uuid4().hex, prompt_ids=prompt, params=params, created_ms=now_ms())
-            pipe.hset(keys.meta(msg.id),
-                      mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=msg.created_ms))
+            pipe.hset(
+                keys.meta(msg.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=msg.created_ms)
+            )
             pipe.expire(keys.meta(msg.id), 120)
             pipe.xadd(keys.requests(), entry(msg))
         pipe.execute()
@@ -145,14 +162,27 @@ def run_one(args, num_workers: int) -> dict:
     # machine with cores to spare only the router is measured (one process for all 32 workers and
     # the generator in the router's process were what limited the run at 32 on a 32-core host).
     per = args.workers_per_process
-    procs = [mp.Process(target=simulate, args=(args.redis_url, prefix, list(range(i, min(i + per, num_workers))),
-                                               args, done, stop), daemon=True) for i in range(0, num_workers, per)]
-    procs.append(mp.Process(target=feed, args=(args.redis_url, prefix, args, 3 * args.batch * num_workers, done,
-                                               stop), daemon=True))
+    procs = [
+        mp.Process(
+            target=simulate,
+            args=(args.redis_url, prefix, list(range(i, min(i + per, num_workers))), args, done, stop),
+            daemon=True,
+        )
+        for i in range(0, num_workers, per)
+    ]
+    procs.append(
+        mp.Process(
+            target=feed, args=(args.redis_url, prefix, args, 3 * args.batch * num_workers, done, stop), daemon=True
+        )
+    )
     for proc in procs:
         proc.start()
-    settings = RouterSettings(redis=RedisSettings(url=args.redis_url, key_prefix=prefix), poll_ms=5, read_batch=512,
-                              admission_rule=AdmissionSettings(admission=args.admission))
+    settings = RouterSettings(
+        redis=RedisSettings(url=args.redis_url, key_prefix=prefix),
+        poll_ms=5,
+        read_batch=512,
+        admission_rule=AdmissionSettings(admission=args.admission),
+    )
     the_router = Router(settings, redis.Redis.from_url(args.redis_url, decode_responses=True), "bench-router")
     decisions: list[float] = []
     dispatched = [0]
@@ -177,8 +207,13 @@ def run_one(args, num_workers: int) -> dict:
     for key in client.scan_iter(match=f"{prefix}:*", count=1000):
         client.delete(key)
     ms = np.array(window or [0.0]) * 1000
-    return {"workers": num_workers, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "dispatches_s": num_dispatched / elapsed, "tokens_s": (tokens1 - tokens0) / elapsed}
+    return {
+        "workers": num_workers,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "dispatches_s": num_dispatched / elapsed,
+        "tokens_s": (tokens1 - tokens0) / elapsed,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -193,25 +228,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--output_len", type=int, default=16)
     p.add_argument("--workers_per_process", type=int, default=4, help="simulated workers per process")
-    p.add_argument("--admission", default="past_future",
-                   choices=["conservative", "aggressive", "past_future", "past_future_quantile"])
+    p.add_argument(
+        "--admission",
+        default="past_future",
+        choices=["conservative", "aggressive", "past_future", "past_future_quantile"],
+    )
     p.add_argument("--quick", action="store_true", help="N = 1, 4, 32 for 3 s each")
     args = p.parse_args(argv)
     if args.quick:
         args.workers, args.duration_s, args.warmup_s = "1,4,32", 3.0, 1.0
     model = args.batch / ((args.step_ms + args.per_req_ms * args.batch) / 1000)
-    print(f"one worker, by the step model at a full batch: {model:.0f} tokens/s, "
-          f"{model / args.output_len:.0f} requests/s")
-    print(f"{'workers':>7} {'decision p50 ms':>16} {'p99 ms':>8} {'dispatch/s':>11} {'tokens/s':>10} "
-          f"{'vs N x one':>11}")
+    print(
+        f"one worker, by the step model at a full batch: {model:.0f} tokens/s, {model / args.output_len:.0f} requests/s"
+    )
+    print(
+        f"{'workers':>7} {'decision p50 ms':>16} {'p99 ms':>8} {'dispatch/s':>11} {'tokens/s':>10} {'vs N x one':>11}"
+    )
     rows, one = [], None
     for n in [int(x) for x in args.workers.split(",")]:
         row = run_one(args, n)
         one = one or (row["tokens_s"] if n == 1 else model)
         row["scaling"] = row["tokens_s"] / (n * one)
         rows.append(row)
-        print(f"{n:>7} {row['p50_ms']:>16.3f} {row['p99_ms']:>8.3f} {row['dispatches_s']:>11.0f} "
-              f"{row['tokens_s']:>10.0f} {row['scaling']:>11.2f}", flush=True)
+        print(
+            f"{n:>7} {row['p50_ms']:>16.3f} {row['p99_ms']:>8.3f} {row['dispatches_s']:>11.0f} "
+            f"{row['tokens_s']:>10.0f} {row['scaling']:>11.2f}",
+            flush=True,
+        )
     return rows
 
 

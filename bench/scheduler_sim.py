@@ -110,8 +110,14 @@ class Worker:
 
 
 class Simulator:
-    def __init__(self, source: Iterator[Request], policy: str, cfg: Config, max_new_tokens: int,
-                 past: Iterator[Request] | None = None):
+    def __init__(
+        self,
+        source: Iterator[Request],
+        policy: str,
+        cfg: Config,
+        max_new_tokens: int,
+        past: Iterator[Request] | None = None,
+    ):
         self.cfg, self.policy = cfg, policy
         self.oracle = policy == "oracle"
         self.source = source
@@ -122,8 +128,11 @@ class Simulator:
         self.history.update(self.recent)
         self.estimator = Estimator(self.history, seed=cfg.seed)
         # the oracle: past-future's check on the true lengths, with no margin
-        self.admission = (ADMISSION_POLICIES["past_future"](self.estimator, 0.0) if self.oracle
-                          else ADMISSION_POLICIES[policy](self.estimator, cfg.margin))
+        self.admission = (
+            ADMISSION_POLICIES["past_future"](self.estimator, 0.0)
+            if self.oracle
+            else ADMISSION_POLICIES[policy](self.estimator, cfg.margin)
+        )
         self.finish_events: list[tuple[int, int, Job, int]] = []
         self.durations: list[float] = []
         self.ends: list[float] = []
@@ -222,8 +231,10 @@ class Simulator:
 
     def _execute(self, step: int, admitted: list[list[Job]]) -> None:
         cfg = self.cfg
-        duration = max(cfg.base_s + cfg.kv_s * w.used + cfg.prefill_s * sum(j.req.prompt + j.gen for j in new)
-                       for w, new in zip(self.workers, admitted))
+        duration = max(
+            cfg.base_s + cfg.kv_s * w.used + cfg.prefill_s * sum(j.req.prompt + j.gen for j in new)
+            for w, new in zip(self.workers, admitted)
+        )
         measuring = self.measuring
         self.durations.append(duration)
         self.ends.append(self.now + duration)
@@ -252,7 +263,7 @@ class Simulator:
     def _end_segment(self, job: Job, last_step: int) -> None:
         """Close a running segment whose last token came out in ``last_step``."""
         if last_step > job.seg_start:
-            job.max_gap = max(job.max_gap, max(self.durations[job.seg_start + 1:last_step + 1]))
+            job.max_gap = max(job.max_gap, max(self.durations[job.seg_start + 1 : last_step + 1]))
         job.last_token = self.ends[last_step]
 
     def _finish(self, job: Job, step: int) -> None:
@@ -290,20 +301,27 @@ class Result:
         ok = [j for j in ended if sim.met_sla(j)]
         waits = np.array([j.queued_steps for j in ended] or [0])
         num_ended = max(len(ended) + sim.num_aborted, 1)
-        return cls(goodput=sum(j.req.prompt + j.req.output for j in ok) / cfg.duration_s,
-                   throughput=sum(j.req.prompt + j.req.output for j in ended) / cfg.duration_s,
-                   tokens_per_step=sim.num_tokens / max(sim.num_steps, 1),
-                   queue_mean=float(waits.mean()), queue_p99=float(np.percentile(waits, 99)),
-                   pauses=sim.num_pauses, pause_share=sim.num_pauses / max(sim.num_started, 1),
-                   dropped_share=sim.num_aborted / num_ended, sla_share=len(ok) / num_ended,
-                   peak_use=sim.peak_use)
+        return cls(
+            goodput=sum(j.req.prompt + j.req.output for j in ok) / cfg.duration_s,
+            throughput=sum(j.req.prompt + j.req.output for j in ended) / cfg.duration_s,
+            tokens_per_step=sim.num_tokens / max(sim.num_steps, 1),
+            queue_mean=float(waits.mean()),
+            queue_p99=float(np.percentile(waits, 99)),
+            pauses=sim.num_pauses,
+            pause_share=sim.num_pauses / max(sim.num_started, 1),
+            dropped_share=sim.num_aborted / num_ended,
+            sla_share=len(ok) / num_ended,
+            peak_use=sim.peak_use,
+        )
 
     def line(self, workload: str, clients: int, policy: str) -> str:
-        return (f"{workload:<11} N={clients:<3} {policy:<20} goodput {self.goodput:5.0f} tok/s  "
-                f"thru {self.throughput:5.0f} tok/s  out/step {self.tokens_per_step:5.1f}  "
-                f"queue steps mean {self.queue_mean:4.0f} p99 {self.queue_p99:4.0f}  "
-                f"pauses {self.pauses:4d} ({self.pause_share:5.1%})  dropped {self.dropped_share:5.1%}  "
-                f"sla-ok {self.sla_share:5.1%}  peak use {self.peak_use:.3f}")
+        return (
+            f"{workload:<11} N={clients:<3} {policy:<20} goodput {self.goodput:5.0f} tok/s  "
+            f"thru {self.throughput:5.0f} tok/s  out/step {self.tokens_per_step:5.1f}  "
+            f"queue steps mean {self.queue_mean:4.0f} p99 {self.queue_p99:4.0f}  "
+            f"pauses {self.pauses:4d} ({self.pause_share:5.1%})  dropped {self.dropped_share:5.1%}  "
+            f"sla-ok {self.sla_share:5.1%}  peak use {self.peak_use:.3f}"
+        )
 
 
 def simulate(workload: str, policy: str, cfg: Config, max_new_tokens: int | None = None) -> Result:
@@ -319,8 +337,11 @@ def main() -> None:
     p.add_argument("--workloads", default=",".join(NAMES))
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--clients", default=None, help="comma-separated closed-loop client counts (32,64; --quick: 48)")
-    p.add_argument("--fresh_after_failure", action="store_true",
-                   help="a client whose request failed sends its next one, not the same again")
+    p.add_argument(
+        "--fresh_after_failure",
+        action="store_true",
+        help="a client whose request failed sends its next one, not the same again",
+    )
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--pool", type=int, default=120_000)
     p.add_argument("--warmup_s", type=float, default=900.0)
@@ -329,8 +350,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     clients = [int(c) for c in (args.clients or ("48" if args.quick else "32,64")).split(",")]
-    cfg = Config(pool=args.pool, workers=args.workers, seed=args.seed, warmup_s=args.warmup_s,
-                 duration_s=args.duration_s, retry_failed=not args.fresh_after_failure)
+    cfg = Config(
+        pool=args.pool,
+        workers=args.workers,
+        seed=args.seed,
+        warmup_s=args.warmup_s,
+        duration_s=args.duration_s,
+        retry_failed=not args.fresh_after_failure,
+    )
     if args.quick:
         cfg = replace(cfg, warmup_s=60.0, duration_s=180.0, warm_history=True)
     for name in args.workloads.split(","):
@@ -343,8 +370,10 @@ def main() -> None:
                 print(results[policy].line(name, n, policy), f" [{time.perf_counter() - started:.1f}s]", flush=True)
             baseline = max((results[p].goodput for p in ("conservative", "aggressive") if p in results), default=0)
             if "past_future" in results and baseline > 0:
-                print(f"{name:<11} N={n:<3} past_future / best of conservative, aggressive: "
-                      f"{results['past_future'].goodput / baseline:.2f}x goodput")
+                print(
+                    f"{name:<11} N={n:<3} past_future / best of conservative, aggressive: "
+                    f"{results['past_future'].goodput / baseline:.2f}x goodput"
+                )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ import uuid
 import httpx
 import uvicorn
 
+from producer.api.submit import new_request
 from producer.app import create_app
 from producer.monitoring.metrics import ProducerMetrics
-from producer.api.submit import new_request
 from shared import codec
 from shared.config import ModelSettings, ProducerSettings, RedisSettings
 from shared.embedded_redis import free_port
@@ -39,8 +39,12 @@ async def fill(redis, keys: Keys, queued: int) -> None:
     pipe = redis.pipeline(transaction=False)
     for n in range(queued):
         request = new_request(list(range(1, 141)), SamplingParams(max_new_tokens=256))
-        pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(
-            status=RequestStatus.QUEUED, prompt_tokens=140, max_new_tokens=256, created_ms=request.created_ms))
+        pipe.hset(
+            keys.meta(request.id),
+            mapping=RequestMeta.fields(
+                status=RequestStatus.QUEUED, prompt_tokens=140, max_new_tokens=256, created_ms=request.created_ms
+            ),
+        )
         pipe.xadd(keys.requests(), {codec.FIELD: codec.encode(request), "tokens_before": n * 396})
     await pipe.execute()
 
@@ -61,8 +65,10 @@ def line(name: str, times: list[float]) -> str:
     ordered = sorted(times)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
     slow = sum(t > 0.1 for t in times)
-    return (f"{name}: n={len(times)} median {1000 * statistics.median(times):.1f} ms, "
-            f"p99 {1000 * p99:.1f} ms, max {1000 * ordered[-1]:.1f} ms, over 100 ms: {slow}")
+    return (
+        f"{name}: n={len(times)} median {1000 * statistics.median(times):.1f} ms, "
+        f"p99 {1000 * p99:.1f} ms, max {1000 * ordered[-1]:.1f} ms, over 100 ms: {slow}"
+    )
 
 
 async def main(queued: int, scrapes: int) -> None:
@@ -82,8 +88,13 @@ async def main(queued: int, scrapes: int) -> None:
             start = time.perf_counter()
             await ProducerMetrics().refresh(redis, keys)
             cold.append(time.perf_counter() - start)
-        print(line(f"cluster-view read, cold ({queued} queued, each entry parsed; each scrape awaited this "
-                   f"before the view left the request path)", cold))
+        print(
+            line(
+                f"cluster-view read, cold ({queued} queued, each entry parsed; each scrape awaited this "
+                f"before the view left the request path)",
+                cold,
+            )
+        )
         warm = []
         for _ in range(5):
             start = time.perf_counter()

@@ -59,9 +59,15 @@ def sharegpt_requests(path: str, n: int, seed: int, tokenizer, output_len: int |
 
 def payload(endpoint: str, prompt: str | list[int], out_len: int, ignore_eos: bool) -> tuple[str, dict]:
     if endpoint == "completions":
-        return "/v1/completions", {"model": "default", "prompt": prompt, "max_tokens": out_len, "stream": True,
-                                   "temperature": 0, "ignore_eos": ignore_eos,
-                                   "stream_options": {"include_usage": True}}
+        return "/v1/completions", {
+            "model": "default",
+            "prompt": prompt,
+            "max_tokens": out_len,
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": ignore_eos,
+            "stream_options": {"include_usage": True},
+        }
     return "/generate_stream", {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": ignore_eos}}
 
 
@@ -111,8 +117,9 @@ async def run(args, requests: list[Request], start_at: float | None = None) -> t
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(None), limits=limits) as client:
         if start_at is None:
-            warm = await send(client, args.endpoint, (requests[0][0], requests[0][1], min(8, requests[0][2])),
-                              args.ignore_eos)
+            warm = await send(
+                client, args.endpoint, (requests[0][0], requests[0][1], min(8, requests[0][2])), args.ignore_eos
+            )
             if not warm.success:
                 raise SystemExit(f"warm-up request failed: {warm.error}")
         else:
@@ -145,7 +152,7 @@ def run_clients(args, requests: list[Request]) -> tuple[list[Outcome], float]:
     share = argparse.Namespace(**{**vars(args), "request_rate": args.request_rate / args.clients})
     start_at = time.time() + 2.0  # every process started and connected by then
     with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("fork")) as pool:
-        parts = list(pool.map(_client, [(share, requests[i::args.clients], start_at) for i in range(args.clients)]))
+        parts = list(pool.map(_client, [(share, requests[i :: args.clients], start_at) for i in range(args.clients)]))
     outcomes = [o for part, _ in parts for o in part]
     return outcomes, max(end for _, end in parts) - start_at
 
@@ -169,11 +176,13 @@ HOPS = [  # (name, from, to): the server's stamps (GET /v1/requests/{id}); "sent
 async def fetch_stamps(base_url: str, outcomes: list[Outcome]) -> list[dict]:
     """Each successful request's stamps (Unix ms), the client's beside the server's."""
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+
         async def one(o: Outcome) -> dict | None:
             response = await client.get(f"/v1/requests/{o.request_id}")
             if response.status_code != 200:
                 return None
             return {**response.json(), "sent": o.sent_unix * 1000, "first": (o.sent_unix + o.ttft) * 1000}
+
         found = await asyncio.gather(*(one(o) for o in outcomes if o.success and o.request_id))
     return [f for f in found if f is not None]
 
@@ -204,8 +213,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     p.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--sharegpt-output-len", type=int, default=None, help="every request's output length")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="default: on for the synthetic workload, off for a dataset")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: on for the synthetic workload, off for a dataset",
+    )
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs: ttft, tpot, e2el (vLLM), mtpot (Past-Future)")
     p.add_argument("--percentiles", default="99", help="comma-separated, e.g. 50,90,99")
     p.add_argument("--hops", action="store_true", help="also break TTFT down by hop (the status hashes, after the run)")
@@ -228,8 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
         requests = sharegpt_requests(args.dataset, args.num_prompts, args.seed, tokenizer, args.sharegpt_output_len)
     else:
         requests = synthetic_requests(args.num_prompts, args.seed, args.vocab_size, args.sharegpt_output_len)
-    print(f"{len(requests)} requests; input {describe([r[1] for r in requests])}; "
-          f"output {describe([r[2] for r in requests])}; rate {args.request_rate}/s, concurrency {args.concurrency}")
+    print(
+        f"{len(requests)} requests; input {describe([r[1] for r in requests])}; "
+        f"output {describe([r[2] for r in requests])}; rate {args.request_rate}/s, concurrency {args.concurrency}"
+    )
     outcomes, duration = run_clients(args, requests)
     result = calculate(outcomes, duration, slos, [float(p) for p in args.percentiles.split(",")])
     print(report(result, slos))

@@ -62,15 +62,18 @@ def _stats(values: list[float], percentiles: list[float]) -> dict[str, float]:
     return out
 
 
-def calculate(outcomes: list[Outcome], duration: float, slos: dict[str, float],
-              percentiles: list[float]) -> dict:
+def calculate(outcomes: list[Outcome], duration: float, slos: dict[str, float], percentiles: list[float]) -> dict:
     done = [o for o in outcomes if o.success]
     out_tokens = sum(o.output_tokens for o in done)
     in_tokens = sum(o.prompt_len for o in done)
     result = {
-        "completed": len(done), "failed": len(outcomes) - len(done), "duration_s": duration,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "concurrency": sum(o.latency for o in done) / duration,
         "ttft_ms": _stats([o.ttft for o in done], percentiles),
@@ -103,12 +106,18 @@ def report(result: dict, slos: dict[str, float]) -> str:
     row("Output token throughput (tok/s):", f"{result['output_throughput']:.2f}")
     row("Total token throughput (tok/s):", f"{result['total_token_throughput']:.2f}")
     row("Concurrency (sum E2E / duration):", f"{result['concurrency']:.2f}")
-    titles = {"ttft_ms": ("Time to First Token", "TTFT"), "tpot_ms": ("Time per Output Token (excl. 1st token)", "TPOT"),
-              "itl_ms": ("Inter-token Latency", "ITL"), "e2el_ms": ("End-to-end Latency", "E2EL")}
+    titles = {
+        "ttft_ms": ("Time to First Token", "TTFT"),
+        "tpot_ms": ("Time per Output Token (excl. 1st token)", "TPOT"),
+        "itl_ms": ("Inter-token Latency", "ITL"),
+        "e2el_ms": ("End-to-end Latency", "E2EL"),
+    }
     for key, (title, short) in titles.items():
         lines.append("{s:{c}^60}".format(s=f" {title} ", c="-"))
         for stat, value in result[key].items():
             if stat != "std":
-                row(f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {short} (ms):", f"{value:.2f}")
+                row(
+                    f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {short} (ms):", f"{value:.2f}"
+                )
     lines.append("=" * 60)
     return "\n".join(lines)

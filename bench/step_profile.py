@@ -72,8 +72,12 @@ def fill(engine, batch: int, context: int, vocab: int, rng, steps: int) -> list[
     """B requests prefilled and decoding; ``steps`` new tokens each, so all of them fit the pool at once."""
     reqs = []
     for i in range(batch):
-        msg = GenerateRequest(id=f"b{batch}-{i}", prompt_ids=rng.integers(3, vocab, size=context).tolist(),
-                              created_ms=0, params=SamplingParams(max_new_tokens=steps, ignore_eos=True))
+        msg = GenerateRequest(
+            id=f"b{batch}-{i}",
+            prompt_ids=rng.integers(3, vocab, size=context).tolist(),
+            created_ms=0,
+            params=SamplingParams(max_new_tokens=steps, ignore_eos=True),
+        )
         reqs.append(Req(msg=msg, inbox_id=f"{i}-0"))
         engine.add(reqs[-1])
     while engine.waiting or not all(r.is_prefilled for r in engine.running):
@@ -91,8 +95,12 @@ def measure(engine, steps: int, arrival: list[int] | None = None) -> dict[str, f
     try:
         for i in range(steps):
             if arrival is not None:
-                msg = GenerateRequest(id=f"arrival-{len(arrival)}-{i}", prompt_ids=arrival, created_ms=0,
-                                      params=SamplingParams(max_new_tokens=steps + 10, ignore_eos=True))
+                msg = GenerateRequest(
+                    id=f"arrival-{len(arrival)}-{i}",
+                    prompt_ids=arrival,
+                    created_ms=0,
+                    params=SamplingParams(max_new_tokens=steps + 10, ignore_eos=True),
+                )
                 joined.append(Req(msg=msg, inbox_id=f"{i}-1"))
                 engine.add(joined[-1])
             sync()
@@ -134,8 +142,9 @@ def trace_arrival(engine, prompt: list[int]) -> None:
     the host's time goes in the eager prefill forward (a small prefill waits on the host)."""
     joined = []
     for i in range(4):  # the last one is profiled
-        msg = GenerateRequest(id=f"traced-{i}", prompt_ids=prompt, created_ms=0,
-                              params=SamplingParams(max_new_tokens=8, ignore_eos=True))
+        msg = GenerateRequest(
+            id=f"traced-{i}", prompt_ids=prompt, created_ms=0, params=SamplingParams(max_new_tokens=8, ignore_eos=True)
+        )
         joined.append(Req(msg=msg, inbox_id=f"{i}-2"))
         engine.add(joined[-1])
         if i < 3:
@@ -158,18 +167,29 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--trace", default="", help="batch sizes to show a kernel table for, e.g. 64,1024 "
-                        "(with --arrival, also the host ops of a step with an arrival)")
-    parser.add_argument("--arrival", type=int, default=0,
-                        help="also time steps that each take in a new request of this many prompt tokens")
+    parser.add_argument(
+        "--trace",
+        default="",
+        help="batch sizes to show a kernel table for, e.g. 64,1024 "
+        "(with --arrival, also the host ops of a step with an arrival)",
+    )
+    parser.add_argument(
+        "--arrival",
+        type=int,
+        default=0,
+        help="also time steps that each take in a new request of this many prompt tokens",
+    )
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     traced = {int(b) for b in args.trace.split(",") if b}
     room = args.steps + 8 if args.arrival else 0  # arrivals join the running batch, one a step
     settings = WorkerSettings(
         model=ModelSettings(model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048),
-        device=args.device, batch_max_tokens=8192, running_max_req_size=max(batches) + room,
-        graph_max_batch_size=max(batches) + room)
+        device=args.device,
+        batch_max_tokens=8192,
+        running_max_req_size=max(batches) + room,
+        graph_max_batch_size=max(batches) + room,
+    )
     engine = build_engine(settings)
     vocab, rng = SHAPES[args.model_shape]["vocab_size"], np.random.default_rng(0)
     rows = []
@@ -186,11 +206,14 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         for req in reqs:
             engine.cancel(req)
     print(f"\n{args.model_shape}, context {args.context}, median of {args.steps} engine steps (ms)")
-    print(f"{'batch':>5} {'arrival':>11} {'step':>8} {'decode':>8} {'prefill':>8} {'sample':>8} {'host':>8} "
-          f"{'tok/s':>9}")
+    print(
+        f"{'batch':>5} {'arrival':>11} {'step':>8} {'decode':>8} {'prefill':>8} {'sample':>8} {'host':>8} {'tok/s':>9}"
+    )
     for b, arrival, m in rows:
-        print(f"{b:>5} {arrival:>11} {m['wall']:>8.2f} {m['forward']:>8.2f} {m['prefill']:>8.2f} {m['sample']:>8.2f} "
-              f"{m['host']:>8.2f} {b / m['wall'] * 1e3:>9,.0f}")
+        print(
+            f"{b:>5} {arrival:>11} {m['wall']:>8.2f} {m['forward']:>8.2f} {m['prefill']:>8.2f} {m['sample']:>8.2f} "
+            f"{m['host']:>8.2f} {b / m['wall'] * 1e3:>9,.0f}"
+        )
     return {b: m for b, arrival, m in rows if not arrival}
 
 

@@ -45,9 +45,21 @@ READY_TIMEOUT_S = 600
 
 
 def engine_alone(args) -> float:
-    command = [sys.executable, "-m", "bench.offline", "--model-shape", args.model_shape, "--device", args.device,
-               "--num-requests", str(args.num_requests), "--running-max", str(args.running_max),
-               "--graph-max-bs", str(args.running_max)]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.offline",
+        "--model-shape",
+        args.model_shape,
+        "--device",
+        args.device,
+        "--num-requests",
+        str(args.num_requests),
+        "--running-max",
+        str(args.running_max),
+        "--graph-max-bs",
+        str(args.running_max),
+    ]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith(f"lightq {args.model_shape}:"))
     print(line, flush=True)
@@ -56,12 +68,35 @@ def engine_alone(args) -> float:
 
 def start_serve(args, log_path: Path, redis_url: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [sys.executable, "-m", "lightq.cli", "serve", "--port", str(port), "--workers", "1",
-               "--redis_url", redis_url, "--redis_key_prefix", "lightq-whole",
-               "--model_dir", f"dummy:{config_dir(args.model_shape, tokenizer=True)}", "--max_req_total_len", "2048",
-               "--device", args.device, "--running_max_req_size", str(args.running_max),
-               "--graph_max_batch_size", str(args.running_max), "--batch_max_tokens", "8192",
-               "--max_queue_tokens", "0", *args.serve_args.split()]
+    command = [
+        sys.executable,
+        "-m",
+        "lightq.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--redis_url",
+        redis_url,
+        "--redis_key_prefix",
+        "lightq-whole",
+        "--model_dir",
+        f"dummy:{config_dir(args.model_shape, tokenizer=True)}",
+        "--max_req_total_len",
+        "2048",
+        "--device",
+        args.device,
+        "--running_max_req_size",
+        str(args.running_max),
+        "--graph_max_batch_size",
+        str(args.running_max),
+        "--batch_max_tokens",
+        "8192",
+        "--max_queue_tokens",
+        "0",
+        *args.serve_args.split(),
+    ]
     process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -78,6 +113,7 @@ async def generate_all(http: str, requests: list) -> float:
     """Every request at once through /generate; output tokens per second of wall time."""
     limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
     async with httpx.AsyncClient(timeout=1800, limits=limits) as client:
+
         async def one(prompt, out_len: int) -> int:
             body = {"inputs": prompt, "parameters": {"max_new_tokens": out_len, "ignore_eos": True}}
             reply = await client.post(f"{http}/generate", json=body)
@@ -125,25 +161,45 @@ def main() -> None:
         generate = asyncio.run(generate_all(http, requests))
         print(f"/generate: {generate:,.0f} output tok/s", flush=True)
         before = set(redis.Redis.from_url(redis_server.url, decode_responses=True).scan_iter("lightq-whole:*:chunks"))
-        stream = serve_bench.main(["--base-url", http, "--num-prompts", str(args.num_requests),
-                                   "--vocab-size", str(vocab), "--percentiles", "50,90,99",
-                                   "--clients", str(args.clients)])
+        stream = serve_bench.main(
+            [
+                "--base-url",
+                http,
+                "--num-prompts",
+                str(args.num_requests),
+                "--vocab-size",
+                str(vocab),
+                "--percentiles",
+                "50,90,99",
+                "--clients",
+                str(args.clients),
+            ]
+        )
         gaps = chunk_gaps_ms(redis_server.url, skip=before)  # the stream run's requests alone
     finally:
         process.terminate()
         process.wait(120)
         redis_server.stop()
-    print("".join(line for line in log_path.read_text().splitlines(keepends=True) if " wrote " in line and "steps in" in line))
+    print(
+        "".join(
+            line for line in log_path.read_text().splitlines(keepends=True) if " wrote " in line and "steps in" in line
+        )
+    )
     rate = stream["output_throughput"]
     print(f"\n{'path':<34}{'output tok/s':>14}{'of engine':>11}")
-    for name, value in [("engine alone (bench.offline)", engine), ("lightq serve, /generate", generate),
-                        ("lightq serve, /generate_stream", rate)]:
+    for name, value in [
+        ("engine alone (bench.offline)", engine),
+        ("lightq serve, /generate", generate),
+        ("lightq serve, /generate_stream", rate),
+    ]:
         print(f"{name:<34}{value:>14,.0f}{value / engine:>10.2f}x")
-    print(f"whole_path {args.model_shape}: engine {engine:,.0f}, /generate {generate:,.0f} "
-          f"({generate / engine:.2f}x), /generate_stream {rate:,.0f} ({rate / engine:.2f}x) output tok/s; "
-          f"stream median ITL {stream['itl_ms']['median']:.2f} ms, median TPOT {stream['tpot_ms']['median']:.2f} ms; "
-          f"chunk gap in Redis median {statistics.median(gaps or [0]):.0f} ms, "
-          f"share of 0 ms {sum(g == 0 for g in gaps) / max(1, len(gaps)):.2f}")
+    print(
+        f"whole_path {args.model_shape}: engine {engine:,.0f}, /generate {generate:,.0f} "
+        f"({generate / engine:.2f}x), /generate_stream {rate:,.0f} ({rate / engine:.2f}x) output tok/s; "
+        f"stream median ITL {stream['itl_ms']['median']:.2f} ms, median TPOT {stream['tpot_ms']['median']:.2f} ms; "
+        f"chunk gap in Redis median {statistics.median(gaps or [0]):.0f} ms, "
+        f"share of 0 ms {sum(g == 0 for g in gaps) / max(1, len(gaps)):.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -87,5 +87,7 @@ def cap(name: str, max_new_tokens: int | None = None) -> int:
 
 
 def summary(reqs: list[Request]) -> str:
-    return (f"input {describe([r.prompt for r in reqs])}; output {describe([r.output for r in reqs])}; "
-            f"max_new_tokens {min(r.max_new_tokens for r in reqs)}-{max(r.max_new_tokens for r in reqs)}")
+    return (
+        f"input {describe([r.prompt for r in reqs])}; output {describe([r.output for r in reqs])}; "
+        f"max_new_tokens {min(r.max_new_tokens for r in reqs)}-{max(r.max_new_tokens for r in reqs)}"
+    )

@@ -32,12 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     submit = sub.add_parser("submit", help="submit a JSONL batch file")
     submit.add_argument("file", help="JSONL file, one request a line (OpenAI batch format)")
     submit.add_argument("--wait", action="store_true", help="follow it with a progress bar, then print its output")
-    for name, what in (("status", "print a batch's progress"), ("output", "print a batch's output JSONL"),
-                       ("cancel", "cancel a batch")):
+    for name, what in (
+        ("status", "print a batch's progress"),
+        ("output", "print a batch's output JSONL"),
+        ("cancel", "cancel a batch"),
+    ):
         sub.add_parser(name, help=what).add_argument("batch_id")
     for name, command in sub.choices.items():
-        command.add_argument("--url", default=os.environ.get("LIGHTQ_URL", "http://127.0.0.1:8000"),
-                             help="the producer (default $LIGHTQ_URL or http://127.0.0.1:8000)")
+        command.add_argument(
+            "--url",
+            default=os.environ.get("LIGHTQ_URL", "http://127.0.0.1:8000"),
+            help="the producer (default $LIGHTQ_URL or http://127.0.0.1:8000)",
+        )
         if name in ("submit", "output"):
             command.add_argument("--output", help="write the output JSONL here instead of stdout")
         command.add_argument("--poll_s", type=float, default=1.0, help=argparse.SUPPRESS)
@@ -73,15 +79,18 @@ def _checked(response: httpx.Response, ok: int = 200) -> httpx.Response:
 def submit(client: httpx.Client, flags: dict[str, Any]) -> int:
     with open(flags["file"], "rb") as f:
         content = f.read()
-    view = _checked(client.post("/v1/batches", content=content, headers={"Content-Type": "application/jsonl"}),
-                    202).json()
+    view = _checked(
+        client.post("/v1/batches", content=content, headers={"Content-Type": "application/jsonl"}), 202
+    ).json()
     print(view["id"], flush=True)
     if not flags.get("wait"):
         return 0
     view = wait(client, view, flags["poll_s"])
     counts = view["request_counts"]
-    print(f"batch {view['id']} {view['status']}: {counts['completed']} completed, {counts['failed']} failed",
-          file=sys.stderr)
+    print(
+        f"batch {view['id']} {view['status']}: {counts['completed']} completed, {counts['failed']} failed",
+        file=sys.stderr,
+    )
     if view["status"] == "failed":
         print(f"lightq batch: {view.get('error')}", file=sys.stderr)
         return 1
@@ -97,8 +106,13 @@ def wait(client: httpx.Client, view: dict, poll_s: float) -> dict:
             counts = view["request_counts"]
             bar.update(counts["completed"] + counts["failed"] - bar.n)
             live = view["status_counts"]
-            bar.set_postfix(status=view["status"], running=live.get("running", 0), queued=live.get("queued", 0),
-                            failed=counts["failed"], refresh=False)
+            bar.set_postfix(
+                status=view["status"],
+                running=live.get("running", 0),
+                queued=live.get("queued", 0),
+                failed=counts["failed"],
+                refresh=False,
+            )
             if view["status"] in DONE:
                 return view
             time.sleep(poll_s)

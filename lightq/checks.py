@@ -50,8 +50,14 @@ def settings_error(cls: type[BaseSettings], exc: ValidationError) -> str:
     """The first error as one line naming the flag and its environment variable."""
     error = exc.errors()[0]
     field = str(error["loc"][0]) if error["loc"] else ""
-    flag = next((flag for flag, (parent, name, _) in flat_fields(cls).items()
-                 if name == field and _owner(cls, parent).__name__ == exc.title), field)
+    flag = next(
+        (
+            flag
+            for flag, (parent, name, _) in flat_fields(cls).items()
+            if name == field and _owner(cls, parent).__name__ == exc.title
+        ),
+        field,
+    )
     return f"--{flag} (env LIGHTQ_{flag.upper()}): {error['msg'].lower()}, not {error.get('input')!r}"
 
 
@@ -80,8 +86,10 @@ def check_device(device: str, dtype: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit(f"lightq: --device {device}: CUDA is not available on this machine "
-                         f"(torch {torch.__version__}); use --device cpu or auto")
+        raise SystemExit(
+            f"lightq: --device {device}: CUDA is not available on this machine "
+            f"(torch {torch.__version__}); use --device cpu or auto"
+        )
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
         raise SystemExit(f"lightq: --device {device}: only {torch.cuda.device_count()} GPU(s) visible")

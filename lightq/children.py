@@ -47,8 +47,13 @@ class Child:
 
 
 def spawn(role: str, env: dict[str, str]) -> Child:
-    process = subprocess.Popen([sys.executable, "-m", "lightq.cli", role], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lightq.cli", role],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     child = Child(role, env, process)
     child.output = threading.Thread(target=_pump, args=(child,), name=f"{role}-output", daemon=True)
     child.output.start()
@@ -99,8 +104,9 @@ def stop_all(children: list[Child], grace_s: float) -> None:
         try:
             child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("%s (pid %d) still running %.0f s after SIGTERM: killing it",
-                        child.role, child.process.pid, grace_s)
+            log.warning(
+                "%s (pid %d) still running %.0f s after SIGTERM: killing it", child.role, child.process.pid, grace_s
+            )
             _kill_group(child.process)
             child.process.wait()
         child.flush_output()

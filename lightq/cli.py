@@ -7,13 +7,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shared.config import (
+    ProducerSettings,
+    RedisSettings,
+    RouterSettings,
+    RqWorkerSettings,
+    ServeSettings,
+    WorkerSettings,
+)
 from shared.flags import add_flags, add_version, build, given
-from shared.config import (ProducerSettings, RedisSettings, RouterSettings, RqWorkerSettings, ServeSettings,
-                           WorkerSettings)
 from shared.service import setup_logging
 
-SERVICES = {"producer": ProducerSettings, "router": RouterSettings, "worker": WorkerSettings,
-            "rq-worker": RqWorkerSettings}
+SERVICES = {
+    "producer": ProducerSettings,
+    "router": RouterSettings,
+    "worker": WorkerSettings,
+    "rq-worker": RqWorkerSettings,
+}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -84,8 +84,12 @@ BOUNDS = (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤"))
 
 def _bounds(info: Any) -> str:
     """A field's range as pydantic checks it (``Field(gt=0, le=1)`` -> ``> 0, ≤ 1``)."""
-    return ", ".join(f"{sign} {getattr(rule, name)}" for rule in info.metadata for name, sign in BOUNDS
-                     if getattr(rule, name, None) is not None)
+    return ", ".join(
+        f"{sign} {getattr(rule, name)}"
+        for rule in info.metadata
+        for name, sign in BOUNDS
+        if getattr(rule, name, None) is not None
+    )
 
 
 def _default(cls: type[BaseSettings], field: str, info: Any) -> str:
@@ -117,8 +121,9 @@ def _table(cls: type[BaseSettings], rows: list[tuple[str, Any]]) -> list[str]:
         name = f"`--{flag}` / `--no-{flag}`" if info.annotation is bool else f"`--{flag}`"
         default = _default(cls, _field_name(cls, flag), info)
         kind = _type(info.annotation) + (f", {_bounds(info)}" if _bounds(info) else "")
-        lines.append(f"| {name} | `{PREFIX}{flag.upper()}` | {kind} | {_cell(default)} "
-                     f"| {_cell(info.description or '')} |")
+        lines.append(
+            f"| {name} | `{PREFIX}{flag.upper()}` | {kind} | {_cell(default)} | {_cell(info.description or '')} |"
+        )
     return lines
 
 
@@ -134,11 +139,26 @@ def _serve_extras(serve: argparse.ArgumentParser, settings_flags: set[str]) -> l
                 aliases.append(row)
             elif action.dest not in settings_flags and action.dest != "version":
                 own.append(row)
-    lines = ["## Flags of `lightq serve` that are not settings", "",
-             "They have no environment variable.", "", "| Flag | Description |", "|---|---|", *own, ""]
-    lines += ["## LightLLM's flag names", "",
-              "Accepted by the commands that have the setting they stand for, so LightLLM command lines "
-              "keep working.", "", "| Flag | Description |", "|---|---|", *aliases, ""]
+    lines = [
+        "## Flags of `lightq serve` that are not settings",
+        "",
+        "They have no environment variable.",
+        "",
+        "| Flag | Description |",
+        "|---|---|",
+        *own,
+        "",
+    ]
+    lines += [
+        "## LightLLM's flag names",
+        "",
+        "Accepted by the commands that have the setting they stand for, so LightLLM command lines keep working.",
+        "",
+        "| Flag | Description |",
+        "|---|---|",
+        *aliases,
+        "",
+    ]
     return lines
 
 
@@ -168,9 +188,15 @@ def render() -> str:
         flags = {f"--{flag}" for flag, _ in rows}
         users = [name for name, command in commands.items() if flags <= _options(command)]
         doc = (cls.__doc__ or "").strip().splitlines()
-        lines += [f"## {_title(cls).capitalize()}", "", f"`{cls.__name__}`; taken by "
-                  + ", ".join(f"`lightq {name}`" for name in users) + "."
-                  + (f" {doc[0].replace('``', '`')}" if doc else ""), ""]
+        lines += [
+            f"## {_title(cls).capitalize()}",
+            "",
+            f"`{cls.__name__}`; taken by "
+            + ", ".join(f"`lightq {name}`" for name in users)
+            + "."
+            + (f" {doc[0].replace('``', '`')}" if doc else ""),
+            "",
+        ]
         lines += [*_table(cls, rows), ""]
     lines += _serve_extras(commands["serve"], settings_flags)
     return "\n".join(lines)

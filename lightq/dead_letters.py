@@ -34,8 +34,12 @@ def read_dead_letter(fields: dict[str, str]) -> DeadLetter:
         request: GenerateRequest | None = from_entry(GenerateRequest, rest)
     except ValueError:
         request = None
-    return DeadLetter(reason=fields.get("reason", ""), failed_ms=int(fields.get("failed_ms", 0)), request=request,
-                      raw=None if request is not None else rest)
+    return DeadLetter(
+        reason=fields.get("reason", ""),
+        failed_ms=int(fields.get("failed_ms", 0)),
+        request=request,
+        raw=None if request is not None else rest,
+    )
 
 
 def list_dead(client: redis.Redis, keys: Keys) -> list[tuple[str, DeadLetter]]:
@@ -76,6 +80,11 @@ def main(settings: RedisSettings, action: str, entry_ids: list[str]) -> None:
     table = Table("entry", "request", "attempts", "prompt tokens", "reason")
     for entry_id, letter in list_dead(client, keys):
         request = letter.request
-        table.add_row(entry_id, request.id if request else "-", str(request.attempt + 1) if request else "-",
-                      str(len(request.prompt_ids)) if request else "-", letter.reason)
+        table.add_row(
+            entry_id,
+            request.id if request else "-",
+            str(request.attempt + 1) if request else "-",
+            str(len(request.prompt_ids)) if request else "-",
+            letter.reason,
+        )
     console.print(table)

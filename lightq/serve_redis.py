@@ -123,10 +123,16 @@ def embedded(port: int | None, data_dir: str, temporary: bool) -> ServeRedis:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        raise SystemExit(f"lightq: another lightq serve (or its redis-server) uses {data_dir}: "
-                         f"give this one --data_dir of its own") from None
-    server = start_embedded_redis(port or saved_port(data_dir), appendonly=True, workdir=data_dir,
-                                  appendfsync="everysec", pass_fds=(lock.fileno(),))
+        raise SystemExit(
+            f"lightq: another lightq serve (or its redis-server) uses {data_dir}: give this one --data_dir of its own"
+        ) from None
+    server = start_embedded_redis(
+        port or saved_port(data_dir),
+        appendonly=True,
+        workdir=data_dir,
+        appendfsync="everysec",
+        pass_fds=(lock.fileno(),),
+    )
     with open(os.path.join(data_dir, PORT_FILE), "w") as out:
         out.write(str(server.port))
     log.info("embedded Redis at %s (append-only, data in %s)", server.url, data_dir)
@@ -161,5 +167,11 @@ def log_pool(url: str, prefix: str) -> None:
         log.info("using Redis at %s (key prefix %s): no live workers there yet", url, prefix)
         return
     served = sorted({str(getattr(load, "model", None) or "?") for load in live.values()})
-    log.warning("joining the pool at %s (key prefix %s): %d live worker(s) already serve it (%s; models: %s)",
-                url, prefix, len(live), ", ".join(sorted(live)), ", ".join(served))
+    log.warning(
+        "joining the pool at %s (key prefix %s): %d live worker(s) already serve it (%s; models: %s)",
+        url,
+        prefix,
+        len(live),
+        ", ".join(sorted(live)),
+        ", ".join(served),
+    )

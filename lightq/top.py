@@ -67,14 +67,25 @@ def summary(snap: ClusterSnapshot, depths: list[float]) -> Text:
 
 def workers_table(snap: ClusterSnapshot) -> Table:
     table = Table(title=f"{len(snap.loads)} live worker(s)", title_justify="left", expand=False)
-    for name, justify in (("worker", "left"), ("KV usage", "left"), ("used / pool", "right"),
-                          ("running", "right"), ("waiting", "right"), ("inbox", "right")):
+    for name, justify in (
+        ("worker", "left"),
+        ("KV usage", "left"),
+        ("used / pool", "right"),
+        ("running", "right"),
+        ("waiting", "right"),
+        ("inbox", "right"),
+    ):
         table.add_column(name, justify=justify)
     for w in snap.worker_summary():
         label = w["worker"] + (" (draining)" if w["draining"] else "")
-        table.add_row(label, bar(w["kv_usage"]) + Text(f" {100 * w['kv_usage']:5.1f}%"),
-                      f"{w['used_tokens']} / {w['max_total_tokens']}", str(w["running"]), str(w["waiting"]),
-                      str(w["inbox"]))
+        table.add_row(
+            label,
+            bar(w["kv_usage"]) + Text(f" {100 * w['kv_usage']:5.1f}%"),
+            f"{w['used_tokens']} / {w['max_total_tokens']}",
+            str(w["running"]),
+            str(w["waiting"]),
+            str(w["inbox"]),
+        )
     return table
 
 

@@ -18,16 +18,16 @@ from typing import Any
 from fastapi import Depends, FastAPI
 
 from producer.api import routes_native, routes_openai, routes_requests
+from producer.api.errors import install_handlers
 from producer.batches import routes as routes_batches
+from producer.deps import Services
 from producer.edge import front_door
-from producer.monitoring import dashboard
 from producer.edge.auth import authenticate, key_hashes
-from producer.monitoring.client_latency import ClientLatency
-from producer.monitoring.cluster_view import ClusterView
 from producer.edge.backlog import Gate
 from producer.edge.body_limit import BodyLimit
-from producer.deps import Services
-from producer.api.errors import install_handlers
+from producer.monitoring import dashboard
+from producer.monitoring.client_latency import ClientLatency
+from producer.monitoring.cluster_view import ClusterView
 from producer.monitoring.metrics import ProducerMetrics
 from producer.redis_client import producer_client
 from producer.streams.stream_hub import StreamHub
@@ -55,14 +55,21 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
         keys = settings.redis.keys
         metrics: ProducerMetrics = app.state.metrics
         hub = StreamHub(redis, keys, settings.stream_block_ms, ClientLatency(metrics))
-        app.state.services = Services(settings=settings, keys=keys, hub=hub,
-                                      redis=redis, tokenizer=tok, metrics=metrics,
-                                      model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
-                                      gate=Gate(redis, keys, settings.max_queue_tokens, settings.reject_without_workers),
-                                      api_key_hashes=key_hashes(settings.api_keys))
+        app.state.services = Services(
+            settings=settings,
+            keys=keys,
+            hub=hub,
+            redis=redis,
+            tokenizer=tok,
+            metrics=metrics,
+            model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
+            gate=Gate(redis, keys, settings.max_queue_tokens, settings.reject_without_workers),
+            api_key_hashes=key_hashes(settings.api_keys),
+        )
         # The cluster view is read on a thread of its own; /metrics serves the last read.
-        app.state.cluster_view = view = ClusterView(metrics, lambda: producer_client(settings), keys,
-                                                    settings.metrics_refresh_s)
+        app.state.cluster_view = view = ClusterView(
+            metrics, lambda: producer_client(settings), keys, settings.metrics_refresh_s
+        )
         view.start()
         try:
             yield
@@ -73,8 +80,9 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
 
     # authenticate runs before every route (those added later too); it lets OPEN_PATHS through.
     app = FastAPI(title="lightq producer", lifespan=lifespan, dependencies=[Depends(authenticate)])
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
-                       larger={"/v1/batches": settings.max_batch_body_bytes})
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_body_bytes, larger={"/v1/batches": settings.max_batch_body_bytes}
+    )
     front_door.install(app, settings)  # API keys on every path, JSON-only POST bodies, CORS
     # Before the lifespan: error handlers count rejections.
     app.state.metrics = ProducerMetrics(os.environ.get(MULTIPROC_ENV) or None)

@@ -11,8 +11,8 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
 from producer.api.api_types import GenerateBody
-from producer.edge.backlog import Gate
 from producer.api.errors import bad_request, from_validation, not_found
+from producer.edge.backlog import Gate
 from producer.monitoring.metrics import ProducerMetrics
 from producer.streams.stream_hub import StreamHub
 from shared.config import ProducerSettings

@@ -29,9 +29,9 @@ from contextlib import contextmanager
 import uvicorn
 from pydantic import SecretStr
 
-from shared.flags import add_flags, as_env, build, flat_fields, given
 from producer.app import MULTIPROC_ENV, PARENT_ENV, create_app
 from shared.config import ProducerSettings, default_producers
+from shared.flags import add_flags, as_env, build, flat_fields, given
 from shared.service import setup_logging
 
 GRACEFUL_SHUTDOWN_S = 5
@@ -44,8 +44,13 @@ def run(settings: ProducerSettings) -> None:
     count = settings.producers or default_producers()
     if count == 1:
         # Open streams would hold a shutdown forever; after the grace they are cut (and cancelled).
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        uvicorn.run(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level="info",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
         return
     with multiprocess_dir() as folder:
         # The children are spawned (fresh interpreters): they inherit this environment, and
@@ -53,8 +58,15 @@ def run(settings: ProducerSettings) -> None:
         os.environ.update(settings_env(settings))
         os.environ[MULTIPROC_ENV] = folder
         os.environ[PARENT_ENV] = str(os.getpid())  # the children stop when this process dies
-        uvicorn.run(APP_FACTORY, factory=True, workers=count, host=settings.host,
-                    port=settings.port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        uvicorn.run(
+            APP_FACTORY,
+            factory=True,
+            workers=count,
+            host=settings.host,
+            port=settings.port,
+            log_level="info",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
 
 
 @contextmanager

@@ -81,8 +81,16 @@ class Enqueued:
     total_tokens: int  # cost ever enqueued before this request
 
 
-async def enqueue(redis: aioredis.Redis, keys: Keys, request: GenerateRequest, ttl_s: int, *,
-                  cost: int = 0, max_queue_tokens: int = 0, key_hash: str | None = None) -> Enqueued:
+async def enqueue(
+    redis: aioredis.Redis,
+    keys: Keys,
+    request: GenerateRequest,
+    ttl_s: int,
+    *,
+    cost: int = 0,
+    max_queue_tokens: int = 0,
+    key_hash: str | None = None,
+) -> Enqueued:
     """Create the status hash (queued, no TTL until the request ends) and the ingress entry,
     unless the backlog is full. ``ttl_s`` is unused: kept so callers need not change."""
     meta = RequestMeta.fields(
@@ -95,8 +103,9 @@ async def enqueue(redis: aioredis.Redis, keys: Keys, request: GenerateRequest, t
     args = [ROUTER_GROUP, max_queue_tokens, cost, codec.FIELD, codec.encode(request)]
     args += [item for pair in meta.items() for item in pair]
     script = redis.register_script(ENQUEUE_LUA)  # cheap: EVALSHA, loaded again after a Redis restart
-    accepted, queued, total = await script(keys=[keys.requests(), keys.enqueued_tokens(), keys.meta(request.id)],
-                                           args=args)
+    accepted, queued, total = await script(
+        keys=[keys.requests(), keys.enqueued_tokens(), keys.meta(request.id)], args=args
+    )
     return Enqueued(bool(accepted), int(queued), int(total))
 
 
@@ -131,14 +140,16 @@ def parse_entries(entries: list) -> list[StreamEntry]:
     return [(entry_id, codec.from_entry(TokenChunk, fields)) for entry_id, fields in entries]
 
 
-async def read_range(redis: aioredis.Redis, keys: Keys, request_id: str,
-                     first: str = "-", last: str = "+") -> list[StreamEntry]:
+async def read_range(
+    redis: aioredis.Redis, keys: Keys, request_id: str, first: str = "-", last: str = "+"
+) -> list[StreamEntry]:
     """Chunks already in the stream between two entry ids (inclusive)."""
     return parse_entries(await redis.xrange(keys.chunks(request_id), min=first, max=last))
 
 
-async def read_after(redis: aioredis.Redis, keys: Keys, request_id: str,
-                     after: str, block_ms: int | None) -> list[StreamEntry]:
+async def read_after(
+    redis: aioredis.Redis, keys: Keys, request_id: str, after: str, block_ms: int | None
+) -> list[StreamEntry]:
     """Chunks after ``after``, waiting up to ``block_ms`` (None: not at all) when there are none yet."""
     reply = await redis.xread({keys.chunks(request_id): after}, block=block_ms)
     if not reply:
@@ -146,10 +157,14 @@ async def read_after(redis: aioredis.Redis, keys: Keys, request_id: str,
     return [item for _stream, entries in reply for item in parse_entries(entries)]
 
 
-async def read_many_after(redis: aioredis.Redis, keys: Keys, after: dict[str, str],
-                          block_ms: int | None) -> list[tuple[str, str, TokenChunk]]:
+async def read_many_after(
+    redis: aioredis.Redis, keys: Keys, after: dict[str, str], block_ms: int | None
+) -> list[tuple[str, str, TokenChunk]]:
     """(request id, entry id, chunk) after each request's ``after[id]``, in one XREAD over their streams."""
     by_key = {keys.chunks(request_id): request_id for request_id in after}
     reply = await redis.xread({keys.chunks(request_id): last for request_id, last in after.items()}, block=block_ms)
-    return [(by_key[stream], entry_id, chunk) for stream, entries in reply or []
-            for entry_id, chunk in parse_entries(entries)]
+    return [
+        (by_key[stream], entry_id, chunk)
+        for stream, entries in reply or []
+        for entry_id, chunk in parse_entries(entries)
+    ]

@@ -32,8 +32,9 @@ from shared.schemas import WorkerLoad
 CHOICES = 2
 
 
-def least_loaded_fit(uses: Mapping[str, float], ratio: Callable[[str], float | None],
-                     choices: int = CHOICES) -> str | None:
+def least_loaded_fit(
+    uses: Mapping[str, float], ratio: Callable[[str], float | None], choices: int = CHOICES
+) -> str | None:
     """``uses``: worker -> use ratio now; ``ratio(worker)``: the ratio with the request, None if it
     does not fit. Ties go to the less loaded, then to the lesser id."""
     fitting: list[tuple[float, int, str]] = []
@@ -82,13 +83,22 @@ class Views:
         """Every view goes (their draws came from an older history)."""
         self._views.clear()
 
-    def refresh(self, loads: Mapping[str, WorkerLoad], pending: Mapping[str, Sequence[ReqState]],
-                rebuild: set[str] | frozenset[str] = frozenset()) -> None:
+    def refresh(
+        self,
+        loads: Mapping[str, WorkerLoad],
+        pending: Mapping[str, Sequence[ReqState]],
+        rebuild: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
         views = {}
         for worker_id, load in loads.items():
             view, reserved = self._views.get(worker_id), pending.get(worker_id, ())
-            same = (view is not None and worker_id not in rebuild and view.load.seq == load.seq
-                    and view.load.ts_ms == load.ts_ms and view.added == len(reserved))
+            same = (
+                view is not None
+                and worker_id not in rebuild
+                and view.load.seq == load.seq
+                and view.load.ts_ms == load.ts_ms
+                and view.added == len(reserved)
+            )
             views[worker_id] = view if same else WorkerView(load, reserved, self.policy)
         self._views = views
 

@@ -85,8 +85,9 @@ class Router:
         self._read()
         registry = read_registry(self.client, self.keys, int(self.settings.stale_load_s * 1000))
         for worker_id in registry.dead:
-            reap_dead_worker(self.client, self.keys, worker_id, self.settings.redis.request_ttl_s,
-                             self.settings.max_attempts)
+            reap_dead_worker(
+                self.client, self.keys, worker_id, self.settings.redis.request_ttl_s, self.settings.max_attempts
+            )
         self.reservations.settle(registry.live)
         self._refresh_history()
         loads = registry.admissible()
@@ -131,8 +132,9 @@ class Router:
         self._xreadgroup(">", room, block)
 
     def _xreadgroup(self, read_id: str, count: int, block: int | None) -> list:
-        reply = self.client.xreadgroup(ROUTER_GROUP, self.router_id, {self.keys.requests(): read_id},
-                                       count=count, block=block)
+        reply = self.client.xreadgroup(
+            ROUTER_GROUP, self.router_id, {self.keys.requests(): read_id}, count=count, block=block
+        )
         entries = reply[0][1] if reply else []
         for entry_id, fields in entries:
             self._take(entry_id, fields)
@@ -239,8 +241,15 @@ class Router:
     def _finish(self, entry_id: str, request: GenerateRequest, status: RequestStatus, reason) -> None:
         """End a request that never reached a worker (cancelled or past its deadline)."""
         pipe = self.client.pipeline(transaction=True)
-        end_request(pipe, self.keys, request.id, status=status, reason=reason,
-                    num_output=request.num_emitted, ttl_s=self.settings.redis.request_ttl_s)
+        end_request(
+            pipe,
+            self.keys,
+            request.id,
+            status=status,
+            reason=reason,
+            num_output=request.num_emitted,
+            ttl_s=self.settings.redis.request_ttl_s,
+        )
         pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
         pipe.execute()
         self.on_finish(request, status)

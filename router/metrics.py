@@ -32,14 +32,22 @@ class RouterMetrics:
         # No collect() at registration: a collector reads Redis, which may be down at start-up.
         self.registry = CollectorRegistry(auto_describe=False)
         labels = {"router": router_id}
-        self.dispatches = Counter("lightq:router_dispatches", "requests sent to a worker's inbox",
-                                  ["router"], registry=self.registry).labels(**labels)
-        self.pauses = Counter("lightq:router_pauses", "steps that ended with the head of the queue fitting "
-                              "no worker (everything behind it waits)", ["router"],
-                              registry=self.registry).labels(**labels)
-        self.dispatch_step = Histogram("lightq:router_dispatch_step_seconds", "duration of a step that "
-                                       "dispatched (read, reap, admit, send)", ["router"], buckets=STEP_BUCKETS,
-                                       registry=self.registry).labels(**labels)
+        self.dispatches = Counter(
+            "lightq:router_dispatches", "requests sent to a worker's inbox", ["router"], registry=self.registry
+        ).labels(**labels)
+        self.pauses = Counter(
+            "lightq:router_pauses",
+            "steps that ended with the head of the queue fitting no worker (everything behind it waits)",
+            ["router"],
+            registry=self.registry,
+        ).labels(**labels)
+        self.dispatch_step = Histogram(
+            "lightq:router_dispatch_step_seconds",
+            "duration of a step that dispatched (read, reap, admit, send)",
+            ["router"],
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
 
 
 class MeteredRouter(Router):
@@ -77,8 +85,9 @@ class RouterCollector(Collector):
         router, rid = self.router, self.router.router_id
         yield from self._queue(router, rid)
         registry = read_registry(router.client, router.keys, int(router.settings.stale_load_s * 1000))
-        workers = GaugeMetricFamily("lightq:router_workers", "workers by state as this router sees them",
-                                    labels=["router", "state"])
+        workers = GaugeMetricFamily(
+            "lightq:router_workers", "workers by state as this router sees them", labels=["router", "state"]
+        )
         fresh = registry.admissible()
         workers.add_metric([rid, "live"], len(fresh))
         workers.add_metric([rid, "stale"], len(registry.live) - len(fresh))
@@ -92,20 +101,38 @@ class RouterCollector(Collector):
         values = router.rule.history.values
         mean_len = sum(values) / len(values) if values else None
         prompt = sum(r.num_prompt_tokens for r in queued)
-        output = sum(min(r.params.max_new_tokens, round(mean_len)) if mean_len and not r.params.ignore_eos
-                     else r.params.max_new_tokens for r in queued)
-        yield _gauge("lightq:router_queue_requests", "requests this router read and has not dispatched",
-                     ["router"], [([rid], len(queued))])
-        yield _gauge("lightq:router_queue_tokens", "tokens of this router's queue: prompt, and predicted output "
-                     "(mean of its output-length history, capped)", ["router", "kind"],
-                     [([rid, "prompt"], prompt), ([rid, "predicted_output"], output)])
+        output = sum(
+            min(r.params.max_new_tokens, round(mean_len))
+            if mean_len and not r.params.ignore_eos
+            else r.params.max_new_tokens
+            for r in queued
+        )
+        yield _gauge(
+            "lightq:router_queue_requests",
+            "requests this router read and has not dispatched",
+            ["router"],
+            [([rid], len(queued))],
+        )
+        yield _gauge(
+            "lightq:router_queue_tokens",
+            "tokens of this router's queue: prompt, and predicted output (mean of its output-length history, capped)",
+            ["router", "kind"],
+            [([rid, "prompt"], prompt), ([rid, "predicted_output"], output)],
+        )
         reserved = _copy(router.reservations.tokens().items())
-        yield _gauge("lightq:router_reserved_tokens", "tokens dispatched to a worker that its heartbeat does not "
-                     "show yet (prompt + max_new_tokens)", ["router", "worker"], [([rid, w], n) for w, n in reserved])
+        yield _gauge(
+            "lightq:router_reserved_tokens",
+            "tokens dispatched to a worker that its heartbeat does not show yet (prompt + max_new_tokens)",
+            ["router", "worker"],
+            [([rid, w], n) for w, n in reserved],
+        )
 
     def _peaks(self, loads: Iterable[WorkerLoad]) -> Metric:
-        family = GaugeMetricFamily("lightq:worker_estimated_peak_ratio", "estimated peak KV use of the worker's "
-                                   "batch (past-future quantile estimate) / its pool", labels=["worker"])
+        family = GaugeMetricFamily(
+            "lightq:worker_estimated_peak_ratio",
+            "estimated peak KV use of the worker's batch (past-future quantile estimate) / its pool",
+            labels=["worker"],
+        )
         for load in loads:
             peak = self.router.rule.estimator.peak_quantile([ReqState(*state) for state in load.requests])
             family.add_metric([load.worker_id], peak / load.max_total_tokens if load.max_total_tokens else 0.0)
@@ -116,10 +143,15 @@ class RouterCollector(Collector):
         lag, pending = group_backlog(client, stream, ROUTER_GROUP)
         labels = [stream, ROUTER_GROUP]
         yield _gauge("lightq:stream_lag", "entries never delivered to the group", ["stream", "group"], [(labels, lag)])
-        yield _gauge("lightq:stream_pending", "entries delivered, not acknowledged", ["stream", "group"],
-                     [(labels, pending)])
-        yield _gauge("lightq:dead_letters", "entries in the dead-letter stream", [],
-                     [([], client.xlen(router.keys.dead_letters()))])
+        yield _gauge(
+            "lightq:stream_pending", "entries delivered, not acknowledged", ["stream", "group"], [(labels, pending)]
+        )
+        yield _gauge(
+            "lightq:dead_letters",
+            "entries in the dead-letter stream",
+            [],
+            [([], client.xlen(router.keys.dead_letters()))],
+        )
 
 
 def _gauge(name: str, doc: str, labels: list[str], values: list[tuple[list[str], float]]) -> Metric:

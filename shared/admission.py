@@ -34,16 +34,23 @@ AGGRESSIVE_WATERMARK = 0.95
 def request_state(request: GenerateRequest) -> ReqState:
     """A request about to be dispatched; a resumed one has its emitted tokens already."""
     done = len(request.resume_ids)
-    return ReqState(request.num_prompt_tokens + done, done, request.params.max_new_tokens,
-                    int(request.params.ignore_eos))
+    return ReqState(
+        request.num_prompt_tokens + done, done, request.params.max_new_tokens, int(request.params.ignore_eos)
+    )
 
 
 def request_states(request: GenerateRequest) -> tuple[ReqState, ...]:
     """What a request adds to a worker: its state, or a group's open samples (the prompt counted once),
     each with the tokens it emitted before a requeue."""
     if request.n > 1:
-        return tuple(group_states(request.num_prompt_tokens, [len(request.emitted(c)) for c in request.open_choices],
-                                  request.params.max_new_tokens, int(request.params.ignore_eos)))
+        return tuple(
+            group_states(
+                request.num_prompt_tokens,
+                [len(request.emitted(c)) for c in request.open_choices],
+                request.params.max_new_tokens,
+                int(request.params.ignore_eos),
+            )
+        )
     return (request_state(request),)
 
 

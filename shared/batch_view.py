@@ -99,8 +99,7 @@ class PeakTally:
     in the paper and in ``check``).
     """
 
-    def __init__(self, states: Sequence[ReqState], remaining: Callable[[ReqState], int],
-                 draws: Callable[[int], int]):
+    def __init__(self, states: Sequence[ReqState], remaining: Callable[[ReqState], int], draws: Callable[[int], int]):
         self.remaining = remaining  # a state's length for one draw, when it comes without its own
         self.num_draws = draws
         self.count = len(states)
@@ -114,7 +113,7 @@ class PeakTally:
         return self._use
 
     def use_with(self, candidate: Candidate) -> int:
-        draws = self.draws[:self.num_draws(self.count + len(candidate) - 1)]
+        draws = self.draws[: self.num_draws(self.count + len(candidate) - 1)]
         if len(candidate) == 1:
             held = candidate.states[0].held
             peaks = [draw.peak_with(held, lengths[0]) for draw, lengths in zip(draws, candidate.lengths)]
@@ -129,7 +128,7 @@ class PeakTally:
         self._use, self._asked = None, None
         for j, state in enumerate(states):
             self.count += 1
-            del self.draws[self.num_draws(self.count):]
+            del self.draws[self.num_draws(self.count) :]
             for k, draw in enumerate(self.draws):
                 draw.add(state.held, lengths[k][j] if lengths else self.remaining(state))
 
@@ -138,15 +137,14 @@ class PeakTally:
         asked = self._asked[1] if self._asked is not None and self._asked[0] is candidate else None
         self.add(candidate.states, candidate.lengths)
         if asked is not None:
-            self._use = max(asked[:len(self.draws)])
+            self._use = max(asked[: len(self.draws)])
 
 
 class BatchView:
     """The requests on one pool, ready to answer ``ratio(candidate)``; ``added`` counts the
     states that joined since it was built."""
 
-    def __init__(self, states: Sequence[ReqState], max_total_tokens: int, max_requests: int | None,
-                 policy: Policy):
+    def __init__(self, states: Sequence[ReqState], max_total_tokens: int, max_requests: int | None, policy: Policy):
         self.max_total_tokens = max_total_tokens
         self.max_requests = max_requests
         self.limit = policy.limit(max_total_tokens)

@@ -32,8 +32,9 @@ class RedisSettings(BaseSettings):
     url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis:// or rediss://)")
     key_prefix: str = Field("lightq", description="namespace of every key lightq writes")
     request_ttl_s: int = Field(3600, gt=0, description="seconds a finished request's records stay readable")
-    max_connections: int = Field(2000, gt=0, description="Redis connections one async client may open "
-                                                          "(each open stream holds one)")
+    max_connections: int = Field(
+        2000, gt=0, description="Redis connections one async client may open (each open stream holds one)"
+    )
 
     @property
     def keys(self) -> Keys:
@@ -50,11 +51,15 @@ class ModelSettings(BaseSettings):
         description="'default' (embedded SmolLM2), a HF directory, a .gguf file, or dummy:<config dir>",
     )
     max_req_total_len: int = Field(2048, gt=1, description="max prompt + new tokens per request")
-    max_req_input_len: int = Field(0, ge=0, description="max prompt tokens per request (LightLLM's; 0: only "
-                                                        "max_req_total_len bounds the prompt)")
-    served_model_name: str = Field("", description="the model's name in the pool and on the OpenAI routes; "
-                                   "requests go only to workers serving it (default: the model's file or "
-                                   "folder name)")
+    max_req_input_len: int = Field(
+        0, ge=0, description="max prompt tokens per request (LightLLM's; 0: only max_req_total_len bounds the prompt)"
+    )
+    served_model_name: str = Field(
+        "",
+        description="the model's name in the pool and on the OpenAI routes; "
+        "requests go only to workers serving it (default: the model's file or "
+        "folder name)",
+    )
 
 
 class BatchSettings(BaseSettings):
@@ -75,8 +80,11 @@ class HousekeepingSettings(BaseSettings):
     model_config = _frozen("LIGHTQ_HOUSEKEEPING_")
     queue: str = Field("lightq-janitor", description="rq queue of the housekeeping job")
     interval_s: int = Field(60, gt=0, description="seconds between housekeeping runs")
-    stale_worker_s: int = Field(600, gt=0, description="a worker unseen this long, with no load record and "
-                                                       "an empty inbox, leaves the workers set")
+    stale_worker_s: int = Field(
+        600,
+        gt=0,
+        description="a worker unseen this long, with no load record and an empty inbox, leaves the workers set",
+    )
     scan_count: int = Field(1000, gt=0, description="keys the request-record sweep looks at per run")
 
 
@@ -103,35 +111,66 @@ class ProducerSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8000, description="HTTP port")
     # 0, not default_producers() itself: a default that is the same on every machine (flags, docs).
-    producers: int = Field(0, ge=0, description="producer processes serving the one port (0: a quarter of "
-                                               "the cores, 1 to 4)")
-    metrics_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the cluster view from "
-                                                            "Redis; /metrics and /dashboard/data serve the last")
+    producers: int = Field(
+        0, ge=0, description="producer processes serving the one port (0: a quarter of the cores, 1 to 4)"
+    )
+    metrics_refresh_s: float = Field(
+        1.0,
+        gt=0,
+        description="seconds between reads of the cluster view from Redis; /metrics and /dashboard/data serve the last",
+    )
     default_max_new_tokens: int = Field(16, gt=0, description="max_new_tokens when a request gives none")
-    max_prompts: int = Field(64, ge=1, description="most prompts one /v1/completions request may list (each "
-                                                   "is queued as a request of its own)")
+    max_prompts: int = Field(
+        64,
+        ge=1,
+        description="most prompts one /v1/completions request may list (each is queued as a request of its own)",
+    )
     stream_block_ms: int = Field(1000, gt=0, description="longest blocking read on a chunk stream")
-    redis_timeout_s: float = Field(2.0, gt=0, description="connect and command timeout on Redis: past it a "
-                                                           "request gets 503 instead of waiting (blocking reads "
-                                                           "get stream_block_ms on top)")
-    redis_outage_s: float = Field(15.0, ge=0, description="how long a reader follows a request through a Redis "
-                                                          "outage, reconnecting with backoff, before it gives up")
+    redis_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="connect and command timeout on Redis: past it a "
+        "request gets 503 instead of waiting (blocking reads "
+        "get stream_block_ms on top)",
+    )
+    redis_outage_s: float = Field(
+        15.0,
+        ge=0,
+        description="how long a reader follows a request through a Redis "
+        "outage, reconnecting with backoff, before it gives up",
+    )
     max_body_bytes: int = Field(2 * 1024 * 1024, gt=0, description="largest request body (413 past it)")
-    max_batch_body_bytes: int = Field(200 * 1024 * 1024, gt=0, description="largest batch file upload "
-                                                                          "(POST /v1/batches; OpenAI's limit)")
-    max_queue_tokens: int = Field(0, ge=0, description="backlog limit in queued prompt + estimated output "
-                                                       "tokens; past it new requests get 429 (0: no limit)")
+    max_batch_body_bytes: int = Field(
+        200 * 1024 * 1024, gt=0, description="largest batch file upload (POST /v1/batches; OpenAI's limit)"
+    )
+    max_queue_tokens: int = Field(
+        0,
+        ge=0,
+        description="backlog limit in queued prompt + estimated output "
+        "tokens; past it new requests get 429 (0: no limit)",
+    )
     reject_without_workers: bool = Field(False, description="answer 503 (no_workers) while no worker is live")
-    api_keys: SecretStr = Field(SecretStr(""), description="comma-separated API keys; when set, every request "
-                                                           "but /health (and /metrics with --metrics_open) needs "
-                                                           "'Authorization: Bearer KEY'")
-    rate_limit_rpm: int = Field(0, ge=0, description="requests (POSTs) per minute per API key; 429 past it "
-                                                     "(0: no limit)")
+    api_keys: SecretStr = Field(
+        SecretStr(""),
+        description="comma-separated API keys; when set, every request "
+        "but /health (and /metrics with --metrics_open) needs "
+        "'Authorization: Bearer KEY'",
+    )
+    rate_limit_rpm: int = Field(
+        0, ge=0, description="requests (POSTs) per minute per API key; 429 past it (0: no limit)"
+    )
     metrics_open: bool = Field(False, description="with --api_keys, leave /metrics open (for scrapers without a key)")
-    allowed_origins: str = Field("", description="comma-separated origins browsers may call the API from (CORS; "
-                                                 "'*' for any); none: cross-origin calls are refused")
-    max_auth_failures: int = Field(10, ge=0, description="failed API-key attempts one client address may make "
-                                                         "per auth_failure_window_s before it gets 429 (0: no limit)")
+    allowed_origins: str = Field(
+        "",
+        description="comma-separated origins browsers may call the API from (CORS; "
+        "'*' for any); none: cross-origin calls are refused",
+    )
+    max_auth_failures: int = Field(
+        10,
+        ge=0,
+        description="failed API-key attempts one client address may make "
+        "per auth_failure_window_s before it gets 429 (0: no limit)",
+    )
     auth_failure_window_s: float = Field(10.0, gt=0, description="window of max_auth_failures, in seconds")
     batch: BatchSettings = Field(default_factory=BatchSettings)
 
@@ -144,15 +183,18 @@ class AdmissionSettings(BaseSettings):
 
     model_config = _frozen("LIGHTQ_")
     admission: PolicyName = Field(
-        "past_future", description="admission policy: conservative (prompt + max_new_tokens), aggressive "
-                                   "(current use under 95 percent), past_future (Monte-Carlo peak), "
-                                   "past_future_quantile")
+        "past_future",
+        description="admission policy: conservative (prompt + max_new_tokens), aggressive "
+        "(current use under 95 percent), past_future (Monte-Carlo peak), "
+        "past_future_quantile",
+    )
     admission_margin: float = Field(0.05, ge=0, lt=1, description="share of a worker's pool past-future keeps free")
     admission_quantile: float = Field(0.9, gt=0, le=1, description="quantile of L | L > d for past_future_quantile")
     admission_seed: int = Field(0, description="seed of the Monte-Carlo length draws")
     history_window: int = Field(200, ge=2, description="recent output lengths the estimate uses")
-    history_prior: int = Field(2048, gt=0, description="pessimistic output length filling the window until "
-                                                       "requests finish")
+    history_prior: int = Field(
+        2048, gt=0, description="pessimistic output length filling the window until requests finish"
+    )
     history_refresh_s: float = Field(1.0, gt=0, description="seconds between reads of the output-length history")
 
 
@@ -168,8 +210,12 @@ class RouterSettings(BaseSettings):
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it goes to the dead-letter stream")
     liveness_ttl_s: float = Field(3.0, gt=0, description="a router silent this long is dead: others claim its entries")
     stale_load_s: float = Field(5.0, gt=0, description="a load record older than this counts as full")
-    metrics_port: int = Field(0, ge=0, le=65535, description="port of this service's Prometheus /metrics "
-                              "(0: none; when taken, the next free port above it)")
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="port of this service's Prometheus /metrics (0: none; when taken, the next free port above it)",
+    )
 
 
 def default_publishers() -> int:
@@ -187,30 +233,45 @@ class WorkerSettings(BaseSettings):
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:N]'")
     dtype: str = Field("auto", description="'auto' (bf16 on GPU, fp32 on CPU), 'float32', 'float16', 'bfloat16'")
     max_total_token_num: int | None = Field(
-        None, gt=0, description="tokens in the preallocated KV pool (default: from free GPU memory, 8192 on CPU)")
+        None, gt=0, description="tokens in the preallocated KV pool (default: from free GPU memory, 8192 on CPU)"
+    )
     mem_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory weights + KV pool may use")
     batch_max_tokens: int = Field(4096, gt=0, description="max prompt tokens prefilled in one step")
     # LightLLM's default. At 256, a burst of 1,000 requests on an H200 ran 256 at a time while the
     # rest waited in the queue (issue 13); the KV pool, not this cap, should bound the batch.
     running_max_req_size: int = Field(1000, gt=0, description="max requests running at once")
-    cuda_graphs: bool = Field(True, description="capture decode steps, and one-request prefills of at most 512 "
-                              "tokens (--tp 1), as CUDA graphs (GPU only)")
-    graph_max_batch_size: int = Field(1000, gt=0, description="largest decode batch captured as a graph "
-                                      "(capped by --running_max_req_size)")
+    cuda_graphs: bool = Field(
+        True,
+        description="capture decode steps, and one-request prefills of at most 512 "
+        "tokens (--tp 1), as CUDA graphs (GPU only)",
+    )
+    graph_max_batch_size: int = Field(
+        1000, gt=0, description="largest decode batch captured as a graph (capped by --running_max_req_size)"
+    )
     tp: int = Field(1, ge=1, description="tensor parallel degree: processes (GPUs) per worker")
-    publishers: int = Field(default_publishers(), ge=1,
-                            description="publisher processes per worker (detokenising and Redis writes, each "
-                                        "a shard of the requests; default: 1, 2 with 16 cores or more)")
+    publishers: int = Field(
+        default_publishers(),
+        ge=1,
+        description="publisher processes per worker (detokenising and Redis writes, each "
+        "a shard of the requests; default: 1, 2 with 16 cores or more)",
+    )
     heartbeat_s: float = Field(0.5, gt=0, description="seconds between load records")
     admission_rule: AdmissionSettings = Field(default_factory=AdmissionSettings)  # named as the router's
-    drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds running requests get to finish "
-                                                          "before the rest is handed back")
+    drain_timeout: float = Field(
+        30.0, ge=0, description="on SIGTERM, seconds running requests get to finish before the rest is handed back"
+    )
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it is dead-lettered")
     seed: int = Field(0, description="seed for dummy weights")
-    eos_id: list[int] | None = Field(None, description="token ids that end a request (LightLLM's --eos_id; "
-                                                       "default: the model's config and tokenizer)")
-    metrics_port: int = Field(0, ge=0, le=65535, description="port of this service's Prometheus /metrics "
-                              "(0: none; when taken, the next free port above it)")
+    eos_id: list[int] | None = Field(
+        None,
+        description="token ids that end a request (LightLLM's --eos_id; default: the model's config and tokenizer)",
+    )
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="port of this service's Prometheus /metrics (0: none; when taken, the next free port above it)",
+    )
 
 
 class RqWorkerSettings(BaseSettings):
@@ -227,6 +288,9 @@ class ServeSettings(BaseSettings):
     """``lightq serve`` only: where its embedded Redis keeps its data."""
 
     model_config = _frozen("LIGHTQ_")
-    data_dir: str = Field("", description="directory of the embedded Redis's append-only files (default: "
-                          "~/.cache/lightq/redis/port-<port>; with an explicit --redis_url that does not "
-                          "answer, a temporary one removed on exit)")
+    data_dir: str = Field(
+        "",
+        description="directory of the embedded Redis's append-only files (default: "
+        "~/.cache/lightq/redis/port-<port>; with an explicit --redis_url that does not "
+        "answer, a temporary one removed on exit)",
+    )

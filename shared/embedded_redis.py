@@ -72,25 +72,44 @@ class EmbeddedRedis:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def start_embedded_redis(port: int | None = None, timeout_s: float = 10.0, appendonly: bool = False,
-                         workdir: str | None = None, appendfsync: str = "always",
-                         pass_fds: tuple[int, ...] = ()) -> EmbeddedRedis:
+def start_embedded_redis(
+    port: int | None = None,
+    timeout_s: float = 10.0,
+    appendonly: bool = False,
+    workdir: str | None = None,
+    appendfsync: str = "always",
+    pass_fds: tuple[int, ...] = (),
+) -> EmbeddedRedis:
     """A running server. ``appendfsync``: ``always`` (tests), ``everysec`` (serving: a server that
     dies loses nothing, the kernel has the writes; only a machine crash can lose a second).
     ``pass_fds``: descriptors the server keeps open (a lock held as long as it runs)."""
     port = port or free_port()
     workdir = workdir or tempfile.mkdtemp(prefix="lightq-redis-")
     os.makedirs(workdir, exist_ok=True)
-    args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "yes" if appendonly else "no", "--appendfsync", appendfsync, "--dir", workdir]
+    args = [
+        redis_server_binary(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "yes" if appendonly else "no",
+        "--appendfsync",
+        appendfsync,
+        "--dir",
+        workdir,
+    ]
     url = f"redis://127.0.0.1:{port}/0"
     process = _launch(args, url, pass_fds, timeout_s)
     return EmbeddedRedis(process=process, url=url, workdir=workdir, port=port, args=args, pass_fds=pass_fds)
 
 
 def _launch(args: list[str], url: str, pass_fds: tuple[int, ...], timeout_s: float) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True, pass_fds=pass_fds)
+    process = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=pass_fds
+    )
     deadline = time.monotonic() + timeout_s
     while not answers(url):
         if process.poll() is not None or time.monotonic() > deadline:

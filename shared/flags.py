@@ -24,8 +24,15 @@ from pydantic_settings import BaseSettings
 PREFIX = "LIGHTQ_"
 IGNORED = "lightllm_ignored_"  # dest prefix of LightLLM flags accepted without effect (given() drops them)
 METAVARS = {int: "N", float: "X", str: "TEXT"}
-LIGHTLLM_DTYPES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16",
-                   "fp32": "float32", "float32": "float32", "auto": "auto"}
+LIGHTLLM_DTYPES = {
+    "fp16": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+    "auto": "auto",
+}
 
 
 def _flag_name(settings_cls: type[BaseSettings], field: str) -> str:
@@ -34,8 +41,11 @@ def _flag_name(settings_cls: type[BaseSettings], field: str) -> str:
 
 
 def _nested(settings_cls: type[BaseSettings]) -> dict[str, type[BaseSettings]]:
-    return {name: info.annotation for name, info in settings_cls.model_fields.items()
-            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseSettings)}
+    return {
+        name: info.annotation
+        for name, info in settings_cls.model_fields.items()
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseSettings)
+    }
 
 
 def flat_fields(settings_cls: type[BaseSettings]) -> dict[str, tuple[str | None, str, Any]]:
@@ -119,18 +129,39 @@ def add_lightllm_aliases(parser: argparse.ArgumentParser, flags: set[str]) -> No
     """LightLLM's names for the same settings, where the parser has the setting they stand for."""
     group = parser.add_argument_group("LightLLM's flag names", "accepted so LightLLM command lines keep working")
     if "dtype" in flags:
-        group.add_argument("--data_type", dest="dtype", type=_lightllm_dtype, default=None, metavar="TYPE",
-                           help="LightLLM's --dtype: fp16, bf16, fp32 (or their long names)")
+        group.add_argument(
+            "--data_type",
+            dest="dtype",
+            type=_lightllm_dtype,
+            default=None,
+            metavar="TYPE",
+            help="LightLLM's --dtype: fp16, bf16, fp32 (or their long names)",
+        )
     if "cuda_graphs" in flags:
-        group.add_argument("--disable_cudagraph", dest="cuda_graphs", action="store_const", const=False,
-                           default=None, help="LightLLM's --no-cuda_graphs")
+        group.add_argument(
+            "--disable_cudagraph",
+            dest="cuda_graphs",
+            action="store_const",
+            const=False,
+            default=None,
+            help="LightLLM's --no-cuda_graphs",
+        )
     if "model_dir" in flags:
-        group.add_argument("--tokenizer_mode", dest=f"{IGNORED}tokenizer_mode", choices=["auto", "fast"],
-                           default=None, help="accepted and ignored: lightq always uses the fast tokenizer "
-                                              "(LightLLM's 'slow' mode is not offered)")
-        group.add_argument("--trust_remote_code", dest=f"{IGNORED}trust_remote_code", action="store_const",
-                           const=True, default=None, help="accepted and ignored: lightq runs its own model "
-                                                          "code, never code shipped with a model")
+        group.add_argument(
+            "--tokenizer_mode",
+            dest=f"{IGNORED}tokenizer_mode",
+            choices=["auto", "fast"],
+            default=None,
+            help="accepted and ignored: lightq always uses the fast tokenizer (LightLLM's 'slow' mode is not offered)",
+        )
+        group.add_argument(
+            "--trust_remote_code",
+            dest=f"{IGNORED}trust_remote_code",
+            action="store_const",
+            const=True,
+            default=None,
+            help="accepted and ignored: lightq runs its own model code, never code shipped with a model",
+        )
 
 
 def add_version(parser: argparse.ArgumentParser) -> None:

@@ -109,8 +109,9 @@ def drop_stale_workers(client: redis.Redis, keys: Keys, stale_s: float) -> list[
     return dropped
 
 
-def run_all(client: redis.Redis, keys: Keys, *, ttl_s: int, stale_worker_s: float,
-            scan_count: int) -> dict[str, object]:
+def run_all(
+    client: redis.Redis, keys: Keys, *, ttl_s: int, stale_worker_s: float, scan_count: int
+) -> dict[str, object]:
     """Every sweep once; what each did."""
     return {
         "ingress_trimmed": trim_ingress(client, keys),

@@ -96,8 +96,13 @@ class Keys:
         return f"{self.prefix}:batches:{owner}"
 
     def all_batch_keys(self, batch_id: str) -> list[str]:
-        return [self.batch(batch_id), self.batch_input(batch_id), self.batch_inflight(batch_id),
-                self.batch_results(batch_id), self.batch_output(batch_id)]
+        return [
+            self.batch(batch_id),
+            self.batch_input(batch_id),
+            self.batch_inflight(batch_id),
+            self.batch_results(batch_id),
+            self.batch_output(batch_id),
+        ]
 
     def housekeeping_cursor(self) -> str:
         return f"{self.prefix}:housekeeping:cursor"

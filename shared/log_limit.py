@@ -33,8 +33,9 @@ class _Slot:
 class LogLimiter:
     """Per message (its format string): the first line, then one per ``every_s`` seconds."""
 
-    def __init__(self, logger: logging.Logger, every_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, logger: logging.Logger, every_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.logger, self.every_s, self.clock = logger, every_s, clock
         self._slots: dict[str, _Slot] = {}
 
@@ -46,8 +47,9 @@ class LogLimiter:
             slot.held += 1
             return False
         if slot is not None and slot.held:
-            self.logger.log(level, f"{msg} (and %d more like it in the last %.0f s)", *args, slot.held,
-                            now - slot.last_s)
+            self.logger.log(
+                level, f"{msg} (and %d more like it in the last %.0f s)", *args, slot.held, now - slot.last_s
+            )
         else:
             self.logger.log(level, msg, *args)
         self._slots[msg] = _Slot(now)

@@ -73,19 +73,25 @@ def resolve(model_dir: str) -> ModelSource:
 def missing_path_message(model_dir: str) -> str:
     """Why ``model_dir`` (which does not exist) cannot be served: lightq reads local files only."""
     if HUB_ID.fullmatch(model_dir) and not model_dir.endswith(".gguf"):
-        return (f"--model_dir {model_dir}: no such file or directory; it looks like a Hugging Face hub id, "
-                f"but lightq reads local files only (hubs are not reachable from here): download the "
-                f"model and pass its directory")
+        return (
+            f"--model_dir {model_dir}: no such file or directory; it looks like a Hugging Face hub id, "
+            f"but lightq reads local files only (hubs are not reachable from here): download the "
+            f"model and pass its directory"
+        )
     return f"--model_dir {model_dir}: no such file or directory"
 
 
 def _require_config(folder: str, model_dir: str) -> None:
     if not os.path.isdir(folder):
-        raise FileNotFoundError(missing_path_message(model_dir) if not os.path.exists(folder)
-                                else f"--model_dir {model_dir}: {folder} is not a directory")
+        raise FileNotFoundError(
+            missing_path_message(model_dir)
+            if not os.path.exists(folder)
+            else f"--model_dir {model_dir}: {folder} is not a directory"
+        )
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise FileNotFoundError(f"--model_dir {model_dir}: {folder} has no config.json "
-                                f"(a Hugging Face model directory has one)")
+        raise FileNotFoundError(
+            f"--model_dir {model_dir}: {folder} has no config.json (a Hugging Face model directory has one)"
+        )
 
 
 def served_name(model_dir: str, served_model_name: str = "") -> str:

@@ -55,15 +55,16 @@ class ReqState(NamedTuple):
         return self.held - self.generated + self.max_new_tokens
 
 
-def group_states(prompt_tokens: int, outputs: Sequence[int], max_new_tokens: int,
-                 ignore_eos: int) -> list[ReqState]:
+def group_states(prompt_tokens: int, outputs: Sequence[int], max_new_tokens: int, ignore_eos: int) -> list[ReqState]:
     """The states of a group's samples (one per entry of ``outputs``, its tokens so far)
     that share one copy of the prompt: it is counted once, with the first sample, so
     the conservative need is prompt + n x max_new_tokens. (The peak then assumes the
     prompt leaves with the first sample, which holds only if it is not the first to
     end; a group's samples draw their remaining lengths independently, as do requests.)"""
-    return [ReqState(out + (prompt_tokens if i == 0 else 0), out, max_new_tokens, ignore_eos)
-            for i, out in enumerate(outputs)]
+    return [
+        ReqState(out + (prompt_tokens if i == 0 else 0), out, max_new_tokens, ignore_eos)
+        for i, out in enumerate(outputs)
+    ]
 
 
 def peak_tokens(pairs: Iterable[tuple[int, int]]) -> int:
@@ -158,8 +159,13 @@ class Projection(Protocol):
         ...
 
 
-def check(states: Sequence[ReqState], candidate: ReqState | Sequence[ReqState], max_total_tokens: int,
-          max_requests: int | None, policy: Projection) -> float | None:
+def check(
+    states: Sequence[ReqState],
+    candidate: ReqState | Sequence[ReqState],
+    max_total_tokens: int,
+    max_requests: int | None,
+    policy: Projection,
+) -> float | None:
     """Admission of ``candidate`` beside ``states`` on one pool, from scratch: the resulting
     use / pool, or None if it does not fit. The reference: the router and the worker ask
     ``shared.batch_view.BatchView``, which gives these answers faster (tests/shared/test_batch_view.py,

@@ -15,8 +15,12 @@ def async_client(settings: RedisSettings) -> aioredis.Redis:
     by ``max_connections`` and a request past it waits for one instead of failing.
     """
     pool = aioredis.BlockingConnectionPool.from_url(
-        settings.url, decode_responses=True, health_check_interval=30,
-        max_connections=settings.max_connections, timeout=30)
+        settings.url,
+        decode_responses=True,
+        health_check_interval=30,
+        max_connections=settings.max_connections,
+        timeout=30,
+    )
     return aioredis.Redis(connection_pool=pool)
 
 

@@ -27,19 +27,45 @@ def append_chunk(pipe: redis.client.Pipeline, keys: Keys, chunk: TokenChunk) -> 
     pipe.publish(keys.channel(chunk.request_id), data)
 
 
-def end_request(pipe: redis.client.Pipeline, keys: Keys, request_id: str, *, status: RequestStatus,
-                reason: FinishReason, num_output: int, ttl_s: int, error: str | None = None) -> None:
+def end_request(
+    pipe: redis.client.Pipeline,
+    keys: Keys,
+    request_id: str,
+    *,
+    status: RequestStatus,
+    reason: FinishReason,
+    num_output: int,
+    ttl_s: int,
+    error: str | None = None,
+) -> None:
     """Terminal chunk (no token) + final status + TTLs, queued on ``pipe``."""
-    append_chunk(pipe, keys, TokenChunk(request_id=request_id, index=num_output, token_id=None,
-                                        finished=True, finish_reason=reason, error=error))
-    mark_ended(pipe, keys, request_id, status=status, reason=reason, num_output=num_output,
-               ttl_s=ttl_s, error=error)
+    append_chunk(
+        pipe,
+        keys,
+        TokenChunk(
+            request_id=request_id, index=num_output, token_id=None, finished=True, finish_reason=reason, error=error
+        ),
+    )
+    mark_ended(pipe, keys, request_id, status=status, reason=reason, num_output=num_output, ttl_s=ttl_s, error=error)
 
 
-def mark_ended(pipe: redis.client.Pipeline, keys: Keys, request_id: str, *, status: RequestStatus,
-               reason: FinishReason, num_output: int, ttl_s: int, error: str | None = None) -> None:
-    pipe.hset(keys.meta(request_id), mapping=RequestMeta.fields(
-        status=status, finish_reason=reason, output_tokens=num_output, finished_ms=now_ms(), error=error))
+def mark_ended(
+    pipe: redis.client.Pipeline,
+    keys: Keys,
+    request_id: str,
+    *,
+    status: RequestStatus,
+    reason: FinishReason,
+    num_output: int,
+    ttl_s: int,
+    error: str | None = None,
+) -> None:
+    pipe.hset(
+        keys.meta(request_id),
+        mapping=RequestMeta.fields(
+            status=status, finish_reason=reason, output_tokens=num_output, finished_ms=now_ms(), error=error
+        ),
+    )
     for key in keys.all_request_keys(request_id):
         pipe.expire(key, ttl_s)
 

@@ -27,8 +27,9 @@ from shared.request_log import emitted_chunks, end_request, has_ended, mark_ende
 from shared.schemas import DeadLetter, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 
 
-def hand_back_inbox(client: redis.Redis, keys: Keys, worker_id: str, ttl_s: int, max_attempts: int,
-                    count_attempt: bool) -> int:
+def hand_back_inbox(
+    client: redis.Redis, keys: Keys, worker_id: str, ttl_s: int, max_attempts: int, count_attempt: bool
+) -> int:
     """Requeue every request in ``worker_id``'s inbox, deleting each entry; returns how many went back."""
     requeued = 0
     for entry_id, fields in client.xrange(keys.inbox(worker_id)):
@@ -38,8 +39,9 @@ def hand_back_inbox(client: redis.Redis, keys: Keys, worker_id: str, ttl_s: int,
     return requeued
 
 
-def requeue(client: redis.Redis, keys: Keys, request: GenerateRequest, ttl_s: int, max_attempts: int,
-            count_attempt: bool = True) -> int:
+def requeue(
+    client: redis.Redis, keys: Keys, request: GenerateRequest, ttl_s: int, max_attempts: int, count_attempt: bool = True
+) -> int:
     raw = client.hgetall(keys.meta(request.id))
     if raw and "status" in raw and RequestMeta.from_hash(raw).status.is_terminal:
         return 0
@@ -50,21 +52,44 @@ def requeue(client: redis.Redis, keys: Keys, request: GenerateRequest, ttl_s: in
     attempt = request.attempt + 1 if count_attempt else request.attempt
     pipe = client.pipeline(transaction=True)
     if "status" not in raw:  # its record was lost (a Redis that came back empty): end it for its readers
-        end_request(pipe, keys, request.id, status=RequestStatus.FAILED, reason="error", num_output=len(tokens),
-                    ttl_s=ttl_s, error="the request's status record was lost")
+        end_request(
+            pipe,
+            keys,
+            request.id,
+            status=RequestStatus.FAILED,
+            reason="error",
+            num_output=len(tokens),
+            ttl_s=ttl_s,
+            error="the request's status record was lost",
+        )
     elif has_ended(chunks, request.n):  # it ended; only the status write was lost
-        mark_ended(pipe, keys, request.id, status=RequestStatus.FINISHED,
-                   reason=chunks[-1].finish_reason or "stop", num_output=len(tokens), ttl_s=ttl_s)
+        mark_ended(
+            pipe,
+            keys,
+            request.id,
+            status=RequestStatus.FINISHED,
+            reason=chunks[-1].finish_reason or "stop",
+            num_output=len(tokens),
+            ttl_s=ttl_s,
+        )
     elif client.exists(keys.cancel(request.id)):
-        end_request(pipe, keys, request.id, status=RequestStatus.CANCELLED, reason="cancelled",
-                    num_output=len(tokens), ttl_s=ttl_s)
+        end_request(
+            pipe,
+            keys,
+            request.id,
+            status=RequestStatus.CANCELLED,
+            reason="cancelled",
+            num_output=len(tokens),
+            ttl_s=ttl_s,
+        )
     elif attempt >= max_attempts:  # a request that keeps killing workers stops here
         dead_letter(pipe, keys, request, f"its worker died on each of {max_attempts} attempts", len(tokens), ttl_s)
     else:
         pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, attempt=attempt))
         pipe.hdel(keys.meta(request.id), "worker")
-        pipe.xadd(keys.requests(), entry(request.model_copy(update={"attempt": attempt,
-                                                                    **resume_fields(request, chunks)})))
+        pipe.xadd(
+            keys.requests(), entry(request.model_copy(update={"attempt": attempt, **resume_fields(request, chunks)}))
+        )
         pipe.execute()
         return 1
     pipe.execute()
@@ -86,9 +111,18 @@ def resume_fields(request: GenerateRequest, chunks: list[TokenChunk]) -> dict[st
     return {"resume_ids": [], "group_resume": emitted, "finished_choices": finished}
 
 
-def dead_letter(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest, reason: str,
-                num_output: int, ttl_s: int) -> None:
+def dead_letter(
+    pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest, reason: str, num_output: int, ttl_s: int
+) -> None:
     """Park the request in the dead-letter stream and end it ``failed`` with the reason."""
     pipe.xadd(keys.dead_letters(), entry(DeadLetter(reason=reason, failed_ms=now_ms(), request=request)))
-    end_request(pipe, keys, request.id, status=RequestStatus.FAILED, reason="error", num_output=num_output,
-                ttl_s=ttl_s, error=f"dead-lettered: {reason}")
+    end_request(
+        pipe,
+        keys,
+        request.id,
+        status=RequestStatus.FAILED,
+        reason="error",
+        num_output=num_output,
+        ttl_s=ttl_s,
+        error=f"dead-lettered: {reason}",
+    )

@@ -47,14 +47,16 @@ class SamplingParams(_Frozen):
     seed: int | None = None
     # Below: defaults are neutral, so a message without them means what it always did.
     min_new_tokens: int = Field(0, ge=0, description="EOS is masked until this many tokens are out")
-    stop_sequences: tuple[str, ...] = Field((), description="texts that end the output, never emitted "
-                                                              "(the producer drops empty ones)")
+    stop_sequences: tuple[str, ...] = Field(
+        (), description="texts that end the output, never emitted (the producer drops empty ones)"
+    )
     presence_penalty: float = Field(0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
     min_p: float = Field(0.0, ge=0, le=1)
-    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
-                              description="most likely alternatives to report with each token's logprob")
+    top_logprobs: int = Field(
+        0, ge=0, le=MAX_TOP_LOGPROBS, description="most likely alternatives to report with each token's logprob"
+    )
 
     @property
     def is_greedy(self) -> bool:
@@ -91,8 +93,9 @@ class GenerateRequest(_Frozen):
     resume_ids: list[int] = Field(default_factory=list)
     deadline_ms: int | None = None  # Unix ms; a request still queued past it ends ``expired``
     n: int = Field(1, ge=1, description="samples of this prompt (a group when > 1), prompt held once")
-    model: str | None = Field(None, description="the served model name it is for: only workers serving "
-                                                "it take it (None: any worker)")
+    model: str | None = Field(
+        None, description="the served model name it is for: only workers serving it take it (None: any worker)"
+    )
     # A requeued group's progress (empty, the defaults, for a fresh one): per choice the tokens it
     # already emitted, and the choices that already ended (never run again).
     group_resume: list[list[int]] = Field(default_factory=list)
@@ -191,7 +194,8 @@ class WorkerLoad(_Frozen):
     running_max_req_size: int | None = Field(None, description="most requests the worker runs at once")
     requests: list[tuple[int, int, int, int]] = Field(
         description="per running or waiting request: [prompt + output tokens, output tokens, "
-                    "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState), a group's prompt counted once")
+        "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState), a group's prompt counted once"
+    )
 
     def serves(self, model: str | None) -> bool:
         """Whether a request for ``model`` may come here: one pool per served model name."""

@@ -10,8 +10,10 @@ import threading
 
 
 def setup_logging(level: str | None = None) -> None:
-    logging.basicConfig(level=level or os.environ.get("LIGHTQ_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level or os.environ.get("LIGHTQ_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def default_id(given: str) -> str:

@@ -102,13 +102,16 @@ def pool_size(settings: WorkerSettings, model, device: torch.device) -> int:
     usable = free - total * (1 - settings.mem_fraction)
     per_token = KVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
     if usable < per_token * settings.model.max_req_total_len:
-        raise RuntimeError(f"only {usable / 2**30:.1f} GiB left for the KV pool after the weights: "
-                           f"raise --mem_fraction or use a smaller model")
+        raise RuntimeError(
+            f"only {usable / 2**30:.1f} GiB left for the KV pool after the weights: "
+            f"raise --mem_fraction or use a smaller model"
+        )
     return int(usable // per_token)
 
 
-def load_model_or_stand_in(settings: WorkerSettings, tokenizer, dtype: torch.dtype, device: torch.device,
-                           tp: TensorParallel = SINGLE):
+def load_model_or_stand_in(
+    settings: WorkerSettings, tokenizer, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
+):
     """The model (this rank's slice) and its config; ``counting`` gives the deterministic test stand-in."""
     source = resolve(settings.model.model_dir)
     if source.kind != "counting":
@@ -122,8 +125,9 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
     and the EOS ids; ``tokenizer`` only adds its EOS id. Every rank builds the same, in the same order."""
     size, rank = (group.size, group.rank) if group is not None else (1, 0)
     if size != settings.tp:
-        raise ValueError(f"--tp {settings.tp} needs a process group of {settings.tp} (worker.runner.tp.launch), "
-                         f"not {size}")
+        raise ValueError(
+            f"--tp {settings.tp} needs a process group of {settings.tp} (worker.runner.tp.launch), not {size}"
+        )
     device = rank_device(settings, rank)
     dtype = pick_dtype(settings.dtype, device)
     model, config = load_model_or_stand_in(settings, tokenizer, dtype, device, group.tp if group else SINGLE)
@@ -131,8 +135,14 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
     if group is not None:
         num_slots = group.min(num_slots)  # every rank's pool the same size: the smallest that fits
     cache = attach_kv_cache(model, num_slots, device)
-    log.info("rank %d: model on %s (%s), KV pool %d tokens (%.1f GiB)", rank, device, dtype, num_slots,
-             cache.buffer.numel() * cache.buffer.element_size() / 2**30)
+    log.info(
+        "rank %d: model on %s (%s), KV pool %d tokens (%.1f GiB)",
+        rank,
+        device,
+        dtype,
+        num_slots,
+        cache.buffer.numel() * cache.buffer.element_size() / 2**30,
+    )
     table = ReqTable(settings.running_max_req_size, settings.model.max_req_total_len + 8, cache.hold_slot, device)
     graphs = prefill_graphs = None
     if device.type == "cuda" and settings.cuda_graphs:  # the same buckets on every rank, collectives inside

@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
-                      field_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 from pydantic_core import PydanticCustomError
 
 from shared.schemas import FinishReason, RequestStatus, TokenChunk
@@ -27,8 +26,10 @@ class _Request(BaseModel):
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_TIMEOUT_S = 86_400.0
-TIMEOUT_DOC = ("seconds the request may wait in the queue; one still queued after that is not run and "
-               "ends with finish_reason 'expired'")
+TIMEOUT_DOC = (
+    "seconds the request may wait in the queue; one still queued after that is not run and "
+    "ends with finish_reason 'expired'"
+)
 
 
 class GenerateParameters(_Request):
@@ -51,7 +52,8 @@ class GenerateParameters(_Request):
     frequency_penalty: float = Field(0.0, ge=0)
     repetition_penalty: float = Field(1.0, ge=1)
     stop_sequences: str | list[str | list[int]] | None = Field(
-        None, description="a string, or a list of strings and token-id lists (at most 10)")
+        None, description="a string, or a list of strings and token-id lists (at most 10)"
+    )
     best_of: int | None = None
     n: int | None = None
     return_details: bool = Field(False, description="/generate: per-token id, text, logprob under 'tokens'")
@@ -101,7 +103,8 @@ def _inline_schema(model: type[BaseModel]) -> dict:
 
 
 def body_doc(model: type[BaseModel]) -> dict:
-    """``openapi_extra`` documenting a body a route parses itself (JSON: producer.edge.front_door refuses other types)."""
+    """``openapi_extra`` documenting a body a route parses itself (JSON: ``producer.edge.front_door``
+    refuses other types)."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": _inline_schema(model)}}}}
 
 
@@ -123,7 +126,8 @@ class GenerateResult(BaseModel):
     finish_reason: FinishReason | None | list[FinishReason | None]
     prompt_tokens: int
     tokens: list[TokenDetail] | list[list[TokenDetail]] | None = Field(
-        None, description="with return_details only (per sample for n>1)")
+        None, description="with return_details only (per sample for n>1)"
+    )
     error: str | None = Field(None, description="set only when the request did not end normally")
 
 
@@ -168,8 +172,14 @@ def special_ids(tokenizer: Any) -> frozenset[int]:
 def stream_event(chunk: TokenChunk, prompt_tokens: int, special: frozenset[int] = frozenset()) -> str:
     """A ``/generate_stream`` event exactly as LightLLM frames it: ``data:`` without a space."""
     count = chunk.index + (chunk.token_id is not None)
-    token = StreamToken(id=chunk.token_id, text=chunk.text, logprob=chunk.logprob, special=chunk.token_id in special,
-                        count_output_tokens=count, prompt_tokens=prompt_tokens)
+    token = StreamToken(
+        id=chunk.token_id,
+        text=chunk.text,
+        logprob=chunk.logprob,
+        special=chunk.token_id in special,
+        count_output_tokens=count,
+        prompt_tokens=prompt_tokens,
+    )
     event = StreamEvent(token=token, finished=chunk.finished, finish_reason=chunk.finish_reason, error=chunk.error)
     return f"data:{event.to_json()}\n\n"
 

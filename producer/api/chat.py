@@ -19,8 +19,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         if isinstance(content, list):
             other = next((part.type for part in content if part.type != "text"), None)
             if other is not None:
-                raise bad_request(f"messages.{n}.content: {other!r} parts are not supported; only text",
-                                  param=f"messages.{n}.content", code="unsupported_content")
+                raise bad_request(
+                    f"messages.{n}.content: {other!r} parts are not supported; only text",
+                    param=f"messages.{n}.content",
+                    code="unsupported_content",
+                )
             content = "\n".join(part.text or "" for part in content)
         entry = {"role": ROLE_ALIASES.get(message.role, message.role), "content": content or ""}
         if message.name:
@@ -39,14 +42,16 @@ def _apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
 async def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any) -> list[int]:
     """The prompt the model's chat template makes of ``messages``, ending with the assistant's turn."""
     if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("the served model has no chat template; use /v1/completions", param="messages",
-                          code="no_chat_template")
+        raise bad_request(
+            "the served model has no chat template; use /v1/completions", param="messages", code="no_chat_template"
+        )
     converted = template_messages(messages)
     try:
         ids = await asyncio.to_thread(_apply_template, tokenizer, converted)
     except Exception as exc:  # jinja raises for conversations the template refuses (e.g. role order)
-        raise bad_request(f"messages: the chat template refused them: {exc}", param="messages",
-                          code="chat_template_error") from None
+        raise bad_request(
+            f"messages: the chat template refused them: {exc}", param="messages", code="chat_template_error"
+        ) from None
     if not ids:
         raise bad_request("messages make an empty prompt", param="messages", code="empty_input")
     return ids
@@ -58,8 +63,12 @@ def completion_inputs(prompt: str | list, max_prompts: int) -> list[str | list[i
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         return [prompt]
     if len(prompt) > max_prompts:
-        raise bad_request(f"prompt: a list of {len(prompt)} prompts is more than this server takes in one "
-                          f"request ({max_prompts}); split it", param="prompt", code="too_many_prompts")
+        raise bad_request(
+            f"prompt: a list of {len(prompt)} prompts is more than this server takes in one "
+            f"request ({max_prompts}); split it",
+            param="prompt",
+            code="too_many_prompts",
+        )
     return list(prompt)
 
 

@@ -27,9 +27,17 @@ REDIS_RETRY_AFTER_S = 1  # a restarting Redis is usually back within seconds
 class ApiError(Exception):
     """An error answer; ``reason`` (when set) is counted as a rejected request."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error",
-                 reason: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        reason: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.detail = ErrorDetail(message=message, type=kind, param=param, code=code)
@@ -37,8 +45,9 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def bad_request(message: str, *, param: str | None = None, code: str | None = None,
-                reason: str = "invalid_request") -> ApiError:
+def bad_request(
+    message: str, *, param: str | None = None, code: str | None = None, reason: str = "invalid_request"
+) -> ApiError:
     return ApiError(400, message, param=param, code=code, reason=reason)
 
 
@@ -46,8 +55,7 @@ def not_found(request_id: str) -> ApiError:
     return ApiError(404, f"no request {request_id}", param="id", code="not_found", kind="not_found_error")
 
 
-def retry_later(status: int, message: str, code: str, retry_after_s: float,
-                kind: str = "server_error") -> ApiError:
+def retry_later(status: int, message: str, code: str, retry_after_s: float, kind: str = "server_error") -> ApiError:
     """A 429 or 503 the client should retry: ``code`` doubles as the rejection reason."""
     headers = {"Retry-After": str(max(1, math.ceil(retry_after_s))), REJECT_REASON_HEADER: code}
     return ApiError(status, message, code=code, kind=kind, reason=code, headers=headers)

@@ -22,9 +22,18 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from producer.api.errors import ApiError
-from producer.api.openai_types import (ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatMessageOut,
-                                   ChatTokenLogprob, ChatTopLogprob, CompletionChoice, CompletionLogprobs,
-                                   CompletionResponse, Usage)
+from producer.api.openai_types import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    Usage,
+)
 from shared.schemas import TokenChunk
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # "abort": vLLM's name
@@ -63,8 +72,11 @@ def _token_str(tokenizer: Any, token_id: int) -> str:
 
 
 def _usage(call: Call, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens=call.prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=call.prompt_tokens + completion_tokens)
+    return Usage(
+        prompt_tokens=call.prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=call.prompt_tokens + completion_tokens,
+    )
 
 
 def _raise_if_failed(last: TokenChunk) -> None:
@@ -80,8 +92,7 @@ def response(call: Call, chunks: list[TokenChunk], tokenizer: Any) -> Completion
     choices = [_choice(call, i, own, tokenizer) for i, own in enumerate(by_choice)]
     usage = _usage(call, sum(c.token_id is not None for c in chunks))
     if call.kind == "chat":
-        return ChatCompletionResponse(id=call.id, created=call.created, model=call.model, choices=choices,
-                                      usage=usage)
+        return ChatCompletionResponse(id=call.id, created=call.created, model=call.model, choices=choices, usage=usage)
     return CompletionResponse(id=call.id, created=call.created, model=call.model, choices=choices, usage=usage)
 
 
@@ -126,9 +137,12 @@ def _completion_logprobs(tokenizer: Any, tokens: list[TokenChunk], offset: int) 
     # Up to logprobs + 1 entries a position: the alternatives asked for, and the chosen token
     # (alone with logprobs=0, as OpenAI and vLLM answer).
     top = [_completion_top(tokenizer, c) for c in tokens]
-    return CompletionLogprobs(tokens=[_token_str(tokenizer, c.token_id) for c in tokens],
-                              token_logprobs=[_logprob(c.logprob) for c in tokens], top_logprobs=top,
-                              text_offset=offsets)
+    return CompletionLogprobs(
+        tokens=[_token_str(tokenizer, c.token_id) for c in tokens],
+        token_logprobs=[_logprob(c.logprob) for c in tokens],
+        top_logprobs=top,
+        text_offset=offsets,
+    )
 
 
 def sse_data(payload: Any) -> str:
@@ -149,9 +163,13 @@ class StreamRenderer:
 
     def _event(self, choice: dict[str, Any] | None, index: int = 0) -> str:
         call = self.call
-        body: dict[str, Any] = {"id": call.id, "object": "chat.completion.chunk" if call.kind == "chat"
-                                else "text_completion", "created": call.created, "model": call.model,
-                                "choices": [] if choice is None else [{"index": index, **choice}]}
+        body: dict[str, Any] = {
+            "id": call.id,
+            "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
+            "created": call.created,
+            "model": call.model,
+            "choices": [] if choice is None else [{"index": index, **choice}],
+        }
         if call.include_usage:
             body["usage"] = None
         return sse_data(body)
@@ -165,8 +183,10 @@ class StreamRenderer:
     def start(self) -> list[str]:
         """Each choice's opening: its role (chat) or the echoed prompt (completions)."""
         if self.call.kind == "chat":  # OpenAI's first chunk of a choice names the role
-            return [self._event({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}, i) for i in range(self.call.num_choices)]
+            return [
+                self._event({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}, i)
+                for i in range(self.call.num_choices)
+            ]
         if self.call.echo:
             self.offsets = [len(self.call.echo_of(i)) for i in range(self.call.num_choices)]
             return [self._event(self._text_choice(self.call.echo_of(i)), i) for i in range(self.call.num_choices)]
@@ -177,8 +197,12 @@ class StreamRenderer:
             if self.failed:  # a group's samples all end with it: one error event
                 return []
             self.failed = True
-            error = {"message": chunk.error or "generation failed", "type": "server_error", "param": None,
-                     "code": "generation_failed"}
+            error = {
+                "message": chunk.error or "generation failed",
+                "type": "server_error",
+                "param": None,
+                "code": "generation_failed",
+            }
             return [sse_data({"error": error})]
         reason = FINISH_REASONS.get(chunk.finish_reason, chunk.finish_reason) if chunk.finished else None
         logprobs = None
@@ -199,8 +223,13 @@ class StreamRenderer:
     def end(self) -> list[str]:
         events = []
         if self.call.include_usage and not self.failed:
-            body = {"id": self.call.id, "object": "chat.completion.chunk" if self.call.kind == "chat"
-                    else "text_completion", "created": self.call.created, "model": self.call.model,
-                    "choices": [], "usage": _usage(self.call, self.completion_tokens).model_dump()}
+            body = {
+                "id": self.call.id,
+                "object": "chat.completion.chunk" if self.call.kind == "chat" else "text_completion",
+                "created": self.call.created,
+                "model": self.call.model,
+                "choices": [],
+                "usage": _usage(self.call, self.completion_tokens).model_dump(),
+            }
             events.append(sse_data(body))
         return [*events, DONE]

@@ -68,11 +68,17 @@ class _SamplingFields(_Request):
         temperature = 1.0 if self.temperature is None else self.temperature
         greedy = temperature < GREEDY_BELOW
         return SamplingParams(
-            max_new_tokens=max_new_tokens, min_new_tokens=self.min_tokens, do_sample=not greedy,
-            temperature=1.0 if greedy else temperature, top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k if self.top_k not in (None, 0) else -1, min_p=self.min_p or 0.0,
-            ignore_eos=self.ignore_eos, seed=self.seed,
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=self.min_tokens,
+            do_sample=not greedy,
+            temperature=1.0 if greedy else temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k if self.top_k not in (None, 0) else -1,
+            min_p=self.min_p or 0.0,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             stop_sequences=stop_strings(self.stop, tokenizer, "stop"),
             top_logprobs=self.num_top_logprobs,
@@ -96,8 +102,6 @@ def _unsupported(param: str, detail: str = "") -> Exception:
     return bad_request(f"{param}{detail} is not supported yet", param=param, code="unsupported_parameter")
 
 
-
-
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
@@ -109,8 +113,11 @@ class CompletionRequest(_SamplingFields):
         self.check_common()
         if self.best_of is not None and self.best_of != self.num_choices:
             # OpenAI's best_of > n ranks candidates by log-probability; lightq returns every sample.
-            raise _unsupported("best_of", f" = {self.best_of} with n = {self.num_choices} (only best_of == n: "
-                                          f"ranking samples is not implemented)")
+            raise _unsupported(
+                "best_of",
+                f" = {self.best_of} with n = {self.num_choices} (only best_of == n: "
+                f"ranking samples is not implemented)",
+            )
         if self.suffix:
             raise _unsupported("suffix")
         if self.echo and self.logprobs is not None:
@@ -159,6 +166,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ---- answers ----
+
 
 class Usage(BaseModel):
     prompt_tokens: int

@@ -15,14 +15,20 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
-from producer.api.api_types import (BODY_DOC, GenerateResult, TokenDetail, dump_without_empty_error,
-                                special_ids, stream_event)
-from producer.edge.auth import CallerDep
-from producer.deps import GenerateBodyDep, ServicesDep
+from producer.api.api_types import (
+    BODY_DOC,
+    GenerateResult,
+    TokenDetail,
+    dump_without_empty_error,
+    special_ids,
+    stream_event,
+)
 from producer.api.errors import ApiError, bad_request
 from producer.api.params import check_group
-from producer.streams.streaming import EventStream, collect, follower, sse
 from producer.api.submit import abandon, submit
+from producer.deps import GenerateBodyDep, ServicesDep
+from producer.edge.auth import CallerDep
+from producer.streams.streaming import EventStream, collect, follower, sse
 from shared.schemas import TokenChunk
 
 router = APIRouter()
@@ -33,8 +39,11 @@ PID_HEADER = "X-Lightq-Pid"  # which of the --producers processes answered
 @router.post("/generate", response_model=GenerateResult, openapi_extra=BODY_DOC)
 async def generate(request: Request, body: GenerateBodyDep, services: ServicesDep, caller: CallerDep) -> Response:
     queued = await submit(body, "generate", services, caller.key_hash)
-    chunks = await collect(follower(services, queued.id, queued.n), request.is_disconnected,
-                           functools.partial(abandon, services, queued.id))
+    chunks = await collect(
+        follower(services, queued.id, queued.n),
+        request.is_disconnected,
+        functools.partial(abandon, services, queued.id),
+    )
     if chunks is None:
         return Response(status_code=499)  # nobody is listening any more
     result = generate_result(chunks, queued.num_prompt_tokens, body.params.return_details, queued.n)
@@ -49,8 +58,7 @@ def failed(result: GenerateResult) -> bool:
     return "error" in reasons
 
 
-def generate_result(chunks: list[TokenChunk], prompt_tokens: int, details: bool = False,
-                    n: int = 1) -> GenerateResult:
+def generate_result(chunks: list[TokenChunk], prompt_tokens: int, details: bool = False, n: int = 1) -> GenerateResult:
     """LightLLM's answer: text per sample; counts, reasons and details scalar for n=1, per sample above."""
     tokens = [[c for c in chunks if c.choice == i and c.token_id is not None] for i in range(n)]
     last = [[c for c in chunks if c.choice == i][-1] for i in range(n)]
@@ -70,11 +78,15 @@ def generate_result(chunks: list[TokenChunk], prompt_tokens: int, details: bool 
 
 
 @router.post("/generate_stream", openapi_extra=BODY_DOC, response_class=EventStream)
-async def generate_stream(request: Request, body: GenerateBodyDep, services: ServicesDep,
-                          caller: CallerDep) -> EventStream:
+async def generate_stream(
+    request: Request, body: GenerateBodyDep, services: ServicesDep, caller: CallerDep
+) -> EventStream:
     if check_group(body.params.n, body.params.best_of, "parameters.") > 1:  # LightLLM's rule too
-        raise bad_request("parameters.best_of must be 1 on /generate_stream (its events have no sample "
-                          "index): use /generate, or /v1/completions with stream and n", param="parameters.best_of")
+        raise bad_request(
+            "parameters.best_of must be 1 on /generate_stream (its events have no sample "
+            "index): use /generate, or /v1/completions with stream and n",
+            param="parameters.best_of",
+        )
     queued = await submit(body, "generate_stream", services, caller.key_hash)
     special = special_ids(services.tokenizer)  # LightLLM's "special" flag of each token event
     events = sse(
@@ -102,5 +114,4 @@ async def health(services: ServicesDep) -> JSONResponse:
 @router.get("/metrics", response_class=Response)
 async def metrics(services: ServicesDep) -> Response:
     """Counters and histograms as they are, the cluster gauges of the last refresh: no Redis here."""
-    return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST,
-                    headers={PID_HEADER: str(os.getpid())})
+    return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST, headers={PID_HEADER: str(os.getpid())})

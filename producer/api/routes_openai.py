@@ -19,16 +19,16 @@ from fastapi.responses import JSONResponse
 
 from producer import store
 from producer.api.api_types import body_doc
-from producer.edge.auth import CallerDep
 from producer.api.chat import chat_prompt_ids, completion_inputs, prompt_text
-from producer.deps import Services, ServicesDep, parse_body
 from producer.api.errors import ApiError, bad_request
-from producer.streams.merged_follower import MergedFollower
 from producer.api.openai_render import Call, StreamRenderer, response
 from producer.api.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from producer.api.params import check_prompt_length
-from producer.streams.streaming import EventStream, collect, follower, rendered
 from producer.api.submit import abandon_all, enqueue, new_request, prompt_ids
+from producer.deps import Services, ServicesDep, parse_body
+from producer.edge.auth import CallerDep
+from producer.streams.merged_follower import MergedFollower
+from producer.streams.streaming import EventStream, collect, follower, rendered
 from shared.schemas import GenerateRequest
 
 router = APIRouter(prefix="/v1")
@@ -37,8 +37,12 @@ ERRORS = {400: {"description": "invalid parameters (OpenAI error shape)"}, 404: 
 
 
 def _card(services: Services) -> ModelCard:
-    return ModelCard(id=services.model_id, created=STARTED, root=services.model_id,
-                     max_model_len=services.settings.model.max_req_total_len)
+    return ModelCard(
+        id=services.model_id,
+        created=STARTED,
+        root=services.model_id,
+        max_model_len=services.settings.model.max_req_total_len,
+    )
 
 
 @router.get("/models")
@@ -55,8 +59,13 @@ async def get_model(model_id: str, services: ServicesDep) -> ModelCard:
 def check_model(model: str, services: Services) -> None:
     """The served model answers to its id (and to the ``--model_dir`` it was started with)."""
     if model not in (services.model_id, services.settings.model.model_dir):
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{services.model_id}'",
-                       param="model", code="model_not_found", reason="unknown_model")
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{services.model_id}'",
+            param="model",
+            code="model_not_found",
+            reason="unknown_model",
+        )
 
 
 def check_context(num_prompt: int, max_new: int, limit: int, where: str) -> None:
@@ -66,7 +75,10 @@ def check_context(num_prompt: int, max_new: int, limit: int, where: str) -> None
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{num_prompt + max_new} tokens ({num_prompt} in the {where}, {max_new} in the completion). "
             f"Please reduce the length of the {where} or completion.",
-            param=where, code="context_length_exceeded", reason="too_long")
+            param=where,
+            code="context_length_exceeded",
+            reason="too_long",
+        )
 
 
 @router.post("/completions", responses=ERRORS, openapi_extra=body_doc(CompletionRequest))
@@ -91,9 +103,18 @@ async def prepare_completions(body: CompletionRequest, services: Services) -> tu
         check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
         queued.append(new_request(ids, params, body.timeout, body.num_choices))
     echo = tuple(prompt_text(inputs, services.tokenizer) for inputs in prompts) if body.echo else ()
-    call = Call("completion", f"cmpl-{queued[0].id}", int(time.time()), body.model,
-                sum(q.num_prompt_tokens for q in queued), logprobs=body.logprobs is not None,
-                include_usage=body.include_usage, echo=echo, n=body.num_choices, num_prompts=len(queued))
+    call = Call(
+        "completion",
+        f"cmpl-{queued[0].id}",
+        int(time.time()),
+        body.model,
+        sum(q.num_prompt_tokens for q in queued),
+        logprobs=body.logprobs is not None,
+        include_usage=body.include_usage,
+        echo=echo,
+        n=body.num_choices,
+        num_prompts=len(queued),
+    )
     return queued, call
 
 
@@ -101,8 +122,11 @@ async def prepare_completion(body: CompletionRequest, services: Services) -> tup
     """A batch line's completion: one prompt (its answer is one line of the output file)."""
     queued, call = await prepare_completions(body, services)
     if len(queued) > 1:
-        raise bad_request(f"prompt: a batch line takes one prompt, got {len(queued)}; give each its own line",
-                          param="prompt", code="too_many_prompts")
+        raise bad_request(
+            f"prompt: a batch line takes one prompt, got {len(queued)}; give each its own line",
+            param="prompt",
+            code="too_many_prompts",
+        )
     return queued[0], call
 
 
@@ -113,8 +137,9 @@ async def _enqueue_all(queued: list[GenerateRequest], route: str, services: Serv
             await enqueue(one, route, services, key_hash)
         except Exception:
             for earlier in queued[:count]:
-                await store.request_cancel(services.redis, services.keys, earlier.id,
-                                           services.settings.redis.request_ttl_s)
+                await store.request_cancel(
+                    services.redis, services.keys, earlier.id, services.settings.redis.request_ttl_s
+                )
             raise
 
 
@@ -137,21 +162,32 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     max_new = body.requested_max_tokens or max(limit - len(ids), 1)
     check_context(len(ids), max_new, limit, "messages")
     queued = new_request(ids, body.sampling(max_new, services.tokenizer), body.timeout, body.num_choices)
-    call = Call("chat", f"chatcmpl-{queued.id}", int(time.time()), body.model, len(ids),
-                logprobs=body.logprobs, include_usage=body.include_usage, n=queued.n)
+    call = Call(
+        "chat",
+        f"chatcmpl-{queued.id}",
+        int(time.time()),
+        body.model,
+        len(ids),
+        logprobs=body.logprobs,
+        include_usage=body.include_usage,
+        n=queued.n,
+    )
     return queued, call
 
 
-async def _answer(request: Request, services: Services, queued: list[GenerateRequest], call: Call,
-                  stream: bool) -> Response:
+async def _answer(
+    request: Request, services: Services, queued: list[GenerateRequest], call: Call, stream: bool
+) -> Response:
     """Follow the requests (one per prompt) to the end; a client that leaves cancels them all."""
     followers = [follower(services, one.id, one.n) for one in queued]
     reader = followers[0] if len(followers) == 1 else MergedFollower(followers)
     on_abandon = functools.partial(abandon_all, services, [one.id for one in queued])
     if stream:
         renderer = StreamRenderer(call, services.tokenizer)
-        return EventStream(rendered(reader, renderer, request.is_disconnected, on_abandon),
-                           request_id=queued[0].id if len(queued) == 1 else None)
+        return EventStream(
+            rendered(reader, renderer, request.is_disconnected, on_abandon),
+            request_id=queued[0].id if len(queued) == 1 else None,
+        )
     chunks = await collect(reader, request.is_disconnected, on_abandon)
     if chunks is None:
         return Response(status_code=499)  # nobody is listening any more

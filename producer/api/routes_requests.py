@@ -15,12 +15,12 @@ from fastapi import APIRouter, Header, Response
 
 from producer import store
 from producer.api.api_types import BODY_DOC, RequestView, SubmitAccepted
-from producer.edge.auth import Caller, CallerDep
-from producer.deps import GenerateBodyDep, RequestIdDep, Services, ServicesDep
 from producer.api.errors import bad_request, not_found
 from producer.api.params import check_group
-from producer.streams.streaming import EventStream, follower, replay_event, sse
 from producer.api.submit import submit
+from producer.deps import GenerateBodyDep, RequestIdDep, Services, ServicesDep
+from producer.edge.auth import Caller, CallerDep
+from producer.streams.streaming import EventStream, follower, replay_event, sse
 from shared.schemas import RequestMeta
 
 router = APIRouter(prefix="/v1/requests")
@@ -33,8 +33,11 @@ UINT64_MAX = 2**64 - 1
 @router.post("", status_code=202, openapi_extra=BODY_DOC)
 async def submit_request(body: GenerateBodyDep, services: ServicesDep, caller: CallerDep) -> SubmitAccepted:
     if check_group(body.params.n, body.params.best_of, "parameters.") > 1:
-        raise bad_request("parameters.best_of must be 1 here (a request's record holds one output): "
-                          "use /generate or the OpenAI routes for n > 1", param="parameters.best_of")
+        raise bad_request(
+            "parameters.best_of must be 1 here (a request's record holds one output): "
+            "use /generate or the OpenAI routes for n > 1",
+            param="parameters.best_of",
+        )
     queued = await submit(body, "requests", services, caller.key_hash)
     base = f"/v1/requests/{queued.id}"
     return SubmitAccepted(id=queued.id, status_url=base, stream_url=f"{base}/stream")
@@ -50,8 +53,11 @@ async def _meta_or_404(services: Services, request_id: str, caller: Caller) -> R
 async def request_view(services: Services, request_id: str, meta: RequestMeta) -> RequestView:
     """The status hash plus the (de-duplicated) output so far."""
     reader = follower(services, request_id)
-    delivered = [accepted for _, chunk in await store.read_range(services.redis, services.keys, request_id)
-                 for accepted in reader.accept(chunk)]
+    delivered = [
+        accepted
+        for _, chunk in await store.read_range(services.redis, services.keys, request_id)
+        for accepted in reader.accept(chunk)
+    ]
     tokens = [chunk for chunk in delivered if chunk.token_id is not None]
     return RequestView(
         id=request_id,
@@ -76,10 +82,13 @@ async def get_request(request_id: RequestIdDep, services: ServicesDep, caller: C
     return await request_view(services, request_id, await _meta_or_404(services, request_id, caller))
 
 
-@router.delete("/{request_id}", responses={202: {"description": "cancel requested, not yet done"},
-                                           404: {"description": "unknown id"}})
-async def cancel_request(request_id: RequestIdDep, services: ServicesDep, caller: CallerDep,
-                         response: Response) -> RequestView:
+@router.delete(
+    "/{request_id}",
+    responses={202: {"description": "cancel requested, not yet done"}, 404: {"description": "unknown id"}},
+)
+async def cancel_request(
+    request_id: RequestIdDep, services: ServicesDep, caller: CallerDep, response: Response
+) -> RequestView:
     """Set the cancel key and wait (briefly) for the holder to finalise the request."""
     meta = await _meta_or_404(services, request_id, caller)
     if not meta.status.is_terminal:
@@ -99,8 +108,9 @@ async def _wait_terminal(services: Services, request_id: str, meta: RequestMeta)
 
 
 @router.get("/{request_id}/stream", response_class=EventStream, responses={404: {"description": "unknown id"}})
-async def stream_request(request_id: RequestIdDep, services: ServicesDep, caller: CallerDep,
-                         last_event_id: str | None = Header(None)) -> EventStream:
+async def stream_request(
+    request_id: RequestIdDep, services: ServicesDep, caller: CallerDep, last_event_id: str | None = Header(None)
+) -> EventStream:
     """Replay the chunks as SSE (``id:`` = stream entry id), after ``Last-Event-ID`` if given."""
     await _meta_or_404(services, request_id, caller)
     reader = follower(services, request_id)

@@ -10,10 +10,10 @@ from typing import Any
 
 from producer import store
 from producer.api.api_types import GenerateBody
-from producer.edge.backlog import Gate
-from producer.deps import Services
 from producer.api.errors import bad_request
 from producer.api.params import check_group, check_prompt_length, native_sampling
+from producer.deps import Services
+from producer.edge.backlog import Gate
 from shared.config import ProducerSettings
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, SamplingParams
@@ -31,8 +31,12 @@ async def prompt_ids(inputs: str | list[int], tokenizer: Any, param: str = "inpu
     vocab_size = len(tokenizer)
     bad = next((token for token in inputs if not 0 <= token < vocab_size), None)
     if bad is not None:
-        raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})",
-                          param=param, code="invalid_token_id", reason="invalid_token_id")
+        raise bad_request(
+            f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})",
+            param=param,
+            code="invalid_token_id",
+            reason="invalid_token_id",
+        )
     return list(inputs)
 
 
@@ -42,12 +46,13 @@ def check_length(num_prompt_tokens: int, max_new_tokens: int, max_req_total_len:
         raise bad_request(
             f"prompt has {num_prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: "
             f"{total} exceeds max_req_total_len {max_req_total_len}",
-            param="inputs", code="context_length_exceeded", reason="too_long",
+            param="inputs",
+            code="context_length_exceeded",
+            reason="too_long",
         )
 
 
-def new_request(ids: list[int], params: SamplingParams, timeout_s: float | None = None,
-                n: int = 1) -> GenerateRequest:
+def new_request(ids: list[int], params: SamplingParams, timeout_s: float | None = None, n: int = 1) -> GenerateRequest:
     """A new request; its id (uuid4: 122 random bits) is unguessable, which status URLs rely on.
 
     ``timeout_s`` becomes an absolute ``deadline_ms`` the router checks while the request waits.
@@ -59,8 +64,9 @@ def new_request(ids: list[int], params: SamplingParams, timeout_s: float | None 
     deadline = None if timeout_s is None else created + math.ceil(timeout_s * 1000)
     if n > 1 and params.seed is None and not params.is_greedy:
         params = params.model_copy(update={"seed": secrets.randbits(63)})
-    return GenerateRequest(id=uuid.uuid4().hex, prompt_ids=ids, params=params, created_ms=created,
-                           deadline_ms=deadline, n=n)
+    return GenerateRequest(
+        id=uuid.uuid4().hex, prompt_ids=ids, params=params, created_ms=created, deadline_ms=deadline, n=n
+    )
 
 
 async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings) -> GenerateRequest:
@@ -72,8 +78,9 @@ async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings
     return new_request(ids, params, body.params.timeout, n)
 
 
-async def enqueue(request: GenerateRequest, route: str, services: Services,
-                  key_hash: str | None = None) -> GenerateRequest:
+async def enqueue(
+    request: GenerateRequest, route: str, services: Services, key_hash: str | None = None
+) -> GenerateRequest:
     """Write the request (status hash + ingress entry) and count it; 429/503 when overloaded.
 
     ``key_hash`` (``producer.edge.auth``) marks the request as the submitting key's own.

@@ -19,13 +19,22 @@ import time
 from typing import Any
 
 from producer import store
-from producer.batches.records import (BatchLine, BatchRecord, BatchStatus, Prepared, error_body, now_s, output_line,
-                              parse_lines, prepare_line)
-from producer.deps import Services
 from producer.api.errors import ApiError
+from producer.api.submit import enqueue
+from producer.batches.records import (
+    BatchLine,
+    BatchRecord,
+    BatchStatus,
+    Prepared,
+    error_body,
+    now_s,
+    output_line,
+    parse_lines,
+    prepare_line,
+)
+from producer.deps import Services
 from producer.monitoring.metrics import ProducerMetrics
 from producer.streams.streaming import ChunkFollower
-from producer.api.submit import enqueue
 from shared.config import ProducerSettings
 from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve, served_name
@@ -53,9 +62,14 @@ def run_batch(batch_id: str, settings: dict) -> dict:
 
 async def _run(batch_id: str, settings: ProducerSettings) -> dict:
 
-    services = Services(settings=settings, keys=settings.redis.keys, redis=async_client(settings.redis),
-                        tokenizer=tokenizer_for(settings.model.model_dir), metrics=ProducerMetrics(),
-                        model_id=served_name(settings.model.model_dir, settings.model.served_model_name))
+    services = Services(
+        settings=settings,
+        keys=settings.redis.keys,
+        redis=async_client(settings.redis),
+        tokenizer=tokenizer_for(settings.model.model_dir),
+        metrics=ProducerMetrics(),
+        model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
+    )
     try:
         return await Feeder(services, batch_id).run()
     finally:
@@ -69,8 +83,12 @@ def on_failure(job: Any, connection: Any, exc_type: type, exc: BaseException, tr
     batch_id, settings = job.args
     keys = Keys(settings["redis"]["key_prefix"])
     name = getattr(exc_type, "__name__", "error")
-    connection.hset(keys.batch(batch_id), mapping=BatchRecord.fields(
-        status=BatchStatus.FAILED, failed_at=now_s(), error=f"the batch job failed: {name}: {exc}"))
+    connection.hset(
+        keys.batch(batch_id),
+        mapping=BatchRecord.fields(
+            status=BatchStatus.FAILED, failed_at=now_s(), error=f"the batch job failed: {name}: {exc}"
+        ),
+    )
 
 
 class Feeder:
@@ -109,8 +127,19 @@ class Feeder:
             _raise_failed(tasks)
             if index not in sent and await self.cancel_requested():
                 slots.release()
-                await self._record(index, output_line(line.custom_id, None, None, None, error={
-                    "code": "batch_cancelled", "message": "the batch was cancelled before this request was sent"}))
+                await self._record(
+                    index,
+                    output_line(
+                        line.custom_id,
+                        None,
+                        None,
+                        None,
+                        error={
+                            "code": "batch_cancelled",
+                            "message": "the batch was cancelled before this request was sent",
+                        },
+                    ),
+                )
                 continue
             tasks.add(asyncio.create_task(self._one(index, line, sent.get(index), slots)))
         await asyncio.gather(*tasks)
@@ -172,10 +201,15 @@ class Feeder:
             pipe.set(self.keys.batch_output(self.batch_id), output)
             pipe.delete(self.keys.batch_results(self.batch_id), self.keys.batch_inflight(self.batch_id))
             done_at = {"cancelled_at" if status is BatchStatus.CANCELLED else "completed_at": now_s()}
-            pipe.hset(self.keys.batch(self.batch_id), mapping=BatchRecord.fields(
-                status=status, expires_at=now_s() + ttl_s, **done_at))
-            for key in (self.keys.batch(self.batch_id), self.keys.batch_input(self.batch_id),
-                        self.keys.batch_output(self.batch_id)):
+            pipe.hset(
+                self.keys.batch(self.batch_id),
+                mapping=BatchRecord.fields(status=status, expires_at=now_s() + ttl_s, **done_at),
+            )
+            for key in (
+                self.keys.batch(self.batch_id),
+                self.keys.batch_input(self.batch_id),
+                self.keys.batch_output(self.batch_id),
+            ):
                 pipe.expire(key, ttl_s)
             await pipe.execute()
         log.info("batch %s %s: %d lines", self.batch_id, status.value, total)

@@ -23,13 +23,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from producer.api.api_types import ErrorBody, GenerateBody, dump_without_empty_error
-from producer.deps import Services
 from producer.api.errors import ApiError, bad_request, from_validation
 from producer.api.openai_render import Call, response
 from producer.api.openai_types import ChatCompletionRequest, CompletionRequest
 from producer.api.routes_native import failed, generate_result
 from producer.api.routes_openai import prepare_chat, prepare_completion
 from producer.api.submit import prepare
+from producer.deps import Services
 from shared.schemas import GenerateRequest, TokenChunk
 
 URLS = ("/v1/completions", "/v1/chat/completions", "/generate")
@@ -62,16 +62,21 @@ def parse_lines(text: str, max_requests: int) -> list[BatchLine]:
             continue
         line = _parse_line(raw, number)
         if line.custom_id in first_use:
-            raise _line_error(number, f"custom_id {line.custom_id!r} is already used on line "
-                                      f"{first_use[line.custom_id]}", "duplicate_custom_id")
+            raise _line_error(
+                number,
+                f"custom_id {line.custom_id!r} is already used on line {first_use[line.custom_id]}",
+                "duplicate_custom_id",
+            )
         first_use[line.custom_id] = number
         lines.append(line)
         if len(lines) > max_requests:
-            raise bad_request(f"the file has more than {max_requests} requests", code="too_many_requests",
-                              reason="invalid_batch")
+            raise bad_request(
+                f"the file has more than {max_requests} requests", code="too_many_requests", reason="invalid_batch"
+            )
     if not lines:
-        raise bad_request("the file has no requests (one JSON object a line)", code="empty_file",
-                          reason="invalid_batch")
+        raise bad_request(
+            "the file has no requests (one JSON object a line)", code="empty_file", reason="invalid_batch"
+        )
     return lines
 
 
@@ -148,15 +153,24 @@ def error_body(exc: ApiError) -> dict:
     return ErrorBody(error=exc.detail).model_dump(mode="json")
 
 
-def output_line(custom_id: str, request_id: str | None, status_code: int | None, body: dict | None,
-                error: dict | None = None) -> str:
+def output_line(
+    custom_id: str, request_id: str | None, status_code: int | None, body: dict | None, error: dict | None = None
+) -> str:
     """One line of the output file; ``response`` is None when the request was never sent."""
     answer = None if status_code is None else {"status_code": status_code, "request_id": request_id, "body": body}
-    return json.dumps({"id": f"batch_req_{request_id or uuid.uuid4().hex}", "custom_id": custom_id,
-                       "response": answer, "error": error}, ensure_ascii=False)
+    return json.dumps(
+        {
+            "id": f"batch_req_{request_id or uuid.uuid4().hex}",
+            "custom_id": custom_id,
+            "response": answer,
+            "error": error,
+        },
+        ensure_ascii=False,
+    )
 
 
 # ---- the batch's record: P:{b:ID}:batch ----
+
 
 class BatchStatus(str, Enum):
     QUEUED = "queued"  # validated, waiting for an rq worker
@@ -199,8 +213,11 @@ class BatchRecord(BaseModel):
         for name in values:
             if name not in BatchRecord.model_fields:
                 raise KeyError(f"unknown batch field {name}")
-        return {name: value.value if isinstance(value, Enum) else str(value)
-                for name, value in values.items() if value is not None}
+        return {
+            name: value.value if isinstance(value, Enum) else str(value)
+            for name, value in values.items()
+            if value is not None
+        }
 
 
 def new_batch_id() -> str:

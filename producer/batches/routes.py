@@ -18,12 +18,20 @@ from pydantic import BaseModel
 from rq import Callback, Queue, Retry
 from rq.serializers import JSONSerializer
 
-from producer.edge.auth import Caller, CallerDep
-from producer.batches.job import on_failure, run_batch
-from producer.batches.records import (BatchRecord, BatchStatus, endpoint_of, line_numbers, new_batch_id, now_s,
-                              parse_lines, validate_lines)
-from producer.deps import Services, ServicesDep
 from producer.api.errors import ApiError, bad_request
+from producer.batches.job import on_failure, run_batch
+from producer.batches.records import (
+    BatchRecord,
+    BatchStatus,
+    endpoint_of,
+    line_numbers,
+    new_batch_id,
+    now_s,
+    parse_lines,
+    validate_lines,
+)
+from producer.deps import Services, ServicesDep
+from producer.edge.auth import Caller, CallerDep
 from shared.config import ProducerSettings
 from shared.schemas import RequestStatus
 
@@ -31,8 +39,16 @@ router = APIRouter(prefix="/v1/batches")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
 ERRORS = {404: {"description": "unknown batch"}}
 JSONL = "application/jsonl"
-FILE_DOC = {"requestBody": {"required": True, "content": {JSONL: {"schema": {
-    "type": "string", "description": 'one {"custom_id", "method": "POST", "url", "body"} a line'}}}}}
+FILE_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            JSONL: {
+                "schema": {"type": "string", "description": 'one {"custom_id", "method": "POST", "url", "body"} a line'}
+            }
+        },
+    }
+}
 
 
 class RequestCounts(BaseModel):
@@ -105,8 +121,14 @@ async def create_batch(request: Request, services: ServicesDep, caller: CallerDe
     lines = parse_lines(text, services.settings.batch.max_requests)
     await validate_lines(lines, line_numbers(text), services)
     batch_id, ttl_s = new_batch_id(), services.settings.batch.ttl_s
-    record = BatchRecord(status=BatchStatus.QUEUED, endpoint=endpoint_of(lines), total=len(lines),
-                         created_at=now_s(), expires_at=now_s() + ttl_s, key_hash=caller.key_hash)
+    record = BatchRecord(
+        status=BatchStatus.QUEUED,
+        endpoint=endpoint_of(lines),
+        total=len(lines),
+        created_at=now_s(),
+        expires_at=now_s() + ttl_s,
+        key_hash=caller.key_hash,
+    )
     await asyncio.to_thread(submit_job, services.settings, batch_id, text, record, owner(caller))
     return await _view(services, batch_id, record)
 
@@ -124,11 +146,18 @@ def submit_job(settings: ProducerSettings, batch_id: str, text: str, record: Bat
             pipe.set(keys.batch_input(batch_id), text, ex=batch.ttl_s)
             pipe.zadd(keys.batch_index(owner), {batch_id: record.created_at})
             pipe.expire(keys.batch_index(owner), batch.ttl_s)  # an owner idle for a TTL leaves no index
-            queue.enqueue(run_batch, batch_id, settings.model_dump(mode="json"),
-                          job_id=rq_job_id(settings.redis.key_prefix, batch_id), job_timeout=batch.job_timeout_s,
-                          result_ttl=batch.ttl_s, failure_ttl=batch.ttl_s,
-                          retry=Retry(max=batch.retries) if batch.retries else None,
-                          on_failure=Callback(on_failure), pipeline=pipe)
+            queue.enqueue(
+                run_batch,
+                batch_id,
+                settings.model_dump(mode="json"),
+                job_id=rq_job_id(settings.redis.key_prefix, batch_id),
+                job_timeout=batch.job_timeout_s,
+                result_ttl=batch.ttl_s,
+                failure_ttl=batch.ttl_s,
+                retry=Retry(max=batch.retries) if batch.retries else None,
+                on_failure=Callback(on_failure),
+                pipeline=pipe,
+            )
             pipe.execute()
     finally:
         connection.close()
@@ -149,13 +178,20 @@ async def _view(services: Services, batch_id: str, record: BatchRecord) -> Batch
         status = BatchStatus.CANCELLING
     done = record.completed + record.failed
     return BatchView(
-        id=batch_id, endpoint=record.endpoint, status=status, created_at=record.created_at,
-        in_progress_at=record.in_progress_at, finalizing_at=record.finalizing_at,
-        completed_at=record.completed_at, failed_at=record.failed_at, cancelling_at=record.cancelling_at,
-        cancelled_at=record.cancelled_at, expires_at=record.expires_at,
+        id=batch_id,
+        endpoint=record.endpoint,
+        status=status,
+        created_at=record.created_at,
+        in_progress_at=record.in_progress_at,
+        finalizing_at=record.finalizing_at,
+        completed_at=record.completed_at,
+        failed_at=record.failed_at,
+        cancelling_at=record.cancelling_at,
+        cancelled_at=record.cancelled_at,
+        expires_at=record.expires_at,
         request_counts=RequestCounts(total=record.total, completed=record.completed, failed=record.failed),
-        status_counts=await _status_counts(services, batch_id, record.total - done) | {
-            "completed": record.completed, "failed": record.failed},
+        status_counts=await _status_counts(services, batch_id, record.total - done)
+        | {"completed": record.completed, "failed": record.failed},
         output_url=f"/v1/batches/{batch_id}/output" if status in _WITH_OUTPUT else None,
         error=record.error,
     )
@@ -177,8 +213,9 @@ async def _status_counts(services: Services, batch_id: str, unanswered: int) -> 
 
 
 @router.get("", responses={400: {"description": "unknown `after` batch id"}})
-async def list_batches(services: ServicesDep, caller: CallerDep, limit: int = Query(20, ge=1, le=100),
-                       after: str | None = None) -> BatchList:
+async def list_batches(
+    services: ServicesDep, caller: CallerDep, limit: int = Query(20, ge=1, le=100), after: str | None = None
+) -> BatchList:
     """The caller's batches, newest first; batches past their TTL drop out of the index here."""
     index = services.keys.batch_index(owner(caller))
     await services.redis.zremrangebyscore(index, "-inf", now_s() - services.settings.batch.ttl_s)
@@ -194,8 +231,12 @@ async def list_batches(services: ServicesDep, caller: CallerDep, limit: int = Qu
         raw = await services.redis.hgetall(services.keys.batch(batch_id))
         if raw:  # its record expired before the index was pruned
             views.append(await _view(services, batch_id, BatchRecord.model_validate(raw)))
-    return BatchList(data=views, first_id=views[0].id if views else None, last_id=views[-1].id if views else None,
-                     has_more=len(ids) > limit)
+    return BatchList(
+        data=views,
+        first_id=views[0].id if views else None,
+        last_id=views[-1].id if views else None,
+        has_more=len(ids) > limit,
+    )
 
 
 @router.get("/{batch_id}", responses=ERRORS)
@@ -203,14 +244,21 @@ async def get_batch(batch_id: BatchIdDep, services: ServicesDep, caller: CallerD
     return await _view(services, batch_id, await _record_or_404(services, batch_id, caller))
 
 
-@router.get("/{batch_id}/output", response_class=Response,
-            responses={**ERRORS, 200: {"content": {JSONL: {}}}, 409: {"description": "not finished yet"}})
+@router.get(
+    "/{batch_id}/output",
+    response_class=Response,
+    responses={**ERRORS, 200: {"content": {JSONL: {}}}, 409: {"description": "not finished yet"}},
+)
 async def get_output(batch_id: BatchIdDep, services: ServicesDep, caller: CallerDep) -> Response:
     """The output JSONL, in input order, once the batch is completed (or cancelled)."""
     record = await _record_or_404(services, batch_id, caller)
     if record.status not in _WITH_OUTPUT:
-        raise ApiError(409, f"batch {batch_id} is {record.status.value}: its output is not ready",
-                       param="batch_id", code="batch_not_finished")
+        raise ApiError(
+            409,
+            f"batch {batch_id} is {record.status.value}: its output is not ready",
+            param="batch_id",
+            code="batch_not_finished",
+        )
     output = await services.redis.get(services.keys.batch_output(batch_id))
     if output is None:
         raise _not_found(batch_id)

@@ -83,7 +83,8 @@ def run(settings: RqWorkerSettings) -> None:
     setup_logging()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # job processes are forked from this one
     janitor = multiprocessing.get_context("fork").Process(
-        target=run_janitor, args=(settings.model_dump(mode="json"),), name="lightq-janitor")
+        target=run_janitor, args=(settings.model_dump(mode="json"),), name="lightq-janitor"
+    )
     janitor.start()
     connection = redis.Redis.from_url(settings.redis.url)
     try:
@@ -91,8 +92,9 @@ def run(settings: RqWorkerSettings) -> None:
 
         tokenizer_for(settings.model.model_dir)  # once here; every forked job process has it
         batch_queue = queue(settings.batch.queue, connection)
-        work_through_outages(settings.redis.url, lambda: BatchWorker(
-            [batch_queue], connection=connection, serializer=JSONSerializer))
+        work_through_outages(
+            settings.redis.url, lambda: BatchWorker([batch_queue], connection=connection, serializer=JSONSerializer)
+        )
     finally:
         janitor.terminate()
         janitor.join(timeout=10)
@@ -110,8 +112,13 @@ def run_janitor(settings: dict) -> None:
     def janitor() -> JanitorWorker:
         schedule_housekeeping(janitor_queue, parsed, time.time())  # revives a chain broken by an outage
         # Maintenance (and the scheduler check in it) runs between dequeues: at least every interval.
-        return JanitorWorker([janitor_queue], connection=connection, serializer=JSONSerializer,
-                             worker_ttl=interval + 15, maintenance_interval=interval)
+        return JanitorWorker(
+            [janitor_queue],
+            connection=connection,
+            serializer=JSONSerializer,
+            worker_ttl=interval + 15,
+            maintenance_interval=interval,
+        )
 
     work_through_outages(parsed.redis.url, janitor, with_scheduler=True)
 
@@ -159,9 +166,15 @@ def schedule_housekeeping(janitor_queue: Queue, settings: RqWorkerSettings, at: 
     slot = int(at // interval)
     try:
         janitor_queue.enqueue_at(
-            datetime.fromtimestamp(slot * interval, tz=timezone.utc), housekeeping, settings.model_dump(mode="json"),
-            job_id=housekeeping_job_id(settings.redis.key_prefix, slot), unique=True,
-            result_ttl=3 * interval, failure_ttl=86_400, job_timeout=max(interval, 60))
+            datetime.fromtimestamp(slot * interval, tz=timezone.utc),
+            housekeeping,
+            settings.model_dump(mode="json"),
+            job_id=housekeeping_job_id(settings.redis.key_prefix, slot),
+            unique=True,
+            result_ttl=3 * interval,
+            failure_ttl=86_400,
+            job_timeout=max(interval, 60),
+        )
         return True
     except DuplicateJobError:
         return False
@@ -173,14 +186,23 @@ def housekeeping(settings: dict) -> dict:
     connection = redis.Redis.from_url(parsed.redis.url)
     client = sync_client(parsed.redis)
     try:
-        schedule_housekeeping(queue(parsed.housekeeping.queue, connection), parsed,
-                              time.time() + parsed.housekeeping.interval_s)
-        done = run_all(client, parsed.redis.keys, ttl_s=parsed.redis.request_ttl_s,
-                       stale_worker_s=parsed.housekeeping.stale_worker_s,
-                       scan_count=parsed.housekeeping.scan_count)
+        schedule_housekeeping(
+            queue(parsed.housekeeping.queue, connection), parsed, time.time() + parsed.housekeeping.interval_s
+        )
+        done = run_all(
+            client,
+            parsed.redis.keys,
+            ttl_s=parsed.redis.request_ttl_s,
+            stale_worker_s=parsed.housekeeping.stale_worker_s,
+            scan_count=parsed.housekeeping.scan_count,
+        )
         done["batch_jobs_retried"] = retry_abandoned(queue(parsed.batch.queue, connection))
-        if done["ingress_trimmed"] or done["workers_dropped"] or done["batch_jobs_retried"] or \
-                any(done["request_records"].values()):
+        if (
+            done["ingress_trimmed"]
+            or done["workers_dropped"]
+            or done["batch_jobs_retried"]
+            or any(done["request_records"].values())
+        ):
             log.info("housekeeping: %s", done)
         return done
     finally:

@@ -36,8 +36,8 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 
-from producer.deps import Services, get_services
 from producer.api.errors import ApiError, retry_later
+from producer.deps import Services, get_services
 
 # Liveness probes stay open (they tell nothing but "up"); /metrics only with --metrics_open.
 OPEN_PATHS = frozenset({"/health", "/healthz"})
@@ -71,12 +71,12 @@ class Caller:
 
 
 def unauthorized(message: str) -> ApiError:
-    return ApiError(401, message, code="invalid_api_key", reason="unauthorized",
-                    headers={"WWW-Authenticate": "Bearer"})
+    return ApiError(401, message, code="invalid_api_key", reason="unauthorized", headers={"WWW-Authenticate": "Bearer"})
 
 
-async def authenticate(request: Request,
-                       credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
+async def authenticate(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Caller:
     """The app-wide dependency: who is asking (``KeyGuard`` already checked the key), and 429 past
     the key's rate. Checks the bearer key itself where no ``KeyGuard`` ran (an app without it)."""
     services = get_services(request)
@@ -105,8 +105,13 @@ async def check_rate(services: Services, key_hash: str) -> None:
         pipe.expire(counter, 2 * WINDOW_S)  # outlives its minute, then goes by itself
         count, _ = await pipe.execute()
     if count > limit:
-        raise retry_later(429, f"rate limit reached: {limit} requests per minute for this API key",
-                          "rate_limited", WINDOW_S - now % WINDOW_S, kind="rate_limit_error")
+        raise retry_later(
+            429,
+            f"rate limit reached: {limit} requests per minute for this API key",
+            "rate_limited",
+            WINDOW_S - now % WINDOW_S,
+            kind="rate_limit_error",
+        )
 
 
 CallerDep = Annotated[Caller, Depends(authenticate)]

@@ -121,13 +121,18 @@ class Gate:
         await self.check_workers()
         # A group's samples share the prompt: it is counted once, each sample's output once.
         cost = request.num_prompt_tokens + estimated_output(request, await self.mean_output_length())
-        result = await store.enqueue(self.redis, self.keys, request, ttl_s, cost=cost,
-                                     max_queue_tokens=self.max_queue_tokens, key_hash=key_hash)
+        result = await store.enqueue(
+            self.redis, self.keys, request, ttl_s, cost=cost, max_queue_tokens=self.max_queue_tokens, key_hash=key_hash
+        )
         if result.queued_tokens >= 0:
             self.drain.observe(time.monotonic(), result.total_tokens - result.queued_tokens)
         if not result.accepted:
             excess = result.queued_tokens + cost - self.max_queue_tokens
             raise retry_later(
-                429, f"the queue is full: {result.queued_tokens} tokens queued, this request needs {cost}, "
-                     f"the limit is {self.max_queue_tokens}; retry later", "queue_full",
-                self.drain.retry_after(excess), kind="rate_limit_error")
+                429,
+                f"the queue is full: {result.queued_tokens} tokens queued, this request needs {cost}, "
+                f"the limit is {self.max_queue_tokens}; retry later",
+                "queue_full",
+                self.drain.retry_after(excess),
+                kind="rate_limit_error",
+            )

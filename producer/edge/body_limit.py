@@ -15,8 +15,7 @@ from producer.api.errors import ApiError, error_response
 
 
 def too_large(limit: int) -> ApiError:
-    return ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large",
-                    reason="too_large")
+    return ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large", reason="too_large")
 
 
 class BodyLimit:

@@ -30,14 +30,15 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from producer.edge.auth import SCOPE_KEY, hash_key, key_hashes, open_paths, unauthorized
 from producer.api.errors import REJECT_REASON_HEADER, ApiError, error_response, retry_later
+from producer.edge.auth import SCOPE_KEY, hash_key, key_hashes, open_paths, unauthorized
 from shared.config import ProducerSettings
 
 BROWSER_PAGES = ("/dashboard", "/docs", "/redoc")  # their 401 asks the browser for the key (HTTP Basic)
 JSON_TYPES = frozenset({"application/json"})
-JSONL_TYPES = frozenset({"application/jsonl", "application/x-ndjson", "application/json-lines",
-                         "application/x-jsonlines"})
+JSONL_TYPES = frozenset(
+    {"application/jsonl", "application/x-ndjson", "application/json-lines", "application/x-jsonlines"}
+)
 JSONL_PATHS = ("/v1/batches",)  # batch files are JSON Lines
 MAX_ADDRESSES = 10_000  # addresses with recent failures kept; past it, stale ones are dropped
 
@@ -97,8 +98,7 @@ async def _answer(scope: Scope, receive: Receive, send: Send, error: ApiError) -
 
 
 class KeyGuard:
-    def __init__(self, app: ASGIApp, hashes: frozenset[str], open_: frozenset[str],
-                 failures: FailedAttempts) -> None:
+    def __init__(self, app: ASGIApp, hashes: frozenset[str], open_: frozenset[str], failures: FailedAttempts) -> None:
         self.app, self.hashes, self.open, self.failures = app, hashes, open_, failures
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -108,9 +108,18 @@ class KeyGuard:
         address = (scope.get("client") or ("unknown",))[0]
         wait_s = self.failures.retry_after(address)
         if wait_s:
-            await _answer(scope, receive, send, retry_later(
-                429, "too many failed API key attempts from this address", "auth_throttled", wait_s,
-                kind="rate_limit_error"))
+            await _answer(
+                scope,
+                receive,
+                send,
+                retry_later(
+                    429,
+                    "too many failed API key attempts from this address",
+                    "auth_throttled",
+                    wait_s,
+                    kind="rate_limit_error",
+                ),
+            )
             return
         key = presented_key(dict(scope["headers"]))
         key_hash = hash_key(key) if key is not None else None
@@ -120,8 +129,9 @@ class KeyGuard:
             return
         if key is not None:  # a wrong key is a guess; a missing one (a first page load) is not
             self.failures.record(address)
-        error = unauthorized("an API key is required: send 'Authorization: Bearer KEY'" if key is None
-                             else "the API key is not valid")
+        error = unauthorized(
+            "an API key is required: send 'Authorization: Bearer KEY'" if key is None else "the API key is not valid"
+        )
         if scope["path"].startswith(BROWSER_PAGES):
             error.headers = {"WWW-Authenticate": 'Basic realm="lightq", charset="UTF-8"'}
         await _answer(scope, receive, send, error)
@@ -149,9 +159,18 @@ class JsonOnly:
         if kind in allowed or kind.endswith("+json"):
             await self.app(scope, receive, send)
             return
-        await _answer(scope, receive, send, ApiError(
-            415, f"request body must be JSON: send 'Content-Type: application/json' (got {kind or 'none'!r})",
-            param="Content-Type", code="unsupported_media_type", reason="unsupported_media_type"))
+        await _answer(
+            scope,
+            receive,
+            send,
+            ApiError(
+                415,
+                f"request body must be JSON: send 'Content-Type: application/json' (got {kind or 'none'!r})",
+                param="Content-Type",
+                code="unsupported_media_type",
+                reason="unsupported_media_type",
+            ),
+        )
 
 
 def origins(allowed_origins: str) -> list[str]:
@@ -161,8 +180,17 @@ def origins(allowed_origins: str) -> list[str]:
 def install(app: FastAPI, settings: ProducerSettings) -> None:
     """Add the front door around the app (outermost last: CORS, then keys, then JSON bodies)."""
     app.add_middleware(JsonOnly)
-    app.add_middleware(KeyGuard, hashes=key_hashes(settings.api_keys), open_=open_paths(settings.metrics_open),
-                       failures=FailedAttempts(settings.max_auth_failures, settings.auth_failure_window_s))
+    app.add_middleware(
+        KeyGuard,
+        hashes=key_hashes(settings.api_keys),
+        open_=open_paths(settings.metrics_open),
+        failures=FailedAttempts(settings.max_auth_failures, settings.auth_failure_window_s),
+    )
     if origins(settings.allowed_origins):
-        app.add_middleware(CORSMiddleware, allow_origins=origins(settings.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After", REJECT_REASON_HEADER])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins(settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "Retry-After", REJECT_REASON_HEADER],
+        )

@@ -34,8 +34,13 @@ from shared.schemas import TokenChunk
 
 REPLAY_SLACK_MS = 1000
 START = "0-0"
-STATUS_BY_REASON = {"stop": "finished", "length": "finished", "cancelled": "cancelled", "error": "failed",
-                    "expired": "expired"}
+STATUS_BY_REASON = {
+    "stop": "finished",
+    "length": "finished",
+    "cancelled": "cancelled",
+    "error": "failed",
+    "expired": "expired",
+}
 
 
 @dataclass

@@ -8,12 +8,15 @@ so every producer replica and every terminal computes the same numbers:
 | number                  | from                                                           |
 |-------------------------|----------------------------------------------------------------|
 | ingress lag / pending   | XINFO GROUPS of ``{q}:requests`` (group ``routers``)            |
-| queued tokens           | the queued entries: prompt + estimated output (mean of ``outlen``, capped by max_new_tokens; exactly max_new_tokens with ignore_eos) |
+| queued tokens           | the queued entries: prompt + estimated output (see below)       |
 | per-worker load         | the heartbeat records ``{w:ID}:load``                          |
 | inbox lag / pending     | XINFO GROUPS of ``{w:ID}:inbox`` (group ``worker``)             |
 | recent requests         | ingress entries as they arrive (``RequestTracker``), then their status hashes |
 | throughput, drain rate  | recent requests finished / dispatched in the last ``window_s`` |
 | backlog GPU-seconds     | queued tokens / throughput (both prompt + output tokens)       |
+
+A queued request's estimated output is the mean of ``outlen`` capped by its max_new_tokens
+(exactly max_new_tokens with ignore_eos).
 
 The ingress entry's id is Redis's clock at enqueue, as are chunk entry ids,
 so latencies measured between them need no clock agreement between hosts.
@@ -71,8 +74,11 @@ class ClusterSnapshot:
         return self.ts_ms - int(self.window_s * 1000)
 
     def finished_in_window(self) -> list[RecentRequest]:
-        return [r for r in self.recent if r.status == RequestStatus.FINISHED.value
-                and r.finished_ms is not None and r.finished_ms >= self._since()]
+        return [
+            r
+            for r in self.recent
+            if r.status == RequestStatus.FINISHED.value and r.finished_ms is not None and r.finished_ms >= self._since()
+        ]
 
     @property
     def throughput_tokens_per_s(self) -> float:
@@ -100,19 +106,29 @@ class ClusterSnapshot:
         return self.queue_tokens / max(self.throughput_tokens_per_s, MIN_THROUGHPUT)
 
     def worker_summary(self) -> list[dict]:
-        return [{"worker": load.worker_id, "running": load.num_running, "waiting": load.num_waiting,
-                 "used_tokens": load.used_tokens, "committed_tokens": load.committed_tokens,
-                 "max_total_tokens": load.max_total_tokens, "kv_usage": kv_usage(load),
-                 "inbox": self.inboxes.get(load.worker_id, Backlog()).total, "draining": load.draining}
-                for load in sorted(self.loads, key=lambda item: item.worker_id)]
+        return [
+            {
+                "worker": load.worker_id,
+                "running": load.num_running,
+                "waiting": load.num_waiting,
+                "used_tokens": load.used_tokens,
+                "committed_tokens": load.committed_tokens,
+                "max_total_tokens": load.max_total_tokens,
+                "kv_usage": kv_usage(load),
+                "inbox": self.inboxes.get(load.worker_id, Backlog()).total,
+                "draining": load.draining,
+            }
+            for load in sorted(self.loads, key=lambda item: item.worker_id)
+        ]
 
 
 def kv_usage(load: WorkerLoad) -> float:
     return load.used_tokens / load.max_total_tokens if load.max_total_tokens else 0.0
 
 
-async def read_cluster(redis: aioredis.Redis, keys: Keys, tracker: RequestTracker | None = None,
-                       window_s: float = WINDOW_S) -> ClusterSnapshot:
+async def read_cluster(
+    redis: aioredis.Redis, keys: Keys, tracker: RequestTracker | None = None, window_s: float = WINDOW_S
+) -> ClusterSnapshot:
     """One snapshot; pass the same ``tracker`` every time to remember trimmed requests."""
     snap = ClusterSnapshot(ts_ms=int(time.time() * 1000), window_s=window_s)
     snap.ingress, queued = await queued_requests(redis, keys, tracker.parsed if tracker else None)
@@ -149,8 +165,11 @@ async def group_backlog(redis: aioredis.Redis, stream: str, group: str) -> Backl
     return Backlog(lag=int(lag), pending=int(info["pending"]))
 
 
-async def queued_requests(redis: aioredis.Redis, keys: Keys, parsed: dict[str, GenerateRequest] | None = None,
-                          ) -> tuple[Backlog, list[GenerateRequest]]:
+async def queued_requests(
+    redis: aioredis.Redis,
+    keys: Keys,
+    parsed: dict[str, GenerateRequest] | None = None,
+) -> tuple[Backlog, list[GenerateRequest]]:
     """The ingress backlog and the requests in it (the first ``QUEUE_SCAN_MAX`` of each kind).
 
     ``parsed``: the entries a previous call parsed, by entry id, kept up to date here. An entry
@@ -201,7 +220,6 @@ def _entry_key(entry_id: str) -> tuple[int, int]:
 async def mean_output_length(redis: aioredis.Redis, keys: Keys) -> float | None:
     lengths = [int(x) for x in await redis.lrange(keys.output_lengths(), 0, HISTORY_LEN - 1)]
     return sum(lengths) / len(lengths) if lengths else None
-
 
 
 async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerLoad]:

@@ -35,8 +35,9 @@ STOP_WAIT_S = 5.0
 
 
 class ClusterView:
-    def __init__(self, metrics: ProducerMetrics, connect: Callable[[], aioredis.Redis], keys: Keys,
-                 period_s: float) -> None:
+    def __init__(
+        self, metrics: ProducerMetrics, connect: Callable[[], aioredis.Redis], keys: Keys, period_s: float
+    ) -> None:
         self.metrics, self.connect, self.keys, self.period_s = metrics, connect, keys, period_s
         self._thread = threading.Thread(target=self._main, name="cluster-view", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -78,8 +79,7 @@ class ClusterView:
                     failing = False
                 except Exception as exc:  # noqa: BLE001 - the thread must outlive any one bad read
                     if not failing:  # once per run of failures: an outage must not flood the log
-                        log.warning("cluster view: read failed (%s: %s); serving the last one",
-                                    type(exc).__name__, exc)
+                        log.warning("cluster view: read failed (%s: %s); serving the last one", type(exc).__name__, exc)
                     failing = True
                 try:
                     await asyncio.wait_for(self._stop.wait(), self.period_s)

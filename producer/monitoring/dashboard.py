@@ -18,10 +18,10 @@ from importlib import resources
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from producer.monitoring.cluster import ClusterSnapshot
-from producer.monitoring.recent import RecentRequest
 from producer.deps import ServicesDep
+from producer.monitoring.cluster import ClusterSnapshot
 from producer.monitoring.metrics import ProducerMetrics
+from producer.monitoring.recent import RecentRequest
 
 router = APIRouter()
 RECENT_ROWS = 25
@@ -49,11 +49,19 @@ def snapshot_json(snap: ClusterSnapshot, metrics: ProducerMetrics) -> dict:
     return {
         "ts_ms": snap.ts_ms,
         "window_s": snap.window_s,
-        "queue": {"depth": snap.ingress.total, "lag": snap.ingress.lag, "pending": snap.ingress.pending,
-                  "prompt_tokens": snap.queue_prompt_tokens, "predicted_output_tokens": snap.queue_output_tokens},
-        "rates": {"generation_tokens_per_s": snap.generation_tokens_per_s,
-                  "throughput_tokens_per_s": snap.throughput_tokens_per_s,
-                  "drain_requests_per_s": snap.drain_rate, "arrival_requests_per_s": snap.arrival_rate},
+        "queue": {
+            "depth": snap.ingress.total,
+            "lag": snap.ingress.lag,
+            "pending": snap.ingress.pending,
+            "prompt_tokens": snap.queue_prompt_tokens,
+            "predicted_output_tokens": snap.queue_output_tokens,
+        },
+        "rates": {
+            "generation_tokens_per_s": snap.generation_tokens_per_s,
+            "throughput_tokens_per_s": snap.throughput_tokens_per_s,
+            "drain_requests_per_s": snap.drain_rate,
+            "arrival_requests_per_s": snap.arrival_rate,
+        },
         "backlog_gpu_seconds": snap.backlog_gpu_seconds,
         "dead_letters": snap.dead_letters,
         "live_workers": len(snap.loads),
@@ -66,20 +74,30 @@ def snapshot_json(snap: ClusterSnapshot, metrics: ProducerMetrics) -> dict:
 
 def totals(metrics: ProducerMetrics) -> dict:
     ended = {labels["status"]: value for labels, value in _samples(metrics, "lightq:requests_ended_total")}
-    return {"generation_tokens": _value(metrics, "lightq:generation_tokens_total"),
-            "prompt_tokens": _value(metrics, "lightq:prompt_tokens_total"),
-            "requests_ended": ended}
+    return {
+        "generation_tokens": _value(metrics, "lightq:generation_tokens_total"),
+        "prompt_tokens": _value(metrics, "lightq:prompt_tokens_total"),
+        "requests_ended": ended,
+    }
 
 
 def recent_rows(snap: ClusterSnapshot) -> list[dict]:
     """Each request's TTFT (first token published) and end-to-end time from its status hash."""
     rows = []
     for request in snap.recent[:RECENT_ROWS]:
-        rows.append({"id": request.id, "status": request.status, "prompt_tokens": request.prompt_tokens,
-                     "output_tokens": request.output_tokens, "max_new_tokens": request.max_new_tokens,
-                     "worker": request.worker, "age_s": max(0, snap.ts_ms - request.enqueued_ms) / 1000,
-                     "ttft_s": _since_created(request, request.started_ms),
-                     "e2e_s": _since_created(request, request.finished_ms)})
+        rows.append(
+            {
+                "id": request.id,
+                "status": request.status,
+                "prompt_tokens": request.prompt_tokens,
+                "output_tokens": request.output_tokens,
+                "max_new_tokens": request.max_new_tokens,
+                "worker": request.worker,
+                "age_s": max(0, snap.ts_ms - request.enqueued_ms) / 1000,
+                "ttft_s": _since_created(request, request.started_ms),
+                "e2e_s": _since_created(request, request.finished_ms),
+            }
+        )
     return rows
 
 
@@ -88,8 +106,7 @@ def _since_created(request: RecentRequest, ms: int | None) -> float | None:
 
 
 def _samples(metrics: ProducerMetrics, name: str) -> list[tuple[dict, float]]:
-    return [(s.labels, s.value) for family in metrics.exposition.collect() for s in family.samples
-            if s.name == name]
+    return [(s.labels, s.value) for family in metrics.exposition.collect() for s in family.samples if s.name == name]
 
 
 def _value(metrics: ProducerMetrics, name: str) -> float:

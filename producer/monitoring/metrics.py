@@ -39,12 +39,73 @@ WORKER_FIELDS = {
     "num_running": ("lightq:worker_running_requests", "WorkerLoad.num_running from the heartbeat"),
     "num_waiting": ("lightq:worker_waiting_requests", "WorkerLoad.num_waiting from the heartbeat"),
 }
-TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0)
-ITL_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-               5.0, 10.0, 20.0, 80.0)
-E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+ITL_BUCKETS = (
+    0.0005,
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 HISTORY_S = 600  # seconds of (queue depth, throughput) samples kept for the dashboard's plots
 
 
@@ -63,21 +124,33 @@ class ProducerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)  # this process's counters and histograms
         reg = self.registry
         self.accepted = Counter("lightq:requests_accepted", "requests enqueued", ["route"], registry=reg)
-        self.rejected = Counter("lightq:requests_rejected", "requests refused before enqueue", ["reason"],
-                                registry=reg)
+        self.rejected = Counter("lightq:requests_rejected", "requests refused before enqueue", ["reason"], registry=reg)
         self.prompt_tokens = Counter("lightq:prompt_tokens", "prompt tokens of accepted requests", registry=reg)
-        self.disconnects = Counter("lightq:client_disconnects", "requests cancelled because the client left",
-                                   registry=reg)
-        self.ttft = Histogram("lightq:time_to_first_token_seconds", "reader joined (request queued) -> first "
-                              "output token reached this producer", buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram("lightq:inter_token_latency_seconds", "gap between consecutive output tokens of a "
-                             "sample reaching this producer", buckets=ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram("lightq:e2e_request_latency_seconds", "reader joined (request queued) -> last "
-                             "chunk reached this producer", buckets=E2E_BUCKETS, registry=reg)
-        self.generation_tokens = Counter("lightq:generation_tokens", "output tokens delivered to clients",
-                                         registry=reg)
-        self.ended = Counter("lightq:requests_ended", "requests whose end reached a client, by status",
-                             ["status"], registry=reg)
+        self.disconnects = Counter(
+            "lightq:client_disconnects", "requests cancelled because the client left", registry=reg
+        )
+        self.ttft = Histogram(
+            "lightq:time_to_first_token_seconds",
+            "reader joined (request queued) -> first output token reached this producer",
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "lightq:inter_token_latency_seconds",
+            "gap between consecutive output tokens of a sample reaching this producer",
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "lightq:e2e_request_latency_seconds",
+            "reader joined (request queued) -> last chunk reached this producer",
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
+        self.generation_tokens = Counter("lightq:generation_tokens", "output tokens delivered to clients", registry=reg)
+        self.ended = Counter(
+            "lightq:requests_ended", "requests whose end reached a client, by status", ["status"], registry=reg
+        )
         self._snapshot = _Snapshot()
         self.exposition = self._exposition(multiprocess_dir)
         self.snapshot: ClusterSnapshot | None = None  # the last cluster view (None before the first)
@@ -113,13 +186,18 @@ class ProducerMetrics:
         """At most one point a second for the dashboard's plots."""
         if self.history and snap.ts_ms - self.history[-1]["ts_ms"] < 1000:
             return
-        point = {"ts_ms": snap.ts_ms, "queue_depth": snap.ingress.total, "queue_tokens": snap.queue_tokens,
-                 "generation_tokens_per_s": round(snap.generation_tokens_per_s, 3)}
-        self.history = (*self.history[1 - HISTORY_S:], point)  # a new tuple: readers never see one grow
+        point = {
+            "ts_ms": snap.ts_ms,
+            "queue_depth": snap.ingress.total,
+            "queue_tokens": snap.queue_tokens,
+            "generation_tokens_per_s": round(snap.generation_tokens_per_s, 3),
+        }
+        self.history = (*self.history[1 - HISTORY_S :], point)  # a new tuple: readers never see one grow
 
 
 def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:
     """Every cluster gauge of one snapshot; a worker gone from it is gone from the families."""
+
     def gauge(name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, value=value, labels=None if value is not None else labels)
         out.append(family)
@@ -127,8 +205,12 @@ def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:
 
     out: list[Metric] = []
     gauge("lightq:ingress_queue_depth", "requests not yet routed (lag + pending)", snap.ingress.total)
-    tokens = gauge("lightq:queue_tokens", "tokens of the queued requests: prompt, and predicted output (mean of "
-                   "recent output lengths, capped by max_new_tokens)", labels=("kind",))
+    tokens = gauge(
+        "lightq:queue_tokens",
+        "tokens of the queued requests: prompt, and predicted output (mean of "
+        "recent output lengths, capped by max_new_tokens)",
+        labels=("kind",),
+    )
     tokens.add_metric(["prompt"], snap.queue_prompt_tokens)
     tokens.add_metric(["predicted_output"], snap.queue_output_tokens)
     lag = gauge("lightq:stream_lag", "entries never delivered to the group", labels=("stream", "group"))
@@ -148,16 +230,32 @@ def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:
             family.add_metric([worker], getattr(load, name))
     gauge("lightq:live_workers", "workers with a current heartbeat", len(snap.loads))
     gauge("lightq:dead_letters", "entries in the dead-letter stream", snap.dead_letters)
-    gauge("lightq:throughput_tokens_per_second", "prompt + output tokens of requests finished in the last "
-          "minute, per second", snap.throughput_tokens_per_s)
-    gauge("lightq:generation_tokens_per_second", "output tokens of requests finished in the last minute, "
-          "per second", snap.generation_tokens_per_s)
-    gauge("lightq:queue_drain_requests_per_second", "requests dispatched in the last minute, per second",
-          snap.drain_rate)
-    gauge("lightq:queue_arrival_requests_per_second", "requests enqueued in the last minute, per second",
-          snap.arrival_rate)
-    gauge("lightq:backlog_gpu_seconds", "queued tokens / recent throughput: seconds of pool time to drain the "
-          "queue (the autoscaling signal)", snap.backlog_gpu_seconds)
-    gauge("lightq:cluster_view_timestamp_seconds", "when this process last read the cluster view from Redis "
-          "(the gauges above are that read's)", snap.ts_ms / 1000)
+    gauge(
+        "lightq:throughput_tokens_per_second",
+        "prompt + output tokens of requests finished in the last minute, per second",
+        snap.throughput_tokens_per_s,
+    )
+    gauge(
+        "lightq:generation_tokens_per_second",
+        "output tokens of requests finished in the last minute, per second",
+        snap.generation_tokens_per_s,
+    )
+    gauge(
+        "lightq:queue_drain_requests_per_second", "requests dispatched in the last minute, per second", snap.drain_rate
+    )
+    gauge(
+        "lightq:queue_arrival_requests_per_second",
+        "requests enqueued in the last minute, per second",
+        snap.arrival_rate,
+    )
+    gauge(
+        "lightq:backlog_gpu_seconds",
+        "queued tokens / recent throughput: seconds of pool time to drain the queue (the autoscaling signal)",
+        snap.backlog_gpu_seconds,
+    )
+    gauge(
+        "lightq:cluster_view_timestamp_seconds",
+        "when this process last read the cluster view from Redis (the gauges above are that read's)",
+        snap.ts_ms / 1000,
+    )
     return out

@@ -88,15 +88,23 @@ class RequestTracker:
                 del self.enqueued[request_id]  # expired, or ended long enough ago
             else:
                 out.append(request)
-        for request_id in list(self.enqueued)[:max(0, len(self.enqueued) - self.limit)]:
+        for request_id in list(self.enqueued)[: max(0, len(self.enqueued) - self.limit)]:
             del self.enqueued[request_id]  # over the limit: forget the oldest
-        return out[::-1][:self.limit]
+        return out[::-1][: self.limit]
 
 
 def _recent(request_id: str, enqueued_ms: int, data: dict) -> RecentRequest:
     meta = RequestMeta.from_hash(data)
     return RecentRequest(
-        id=request_id, enqueued_ms=enqueued_ms, status=meta.status.value, prompt_tokens=meta.prompt_tokens,
-        max_new_tokens=meta.max_new_tokens, output_tokens=meta.output_tokens, worker=meta.worker,
-        created_ms=meta.created_ms, dispatched_ms=meta.dispatched_ms, started_ms=meta.started_ms,
-        finished_ms=meta.finished_ms)
+        id=request_id,
+        enqueued_ms=enqueued_ms,
+        status=meta.status.value,
+        prompt_tokens=meta.prompt_tokens,
+        max_new_tokens=meta.max_new_tokens,
+        output_tokens=meta.output_tokens,
+        worker=meta.worker,
+        created_ms=meta.created_ms,
+        dispatched_ms=meta.dispatched_ms,
+        started_ms=meta.started_ms,
+        finished_ms=meta.finished_ms,
+    )

@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 Check = Callable[[], Awaitable[bool]]
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 FINISH_BY_STATUS: dict[RequestStatus, FinishReason] = {
-    RequestStatus.FINISHED: "stop", RequestStatus.CANCELLED: "cancelled", RequestStatus.FAILED: "error",
+    RequestStatus.FINISHED: "stop",
+    RequestStatus.CANCELLED: "cancelled",
+    RequestStatus.FAILED: "error",
     RequestStatus.EXPIRED: "expired",
 }
 
@@ -48,8 +50,16 @@ FINISH_BY_STATUS: dict[RequestStatus, FinishReason] = {
 class ChunkFollower:
     """One reader of one request's chunk stream; ``finished`` once it saw the end of all ``n`` choices."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, request_id: str, block_ms: int,
-                 outage_s: float = 0.0, n: int = 1, hub: StreamHub | None = None) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        request_id: str,
+        block_ms: int,
+        outage_s: float = 0.0,
+        n: int = 1,
+        hub: StreamHub | None = None,
+    ) -> None:
         self.redis, self.keys, self.request_id, self.block_ms = redis, keys, request_id, block_ms
         self.outage_s = outage_s
         self.hub = hub  # the app's shared XREAD (None: a blocking read of our own, e.g. in a batch job)
@@ -69,8 +79,11 @@ class ChunkFollower:
         """The chunks to deliver: none for a repeat of a delivered (choice, index); one per
         unfinished choice for a chunk without a token that ends the request."""
         if chunk.finished and chunk.token_id is None:
-            ending = [chunk.model_copy(update={"choice": c, "index": self.next_index[c]})
-                      for c in range(self.n) if c not in self.done]
+            ending = [
+                chunk.model_copy(update={"choice": c, "index": self.next_index[c]})
+                for c in range(self.n)
+                if c not in self.done
+            ]
             self.done.update(range(self.n))
             self.finished = True
             return ending
@@ -81,8 +94,15 @@ class ChunkFollower:
             if not chunk.finished:
                 return []
             # A repeated index that ends the sample still ends it, without its token.
-            chunk = chunk.model_copy(update={"index": self.next_index[choice], "token_id": None, "text": "",
-                                             "logprob": None, "top_logprobs": None})
+            chunk = chunk.model_copy(
+                update={
+                    "index": self.next_index[choice],
+                    "token_id": None,
+                    "text": "",
+                    "logprob": None,
+                    "top_logprobs": None,
+                }
+            )
         self.next_index[choice] = chunk.index + (chunk.token_id is not None)
         if chunk.finished:
             self.done.add(choice)
@@ -135,8 +155,9 @@ class ChunkFollower:
 def follower(services: Services, request_id: str, n: int = 1) -> ChunkFollower:
     """A follower with the app's settings (block time, outage grace); ``n``: the request's samples."""
     settings = services.settings
-    return ChunkFollower(services.redis, services.keys, request_id, settings.stream_block_ms,
-                         settings.redis_outage_s, n, services.hub)
+    return ChunkFollower(
+        services.redis, services.keys, request_id, settings.stream_block_ms, settings.redis_outage_s, n, services.hub
+    )
 
 
 def ending_from_meta(request_id: str, index: int, meta: RequestMeta | None, choice: int = 0) -> TokenChunk:
@@ -144,15 +165,27 @@ def ending_from_meta(request_id: str, index: int, meta: RequestMeta | None, choi
         reason, error = "error", "request record expired or was removed"
     else:
         reason, error = meta.finish_reason or FINISH_BY_STATUS[meta.status], meta.error
-    return TokenChunk(request_id=request_id, index=index, choice=choice, token_id=None, finished=True,
-                      finish_reason=reason, error=error)
+    return TokenChunk(
+        request_id=request_id,
+        index=index,
+        choice=choice,
+        token_id=None,
+        finished=True,
+        finish_reason=reason,
+        error=error,
+    )
 
 
 def native_event(chunk: TokenChunk, prompt_tokens: int) -> str:
     """A ``/generate_stream`` event exactly as LightLLM frames it: ``data:`` without a space."""
     count = chunk.index + (chunk.token_id is not None)
-    token = StreamToken(id=chunk.token_id, text=chunk.text, logprob=chunk.logprob,
-                        count_output_tokens=count, prompt_tokens=prompt_tokens)
+    token = StreamToken(
+        id=chunk.token_id,
+        text=chunk.text,
+        logprob=chunk.logprob,
+        count_output_tokens=count,
+        prompt_tokens=prompt_tokens,
+    )
     event = StreamEvent(token=token, finished=chunk.finished, finish_reason=chunk.finish_reason, error=chunk.error)
     return f"data:{event.to_json()}\n\n"
 
@@ -181,13 +214,16 @@ def server_stopping() -> bool:
 
 def until_stopping(disconnected: Check | None) -> Check:
     """``disconnected``, or the producer stopping: either ends a follow early."""
+
     async def check() -> bool:
         return server_stopping() or (disconnected is not None and await disconnected())
+
     return check
 
 
-async def abandon_if_left(follower: Follower, disconnected: Check | None,
-                          on_abandon: Callable[[], Awaitable[Any]] | None) -> None:
+async def abandon_if_left(
+    follower: Follower, disconnected: Check | None, on_abandon: Callable[[], Awaitable[Any]] | None
+) -> None:
     """``on_abandon`` for a stream that stopped before the end because its client left.
 
     Not when the producer stops: uvicorn's shutdown cancels open streams after its grace
@@ -201,17 +237,22 @@ async def abandon_if_left(follower: Follower, disconnected: Check | None,
         with anyio.CancelScope(shield=True):
             try:
                 if not await disconnected():
-                    log.info("a stream stopped while its client is still connected (the producer is stopping): "
-                             "its request runs on")
+                    log.info(
+                        "a stream stopped while its client is still connected (the producer is stopping): "
+                        "its request runs on"
+                    )
                     return
             except Exception:  # cannot tell: keep the request, a client can still cancel it by id
                 return
     await shielded(on_abandon)
 
 
-async def sse(follower: ChunkFollower, render: Callable[[str | None, TokenChunk], str],
-              disconnected: Check | None = None,
-              on_abandon: Callable[[], Awaitable[Any]] | None = None) -> AsyncIterator[str]:
+async def sse(
+    follower: ChunkFollower,
+    render: Callable[[str | None, TokenChunk], str],
+    disconnected: Check | None = None,
+    on_abandon: Callable[[], Awaitable[Any]] | None = None,
+) -> AsyncIterator[str]:
     """Rendered events; ``on_abandon`` runs if the client leaves before the end."""
     try:
         async for entry_id, chunk in follower.follow(until_stopping(disconnected)):
@@ -228,8 +269,9 @@ class Follower(Protocol):
     def follow(self, disconnected: Check | None = None) -> AsyncIterator[tuple[str | None, TokenChunk]]: ...
 
 
-async def collect(follower: Follower, disconnected: Check,
-                  on_abandon: Callable[[], Awaitable[Any]]) -> list[TokenChunk] | None:
+async def collect(
+    follower: Follower, disconnected: Check, on_abandon: Callable[[], Awaitable[Any]]
+) -> list[TokenChunk] | None:
     """Every chunk up to the finished one; None (after ``on_abandon``) if the client left first."""
     chunks: list[TokenChunk] = []
     try:
@@ -246,8 +288,9 @@ class Renderer(Protocol):
     def end(self) -> list[str]: ...
 
 
-async def rendered(follower: Follower, renderer: Renderer, disconnected: Check,
-                   on_abandon: Callable[[], Awaitable[Any]]) -> AsyncIterator[str]:
+async def rendered(
+    follower: Follower, renderer: Renderer, disconnected: Check, on_abandon: Callable[[], Awaitable[Any]]
+) -> AsyncIterator[str]:
     """Like ``sse`` for renderers that frame the stream (an opening event, a closing ``[DONE]``)."""
     try:
         for event in renderer.start():

@@ -13,13 +13,14 @@ import pytest
 import redis
 from rq.serializers import JSONSerializer
 
-from producer.batches.rq_worker import queue
 from producer.batches import job as batch_job
+from producer.batches.rq_worker import queue
 from shared.config import BatchSettings, HousekeepingSettings, ModelSettings, ProducerSettings, RqWorkerSettings
 from shared.model_files import load_tokenizer, resolve
 from tests.batches.helpers import ThreadWorker
+
 # The producer's app, client, async Redis and fake-worker fixtures, on this folder's settings.
-from tests.producer.conftest import aredis, app, client, worker  # noqa: F401
+from tests.producer.conftest import app, aredis, client, worker  # noqa: F401
 
 
 @pytest.fixture(scope="session")
@@ -46,15 +47,22 @@ def rq_names(redis_settings):
 
 @pytest.fixture
 def settings(redis_settings, rq_names) -> ProducerSettings:
-    return ProducerSettings(redis=redis_settings, model=ModelSettings(max_req_total_len=2048),
-                            default_max_new_tokens=16, stream_block_ms=100,
-                            batch=BatchSettings(queue=rq_names.batch, max_in_flight=2, retries=1))
+    return ProducerSettings(
+        redis=redis_settings,
+        model=ModelSettings(max_req_total_len=2048),
+        default_max_new_tokens=16,
+        stream_block_ms=100,
+        batch=BatchSettings(queue=rq_names.batch, max_in_flight=2, retries=1),
+    )
 
 
 @pytest.fixture
 def rq_settings(redis_settings, rq_names) -> RqWorkerSettings:
-    return RqWorkerSettings(redis=redis_settings, batch=BatchSettings(queue=rq_names.batch),
-                            housekeeping=HousekeepingSettings(queue=rq_names.janitor, interval_s=1))
+    return RqWorkerSettings(
+        redis=redis_settings,
+        batch=BatchSettings(queue=rq_names.batch),
+        housekeeping=HousekeepingSettings(queue=rq_names.janitor, interval_s=1),
+    )
 
 
 @pytest.fixture
@@ -69,8 +77,12 @@ def run_rq(rq_conn, rq_names):
     """``await run_rq()``: an rq worker in a thread works a queue (the batch one) until it is empty."""
 
     async def run(queue_name: str | None = None, **work) -> bool:
-        worker = ThreadWorker([queue(queue_name or rq_names.batch, rq_conn)], connection=rq_conn,
-                              name=f"{rq_names.tag}-{uuid.uuid4().hex[:6]}", serializer=JSONSerializer)
+        worker = ThreadWorker(
+            [queue(queue_name or rq_names.batch, rq_conn)],
+            connection=rq_conn,
+            name=f"{rq_names.tag}-{uuid.uuid4().hex[:6]}",
+            serializer=JSONSerializer,
+        )
         return await asyncio.to_thread(worker.work, burst=True, logging_level="WARNING", **work)
 
     return run

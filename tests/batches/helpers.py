@@ -32,23 +32,35 @@ def jsonl(*lines: dict) -> str:
 
 
 def completion_line(custom_id: str, prompt: str = "Hello", **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-            "body": {"model": MODEL, "prompt": prompt, "max_tokens": 4, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": MODEL, "prompt": prompt, "max_tokens": 4, **body},
+    }
 
 
 def chat_line(custom_id: str, text: str = "Hi") -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": text}],
-                     "max_tokens": 4}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4},
+    }
 
 
 def generate_line(custom_id: str, text: str = "What is AI?") -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/generate",
-            "body": {"inputs": text, "parameters": {"max_new_tokens": 4}}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/generate",
+        "body": {"inputs": text, "parameters": {"max_new_tokens": 4}},
+    }
 
 
-async def wait_batch(client: httpx.AsyncClient, batch_id: str, done=("completed", "failed", "cancelled"),
-                     timeout_s: float = 30) -> dict:
+async def wait_batch(
+    client: httpx.AsyncClient, batch_id: str, done=("completed", "failed", "cancelled"), timeout_s: float = 30
+) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         view = (await client.get(f"/v1/batches/{batch_id}")).json()
@@ -62,8 +74,14 @@ def output_lines(text: str) -> list[dict]:
 
 
 @contextlib.asynccontextmanager
-async def pool(worker: FakeWorker, *, texts=(" a", " b"), fail_max_new: int | None = None, delay_s: float = 0.0,
-               seen: list | None = None) -> AsyncIterator[list[GenerateRequest]]:
+async def pool(
+    worker: FakeWorker,
+    *,
+    texts=(" a", " b"),
+    fail_max_new: int | None = None,
+    delay_s: float = 0.0,
+    seen: list | None = None,
+) -> AsyncIterator[list[GenerateRequest]]:
     """The fake worker answers every request (``texts``); one with ``max_new_tokens == fail_max_new`` fails."""
     taken: list[GenerateRequest] = [] if seen is None else seen
 

@@ -22,16 +22,20 @@ def auth(key: str) -> dict[str, str]:
 async def keyed(settings, tokenizer):
     app = create_app(settings.model_copy(update={"api_keys": SecretStr(f"{KEY_A},{KEY_B}")}), tokenizer=tokenizer)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer",
-                                     headers={"Content-Type": "application/jsonl"}) as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app),
+            base_url="http://producer",
+            headers={"Content-Type": "application/jsonl"},
+        ) as client:
             yield client
 
 
 async def test_the_list_is_newest_first_and_pages_with_after(client):
     ids = []
     for i in range(3):
-        response = await client.post("/v1/batches", content=jsonl(completion_line(f"c{i}")),
-                                     headers={"Content-Type": "application/jsonl"})
+        response = await client.post(
+            "/v1/batches", content=jsonl(completion_line(f"c{i}")), headers={"Content-Type": "application/jsonl"}
+        )
         ids.append(response.json()["id"])
     first = (await client.get("/v1/batches", params={"limit": 2})).json()
     assert first["object"] == "list" and first["has_more"] is True
@@ -41,7 +45,8 @@ async def test_the_list_is_newest_first_and_pages_with_after(client):
     listed = [view["id"] for view in first["data"] + rest["data"]]
     assert sorted(listed) == sorted(ids)
     assert [view["created_at"] for view in first["data"] + rest["data"]] == sorted(
-        (view["created_at"] for view in first["data"] + rest["data"]), reverse=True)
+        (view["created_at"] for view in first["data"] + rest["data"]), reverse=True
+    )
     assert first["first_id"] == listed[0] and rest["last_id"] == listed[-1]
     unknown = await client.get("/v1/batches", params={"after": "batch_" + "0" * 32})
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "after"
@@ -52,8 +57,11 @@ async def test_a_batch_belongs_to_its_key(keyed, worker, run_rq, aredis, keys):
     created = await keyed.post("/v1/batches", content=jsonl(completion_line("mine")), headers=auth(KEY_A))
     assert created.status_code == 202, created.text
     batch_id = created.json()["id"]
-    for method, path in [("GET", f"/v1/batches/{batch_id}"), ("GET", f"/v1/batches/{batch_id}/output"),
-                         ("POST", f"/v1/batches/{batch_id}/cancel")]:
+    for method, path in [
+        ("GET", f"/v1/batches/{batch_id}"),
+        ("GET", f"/v1/batches/{batch_id}/output"),
+        ("POST", f"/v1/batches/{batch_id}/cancel"),
+    ]:
         response = await keyed.request(method, path, headers=auth(KEY_B))
         assert response.status_code == 404, (path, response.text)
     assert (await keyed.get("/v1/batches", headers=auth(KEY_B))).json()["data"] == []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from producer.batches.rq_worker import queue
 from producer.batches.job import on_failure
+from producer.batches.rq_worker import queue
 from shared.codec import from_entry
 from shared.schemas import GenerateRequest
 from tests.batches.helpers import chat_line, completion_line, generate_line, jsonl, output_lines, pool
@@ -48,8 +48,10 @@ async def test_a_batch_answers_every_url_like_its_route_in_input_order(client, w
     assert bad["response"]["body"]["error"]["code"] == "generation_failed"
     # Working records are gone; what stays has a TTL.
     assert not rclient.exists(keys.batch_results(view["id"]), keys.batch_inflight(view["id"]))
-    assert all(rclient.ttl(key) > 0 for key in (keys.batch(view["id"]), keys.batch_input(view["id"]),
-                                                 keys.batch_output(view["id"])))
+    assert all(
+        rclient.ttl(key) > 0
+        for key in (keys.batch(view["id"]), keys.batch_input(view["id"]), keys.batch_output(view["id"]))
+    )
 
 
 async def test_no_more_than_max_in_flight_requests_are_in_the_pool(client, worker, run_rq, aredis, keys, settings):
@@ -93,10 +95,9 @@ async def test_progress_counts_lines_by_where_they_are(client, worker, run_rq):
     assert view["status_counts"] == {"pending": 0, "queued": 0, "running": 0, "completed": 5, "failed": 0}
 
 
-async def test_a_restarted_job_resumes_without_sending_anything_twice(client, worker, run_rq, aredis, keys,
-                                                                      app):
-    from producer.batches.records import parse_lines, prepare_line
+async def test_a_restarted_job_resumes_without_sending_anything_twice(client, worker, run_rq, aredis, keys, app):
     from producer.api.submit import enqueue
+    from producer.batches.records import parse_lines, prepare_line
 
     text = jsonl(completion_line("done"), completion_line("sent"), completion_line("new"))
     batch_id = (await submit(client, text))["id"]

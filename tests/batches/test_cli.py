@@ -19,14 +19,27 @@ def lightq(*argv: str) -> int:
     return 0
 
 
-async def test_submit_wait_follows_the_batch_and_writes_its_output(settings, tokenizer, worker, run_rq, rq_conn,
-                                                                   rq_names, tmp_path, capsys):
+async def test_submit_wait_follows_the_batch_and_writes_its_output(
+    settings, tokenizer, worker, run_rq, rq_conn, rq_names, tmp_path, capsys
+):
     batch_file, out_file = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     batch_file.write_text(jsonl(completion_line("a"), chat_line("b"), generate_line("c")))
     async with serving(settings, tokenizer) as url, pool(worker, delay_s=0.02):
-        cli = asyncio.create_task(asyncio.to_thread(
-            lightq, "batch", "submit", str(batch_file), "--wait", "--url", url, "--output", str(out_file),
-            "--poll_s", "0.05"))
+        cli = asyncio.create_task(
+            asyncio.to_thread(
+                lightq,
+                "batch",
+                "submit",
+                str(batch_file),
+                "--wait",
+                "--url",
+                url,
+                "--output",
+                str(out_file),
+                "--poll_s",
+                "0.05",
+            )
+        )
         while not queue(rq_names.batch, rq_conn).count:  # submitted: now the rq worker can take it
             await asyncio.sleep(0.02)
         assert await run_rq()

@@ -23,19 +23,44 @@ def stack(tmp_path_factory):
     url = f"redis://127.0.0.1:{free_port()}/0"
     assert not answers(url)
     log = str(tmp_path_factory.mktemp("e2e-batch") / "serve.log")
-    stack = start_stack(log, redis_url=url, prefix="lightq-e2e-batch", workers=1,
-                        extra=["--max_total_token_num", "4096", "--max_req_total_len", "1024"])
+    stack = start_stack(
+        log,
+        redis_url=url,
+        prefix="lightq-e2e-batch",
+        workers=1,
+        extra=["--max_total_token_num", "4096", "--max_req_total_len", "1024"],
+    )
     yield stack
     assert stack.stop() == 0, open(log).read()[-3000:]
 
 
 def test_lightq_batch_submit_wait_through_lightq_serve(stack, tmp_path):
     batch_file, out_file = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    batch_file.write_text(jsonl(completion_line("cmpl", "The capital of France is"),
-                                chat_line("chat", "Say hello."), generate_line("gen", "What is AI?")))
-    done = subprocess.run([sys.executable, "-m", "lightq.cli", "batch", "submit", str(batch_file), "--wait",
-                           "--url", stack.http, "--output", str(out_file)],
-                          capture_output=True, text=True, timeout=300)
+    batch_file.write_text(
+        jsonl(
+            completion_line("cmpl", "The capital of France is"),
+            chat_line("chat", "Say hello."),
+            generate_line("gen", "What is AI?"),
+        )
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightq.cli",
+            "batch",
+            "submit",
+            str(batch_file),
+            "--wait",
+            "--url",
+            stack.http,
+            "--output",
+            str(out_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr + open(stack.log_path).read()[-3000:]
     batch_id = done.stdout.strip()
     out = [json.loads(line) for line in out_file.read_text().splitlines()]

@@ -89,12 +89,13 @@ def test_housekeeping_schedules_one_chain_of_runs(rq_settings, rq_conn, rq_names
     assert done["workers_dropped"] == ["dead"] and done["batch_jobs_retried"] == 0
     scheduled = ScheduledJobRegistry(queue=janitor).get_job_ids()
     slot = int(now // interval)
-    assert housekeeping_job_id(keys.prefix, slot + 1) in scheduled or \
-        housekeeping_job_id(keys.prefix, slot + 2) in scheduled  # the next run (slot boundary may pass)
+    assert (
+        housekeeping_job_id(keys.prefix, slot + 1) in scheduled
+        or housekeeping_job_id(keys.prefix, slot + 2) in scheduled
+    )  # the next run (slot boundary may pass)
 
 
-async def test_the_janitor_worker_runs_housekeeping_through_rq(rq_settings, rq_conn, rq_names, rclient, keys,
-                                                               run_rq):
+async def test_the_janitor_worker_runs_housekeeping_through_rq(rq_settings, rq_conn, rq_names, rclient, keys, run_rq):
     stream = keys.requests()
     ensure_group(rclient, stream, ROUTER_GROUP)
     first = rclient.xadd(stream, {"msg": "1"})

@@ -18,9 +18,22 @@ from tests.batches.helpers import completion_line, jsonl, output_lines, pool, wa
 
 
 def start_rq_worker(rq_settings, log_path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "lightq.cli", "rq-worker", "--redis_url", rq_settings.redis.url,
-            "--redis_key_prefix", rq_settings.redis.key_prefix, "--batch_queue", rq_settings.batch.queue,
-            "--housekeeping_queue", rq_settings.housekeeping.queue, "--housekeeping_interval_s", "1"]
+    args = [
+        sys.executable,
+        "-m",
+        "lightq.cli",
+        "rq-worker",
+        "--redis_url",
+        rq_settings.redis.url,
+        "--redis_key_prefix",
+        rq_settings.redis.key_prefix,
+        "--batch_queue",
+        rq_settings.batch.queue,
+        "--housekeeping_queue",
+        rq_settings.housekeeping.queue,
+        "--housekeeping_interval_s",
+        "1",
+    ]
     log = open(log_path, "a")
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -32,8 +45,9 @@ async def stop(process: subprocess.Popen, log_path) -> int:
     return code
 
 
-async def test_the_service_runs_batches_and_housekeeping_and_stops_at_once(client, worker, rq_settings, rq_conn,
-                                                                          rq_names, rclient, keys, tmp_path):
+async def test_the_service_runs_batches_and_housekeeping_and_stops_at_once(
+    client, worker, rq_settings, rq_conn, rq_names, rclient, keys, tmp_path
+):
     log_path = tmp_path / "rq-worker.log"
     process = start_rq_worker(rq_settings, log_path)
     try:
@@ -58,8 +72,9 @@ async def test_the_service_runs_batches_and_housekeeping_and_stops_at_once(clien
     assert Worker.all(queue=queue(rq_names.janitor, rq_conn)) == []
 
 
-async def test_a_batch_stopped_midway_resumes_in_the_next_rq_worker(client, worker, rq_settings, rq_conn,
-                                                                   rq_names, tmp_path):
+async def test_a_batch_stopped_midway_resumes_in_the_next_rq_worker(
+    client, worker, rq_settings, rq_conn, rq_names, tmp_path
+):
     log_path = tmp_path / "rq-worker.log"
     batch = queue(rq_names.batch, rq_conn)
     view = (await client.post("/v1/batches", content=jsonl(*[completion_line(f"r{i}") for i in range(6)]))).json()

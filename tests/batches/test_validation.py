@@ -19,24 +19,31 @@ CASES = {
     "wrong method": (jsonl({**completion_line("a"), "method": "GET"}), "line 1: method"),
     "unknown url": (jsonl({**completion_line("a"), "url": "/v1/embeddings"}), "line 1: url"),
     "no custom_id": (jsonl({k: v for k, v in completion_line("a").items() if k != "custom_id"}), "line 1: custom_id"),
-    "duplicate custom_id": (jsonl(completion_line("a"), chat_line("b"), generate_line("a")),
-                            "line 3: custom_id 'a' is already used on line 1"),
+    "duplicate custom_id": (
+        jsonl(completion_line("a"), chat_line("b"), generate_line("a")),
+        "line 3: custom_id 'a' is already used on line 1",
+    ),
     "blank lines count": ("\n" + GOOD + "\n" + jsonl({**completion_line("x"), "url": "/nope"}), "line 4: url"),
-    "unknown model": (GOOD + jsonl(completion_line("b", model="gpt-9")), "line 2: /v1/completions (custom_id 'b'): "
-                                                                          "The model 'gpt-9' does not exist"),
+    "unknown model": (
+        GOOD + jsonl(completion_line("b", model="gpt-9")),
+        "line 2: /v1/completions (custom_id 'b'): The model 'gpt-9' does not exist",
+    ),
     "too long": (jsonl(completion_line("a", max_tokens=5000)), "maximum context length is 2048"),
-    "bad parameter": (jsonl(generate_line("a"), {**generate_line("b"), "body": {"inputs": "x", "parameters": {
-        "top_p": 7}}}), "line 2: /generate (custom_id 'b'): parameters.top_p"),
-    "empty prompt": (jsonl(chat_line("a"), {**chat_line("b"), "body": {"model": MODEL, "messages": []}}),
-                     "line 2: /v1/chat/completions (custom_id 'b'): messages"),
+    "bad parameter": (
+        jsonl(generate_line("a"), {**generate_line("b"), "body": {"inputs": "x", "parameters": {"top_p": 7}}}),
+        "line 2: /generate (custom_id 'b'): parameters.top_p",
+    ),
+    "empty prompt": (
+        jsonl(chat_line("a"), {**chat_line("b"), "body": {"model": MODEL, "messages": []}}),
+        "line 2: /v1/chat/completions (custom_id 'b'): messages",
+    ),
     "stream": (jsonl(completion_line("a", stream=True)), "line 1: /v1/completions (custom_id 'a'): stream"),
     "empty file": ("\n\n", "the file has no requests"),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-async def test_a_bad_file_is_refused_whole_naming_the_line(case, client, rclient, redis_settings, rq_conn,
-                                                           rq_names):
+async def test_a_bad_file_is_refused_whole_naming_the_line(case, client, rclient, redis_settings, rq_conn, rq_names):
     text, message = CASES[case]
     response = await client.post("/v1/batches", content=text)
     assert response.status_code == 400, response.text

@@ -45,8 +45,10 @@ class Stack:
         prefix = self.keys.prefix
         client = self.client()
         try:
-            stale = [*client.scan_iter(match=f"{prefix}:*", count=1000),
-                     *client.scan_iter(match=f"rq:*{prefix}*", count=1000)]
+            stale = [
+                *client.scan_iter(match=f"{prefix}:*", count=1000),
+                *client.scan_iter(match=f"rq:*{prefix}*", count=1000),
+            ]
             if stale:
                 client.delete(*stale)
             for member in client.smembers("rq:queues"):
@@ -56,13 +58,30 @@ class Stack:
             client.close()
 
 
-def start_stack(log_path: str, *, redis_url: str, prefix: str, workers: int, extra: list[str],
-                timeout_s: float = 300) -> Stack:
+def start_stack(
+    log_path: str, *, redis_url: str, prefix: str, workers: int, extra: list[str], timeout_s: float = 300
+) -> Stack:
     port = free_port()
     # rq queues named after the prefix, so Stack.remove_keys finds their keys on a shared Redis.
-    args = [sys.executable, "-m", "lightq.cli", "serve", "--workers", str(workers), "--port", str(port),
-            "--redis_url", redis_url, "--redis_key_prefix", prefix, "--batch_queue", f"{prefix}-batch",
-            "--housekeeping_queue", f"{prefix}-janitor", *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "lightq.cli",
+        "serve",
+        "--workers",
+        str(workers),
+        "--port",
+        str(port),
+        "--redis_url",
+        redis_url,
+        "--redis_key_prefix",
+        prefix,
+        "--batch_queue",
+        f"{prefix}-batch",
+        "--housekeeping_queue",
+        f"{prefix}-janitor",
+        *extra,
+    ]
     log = open(log_path, "w")
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     stack = Stack(process, f"http://127.0.0.1:{port}", redis_url, Keys(prefix), log_path)

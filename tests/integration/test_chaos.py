@@ -32,10 +32,24 @@ def redis_server():
 
 @pytest.fixture
 def stack(redis_server, tmp_path):
-    stack = start_stack(str(tmp_path / "serve.log"), redis_url=redis_server.url, prefix="lightq-chaos", workers=3,
-                        extra=["--model_dir", "counting", "--max_total_token_num", "60000",
-                               "--max_req_total_len", "1100", "--liveness_ttl_s", "1.5",
-                               "--drain_timeout", "0.5"])
+    stack = start_stack(
+        str(tmp_path / "serve.log"),
+        redis_url=redis_server.url,
+        prefix="lightq-chaos",
+        workers=3,
+        extra=[
+            "--model_dir",
+            "counting",
+            "--max_total_token_num",
+            "60000",
+            "--max_req_total_len",
+            "1100",
+            "--liveness_ttl_s",
+            "1.5",
+            "--drain_timeout",
+            "0.5",
+        ],
+    )
     yield stack
     stack.stop()
 
@@ -60,8 +74,10 @@ async def kill_a_worker_and_the_router(stack, delay_s: float) -> None:
     await asyncio.sleep(delay_s)
     client = stack.client()
     worker = sorted(stack.live_workers())[0]
-    routers = [k.split(":")[-2].strip("{}").removeprefix("rt:")
-               for k in client.scan_iter(match=f"{stack.keys.prefix}:{{rt:*}}:alive")]
+    routers = [
+        k.split(":")[-2].strip("{}").removeprefix("rt:")
+        for k in client.scan_iter(match=f"{stack.keys.prefix}:{{rt:*}}:alive")
+    ]
     os.kill(pid_of(worker), signal.SIGKILL)
     for router in routers:
         os.kill(pid_of(router), signal.SIGKILL)
@@ -123,8 +139,7 @@ def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
     # Stop it as soon as it runs something (the counting model makes 1,000 tokens in about a
     # second: a fixed wait could let everything finish before the signal).
     deadline = time.monotonic() + 60
-    while not any(httpx.get(f"{stack.http}/v1/requests/{i}", timeout=10).json().get("worker") == victim
-                  for i in ids):
+    while not any(httpx.get(f"{stack.http}/v1/requests/{i}", timeout=10).json().get("worker") == victim for i in ids):
         assert time.monotonic() < deadline, "no request reached the worker"
         time.sleep(0.05)
     os.kill(pid_of(victim), signal.SIGTERM)
@@ -132,7 +147,9 @@ def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
     for request_id in ids:
         deadline = time.monotonic() + 120
         while (status := httpx.get(f"{stack.http}/v1/requests/{request_id}", timeout=10).json())["status"] in (
-                "queued", "running"):
+            "queued",
+            "running",
+        ):
             assert time.monotonic() < deadline, status
             time.sleep(0.2)
         finals.append(status)
@@ -189,9 +206,13 @@ def test_killing_the_producer_loses_no_request(stack):
 
 @pytest.fixture
 def small_backlog_stack(redis_server, tmp_path):
-    stack = start_stack(str(tmp_path / "serve.log"), redis_url=redis_server.url, prefix="lightq-burst", workers=1,
-                        extra=["--model_dir", "counting", "--max_total_token_num", "60000",
-                               "--max_queue_tokens", "2000"])
+    stack = start_stack(
+        str(tmp_path / "serve.log"),
+        redis_url=redis_server.url,
+        prefix="lightq-burst",
+        workers=1,
+        extra=["--model_dir", "counting", "--max_total_token_num", "60000", "--max_queue_tokens", "2000"],
+    )
     yield stack
     stack.stop()
 
@@ -217,9 +238,22 @@ def test_a_burst_past_the_backlog_gets_429_and_every_accepted_request_completes(
 def tight_pool_stack(redis_server, tmp_path):
     # Pools far smaller than the burst's conservative need: past-future admission (the
     # default) and the workers' pausing must carry it without running out of KV tokens.
-    stack = start_stack(str(tmp_path / "serve.log"), redis_url=redis_server.url, prefix="lightq-tight", workers=2,
-                        extra=["--model_dir", "counting", "--max_total_token_num", "3000",
-                               "--max_req_total_len", "1024", "--history_prior", "50"])
+    stack = start_stack(
+        str(tmp_path / "serve.log"),
+        redis_url=redis_server.url,
+        prefix="lightq-tight",
+        workers=2,
+        extra=[
+            "--model_dir",
+            "counting",
+            "--max_total_token_num",
+            "3000",
+            "--max_req_total_len",
+            "1024",
+            "--history_prior",
+            "50",
+        ],
+    )
     yield stack
     stack.stop()
 
@@ -236,8 +270,9 @@ def test_a_mixed_burst_on_tight_pools_finishes_exactly(tight_pool_stack):
         body = {"inputs": prompt, "parameters": {"max_new_tokens": n, "ignore_eos": False}}
         async with client.stream("POST", f"{http}/generate_stream", json=body) as response:
             assert response.status_code == 200
-            return [json.loads(line[5:])["token"]["id"] async for line in response.aiter_lines()
-                    if line.startswith("data:")]
+            return [
+                json.loads(line[5:])["token"]["id"] async for line in response.aiter_lines() if line.startswith("data:")
+            ]
 
     results = asyncio.run(burst())
     for i, (n, tokens) in enumerate(zip(lengths, results)):

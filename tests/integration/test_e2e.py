@@ -29,8 +29,13 @@ def stack(tmp_path_factory):
     url = f"redis://127.0.0.1:{free_port()}/0"
     assert not answers(url)
     log = str(tmp_path_factory.mktemp("e2e") / "serve.log")
-    stack = start_stack(log, redis_url=url, prefix="lightq-e2e", workers=2,
-                        extra=["--max_total_token_num", "4096", "--max_req_total_len", "1024"])
+    stack = start_stack(
+        log,
+        redis_url=url,
+        prefix="lightq-e2e",
+        workers=2,
+        extra=["--max_total_token_num", "4096", "--max_req_total_len", "1024"],
+    )
     yield stack
     assert stack.stop() == 0, open(log).read()[-3000:]
     assert not answers(url), "the embedded Redis must stop with the pool"
@@ -148,8 +153,9 @@ def test_two_workers_share_twenty_requests(stack):
 def test_over_long_prompt_is_rejected_before_anything_is_queued(stack):
     client = stack.client()
     before = client.xlen(stack.keys.requests())
-    response = httpx.post(f"{stack.http}/generate", json={"inputs": "word " * 1100,
-                                                          "parameters": {"max_new_tokens": 17}}, timeout=30)
+    response = httpx.post(
+        f"{stack.http}/generate", json={"inputs": "word " * 1100, "parameters": {"max_new_tokens": 17}}, timeout=30
+    )
     assert response.status_code == 400 and "1024" in response.text
     assert client.xlen(stack.keys.requests()) == before
 

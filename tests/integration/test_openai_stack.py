@@ -25,8 +25,13 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, redis_url):
     log = str(tmp_path_factory.mktemp("openai-stack") / "serve.log")
-    stack = start_stack(log, redis_url=redis_url, prefix=f"lightq-oai-{uuid.uuid4().hex[:8]}", workers=1,
-                        extra=["--max_total_token_num", "4096", "--max_req_total_len", "1024"])
+    stack = start_stack(
+        log,
+        redis_url=redis_url,
+        prefix=f"lightq-oai-{uuid.uuid4().hex[:8]}",
+        workers=1,
+        extra=["--max_total_token_num", "4096", "--max_req_total_len", "1024"],
+    )
     yield stack
     try:
         assert stack.stop() == 0, open(log).read()[-3000:]
@@ -58,8 +63,9 @@ def test_greedy_completion_alternatives_rank_the_chosen_token_first(oai):
 
 
 def test_greedy_chat_top_logprobs_are_sorted_and_start_with_the_chosen_token(oai):
-    out = oai.chat.completions.create(model=model_id(oai), messages=MESSAGES, max_tokens=6, temperature=0,
-                                      logprobs=True, top_logprobs=2)
+    out = oai.chat.completions.create(
+        model=model_id(oai), messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == 6
     for entry in content:
@@ -93,8 +99,15 @@ def test_greedy_chat_group_gives_three_copies_of_the_single_answer(oai):
 
 
 def test_leaving_a_group_mid_stream_frees_the_workers_tokens(oai, stack):
-    stream = oai.completions.create(model=model_id(oai), prompt="Count to a thousand:", max_tokens=900, n=3,
-                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+    stream = oai.completions.create(
+        model=model_id(oai),
+        prompt="Count to a thousand:",
+        max_tokens=900,
+        n=3,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     seen: set[int] = set()
     request_id = None
     for chunk in stream:  # until the worker's published load shows the group's tokens
@@ -105,8 +118,10 @@ def test_leaving_a_group_mid_stream_frees_the_workers_tokens(oai, stack):
     else:
         raise AssertionError("the group finished before its tokens showed in the worker's load")
     stream.close()  # the client leaves: the producer cancels the group
-    status = wait_for(lambda: httpx.get(f"{stack.http}/v1/requests/{request_id}", timeout=10).json(),
-                      lambda s: s["status"] == "cancelled")
+    status = wait_for(
+        lambda: httpx.get(f"{stack.http}/v1/requests/{request_id}", timeout=10).json(),
+        lambda s: s["status"] == "cancelled",
+    )
     assert status["output_tokens"] < 3 * 900
     wait_for(lambda: [load.used_tokens for load in stack.live_workers().values()], lambda used: not any(used))
 

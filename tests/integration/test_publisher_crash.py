@@ -26,9 +26,13 @@ NEW_TOKENS = 600
 @pytest.fixture
 def stack(tmp_path):
     server = start_embedded_redis()
-    stack = start_stack(str(tmp_path / "serve.log"), redis_url=server.url, prefix="lightq-pubcrash", workers=2,
-                        extra=["--model_dir", "counting", "--max_total_token_num", "60000",
-                               "--max_req_total_len", "1100"])
+    stack = start_stack(
+        str(tmp_path / "serve.log"),
+        redis_url=server.url,
+        prefix="lightq-pubcrash",
+        workers=2,
+        extra=["--model_dir", "counting", "--max_total_token_num", "60000", "--max_req_total_len", "1100"],
+    )
     yield stack
     stack.stop()
     server.stop()

@@ -20,6 +20,7 @@ import httpx
 import pytest
 import redis
 
+from lightq.children import Child
 from shared.embedded_redis import free_port, start_embedded_redis
 from shared.keys import Keys
 from shared.redis import answers
@@ -36,9 +37,13 @@ def serve_env(data_dir: str) -> dict[str, str]:
 
 
 def run_serve(args: list[str], data_dir: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightq.cli", "serve", "--port", str(free_port()), *args],
-                          env={**serve_env(data_dir), **(env or {})}, capture_output=True, text=True,
-                          timeout=WAIT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "lightq.cli", "serve", "--port", str(free_port()), *args],
+        env={**serve_env(data_dir), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
 
 
 def wait_for(condition, what: str, timeout_s: float = WAIT_S):
@@ -51,13 +56,19 @@ def wait_for(condition, what: str, timeout_s: float = WAIT_S):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.mark.parametrize("args, env, says", [
-    (["--model_dir", "/nonexistent/model"], {}, "--model_dir /nonexistent/model: no such file or directory"),
-    (["--model_dir", "HuggingFaceTB/SmolLM2-135M-Instruct"], {}, "hubs are not reachable"),
-    ([], {"LIGHTQ_REJECT_WITHOUT_WORKERS": "maybe"},  # (as a flag it is a switch: argparse refuses a value)
-     "--reject_without_workers (env LIGHTQ_REJECT_WITHOUT_WORKERS): input should be a valid boolean"),
-    (["--device", "cuda"], {}, "--device cuda: CUDA is not available"),
-])
+@pytest.mark.parametrize(
+    "args, env, says",
+    [
+        (["--model_dir", "/nonexistent/model"], {}, "--model_dir /nonexistent/model: no such file or directory"),
+        (["--model_dir", "HuggingFaceTB/SmolLM2-135M-Instruct"], {}, "hubs are not reachable"),
+        (
+            [],
+            {"LIGHTQ_REJECT_WITHOUT_WORKERS": "maybe"},  # (as a flag it is a switch: argparse refuses a value)
+            "--reject_without_workers (env LIGHTQ_REJECT_WITHOUT_WORKERS): input should be a valid boolean",
+        ),
+        (["--device", "cuda"], {}, "--device cuda: CUDA is not available"),
+    ],
+)
 def test_a_bad_setting_is_one_line_and_nothing_starts(tmp_path, args, env, says):
     if args[:1] == ["--device"]:
         import torch
@@ -78,7 +89,7 @@ def test_a_child_failing_at_startup_ends_serve_with_its_error(tmp_path):
     (model / "config.json").write_text("{}")  # there, so the parent's check passes; no model loads from it
     done = run_serve(["--model_dir", str(model)], str(tmp_path / "data"))
     assert done.returncode != 0
-    error = done.stderr[done.stderr.index("failed at start-up 3 times in a row"):]
+    error = done.stderr[done.stderr.index("failed at start-up 3 times in a row") :]
     assert "Error" in error, error  # the child's own last lines come with it
     assert "lightq: stopping:" in error
 
@@ -90,10 +101,24 @@ class Serve:
         self.data_dir = str(tmp_path / "data")
         self.log_path = str(tmp_path / "serve.log")
         self.http = f"http://127.0.0.1:{free_port()}"
-        args = [sys.executable, "-m", "lightq.cli", "serve", "--model_dir", "counting",
-                "--port", self.http.rsplit(":", 1)[1], *extra]
-        self.process = subprocess.Popen(args, env=serve_env(self.data_dir), stdout=open(self.log_path, "w"),
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        args = [
+            sys.executable,
+            "-m",
+            "lightq.cli",
+            "serve",
+            "--model_dir",
+            "counting",
+            "--port",
+            self.http.rsplit(":", 1)[1],
+            *extra,
+        ]
+        self.process = subprocess.Popen(
+            args,
+            env=serve_env(self.data_dir),
+            stdout=open(self.log_path, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         wait_for(lambda: "lightq ready" in self.log() or self.process.poll() is not None, "lightq ready")
         assert self.process.poll() is None, self.log()[-3000:]
         self.redis_url = re.search(r"embedded Redis at (\S+)", self.log()).group(1)
@@ -197,11 +222,17 @@ def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path
 def test_housekeeping_survives_a_redis_restart(tmp_path):
     server = start_embedded_redis(appendonly=True, workdir=str(tmp_path / "redis"))
     prefix = "lightq-test-rq-restart"
-    env = {**os.environ, "LIGHTQ_REDIS_URL": server.url, "LIGHTQ_REDIS_KEY_PREFIX": prefix,
-           "LIGHTQ_HOUSEKEEPING_INTERVAL_S": "1", "LIGHTQ_MODEL_DIR": "counting"}
+    env = {
+        **os.environ,
+        "LIGHTQ_REDIS_URL": server.url,
+        "LIGHTQ_REDIS_KEY_PREFIX": prefix,
+        "LIGHTQ_HOUSEKEEPING_INTERVAL_S": "1",
+        "LIGHTQ_MODEL_DIR": "counting",
+    }
     log_path = tmp_path / "rq.log"
-    worker = subprocess.Popen([sys.executable, "-m", "lightq.cli", "rq-worker"], env=env,
-                              stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "lightq.cli", "rq-worker"], env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT
+    )
     cursor = Keys(prefix).housekeeping_cursor()  # every housekeeping run writes it
     try:
         client = redis.Redis.from_url(server.url)
@@ -227,8 +258,17 @@ def test_joining_a_pool_says_what_already_serves_it(redis_settings, rclient, cap
     from shared.schemas import WorkerLoad
 
     keys = Keys(redis_settings.key_prefix)
-    load = WorkerLoad(worker_id="other-host-1", seq=1, ts_ms=int(time.time() * 1000), max_total_tokens=8192,
-                      used_tokens=0, committed_tokens=0, num_running=0, num_waiting=0, requests=[])
+    load = WorkerLoad(
+        worker_id="other-host-1",
+        seq=1,
+        ts_ms=int(time.time() * 1000),
+        max_total_tokens=8192,
+        used_tokens=0,
+        committed_tokens=0,
+        num_running=0,
+        num_waiting=0,
+        requests=[],
+    )
     rclient.set(keys.load(load.worker_id), codec.encode(load), ex=60)
     rclient.zadd(keys.workers(), {load.worker_id: load.ts_ms})
     flags = {"redis_url": redis_settings.url, "redis_key_prefix": redis_settings.key_prefix}
@@ -238,12 +278,11 @@ def test_joining_a_pool_says_what_already_serves_it(redis_settings, rclient, cap
     assert "joining the pool" in caplog.text and "1 live worker(s)" in caplog.text and "other-host-1" in caplog.text
 
 
-def exited_child(code: int | None) -> "Child":
+def exited_child(code: int | None) -> Child:
     """A real child that exited with ``code``, or was killed (None: SIGKILL)."""
-    from lightq.children import Child
-
-    process = subprocess.Popen([sys.executable, "-c", f"import sys, time; time.sleep(60 if {code} is None else 0); "
-                                                      f"sys.exit({code or 0})"])
+    process = subprocess.Popen(
+        [sys.executable, "-c", f"import sys, time; time.sleep(60 if {code} is None else 0); sys.exit({code or 0})"]
+    )
     if code is None:
         process.kill()
     process.wait()

@@ -20,10 +20,20 @@ from tests.integration.stack import start_stack
 pytestmark = pytest.mark.slow
 
 README_BODY = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 17, "frequency_penalty": 1}}
-TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 2048,
-              "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2}  # SmolLM2's vocabulary and ids
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}  # SmolLM2's vocabulary and ids
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +43,30 @@ def stack(tmp_path_factory):
     url = f"redis://127.0.0.1:{free_port()}/0"
     assert not answers(url)
     log = str(folder / "serve.log")
-    stack = start_stack(log, redis_url=url, prefix="lightq-tp", workers=1,
-                        extra=["--tp", "2", "--model_dir", f"dummy:{folder}", "--device", "cpu",
-                               "--max_total_token_num", "4096", "--max_req_total_len", "1024"])
+    stack = start_stack(
+        log,
+        redis_url=url,
+        prefix="lightq-tp",
+        workers=1,
+        extra=[
+            "--tp",
+            "2",
+            "--model_dir",
+            f"dummy:{folder}",
+            "--device",
+            "cpu",
+            "--max_total_token_num",
+            "4096",
+            "--max_req_total_len",
+            "1024",
+        ],
+    )
     ranks = tp_ranks(log)
     yield stack
     assert stack.stop() == 0, open(log).read()[-3000:]
-    assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-               for pid in ranks), "a tensor-parallel rank outlived the pool"
+    assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE for pid in ranks), (
+        "a tensor-parallel rank outlived the pool"
+    )
 
 
 def tp_ranks(log_path: str, timeout_s: float = 30) -> list[int]:

@@ -35,6 +35,9 @@ def _need_a_triton_target():
     if not _interpreting():
         pytest.skip("no CUDA and TRITON_INTERPRET is off: Triton kernels cannot run")
     if _TRITON_COMPILED_MODE:
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; put "
-                    "os.environ.setdefault('TRITON_INTERPRET', '1') (when CUDA is absent) "
-                    "at the top of tests/conftest.py", pytrace=False)
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set; put "
+            "os.environ.setdefault('TRITON_INTERPRET', '1') (when CUDA is absent) "
+            "at the top of tests/conftest.py",
+            pytrace=False,
+        )

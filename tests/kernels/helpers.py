@@ -15,8 +15,11 @@ from worker.model.forward_batch import ForwardBatch
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # bf16 only on the GPU: the interpreter is unreliable for it.
-DTYPES = [torch.float32, torch.float16,
-          pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, needs_cuda], id="bfloat16")]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, needs_cuda], id="bfloat16"),
+]
 
 # (atol, rtol) per dtype. fp32 allows for tf32 in tl.dot on the GPU.
 TOLERANCES = {torch.float32: (2e-3, 2e-3), torch.float16: (5e-3, 5e-3), torch.bfloat16: (3e-2, 3e-2)}
@@ -28,8 +31,9 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, atol_rtol: tuple[float, f
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
-def make_batch(q_lens: list[int], cached_lens: list[int], table_width: int | None = None,
-               spare_slots: int = 7) -> ForwardBatch:
+def make_batch(
+    q_lens: list[int], cached_lens: list[int], table_width: int | None = None, spare_slots: int = 7
+) -> ForwardBatch:
     """A batch over a pool of sum(seq_lens) + spare_slots slots, the last (the
     hold slot) included as num_slots. Slots are a random permutation and rows
     are scattered, so nothing is contiguous by luck. Table entries past a
@@ -43,30 +47,40 @@ def make_batch(q_lens: list[int], cached_lens: list[int], table_width: int | Non
     table = torch.full((batch_size + 3, width), num_slots, dtype=torch.int32)
     out_slots, positions, used = [], [], 0
     for b in range(batch_size):
-        table[rows[b], :seq_lens[b]] = perm[used:used + seq_lens[b]]
+        table[rows[b], : seq_lens[b]] = perm[used : used + seq_lens[b]]
         used += seq_lens[b]
-        out_slots.append(table[rows[b], cached_lens[b]:seq_lens[b]])
+        out_slots.append(table[rows[b], cached_lens[b] : seq_lens[b]])
         positions.append(torch.arange(cached_lens[b], seq_lens[b]))
     q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
     tensors = dict(
-        input_ids=torch.randint(0, 1000, (sum(q_lens),)), positions=torch.cat(positions),
-        out_slots=torch.cat(out_slots), req_rows=rows.to(torch.int32),
-        cached_lens=torch.tensor(cached_lens, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        q_starts=(torch.cumsum(q_lens_t, 0) - q_lens_t).to(torch.int32), q_lens=q_lens_t, req_table=table,
+        input_ids=torch.randint(0, 1000, (sum(q_lens),)),
+        positions=torch.cat(positions),
+        out_slots=torch.cat(out_slots),
+        req_rows=rows.to(torch.int32),
+        cached_lens=torch.tensor(cached_lens, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        q_starts=(torch.cumsum(q_lens_t, 0) - q_lens_t).to(torch.int32),
+        q_lens=q_lens_t,
+        req_table=table,
     )
-    return ForwardBatch(**{k: v.to(DEVICE) for k, v in tensors.items()}, max_seq_len=max(seq_lens),
-                        max_q_len=max(q_lens), is_decode=all(q == 1 for q in q_lens))
+    return ForwardBatch(
+        **{k: v.to(DEVICE) for k, v in tensors.items()},
+        max_seq_len=max(seq_lens),
+        max_q_len=max(q_lens),
+        is_decode=all(q == 1 for q in q_lens),
+    )
 
 
-def make_pool(batch: ForwardBatch, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-              poison_new: bool = False) -> torch.Tensor:
+def make_pool(
+    batch: ForwardBatch, num_kv_heads: int, head_dim: int, dtype: torch.dtype, poison_new: bool = False
+) -> torch.Tensor:
     """Random pool layer [num_slots + 1, 2 * Hkv, D]; slots no request owns (the
     hold slot included) are NaN, and so are this step's new slots if poison_new."""
     num_slots = int(batch.req_table.max())  # the hold slot: make_batch's spare rows hold it
     pool = torch.randn(num_slots + 1, 2 * num_kv_heads, head_dim, device=DEVICE).to(dtype)
     owned = torch.zeros(num_slots + 1, dtype=torch.bool, device=DEVICE)
     for b in range(batch.num_requests):
-        owned[batch.req_table[batch.req_rows[b], :batch.seq_lens[b]].long()] = True
+        owned[batch.req_table[batch.req_rows[b], : batch.seq_lens[b]].long()] = True
     if poison_new:
         owned[batch.out_slots.long()] = False
     pool[~owned] = float("nan")

@@ -17,8 +17,9 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_m, block_n", CASES)
-def test_context_attention_matches_reference(q_lens, cached_lens, num_heads, num_kv_heads, head_dim,
-                                             block_m, block_n, dtype):
+def test_context_attention_matches_reference(
+    q_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_m, block_n, dtype
+):
     batch = make_batch(q_lens, cached_lens)
     pool = make_pool(batch, num_kv_heads, head_dim, dtype)
     k_cache, v_cache = pool[:, :num_kv_heads], pool[:, num_kv_heads:]

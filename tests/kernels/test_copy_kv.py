@@ -11,7 +11,7 @@ def test_copy_kv_matches_reference(num_tokens, num_kv_heads, head_dim, dtype):
     num_slots = 3 * num_tokens + 4
     # k and v as views of one fused projection output, as the model produces them.
     kv = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, device=DEVICE).to(dtype)
-    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads + 1:]  # [T, Hkv, D], token stride (2Hkv+1)D
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads + 1 :]  # [T, Hkv, D], token stride (2Hkv+1)D
     out_slots = torch.randperm(num_slots, device=DEVICE)[:num_tokens].to(torch.int32)
     pool = torch.full((num_slots + 1, 2 * num_kv_heads, head_dim), float("nan"), device=DEVICE, dtype=dtype)
     expected = pool.clone()

@@ -42,8 +42,7 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", [ALIBI, WINDOW, BOTH])
 @pytest.mark.parametrize("q_lens, cached_lens, num_heads, num_kv_heads, window, block_m, block_n", PREFILL_CASES)
-def test_context_attention_rules(q_lens, cached_lens, num_heads, num_kv_heads, window, block_m, block_n,
-                                 kind, dtype):
+def test_context_attention_rules(q_lens, cached_lens, num_heads, num_kv_heads, window, block_m, block_n, kind, dtype):
     batch = make_batch(q_lens, cached_lens)
     pool = make_pool(batch, num_kv_heads, 32, dtype)
     k_cache, v_cache = pool[:, :num_kv_heads], pool[:, num_kv_heads:]
@@ -77,8 +76,7 @@ def test_decode_attention_rules(seq_lens, num_heads, num_kv_heads, window, num_s
     o = q.new_full(q.shape, float("nan"))
     index = (batch.req_rows, batch.seq_lens, batch.req_table)
     rules = _rules(kind, num_heads, window)
-    decode_attention(q, k_cache, v_cache, o, *index, batch.max_seq_len, num_splits=num_splits, block_n=block_n,
-                     **rules)
+    decode_attention(q, k_cache, v_cache, o, *index, batch.max_seq_len, num_splits=num_splits, block_n=block_n, **rules)
     assert_close(o, decode_attention_ref(q, k_cache, v_cache, *index, **rules))
 
 
@@ -104,8 +102,9 @@ def test_rules_are_checked():
         decode_attention(*args, window=0)
 
 
-@pytest.mark.parametrize("q_lens, cached_lens", [([6, 1, 19], [0, 4, 12]), ([1, 1, 1], [0, 20, 70])],
-                         ids=["prefill", "decode"])
+@pytest.mark.parametrize(
+    "q_lens, cached_lens", [([6, 1, 19], [0, 4, 12]), ([1, 1, 1], [0, 20, 70])], ids=["prefill", "decode"]
+)
 def test_triton_attention_passes_rules(q_lens, cached_lens):
     """The backend hands both rules to whichever kernel runs (int32 indexes, as the runner makes them)."""
     batch = make_batch(q_lens, cached_lens)
@@ -116,7 +115,17 @@ def test_triton_attention_passes_rules(q_lens, cached_lens):
     rules = _rules(BOTH, 4, 9)
     expected_pool = pool.clone()
     copy_kv_ref(k, v, batch.out_slots, expected_pool)
-    ref = context_attention_ref(q, expected_pool[:, :2], expected_pool[:, 2:], batch.q_starts, batch.q_lens,
-                                batch.cached_lens, batch.seq_lens, batch.req_rows, batch.req_table, **rules)
+    ref = context_attention_ref(
+        q,
+        expected_pool[:, :2],
+        expected_pool[:, 2:],
+        batch.q_starts,
+        batch.q_lens,
+        batch.cached_lens,
+        batch.seq_lens,
+        batch.req_rows,
+        batch.req_table,
+        **rules,
+    )
     out = TritonAttention(cache).forward(0, q, k, v, replace(batch), **rules)
     assert_close(out, ref)

@@ -17,8 +17,9 @@ INDEX_FIELDS = ("out_slots", "req_rows", "cached_lens", "seq_lens", "q_starts", 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("q_lens, cached_lens", [([6, 1, 19], [0, 4, 12]), ([1, 1, 1], [0, 20, 70])],
-                         ids=["prefill", "decode"])
+@pytest.mark.parametrize(
+    "q_lens, cached_lens", [([6, 1, 19], [0, 4, 12]), ([1, 1, 1], [0, 20, 70])], ids=["prefill", "decode"]
+)
 def test_forward_matches_reference(q_lens, cached_lens, dtype, index_dtype):
     batch = make_batch(q_lens, cached_lens)
     # The kernels take int32 or int64 indexes (the request table itself stays int32).
@@ -35,9 +36,17 @@ def test_forward_matches_reference(q_lens, cached_lens, dtype, index_dtype):
 
     expected_pool = layer_pool.clone()
     copy_kv_ref(k, v, batch.out_slots, expected_pool)
-    ref = context_attention_ref(q, expected_pool[:, :NUM_KV_HEADS], expected_pool[:, NUM_KV_HEADS:],
-                                batch.q_starts, batch.q_lens, batch.cached_lens, batch.seq_lens,
-                                batch.req_rows, batch.req_table)
+    ref = context_attention_ref(
+        q,
+        expected_pool[:, :NUM_KV_HEADS],
+        expected_pool[:, NUM_KV_HEADS:],
+        batch.q_starts,
+        batch.q_lens,
+        batch.cached_lens,
+        batch.seq_lens,
+        batch.req_rows,
+        batch.req_table,
+    )
     others = buffer[[0, 2]].clone()
 
     out = TritonAttention(cache).forward(LAYER, q, k, v, batch)
@@ -72,9 +81,17 @@ def test_decode_forward_replays_under_cuda_graph():
         t.normal_()
     expected_pool = cache.buffer[0].clone()
     copy_kv_ref(k, v, batch.out_slots, expected_pool)
-    ref = context_attention_ref(q, expected_pool[:, :NUM_KV_HEADS], expected_pool[:, NUM_KV_HEADS:],
-                                batch.q_starts, batch.q_lens, batch.cached_lens, batch.seq_lens,
-                                batch.req_rows, batch.req_table)
+    ref = context_attention_ref(
+        q,
+        expected_pool[:, :NUM_KV_HEADS],
+        expected_pool[:, NUM_KV_HEADS:],
+        batch.q_starts,
+        batch.q_lens,
+        batch.cached_lens,
+        batch.seq_lens,
+        batch.req_rows,
+        batch.req_table,
+    )
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, ref)

@@ -1,15 +1,18 @@
 """Monitoring fixtures: the producer tests' app, client, async Redis and fake worker."""
 
-from tests.producer.conftest import aredis, app, client, settings, tokenizer, worker  # noqa: F401
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.producer.conftest import app, aredis, client, settings, tokenizer, worker  # noqa: F401
 
 
 def parse(text: str) -> dict[tuple[str, tuple], float]:
     """Exposition text -> {(sample name, sorted labels): value}."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 async def refresh(app) -> None:
@@ -24,4 +27,5 @@ def scrape(client, app):
         response = await client.get("/metrics")
         assert response.status_code == 200
         return parse(response.text)
+
     return scrape_once

@@ -19,8 +19,15 @@ from tests.integration.stack import start_stack
 from tests.monitoring.conftest import parse
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 pytestmark = [
     pytest.mark.slow,
@@ -32,9 +39,13 @@ pytestmark = [
 def stack(tmp_path_factory, redis_url):
     metrics_port = free_port()
     log = str(tmp_path_factory.mktemp("dashboard") / "serve.log")
-    stack = start_stack(log, redis_url=redis_url, prefix=f"lightq-dash-{os.getpid()}", workers=2,
-                        extra=["--model_dir", "counting", "--max_total_token_num", "4096",
-                               "--metrics_port", str(metrics_port)])
+    stack = start_stack(
+        log,
+        redis_url=redis_url,
+        prefix=f"lightq-dash-{os.getpid()}",
+        workers=2,
+        extra=["--model_dir", "counting", "--max_total_token_num", "4096", "--metrics_port", str(metrics_port)],
+    )
     stack.metrics_port = metrics_port
     yield stack
     try:
@@ -85,13 +96,29 @@ def test_page_shows_what_metrics_says(stack, tmp_path):
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             page.goto(f"{stack.http}/dashboard")
-            page.wait_for_function("document.querySelectorAll('#recent tr').length >= 6 && "
-                                   "document.querySelectorAll('#workers tr').length == 2", timeout=20_000)
-            shown = {name: page.inner_text(f"#{name}") for name in
-                     ("queue-depth", "queue-tokens", "dead-letters", "live-workers", "generation-tokens",
-                      "generation-rate", "drain-rate", "backlog")}
-            workers = page.eval_on_selector_all("#workers tr", "rows => rows.map(r => [r.dataset.worker, "
-                                                "r.querySelector('.pct').textContent, r.querySelector('.tokens').textContent])")
+            page.wait_for_function(
+                "document.querySelectorAll('#recent tr').length >= 6 && "
+                "document.querySelectorAll('#workers tr').length == 2",
+                timeout=20_000,
+            )
+            shown = {
+                name: page.inner_text(f"#{name}")
+                for name in (
+                    "queue-depth",
+                    "queue-tokens",
+                    "dead-letters",
+                    "live-workers",
+                    "generation-tokens",
+                    "generation-rate",
+                    "drain-rate",
+                    "backlog",
+                )
+            }
+            workers = page.eval_on_selector_all(
+                "#workers tr",
+                "rows => rows.map(r => [r.dataset.worker, "
+                "r.querySelector('.pct').textContent, r.querySelector('.tokens').textContent])",
+            )
             statuses = page.eval_on_selector_all("#recent tr", "rows => rows.map(r => r.cells[1].textContent)")
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
         finally:
@@ -110,6 +137,8 @@ def test_page_shows_what_metrics_says(stack, tmp_path):
     for worker, pct, tokens in workers:
         label = (("worker", worker),)
         assert pct == f"{100 * samples[('lightq:worker_kv_usage_ratio', label)]:.1f}%"
-        assert tokens == (f"{samples[('lightq:worker_used_tokens', label)]:.0f} / "
-                          f"{samples[('lightq:worker_max_total_tokens', label)]:.0f}")
+        assert tokens == (
+            f"{samples[('lightq:worker_used_tokens', label)]:.0f} / "
+            f"{samples[('lightq:worker_max_total_tokens', label)]:.0f}"
+        )
     assert statuses.count("finished") == samples[("lightq:requests_ended_total", (("status", "finished"),))]

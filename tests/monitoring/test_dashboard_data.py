@@ -22,8 +22,17 @@ async def test_page_is_self_contained(client):
 
 
 async def test_data_equals_metrics(app, client, worker, aredis, keys):
-    load = WorkerLoad(worker_id="w1", seq=1, ts_ms=1, max_total_tokens=2000, used_tokens=500,
-                      committed_tokens=700, num_running=3, num_waiting=1, requests=[])
+    load = WorkerLoad(
+        worker_id="w1",
+        seq=1,
+        ts_ms=1,
+        max_total_tokens=2000,
+        used_tokens=500,
+        committed_tokens=700,
+        num_running=3,
+        num_waiting=1,
+        requests=[],
+    )
     await aredis.zadd(keys.workers(), {"w1": 1})
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await aredis.xadd(keys.dead_letters(), {"msg": "x", "reason": "test"})
@@ -41,7 +50,8 @@ async def test_data_equals_metrics(app, client, worker, aredis, keys):
     assert data["dead_letters"] == samples[("lightq:dead_letters", ())] == 1
     assert data["live_workers"] == samples[("lightq:live_workers", ())] == 1
     assert data["rates"]["generation_tokens_per_s"] == pytest.approx(
-        samples[("lightq:generation_tokens_per_second", ())])
+        samples[("lightq:generation_tokens_per_second", ())]
+    )
     assert data["totals"]["generation_tokens"] == samples[("lightq:generation_tokens_total", ())] == 2
     [w1] = data["workers"]
     assert w1["kv_usage"] == samples[("lightq:worker_kv_usage_ratio", (("worker", "w1"),))] == 0.25

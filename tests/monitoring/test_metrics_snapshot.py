@@ -12,10 +12,10 @@ import pytest
 from producer.app import create_app
 from producer.monitoring.cluster import read_cluster
 from producer.monitoring.recent import RequestTracker
+from shared import codec
 from shared.keys import ROUTER_GROUP
 from shared.redis import ensure_group_async
 from shared.schemas import TokenChunk
-from shared import codec
 from tests.monitoring.conftest import parse, refresh
 
 BODY = {"inputs": [1, 2, 3], "parameters": {"max_new_tokens": 4}}
@@ -26,11 +26,14 @@ TEXTS = ["a", "b", "c", "d"]
 async def proxied(settings, tokenizer, proxy):
     """An app that reaches Redis through the proxy, with a refresh period longer than any test."""
     redis = settings.redis.model_copy(update={"url": proxy.url})
-    app = create_app(settings.model_copy(update={"redis": redis, "redis_timeout_s": 0.5, "metrics_refresh_s": 3600}),
-                     tokenizer=tokenizer)
+    app = create_app(
+        settings.model_copy(update={"redis": redis, "redis_timeout_s": 0.5, "metrics_refresh_s": 3600}),
+        tokenizer=tokenizer,
+    )
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer",
-                                     timeout=30) as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://producer", timeout=30
+        ) as client:
             yield app, client
 
 
@@ -85,8 +88,14 @@ async def test_a_replay_of_an_old_request_is_not_timed(client, worker, aredis, k
     request = await worker.take()
     old_ms = int(time.time() * 1000) - 60_000  # written a minute ago (explicit entry ids)
     for index, text in enumerate(TEXTS):
-        chunk = TokenChunk(request_id=request.id, index=index, token_id=index, text=text,
-                           finished=index == len(TEXTS) - 1, finish_reason="length" if index == 3 else None)
+        chunk = TokenChunk(
+            request_id=request.id,
+            index=index,
+            token_id=index,
+            text=text,
+            finished=index == len(TEXTS) - 1,
+            finish_reason="length" if index == 3 else None,
+        )
         await aredis.xadd(keys.chunks(request.id), codec.entry(chunk), id=f"{old_ms + index}-0")
     replay = await client.get(f"/v1/requests/{request_id}/stream")
     assert replay.status_code == 200 and replay.text.count("data:") == len(TEXTS)
@@ -117,8 +126,11 @@ async def test_reads_that_reuse_parsed_entries_agree_with_fresh_ones(client, are
     async def check() -> None:
         kept = await read_cluster(aredis, keys, tracker)
         fresh = await read_cluster(aredis, keys)
-        assert (kept.ingress, kept.queue_prompt_tokens, kept.queue_output_tokens) == \
-               (fresh.ingress, fresh.queue_prompt_tokens, fresh.queue_output_tokens)
+        assert (kept.ingress, kept.queue_prompt_tokens, kept.queue_output_tokens) == (
+            fresh.ingress,
+            fresh.queue_prompt_tokens,
+            fresh.queue_output_tokens,
+        )
         assert set(tracker.parsed) <= {entry_id for entry_id, _ in await aredis.xrange(keys.requests())}
 
     for n in range(1, 5):  # prompts of 1 to 4 tokens

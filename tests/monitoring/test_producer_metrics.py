@@ -12,13 +12,27 @@ from shared.redis import ensure_group_async
 from shared.schemas import WorkerLoad
 
 NAMES = [
-    "lightq:ingress_queue_depth", "lightq:queue_tokens", "lightq:stream_lag", "lightq:stream_pending",
-    "lightq:worker_inbox_depth", "lightq:worker_running_requests", "lightq:worker_waiting_requests",
-    "lightq:worker_used_tokens", "lightq:worker_max_total_tokens", "lightq:worker_kv_usage_ratio",
-    "lightq:live_workers", "lightq:dead_letters", "lightq:throughput_tokens_per_second",
-    "lightq:generation_tokens_per_second", "lightq:queue_drain_requests_per_second", "lightq:backlog_gpu_seconds",
-    "lightq:time_to_first_token_seconds_count", "lightq:inter_token_latency_seconds_count",
-    "lightq:e2e_request_latency_seconds_count", "lightq:generation_tokens_total", "lightq:prompt_tokens_total",
+    "lightq:ingress_queue_depth",
+    "lightq:queue_tokens",
+    "lightq:stream_lag",
+    "lightq:stream_pending",
+    "lightq:worker_inbox_depth",
+    "lightq:worker_running_requests",
+    "lightq:worker_waiting_requests",
+    "lightq:worker_used_tokens",
+    "lightq:worker_max_total_tokens",
+    "lightq:worker_kv_usage_ratio",
+    "lightq:live_workers",
+    "lightq:dead_letters",
+    "lightq:throughput_tokens_per_second",
+    "lightq:generation_tokens_per_second",
+    "lightq:queue_drain_requests_per_second",
+    "lightq:backlog_gpu_seconds",
+    "lightq:time_to_first_token_seconds_count",
+    "lightq:inter_token_latency_seconds_count",
+    "lightq:e2e_request_latency_seconds_count",
+    "lightq:generation_tokens_total",
+    "lightq:prompt_tokens_total",
     "lightq:cluster_view_timestamp_seconds",
 ]
 
@@ -28,8 +42,17 @@ def body(ids, max_new, ignore_eos=False):
 
 
 async def test_every_name_is_exported_with_the_lightq_prefix(client, scrape, aredis, keys):
-    load = WorkerLoad(worker_id="w1", seq=1, ts_ms=1, max_total_tokens=100, used_tokens=1, committed_tokens=1,
-                      num_running=1, num_waiting=0, requests=[])
+    load = WorkerLoad(
+        worker_id="w1",
+        seq=1,
+        ts_ms=1,
+        max_total_tokens=100,
+        used_tokens=1,
+        committed_tokens=1,
+        num_running=1,
+        num_waiting=0,
+        requests=[],
+    )
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await aredis.zadd(keys.workers(), {"w1": 1})
     response = await client.get("/metrics")
@@ -65,8 +88,17 @@ async def test_lag_and_pending_per_stream(client, scrape, aredis, keys):
     assert samples[("lightq:ingress_queue_depth", ())] == 3
     assert samples[("lightq:queue_tokens", (("kind", "prompt"),))] == 3  # pending entries count too
 
-    load = WorkerLoad(worker_id="w1", seq=1, ts_ms=1, max_total_tokens=1000, used_tokens=250,
-                      committed_tokens=400, num_running=2, num_waiting=3, requests=[])
+    load = WorkerLoad(
+        worker_id="w1",
+        seq=1,
+        ts_ms=1,
+        max_total_tokens=1000,
+        used_tokens=250,
+        committed_tokens=400,
+        num_running=2,
+        num_waiting=3,
+        requests=[],
+    )
     await aredis.zadd(keys.workers(), {"w1": 1})
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await ensure_group_async(aredis, keys.inbox("w1"), WORKER_GROUP)
@@ -92,6 +124,7 @@ async def test_dead_letters_are_the_dead_stream_length(scrape, aredis, keys):
 
 async def generate_with(client, worker, texts, delay_s=0.0):
     """/generate answered by the fake worker; returns (the request as queued, the response)."""
+
     async def serve():
         request = await worker.take()
         await worker.generate(request, texts, delay_s=delay_s)

@@ -15,8 +15,9 @@ def test_definitions_follow_vllm():
     a = Outcome(prompt_len=10, success=True, output_tokens=3, ttft=0.1, latency=0.5, itl=[0.1, 0.3])
     b = Outcome(prompt_len=20, success=True, output_tokens=1, ttft=0.2, latency=0.2)
     failed = Outcome(prompt_len=5, error="HTTP 500")
-    r = calculate([a, b, failed], duration=2.0, slos=parse_slos(["ttft:150", "tpot:250", "mtpot:200"]),
-                  percentiles=[99])
+    r = calculate(
+        [a, b, failed], duration=2.0, slos=parse_slos(["ttft:150", "tpot:250", "mtpot:200"]), percentiles=[99]
+    )
     assert (r["completed"], r["failed"]) == (2, 1)
     assert r["total_input_tokens"] == 30 and r["total_output_tokens"] == 4
     assert r["request_throughput"] == 1.0 and r["output_throughput"] == 2.0 and r["total_token_throughput"] == 17.0
@@ -35,8 +36,21 @@ async def test_run_against_a_producer(settings, tokenizer, worker, endpoint, cap
         return [f"t{i}" for i in range(request.params.max_new_tokens)], "length"
 
     async with worker.answering(reply) as served, serving(settings, tokenizer) as url:
-        args = ["--base-url", url, "--num-prompts", "6", "--request-rate", "50", "--sharegpt-output-len", "4",
-                "--endpoint", endpoint, "--goodput", "ttft:5000", "e2el:10000"]
+        args = [
+            "--base-url",
+            url,
+            "--num-prompts",
+            "6",
+            "--request-rate",
+            "50",
+            "--sharegpt-output-len",
+            "4",
+            "--endpoint",
+            endpoint,
+            "--goodput",
+            "ttft:5000",
+            "e2el:10000",
+        ]
         result = await asyncio.to_thread(bench_main, args)
     assert result["completed"] == 6 and result["failed"] == 0
     assert result["total_output_tokens"] == 24 and result["goodput_req_s"] > 0

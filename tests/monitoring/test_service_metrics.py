@@ -30,9 +30,12 @@ def samples(registry: CollectorRegistry) -> dict:
 
 def metered_router(redis_settings, rclient) -> MeteredRouter:
     metrics = RouterMetrics("r1")
-    router = MeteredRouter(RouterSettings(redis=redis_settings, poll_ms=10,
-                                                admission_rule=AdmissionSettings(admission="conservative")),
-                           rclient, "r1", metrics=metrics)
+    router = MeteredRouter(
+        RouterSettings(redis=redis_settings, poll_ms=10, admission_rule=AdmissionSettings(admission="conservative")),
+        rclient,
+        "r1",
+        metrics=metrics,
+    )
     metrics.registry.register(RouterCollector(router))
     ensure_group(rclient, router.keys.requests(), ROUTER_GROUP)
     return router
@@ -93,14 +96,24 @@ class StubPublisher:
 
 def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys):
     created = now_ms() - 1500  # queued 1.5 s before its admission here
-    events = [Started(GenerateRequest(id="a", prompt_ids=[1, 2, 3], resume_ids=[7], created_ms=created,
-                                      params=SamplingParams(max_new_tokens=4))),
-              pack([Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length")]),
-              Ended("c", "cancelled", "cancelled", 2)]
+    events = [
+        Started(
+            GenerateRequest(
+                id="a",
+                prompt_ids=[1, 2, 3],
+                resume_ids=[7],
+                created_ms=created,
+                params=SamplingParams(max_new_tokens=4),
+            )
+        ),
+        pack([Token("a", 1, 9, -0.1, None), Token("b", 4, 9, -0.1, "length")]),
+        Ended("c", "cancelled", "cancelled", 2),
+    ]
     metrics, engine = WorkerMetrics("w1"), StubEngine(events)
     metrics.registry.register(WorkerCollector(engine, rclient, keys, "w1"))
-    service = MeteredService(WorkerSettings(redis=redis_settings), rclient, engine, "w1", StubPublisher(),
-                             metrics=metrics)
+    service = MeteredService(
+        WorkerSettings(redis=redis_settings), rclient, engine, "w1", StubPublisher(), metrics=metrics
+    )
     service._step()
     assert service.publisher.events == events
     ensure_group(rclient, keys.inbox("w1"), WORKER_GROUP)

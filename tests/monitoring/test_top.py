@@ -19,8 +19,17 @@ from tests.router.helpers import submit
 
 def seed(rclient, keys) -> None:
     for worker_id, used in (("gpu-a", 750), ("gpu-b", 100)):
-        load = WorkerLoad(worker_id=worker_id, seq=1, ts_ms=now_ms(), max_total_tokens=1000, used_tokens=used,
-                          committed_tokens=used, num_running=3, num_waiting=1, requests=[])
+        load = WorkerLoad(
+            worker_id=worker_id,
+            seq=1,
+            ts_ms=now_ms(),
+            max_total_tokens=1000,
+            used_tokens=used,
+            committed_tokens=used,
+            num_running=3,
+            num_waiting=1,
+            requests=[],
+        )
         rclient.set(keys.load(worker_id), encode(load), ex=60)
         rclient.zadd(keys.workers(), {worker_id: now_ms()})
     ensure_group(rclient, keys.requests(), ROUTER_GROUP)
@@ -32,8 +41,13 @@ def seed(rclient, keys) -> None:
 def test_once_prints_queue_and_workers(rclient, keys, redis_settings):
     seed(rclient, keys)
     out = io.StringIO()
-    assert run({"once": True, "redis_url": redis_settings.url, "redis_key_prefix": keys.prefix},
-               console=Console(file=out, width=160, color_system=None)) == 0
+    assert (
+        run(
+            {"once": True, "redis_url": redis_settings.url, "redis_key_prefix": keys.prefix},
+            console=Console(file=out, width=160, color_system=None),
+        )
+        == 0
+    )
     text = out.getvalue()
     assert "queue  3 requests (lag 3, pending 0)" in text
     assert "90 tokens (prompt 30 + predicted output 60)" in text
@@ -46,8 +60,22 @@ def test_once_prints_queue_and_workers(rclient, keys, redis_settings):
 
 def test_cli_once(rclient, keys, redis_settings):
     seed(rclient, keys)
-    result = subprocess.run([sys.executable, "-m", "lightq.cli", "top", "--once", "--redis_url", redis_settings.url,
-                             "--redis_key_prefix", keys.prefix], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightq.cli",
+            "top",
+            "--once",
+            "--redis_url",
+            redis_settings.url,
+            "--redis_key_prefix",
+            keys.prefix,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "gpu-a" in result.stdout and "queue  3 requests" in result.stdout
 

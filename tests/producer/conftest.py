@@ -13,7 +13,6 @@ from shared.model_files import load_tokenizer, resolve
 from shared.redis import async_client
 from tests.producer.fake_worker import FakeWorker, serving
 
-
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -24,8 +23,12 @@ def tokenizer():
 
 @pytest.fixture
 def settings(redis_settings) -> ProducerSettings:
-    return ProducerSettings(redis=redis_settings, model=ModelSettings(max_req_total_len=2048),
-                            default_max_new_tokens=16, stream_block_ms=100)
+    return ProducerSettings(
+        redis=redis_settings,
+        model=ModelSettings(max_req_total_len=2048),
+        default_max_new_tokens=16,
+        stream_block_ms=100,
+    )
 
 
 @pytest.fixture
@@ -38,8 +41,9 @@ async def app(settings, tokenizer):
 @pytest.fixture
 async def client(app):
     # Bodies sent as raw bytes say they are JSON, as real clients do (producer.edge.front_door: 415 otherwise).
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer", timeout=30,
-                                 headers=JSON_HEADERS) as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app), base_url="http://producer", timeout=30, headers=JSON_HEADERS
+    ) as c:
         yield c
 
 
@@ -65,6 +69,5 @@ async def server_url(settings, tokenizer):
 async def oai(server_url):
     """The official client, pointed at the producer (only the base URL changes)."""
     openai = pytest.importorskip("openai")
-    async with openai.AsyncOpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0,
-                                  timeout=30) as client:
+    async with openai.AsyncOpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=30) as client:
         yield client

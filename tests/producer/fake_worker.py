@@ -19,7 +19,6 @@ from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import ensure_group_async
 from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 
-
 Reply = Callable[[GenerateRequest], tuple[list[str], FinishReason]]
 
 
@@ -52,8 +51,9 @@ def now_ms() -> int:
 async def serving(settings, tokenizer) -> AsyncIterator[str]:
     """A real uvicorn server of the producer app (real sockets: disconnects, the openai client)."""
     port = free_port()
-    config = uvicorn.Config(create_app(settings, tokenizer=tokenizer), host="127.0.0.1", port=port,
-                            log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        create_app(settings, tokenizer=tokenizer), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -75,14 +75,20 @@ class FakeWorker:
         await ensure_group_async(self.redis, self.keys.requests(), ROUTER_GROUP)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            reply = await self.redis.xreadgroup(ROUTER_GROUP, "fake-router", {self.keys.requests(): ">"},
-                                                count=1, block=100)
+            reply = await self.redis.xreadgroup(
+                ROUTER_GROUP, "fake-router", {self.keys.requests(): ">"}, count=1, block=100
+            )
             if reply:
                 entry_id, fields = reply[0][1][0]
                 await self.redis.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
                 request = codec.from_entry(GenerateRequest, fields)
-                await self.set_meta(request.id, status=RequestStatus.RUNNING, worker=self.worker_id,
-                                    dispatched_ms=now_ms(), started_ms=now_ms())
+                await self.set_meta(
+                    request.id,
+                    status=RequestStatus.RUNNING,
+                    worker=self.worker_id,
+                    dispatched_ms=now_ms(),
+                    started_ms=now_ms(),
+                )
                 return request
         raise TimeoutError("no request arrived on the ingress stream")
 
@@ -101,18 +107,37 @@ class FakeWorker:
             entry_id, _ = await pipe.execute()
         return entry_id
 
-    async def token(self, request_id: str, index: int, text: str, *, token_id: int | None = None,
-                    finish_reason: FinishReason | None = None, choice: int = 0, num_top: int = 0) -> str:
+    async def token(
+        self,
+        request_id: str,
+        index: int,
+        text: str,
+        *,
+        token_id: int | None = None,
+        finish_reason: FinishReason | None = None,
+        choice: int = 0,
+        num_top: int = 0,
+    ) -> str:
         """A token chunk (id 100 + index unless given, logprob -0.25); with ``num_top``, that many
         alternatives as a worker reports them: ``fake_top`` (the chosen token first)."""
         token_id = 100 + index if token_id is None else token_id
-        return await self.append(TokenChunk(
-            request_id=request_id, index=index, choice=choice, token_id=token_id,
-            text=text, logprob=-0.25, top_logprobs=fake_top(token_id, num_top) if num_top else None,
-            finished=finish_reason is not None, finish_reason=finish_reason))
+        return await self.append(
+            TokenChunk(
+                request_id=request_id,
+                index=index,
+                choice=choice,
+                token_id=token_id,
+                text=text,
+                logprob=-0.25,
+                top_logprobs=fake_top(token_id, num_top) if num_top else None,
+                finished=finish_reason is not None,
+                finish_reason=finish_reason,
+            )
+        )
 
-    async def generate(self, request: GenerateRequest, texts: list[str], finish_reason: FinishReason = "length",
-                       delay_s: float = 0.0) -> list[str]:
+    async def generate(
+        self, request: GenerateRequest, texts: list[str], finish_reason: FinishReason = "length", delay_s: float = 0.0
+    ) -> list[str]:
         """One chunk per text, the last one finished; then the final status. A group's
         choice c > 0 gets each text with c appended; choices interleave, highest first.
         Chunks carry the alternatives the request asked for (``fake_top``)."""
@@ -122,20 +147,37 @@ class FakeWorker:
                 await asyncio.sleep(delay_s)
             last = index == len(texts) - 1
             for choice in reversed(range(request.n)):
-                entry_ids.append(await self.token(request.id, index, f"{text}{choice}" if choice else text,
-                                                  finish_reason=finish_reason if last else None, choice=choice,
-                                                  num_top=request.params.top_logprobs))
-        await self.set_meta(request.id, status=RequestStatus.FINISHED, finish_reason=finish_reason,
-                            output_tokens=len(texts) * request.n, finished_ms=now_ms())
+                entry_ids.append(
+                    await self.token(
+                        request.id,
+                        index,
+                        f"{text}{choice}" if choice else text,
+                        finish_reason=finish_reason if last else None,
+                        choice=choice,
+                        num_top=request.params.top_logprobs,
+                    )
+                )
+        await self.set_meta(
+            request.id,
+            status=RequestStatus.FINISHED,
+            finish_reason=finish_reason,
+            output_tokens=len(texts) * request.n,
+            finished_ms=now_ms(),
+        )
         return entry_ids
 
-    async def end(self, request_id: str, index: int, status: RequestStatus, reason: FinishReason,
-                  error: str | None = None) -> None:
+    async def end(
+        self, request_id: str, index: int, status: RequestStatus, reason: FinishReason, error: str | None = None
+    ) -> None:
         """End without a token of its own (cancelled, failed): terminal chunk, then status."""
-        await self.append(TokenChunk(request_id=request_id, index=index, token_id=None, finished=True,
-                                     finish_reason=reason, error=error))
-        await self.set_meta(request_id, status=status, finish_reason=reason, error=error,
-                            output_tokens=index, finished_ms=now_ms())
+        await self.append(
+            TokenChunk(
+                request_id=request_id, index=index, token_id=None, finished=True, finish_reason=reason, error=error
+            )
+        )
+        await self.set_meta(
+            request_id, status=status, finish_reason=reason, error=error, output_tokens=index, finished_ms=now_ms()
+        )
 
     async def wait_cancel(self, request_id: str, timeout_s: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout_s

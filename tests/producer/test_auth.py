@@ -22,8 +22,10 @@ def auth(key: str) -> dict[str, str]:
 
 @pytest.fixture
 async def keyed(settings, tokenizer):
-    app = create_app(settings.model_copy(update={"api_keys": SecretStr(f" {KEY_A}, ,{KEY_B} "),
-                                                  "rate_limit_rpm": 4}), tokenizer=tokenizer)
+    app = create_app(
+        settings.model_copy(update={"api_keys": SecretStr(f" {KEY_A}, ,{KEY_B} "), "rate_limit_rpm": 4}),
+        tokenizer=tokenizer,
+    )
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer") as client:
             yield client
@@ -31,8 +33,13 @@ async def keyed(settings, tokenizer):
 
 @pytest.mark.parametrize("headers", [{}, auth("sk-wrong"), {"Authorization": KEY_A}, {"Authorization": "Basic eDp5"}])
 async def test_no_key_or_a_wrong_one_is_401(keyed, rclient, redis_settings, headers):
-    for method, path in [("POST", "/generate"), ("POST", "/v1/requests"), ("POST", "/v1/completions"),
-                         ("GET", "/v1/models"), ("GET", "/v1/requests/" + "a" * 32)]:
+    for method, path in [
+        ("POST", "/generate"),
+        ("POST", "/v1/requests"),
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/requests/" + "a" * 32),
+    ]:
         response = await keyed.request(method, path, json=BODY, headers=headers)
         assert response.status_code == 401, (path, response.text)
         assert response.json()["error"]["code"] == "invalid_api_key"

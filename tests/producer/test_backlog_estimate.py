@@ -5,9 +5,16 @@ from shared.schemas import GenerateRequest, SamplingParams
 
 
 def request(n=1, ignore_eos=False, resume=(), group_resume=(), finished=()):
-    return GenerateRequest(id="r", prompt_ids=[1] * 10, created_ms=0, n=n, resume_ids=list(resume),
-                           group_resume=[list(g) for g in group_resume], finished_choices=list(finished),
-                           params=SamplingParams(max_new_tokens=100, ignore_eos=ignore_eos))
+    return GenerateRequest(
+        id="r",
+        prompt_ids=[1] * 10,
+        created_ms=0,
+        n=n,
+        resume_ids=list(resume),
+        group_resume=[list(g) for g in group_resume],
+        finished_choices=list(finished),
+        params=SamplingParams(max_new_tokens=100, ignore_eos=ignore_eos),
+    )
 
 
 def test_a_single_request_counts_its_cap_or_the_recent_mean_less_what_it_emitted():

@@ -59,8 +59,10 @@ async def test_metrics_open_leaves_only_metrics_open(settings, tokenizer):
         assert (await client.get("/dashboard/data")).status_code == 401
 
 
-@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
-                                          "multipart/form-data; boundary=x", "application/jsonx"])
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/jsonx"],
+)
 async def test_a_post_body_that_is_not_json_is_415(settings, tokenizer, rclient, redis_settings, content_type):
     headers = {"content-type": content_type} if content_type else {}
     async with serving(settings, tokenizer) as client:
@@ -74,8 +76,9 @@ async def test_a_post_body_that_is_not_json_is_415(settings, tokenizer, rclient,
 
 async def test_json_bodies_pass(settings, tokenizer, worker):
     async with serving(settings, tokenizer) as client:
-        response = await client.post("/v1/requests", content=b'{"inputs": "hi"}',
-                                     headers={"content-type": "application/json; charset=utf-8"})
+        response = await client.post(
+            "/v1/requests", content=b'{"inputs": "hi"}', headers={"content-type": "application/json; charset=utf-8"}
+        )
         assert response.status_code == 202
         # Batch files are JSON Lines; a bad one is refused by its checks (400), not by its type.
         response = await client.post("/v1/batches", content=b"{}\n", headers={"content-type": "application/jsonl"})
@@ -83,8 +86,11 @@ async def test_json_bodies_pass(settings, tokenizer, worker):
 
 
 async def test_cors_is_closed_unless_origins_are_allowed(settings, tokenizer):
-    preflight = {"Origin": "https://ok.example", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization,content-type"}
+    preflight = {
+        "Origin": "https://ok.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
     async with serving(settings, tokenizer) as client:
         response = await client.options("/generate", headers=preflight)
         assert "access-control-allow-origin" not in response.headers

@@ -13,7 +13,8 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 
-from hypothesis import HealthCheck, given, settings as hypothesis_settings  # noqa: E402
+from hypothesis import HealthCheck, given  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
@@ -24,8 +25,9 @@ from tests.producer.fake_worker import FakeWorker  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the served model's id
 EXAMPLES = 25  # per operation and mode: the whole run stays well under a minute
-FUZZ_SETTINGS = hypothesis_settings(max_examples=EXAMPLES, deadline=None, database=None,
-                                    suppress_health_check=list(HealthCheck))
+FUZZ_SETTINGS = hypothesis_settings(
+    max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+)
 
 
 @schemathesis.serializer("application/jsonl")
@@ -64,8 +66,9 @@ def api_schema(settings, tokenizer, redis_settings):
     worker = WorkerThread(redis_settings)
     worker.start()
     # Limits on, so their code paths are fuzzed too (keys off: every call would be a 401).
-    app = create_app(settings.model_copy(update={"max_queue_tokens": 1_000_000, "max_body_bytes": 64 * 1024}),
-                     tokenizer=tokenizer)
+    app = create_app(
+        settings.model_copy(update={"max_queue_tokens": 1_000_000, "max_body_bytes": 64 * 1024}), tokenizer=tokenizer
+    )
     yield schemathesis.openapi.from_asgi("/openapi.json", app)
     worker.stop.set()
     worker.join(timeout=5)

@@ -31,14 +31,28 @@ async def test_generate_result_format(client, worker, tokenizer, aredis, keys):
         return request, meta, ttl
 
     task = asyncio.create_task(serve())
-    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "frequency_penalty": 0.5, "do_sample": True,
-                                             "temperature": 0.7, "top_p": 0.9, "top_k": 50, "seed": 7}}
+    body = {
+        "inputs": PROMPT,
+        "parameters": {
+            "max_new_tokens": 3,
+            "frequency_penalty": 0.5,
+            "do_sample": True,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 50,
+            "seed": 7,
+        },
+    }
     response = await client.post("/generate", json=body)
     request, meta, ttl = await task
     prompt_ids = tokenizer.encode(PROMPT)
     assert response.status_code == 200
-    assert response.json() == {"generated_text": ["Hello world!"], "count_output_tokens": 3,
-                               "finish_reason": "length", "prompt_tokens": len(prompt_ids)}
+    assert response.json() == {
+        "generated_text": ["Hello world!"],
+        "count_output_tokens": 3,
+        "finish_reason": "length",
+        "prompt_tokens": len(prompt_ids),
+    }
     assert request.prompt_ids == prompt_ids and len(request.id) == 32
     assert request.params.max_new_tokens == 3 and request.params.top_k == 50 and request.params.seed == 7
     assert meta.prompt_tokens == len(prompt_ids) and meta.max_new_tokens == 3 and meta.created_ms > 0
@@ -54,8 +68,12 @@ async def test_generate_defaults_and_token_ids(client, worker, settings):
     assert not request.params.do_sample and request.params.seed is None
     await worker.generate(request, ["a", "b"], finish_reason="stop")
     response = await response_task
-    assert response.json() == {"generated_text": ["ab"], "count_output_tokens": 2,
-                               "finish_reason": "stop", "prompt_tokens": 3}
+    assert response.json() == {
+        "generated_text": ["ab"],
+        "count_output_tokens": 2,
+        "finish_reason": "stop",
+        "prompt_tokens": 3,
+    }
 
 
 async def test_generate_any_content_type(client, worker):
@@ -121,8 +139,12 @@ async def test_generate_cancelled_and_failed(client, worker):
     await worker.end(request.id, 1, RequestStatus.CANCELLED, "cancelled")
     response = await task
     assert response.status_code == 200
-    assert response.json() == {"generated_text": ["Par"], "count_output_tokens": 1,
-                               "finish_reason": "cancelled", "prompt_tokens": len(request.prompt_ids)}
+    assert response.json() == {
+        "generated_text": ["Par"],
+        "count_output_tokens": 1,
+        "finish_reason": "cancelled",
+        "prompt_tokens": len(request.prompt_ids),
+    }
 
     task = asyncio.create_task(client.post("/generate", json={"inputs": PROMPT}))
     request = await worker.take()

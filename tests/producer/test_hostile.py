@@ -88,8 +88,9 @@ async def test_hostile_openai_bodies(client, rclient, redis_settings, name):
 async def small_bodies(settings, tokenizer):
     app = create_app(settings.model_copy(update={"max_body_bytes": 1000}), tokenizer=tokenizer)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer",
-                                     headers={"Content-Type": "application/json"}) as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://producer", headers={"Content-Type": "application/json"}
+        ) as client:
             yield client
 
 
@@ -122,8 +123,9 @@ def test_batch_files_have_their_own_limit():
     assert limit.limit("/v1/requests") == limit.limit("/generate") == 1000
 
 
-@pytest.mark.parametrize("last_event_id", ["9" * 30 + "-0", "1-" + "9" * 30, "18446744073709551616-0", "²-1",
-                                           "1-2-3", "-1", "0x10"])
+@pytest.mark.parametrize(
+    "last_event_id", ["9" * 30 + "-0", "1-" + "9" * 30, "18446744073709551616-0", "²-1", "1-2-3", "-1", "0x10"]
+)
 async def test_bad_last_event_id_is_400(client, last_event_id):
     submitted = (await client.post("/v1/requests", json={"inputs": "hi"})).json()
     headers = [(b"last-event-id", last_event_id.encode("latin-1"))]

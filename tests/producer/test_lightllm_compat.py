@@ -10,8 +10,12 @@ import pytest
 
 from shared.config import ModelSettings, ProducerSettings
 
-GREEDY = [{"temperature": 0, "top_k": 0, "do_sample": False}, {"temperature": 0.0}, {"top_k": 0},
-          {"temperature": 0, "do_sample": True}]
+GREEDY = [
+    {"temperature": 0, "top_k": 0, "do_sample": False},
+    {"temperature": 0.0},
+    {"top_k": 0},
+    {"temperature": 0, "do_sample": True},
+]
 
 
 async def accepted(client, worker, parameters):
@@ -47,16 +51,22 @@ async def test_stream_events_flag_special_tokens(client, worker, tokenizer):
 
 @pytest.fixture
 def settings(redis_settings) -> ProducerSettings:
-    return ProducerSettings(redis=redis_settings, model=ModelSettings(max_req_total_len=2048, max_req_input_len=4),
-                            stream_block_ms=100)
+    return ProducerSettings(
+        redis=redis_settings, model=ModelSettings(max_req_total_len=2048, max_req_input_len=4), stream_block_ms=100
+    )
 
 
-@pytest.mark.parametrize("route, body", [
-    ("/generate", {"inputs": "one two three four five six seven"}),
-    ("/v1/completions", {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "one two three four five six seven"}),
-    ("/v1/chat/completions", {"model": "SmolLM2-135M-Instruct.Q4_1",
-                              "messages": [{"role": "user", "content": "one two three"}]}),
-])
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/generate", {"inputs": "one two three four five six seven"}),
+        ("/v1/completions", {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "one two three four five six seven"}),
+        (
+            "/v1/chat/completions",
+            {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "one two three"}]},
+        ),
+    ],
+)
 async def test_max_req_input_len_bounds_the_prompt(client, rclient, redis_settings, route, body):
     response = await client.post(route, json=body)
     assert response.status_code == 400, response.text

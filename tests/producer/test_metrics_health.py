@@ -17,8 +17,11 @@ async def scrape(client, app) -> dict[tuple[str, tuple], float]:
     await app.state.cluster_view.refresh_now()
     response = await client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
 
 
 async def test_ingress_depth_follows_the_router_group(app, client, aredis, keys):
@@ -43,8 +46,17 @@ async def test_ingress_depth_follows_the_router_group(app, client, aredis, keys)
 
 
 async def test_worker_gauges_for_live_workers_only(app, client, aredis, keys):
-    load = WorkerLoad(worker_id="w1", seq=3, ts_ms=1, max_total_tokens=8192, used_tokens=300,
-                      committed_tokens=900, num_running=2, num_waiting=1, requests=[])
+    load = WorkerLoad(
+        worker_id="w1",
+        seq=3,
+        ts_ms=1,
+        max_total_tokens=8192,
+        used_tokens=300,
+        committed_tokens=900,
+        num_running=2,
+        num_waiting=1,
+        requests=[],
+    )
     await aredis.zadd(keys.workers(), {"w1": 1, "gone": 1})  # "gone" has no heartbeat any more
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await ensure_group_async(aredis, keys.inbox("w1"), WORKER_GROUP)

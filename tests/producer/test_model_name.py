@@ -21,8 +21,9 @@ async def test_queued_requests_carry_the_served_model_name(redis_settings, token
     settings = ProducerSettings(redis=redis_settings, model=ModelSettings(served_model_name=name))
     app = create_app(settings, tokenizer=tokenizer)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://p",
-                                     headers=JSON_HEADERS) as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://p", headers=JSON_HEADERS
+        ) as client:
             reply = await client.post("/v1/requests", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
             assert reply.status_code == 202
             models = (await client.get("/v1/models")).json()["data"]

@@ -10,10 +10,25 @@ import pytest
 from tests.conftest import keys_with_prefix
 
 ROUTES = ["/generate", "/generate_stream", "/v1/requests"]
-ALL = {"max_new_tokens": 20, "min_new_tokens": 3, "do_sample": True, "temperature": 0.8, "top_p": 0.9,
-       "top_k": 50, "min_p": 0.1, "ignore_eos": True, "seed": 42, "presence_penalty": 0.5,
-       "frequency_penalty": 0.25, "repetition_penalty": 1.2, "stop_sequences": ["###", [198]],
-       "best_of": 1, "n": 1, "return_details": False, "skip_special_tokens": True}
+ALL = {
+    "max_new_tokens": 20,
+    "min_new_tokens": 3,
+    "do_sample": True,
+    "temperature": 0.8,
+    "top_p": 0.9,
+    "top_k": 50,
+    "min_p": 0.1,
+    "ignore_eos": True,
+    "seed": 42,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.25,
+    "repetition_penalty": 1.2,
+    "stop_sequences": ["###", [198]],
+    "best_of": 1,
+    "n": 1,
+    "return_details": False,
+    "skip_special_tokens": True,
+}
 
 
 async def accepted(client, worker, route, parameters):

@@ -33,9 +33,18 @@ async def test_models_lists_the_served_model(oai):
 async def test_completion_maps_every_parameter(oai, worker, tokenizer):
     async with worker.answering(hello) as seen:
         out = await oai.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0.7, top_p=0.9, stop=["\n", "END"],
-            presence_penalty=0.5, frequency_penalty=0.25, seed=11, user="someone",
-            extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 2})
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=7,
+            temperature=0.7,
+            top_p=0.9,
+            stop=["\n", "END"],
+            presence_penalty=0.5,
+            frequency_penalty=0.25,
+            seed=11,
+            user="someone",
+            extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 2},
+        )
     (request,) = seen
     params = request.params
     assert request.prompt_ids == tokenizer.encode(PROMPT)
@@ -61,8 +70,9 @@ async def test_temperature_zero_is_greedy_and_defaults_sample(oai, worker, setti
 
 async def test_completion_stream_with_usage_echo_and_logprobs(oai, worker):
     async with worker.answering(hello) as seen:
-        stream = await oai.completions.create(model=MODEL, prompt=PROMPT, stream=True, echo=True,
-                                              stream_options={"include_usage": True})
+        stream = await oai.completions.create(
+            model=MODEL, prompt=PROMPT, stream=True, echo=True, stream_options={"include_usage": True}
+        )
         events = [event async for event in stream]
         stream = await oai.completions.create(model=MODEL, prompt=PROMPT, stream=True, logprobs=0)
         with_logprobs = [event async for event in stream]
@@ -90,8 +100,9 @@ async def test_completion_logprobs_and_echo_not_streamed(oai, worker, tokenizer)
 
 async def test_chat_uses_the_template(oai, worker, tokenizer, settings):
     async with worker.answering(lambda r: (["Paris", "."], "stop")) as seen:
-        out = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, seed=5,
-                                                max_completion_tokens=9)
+        out = await oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, logprobs=True, seed=5, max_completion_tokens=9
+        )
         no_limit = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0)
     template = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)["input_ids"]
     assert seen[0].prompt_ids == list(template) and seen[0].params.max_new_tokens == 9
@@ -109,8 +120,9 @@ async def test_chat_uses_the_template(oai, worker, tokenizer, settings):
 
 async def test_chat_stream(oai, worker):
     async with worker.answering(lambda r: (["Par", "is", ""], "stop")):
-        stream = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
-                                                   stream_options={"include_usage": True})
+        stream = await oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+        )
         events = [event async for event in stream]
     assert events[0].choices[0].delta.role == "assistant"
     assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == "Paris"

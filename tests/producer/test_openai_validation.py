@@ -59,8 +59,9 @@ CHAT_ONLY = {
     "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     "response_format": ({"response_format": {"type": "json_object"}}, "response_format"),
 }
-CASES = ([("/v1/completions", COMPLETION, name, *case) for name, case in {**COMMON, **COMPLETION_ONLY}.items()]
-         + [("/v1/chat/completions", CHAT, name, *case) for name, case in {**COMMON, **CHAT_ONLY}.items()])
+CASES = [("/v1/completions", COMPLETION, name, *case) for name, case in {**COMMON, **COMPLETION_ONLY}.items()] + [
+    ("/v1/chat/completions", CHAT, name, *case) for name, case in {**COMMON, **CHAT_ONLY}.items()
+]
 
 
 def openai_error(response, status: int) -> dict:
@@ -70,8 +71,9 @@ def openai_error(response, status: int) -> dict:
     return error
 
 
-@pytest.mark.parametrize(("route", "base", "name", "change", "param"), CASES,
-                         ids=[f"{c[0].split('/')[-1]}-{c[2]}" for c in CASES])
+@pytest.mark.parametrize(
+    ("route", "base", "name", "change", "param"), CASES, ids=[f"{c[0].split('/')[-1]}-{c[2]}" for c in CASES]
+)
 async def test_bad_parameter_is_400_naming_it(client, rclient, redis_settings, route, base, name, change, param):
     body = {key: value for key, value in {**base, **change}.items() if value is not None}
     error = openai_error(await client.post(route, json=body), 400)
@@ -91,8 +93,9 @@ async def test_unknown_model_is_404(client, rclient, redis_settings, route, base
 async def test_too_long_names_both_numbers(client, tokenizer):
     text = "lorem ipsum dolor sit amet " * 400
     n = len(tokenizer.encode(text))
-    error = openai_error(await client.post("/v1/completions", json={**COMPLETION, "prompt": text,
-                                                                    "max_tokens": 30}), 400)
+    error = openai_error(
+        await client.post("/v1/completions", json={**COMPLETION, "prompt": text, "max_tokens": 30}), 400
+    )
     assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
     assert f"{n} in the prompt, 30 in the completion" in error["message"] and "2048 tokens" in error["message"]
     messages = [{"role": "user", "content": text}]

@@ -44,7 +44,7 @@ async def test_backlog_limit_counts_tokens_until_dispatch(limited, aredis, keys)
     await ensure_group_async(aredis, keys.requests(), ROUTER_GROUP)
     await aredis.xreadgroup(ROUTER_GROUP, "router-1", {keys.requests(): ">"}, count=2)
     assert_queue_full(await limited.post("/v1/requests", json=REQUEST))
-    (first_id, _), = (await aredis.xrange(keys.requests(), count=1))
+    ((first_id, _),) = await aredis.xrange(keys.requests(), count=1)
     await aredis.xack(keys.requests(), ROUTER_GROUP, first_id)  # dispatched: its 20 tokens leave the queue
     assert (await limited.post("/v1/requests", json=REQUEST)).status_code == 202
     assert_queue_full(await limited.post("/v1/requests", json=REQUEST))
@@ -57,7 +57,9 @@ async def test_cost_uses_the_output_history(limited, aredis, keys):
     costs = []
     for parameters in ({"max_new_tokens": 10}, {"max_new_tokens": 10, "ignore_eos": True}, {"max_new_tokens": 2}):
         before = int(await aredis.get(keys.enqueued_tokens()) or 0)
-        assert (await limited.post("/v1/requests", json={"inputs": [1] * 10, "parameters": parameters})).status_code == 202
+        assert (
+            await limited.post("/v1/requests", json={"inputs": [1] * 10, "parameters": parameters})
+        ).status_code == 202
         costs.append(int(await aredis.get(keys.enqueued_tokens())) - before)
     assert costs == [10 + 4, 10 + 10, 10 + 2]  # the mean; max_new_tokens with ignore_eos; capped by it
 
@@ -80,8 +82,11 @@ async def test_requeued_entries_without_a_count_are_skipped(limited, worker, are
 
 async def test_concurrent_producers_never_overshoot(settings, tokenizer, aredis, keys):
     apps = [create_app(settings.model_copy(update={"max_queue_tokens": 100}), tokenizer=tokenizer) for _ in range(3)]
-    async with apps[0].router.lifespan_context(apps[0]), apps[1].router.lifespan_context(apps[1]), \
-            apps[2].router.lifespan_context(apps[2]):
+    async with (
+        apps[0].router.lifespan_context(apps[0]),
+        apps[1].router.lifespan_context(apps[1]),
+        apps[2].router.lifespan_context(apps[2]),
+    ):
         clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://p") for app in apps]
         responses = await asyncio.gather(*(clients[n % 3].post("/v1/requests", json=REQUEST) for n in range(30)))
         for client in clients:
@@ -121,14 +126,17 @@ async def test_no_workers_is_503_when_asked_for(settings, tokenizer, aredis, key
 
 
 async def queued_request(aredis, keys) -> GenerateRequest:
-    (_, fields), = await aredis.xrange(keys.requests())
+    ((_, fields),) = await aredis.xrange(keys.requests())
     return codec.from_entry(GenerateRequest, fields)
 
 
-@pytest.mark.parametrize("route, body", [
-    ("/v1/requests", {"inputs": "hi", "parameters": {"timeout": 2.5}}),
-    ("/v1/completions", {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "hi", "timeout": 2.5}),
-])
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/requests", {"inputs": "hi", "parameters": {"timeout": 2.5}}),
+        ("/v1/completions", {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "hi", "timeout": 2.5}),
+    ],
+)
 async def test_timeout_becomes_a_deadline(client, aredis, keys, route, body):
     task = asyncio.create_task(client.post(route, json=body))
     while not await aredis.exists(keys.requests()):

@@ -27,9 +27,15 @@ BODY = {"inputs": [1, 2, 3], "parameters": {"max_new_tokens": 3}}
 def test_settings_travel_through_the_environment(monkeypatch):
     settings = ProducerSettings(
         redis=RedisSettings(url="redis://127.0.0.1:1/2", key_prefix="elsewhere"),
-        model=ModelSettings(model_dir="counting", max_req_total_len=99), port=1234, producers=3,
-        api_keys="key-a,key-b", reject_without_workers=True, stream_block_ms=7, metrics_refresh_s=0.5,
-        batch=BatchSettings(max_in_flight=5))
+        model=ModelSettings(model_dir="counting", max_req_total_len=99),
+        port=1234,
+        producers=3,
+        api_keys="key-a,key-b",
+        reject_without_workers=True,
+        stream_block_ms=7,
+        metrics_refresh_s=0.5,
+        batch=BatchSettings(max_in_flight=5),
+    )
     for name in [name for name in os.environ if name.startswith("LIGHTQ_")]:
         monkeypatch.delenv(name)
     for name, value in settings_env(settings).items():
@@ -64,12 +70,29 @@ def producers(redis_settings, tmp_path):
     """``python -m producer.main --producers 2`` on a free port, its temp files under ``tmp_path``."""
     port = free_port()
     env = {name: value for name, value in os.environ.items() if not name.startswith("LIGHTQ_")}
-    env.update(TMPDIR=str(tmp_path), LIGHTQ_REDIS_URL=redis_settings.url,
-               LIGHTQ_REDIS_KEY_PREFIX=redis_settings.key_prefix)
+    env.update(
+        TMPDIR=str(tmp_path), LIGHTQ_REDIS_URL=redis_settings.url, LIGHTQ_REDIS_KEY_PREFIX=redis_settings.key_prefix
+    )
     log = open(tmp_path / "producer.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "producer.main", "--producers", str(PRODUCERS),
-                                "--port", str(port), "--model_dir", "counting", "--stream_block_ms", "100"],
-                               env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "producer.main",
+            "--producers",
+            str(PRODUCERS),
+            "--port",
+            str(port),
+            "--model_dir",
+            "counting",
+            "--stream_block_ms",
+            "100",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     yield process, f"http://127.0.0.1:{port}"
     try:  # a test that failed half-way: the whole group, or the children outlive a killed parent
         os.killpg(process.pid, signal.SIGKILL)

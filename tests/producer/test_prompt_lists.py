@@ -10,9 +10,9 @@ import asyncio
 import httpx
 import pytest
 
+from producer.api.errors import ApiError
 from producer.app import create_app
 from producer.batches.records import BatchLine, prepare_line
-from producer.api.errors import ApiError
 from shared import codec
 from shared.schemas import GenerateRequest
 from tests.conftest import keys_with_prefix
@@ -37,15 +37,23 @@ async def test_two_text_prompts_with_n2_whole_and_streamed(oai, worker, tokenize
     assert lengths[0] != lengths[1]
     async with worker.answering(by_length) as seen:
         out = await oai.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=2, temperature=0)
-        stream = await oai.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=2, temperature=0,
-                                              stream=True, stream_options={"include_usage": True})
+        stream = await oai.completions.create(
+            model=MODEL,
+            prompt=prompts,
+            n=2,
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         events = [event async for event in stream]
     assert [(len(r.prompt_ids), r.n) for r in seen] == [(lengths[0], 2), (lengths[1], 2)] * 2
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert [c.text for c in out.choices] == expected_texts(lengths, 2)
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (sum(lengths), 8)
-    streamed = {i: "".join(e.choices[0].text for e in events if e.choices and e.choices[0].index == i)
-                for i in range(4)}
+    streamed = {
+        i: "".join(e.choices[0].text for e in events if e.choices and e.choices[0].index == i) for i in range(4)
+    }
     assert list(streamed.values()) == expected_texts(lengths, 2)
     ends = sorted(e.choices[0].index for e in events if e.choices and e.choices[0].finish_reason == "length")
     assert ends == [0, 1, 2, 3]
@@ -74,8 +82,7 @@ async def test_a_bad_prompt_writes_nothing(client, rclient, redis_settings):
 
 async def test_a_batch_line_takes_one_prompt(app):
     services = app.state.services
-    line = BatchLine(custom_id="a", method="POST", url="/v1/completions",
-                     body={"model": MODEL, "prompt": ["a", "b"]})
+    line = BatchLine(custom_id="a", method="POST", url="/v1/completions", body={"model": MODEL, "prompt": ["a", "b"]})
     with pytest.raises(ApiError, match="one prompt"):
         await prepare_line(line, services)
 
@@ -100,6 +107,6 @@ async def test_a_refused_prompt_cancels_the_ones_queued_before_it(settings, toke
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer") as client:
             response = await client.post("/v1/completions", json=body)
     assert response.status_code == 429, response.text
-    (_, fields), = await aredis.xrange(keys.requests())
+    ((_, fields),) = await aredis.xrange(keys.requests())
     queued = codec.from_entry(GenerateRequest, fields)
     assert queued.prompt_ids == [1] * 10 and await aredis.exists(keys.cancel(queued.id))

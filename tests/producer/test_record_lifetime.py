@@ -47,8 +47,9 @@ async def test_live_records_have_no_ttl_until_the_end(client, worker, aredis, ke
     for key in keys.all_request_keys(request_id):
         assert await aredis.ttl(key) == -1, key  # running, cancel asked: nothing may expire yet
     pipe = rclient.pipeline()
-    mark_ended(pipe, keys, request_id, status=RequestStatus.CANCELLED, reason="cancelled", num_output=1,
-               ttl_s=SHORT_TTL_S)
+    mark_ended(
+        pipe, keys, request_id, status=RequestStatus.CANCELLED, reason="cancelled", num_output=1, ttl_s=SHORT_TTL_S
+    )
     pipe.execute()
     for key in keys.all_request_keys(request_id):
         assert 0 < await aredis.ttl(key) <= SHORT_TTL_S, key
@@ -74,8 +75,7 @@ async def test_a_record_without_status_is_a_404(client, worker, aredis, keys):
     assert (await client.delete(f"/v1/requests/{request_id}")).status_code == 404
 
 
-async def test_an_open_stream_ends_with_an_error_event_when_the_record_loses_its_status(client, worker, aredis,
-                                                                                      keys):
+async def test_an_open_stream_ends_with_an_error_event_when_the_record_loses_its_status(client, worker, aredis, keys):
     request_id = await submit(client)
     request = await worker.take()
     await worker.token(request.id, 0, "Hi")
@@ -89,8 +89,9 @@ async def test_an_open_stream_ends_with_an_error_event_when_the_record_loses_its
     response = await client.get(f"/v1/requests/{request_id}/stream")
     await task
     assert response.status_code == 200
-    events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
-              if line.startswith("data: ")]
+    events = [
+        json.loads(line.removeprefix("data: ")) for line in response.text.splitlines() if line.startswith("data: ")
+    ]
     assert [e["text"] for e in events] == ["Hi", ""]
     last = events[-1]
     assert last["finished"] and last["finish_reason"] == "error" and "record" in last["error"]

@@ -18,11 +18,13 @@ from producer.app import create_app
 async def proxied(settings, tokenizer, proxy):
     """A producer app that reaches the test Redis through the proxy."""
     redis = settings.redis.model_copy(update={"url": proxy.url})
-    app = create_app(settings.model_copy(update={"redis": redis, "redis_timeout_s": 0.5, "redis_outage_s": 5.0}),
-                     tokenizer=tokenizer)
+    app = create_app(
+        settings.model_copy(update={"redis": redis, "redis_timeout_s": 0.5, "redis_outage_s": 5.0}), tokenizer=tokenizer
+    )
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://producer",
-                                     timeout=30) as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://producer", timeout=30
+        ) as client:
             yield client
 
 

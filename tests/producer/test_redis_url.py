@@ -28,15 +28,64 @@ def tls_redis(tmp_path_factory):
         pytest.skip("needs redis-server (built with TLS) and openssl")
     tmp = tmp_path_factory.mktemp("tls")
     cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     port = free_port()
     process = subprocess.Popen(
-        [server, "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-         "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp), "--user", USER, "on", f">{PASSWORD}", "~*", "&*", "+@all", "--user", "default", "off"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            server,
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(cert),
+            "--tls-auth-clients",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp),
+            "--user",
+            USER,
+            "on",
+            f">{PASSWORD}",
+            "~*",
+            "&*",
+            "+@all",
+            "--user",
+            "default",
+            "off",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"rediss://{USER}:{PASSWORD}@127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={cert}"
     deadline = time.monotonic() + 10
     while True:
@@ -79,12 +128,20 @@ async def test_a_wrong_password_is_a_503(tls_redis, tokenizer):
 
 
 def test_url_parts_reach_the_connection():
-    settings = ProducerSettings(redis=RedisSettings(
-        url="rediss://alice:p%40ss@redis.example:6380/3?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem"))
+    settings = ProducerSettings(
+        redis=RedisSettings(
+            url="rediss://alice:p%40ss@redis.example:6380/3?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem"
+        )
+    )
     pool = producer_client(settings).connection_pool
     kwargs = pool.connection_kwargs
     assert pool.connection_class.__name__ == "SSLConnection"
-    assert (kwargs["username"], kwargs["password"], kwargs["host"], kwargs["port"], kwargs["db"]) == \
-        ("alice", "p@ss", "redis.example", 6380, 3)
+    assert (kwargs["username"], kwargs["password"], kwargs["host"], kwargs["port"], kwargs["db"]) == (
+        "alice",
+        "p@ss",
+        "redis.example",
+        6380,
+        3,
+    )
     assert kwargs["ssl_cert_reqs"] == "required" and kwargs["ssl_ca_certs"] == "/etc/ca.pem"
     assert kwargs["socket_connect_timeout"] == settings.redis_timeout_s

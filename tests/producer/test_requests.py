@@ -11,8 +11,22 @@ from producer.api import routes_requests
 from shared.schemas import RequestStatus
 
 BODY = {"inputs": "Tell me about Redis streams.", "parameters": {"max_new_tokens": 8}}
-VIEW_KEYS = {"id", "status", "output_text", "output_tokens", "prompt_tokens", "finish_reason", "error",
-             "worker", "created_ms", "dispatched_ms", "taken_ms", "stepped_ms", "started_ms", "finished_ms"}
+VIEW_KEYS = {
+    "id",
+    "status",
+    "output_text",
+    "output_tokens",
+    "prompt_tokens",
+    "finish_reason",
+    "error",
+    "worker",
+    "created_ms",
+    "dispatched_ms",
+    "taken_ms",
+    "stepped_ms",
+    "started_ms",
+    "finished_ms",
+}
 
 
 def replay_events(body: str) -> list[tuple[str, dict]]:
@@ -29,8 +43,11 @@ async def submit(client) -> str:
     assert response.status_code == 202
     accepted = response.json()
     request_id = accepted["id"]
-    assert accepted == {"id": request_id, "status_url": f"/v1/requests/{request_id}",
-                        "stream_url": f"/v1/requests/{request_id}/stream"}
+    assert accepted == {
+        "id": request_id,
+        "status_url": f"/v1/requests/{request_id}",
+        "stream_url": f"/v1/requests/{request_id}/stream",
+    }
     return request_id
 
 
@@ -48,8 +65,9 @@ async def test_submit_poll_finished(client, worker, tokenizer):
     assert view["status"] == "running" and view["output_text"] == "Streams" and view["output_tokens"] == 1
 
     await worker.token(request_id, 1, " are", finish_reason="stop")
-    await worker.set_meta(request_id, status=RequestStatus.FINISHED, finish_reason="stop", output_tokens=2,
-                          finished_ms=1)
+    await worker.set_meta(
+        request_id, status=RequestStatus.FINISHED, finish_reason="stop", output_tokens=2, finished_ms=1
+    )
     view = (await client.get(f"/v1/requests/{request_id}")).json()
     assert view["status"] == "finished" and view["output_text"] == "Streams are"
     assert view["output_tokens"] == 2 and view["finish_reason"] == "stop" and view["worker"] == "fake-worker"

@@ -51,7 +51,9 @@ async def test_many_followers_share_one_blocked_read_and_each_gets_its_own_chunk
 
 async def test_a_stream_that_joins_while_the_read_blocks_is_read_at_once(rclient, redis_settings):
     keys = Keys(redis_settings.key_prefix)
-    aredis = aioredis.Redis.from_url(redis_settings.url, decode_responses=True, socket_timeout=None)  # waits for the block
+    aredis = aioredis.Redis.from_url(
+        redis_settings.url, decode_responses=True, socket_timeout=None
+    )  # waits for the block
     hub = StreamHub(aredis, keys, LONG_BLOCK_MS)
     first, late = "a" * 32, "b" * 32
     try:

@@ -28,8 +28,7 @@ def completion_top(tokenizer, token_id, k):
 async def test_completion_logprobs_3_whole_and_streamed(oai, worker, tokenizer):
     async with worker.answering(hello) as seen:
         out = await oai.completions.create(model=MODEL, prompt="The capital", logprobs=3, max_tokens=3)
-        stream = await oai.completions.create(model=MODEL, prompt="The capital", logprobs=3, max_tokens=3,
-                                              stream=True)
+        stream = await oai.completions.create(model=MODEL, prompt="The capital", logprobs=3, max_tokens=3, stream=True)
         events = [event async for event in stream]
         plain = await oai.completions.create(model=MODEL, prompt="The capital", logprobs=0, max_tokens=3)
     assert [r.params.top_logprobs for r in seen] == [3, 3, 0]
@@ -44,10 +43,12 @@ async def test_completion_logprobs_3_whole_and_streamed(oai, worker, tokenizer):
 
 async def test_chat_top_logprobs_2_whole_and_streamed(oai, worker, tokenizer):
     async with worker.answering(hello) as seen:
-        out = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2,
-                                                max_tokens=3)
-        stream = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True,
-                                                   top_logprobs=2, max_tokens=3, stream=True)
+        out = await oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2, max_tokens=3
+        )
+        stream = await oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2, max_tokens=3, stream=True
+        )
         events = [event async for event in stream]
         plain = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, max_tokens=3)
     assert [r.params.top_logprobs for r in seen] == [2, 2, 0]
@@ -56,34 +57,45 @@ async def test_chat_top_logprobs_2_whole_and_streamed(oai, worker, tokenizer):
         return [(tokenizer.decode([t]), lp, list(tokenizer.decode([t]).encode())) for t, lp in fake_top(100 + i, 2)]
 
     content = out.choices[0].logprobs.content
-    assert [[(t.token, t.logprob, t.bytes) for t in c.top_logprobs] for c in content] == [expected(i)
-                                                                                         for i in range(3)]
+    assert [[(t.token, t.logprob, t.bytes) for t in c.top_logprobs] for c in content] == [expected(i) for i in range(3)]
     assert [c.token for c in content] == [tokenizer.decode([100 + i]) for i in range(3)]
     streamed = [e.choices[0].logprobs.content for e in events if e.choices and e.choices[0].logprobs]
     assert [[(t.token, t.logprob) for t in c[0].top_logprobs] for c in streamed] == [
-        [(tok, lp) for tok, lp, _ in expected(i)] for i in range(3)]
+        [(tok, lp) for tok, lp, _ in expected(i)] for i in range(3)
+    ]
     assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
 
 
 async def test_group_chunks_keep_their_own_alternatives(oai, worker, tokenizer):
     async with worker.answering(hello):
-        out = await oai.completions.create(model=MODEL, prompt="The capital", logprobs=2, n=2, max_tokens=3,
-                                           temperature=0)
+        out = await oai.completions.create(
+            model=MODEL, prompt="The capital", logprobs=2, n=2, max_tokens=3, temperature=0
+        )
     assert [c.logprobs.top_logprobs for c in out.choices] == [
-        [completion_top(tokenizer, 100 + i, 2) for i in range(3)]] * 2
+        [completion_top(tokenizer, 100 + i, 2) for i in range(3)]
+    ] * 2
 
 
 def test_a_sampled_token_outside_the_alternatives_joins_the_completion_dict(tokenizer):
     """OpenAI: up to logprobs + 1 entries, the chosen token always among them; chat lists only the top k."""
-    chunk = TokenChunk(request_id="r", index=0, token_id=300, text="x", logprob=-4.0,
-                       top_logprobs=[(100, -0.5), (101, -1.0)])
+    chunk = TokenChunk(
+        request_id="r", index=0, token_id=300, text="x", logprob=-4.0, top_logprobs=[(100, -0.5), (101, -1.0)]
+    )
     call = Call("completion", "cmpl-r", 0, MODEL, 3, logprobs=True)
-    top = response(call, [chunk.model_copy(update={"finished": True, "finish_reason": "length"})],
-                   tokenizer).choices[0].logprobs.top_logprobs
+    top = (
+        response(call, [chunk.model_copy(update={"finished": True, "finish_reason": "length"})], tokenizer)
+        .choices[0]
+        .logprobs.top_logprobs
+    )
     assert top == [{tokenizer.decode([100]): -0.5, tokenizer.decode([101]): -1.0, tokenizer.decode([300]): -4.0}]
-    chat = response(Call("chat", "chatcmpl-r", 0, MODEL, 3, logprobs=True),
-                    [chunk.model_copy(update={"finished": True, "finish_reason": "length"})], tokenizer)
+    chat = response(
+        Call("chat", "chatcmpl-r", 0, MODEL, 3, logprobs=True),
+        [chunk.model_copy(update={"finished": True, "finish_reason": "length"})],
+        tokenizer,
+    )
     entry = chat.choices[0].logprobs.content[0]
     assert (entry.token, entry.logprob) == (tokenizer.decode([300]), -4.0)
-    assert [(t.token, t.logprob) for t in entry.top_logprobs] == [(tokenizer.decode([100]), -0.5),
-                                                                 (tokenizer.decode([101]), -1.0)]
+    assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
+        (tokenizer.decode([100]), -0.5),
+        (tokenizer.decode([101]), -1.0),
+    ]

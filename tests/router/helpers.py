@@ -8,26 +8,60 @@ from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, WorkerLoad
 
 
-def publish_load(client, keys: Keys, worker_id: str, max_total: int = 1000, committed: int = 0,
-                 last_inbox_id: str = "0-0", ttl_ms: int = 5000, requests: list | None = None,
-                 running_max: int | None = None, age_ms: int = 0, model: str | None = None) -> None:
+def publish_load(
+    client,
+    keys: Keys,
+    worker_id: str,
+    max_total: int = 1000,
+    committed: int = 0,
+    last_inbox_id: str = "0-0",
+    ttl_ms: int = 5000,
+    requests: list | None = None,
+    running_max: int | None = None,
+    age_ms: int = 0,
+    model: str | None = None,
+) -> None:
     """A worker's record; without ``requests``, one request holding ``committed`` tokens with
     nothing left to add (so every policy projects ``committed``)."""
     if requests is None:
         requests = [(committed, 0, 0, 0)] if committed else []
     committed = sum(held - done + max_new for held, done, max_new, _ in requests)
-    load = WorkerLoad(worker_id=worker_id, seq=1, ts_ms=now_ms() - age_ms, max_total_tokens=max_total,
-                      used_tokens=0, committed_tokens=committed, num_running=len(requests), num_waiting=0,
-                      last_inbox_id=last_inbox_id, running_max_req_size=running_max, model=model,
-                      requests=[tuple(r) for r in requests])
+    load = WorkerLoad(
+        worker_id=worker_id,
+        seq=1,
+        ts_ms=now_ms() - age_ms,
+        max_total_tokens=max_total,
+        used_tokens=0,
+        committed_tokens=committed,
+        num_running=len(requests),
+        num_waiting=0,
+        last_inbox_id=last_inbox_id,
+        running_max_req_size=running_max,
+        model=model,
+        requests=[tuple(r) for r in requests],
+    )
     client.set(keys.load(worker_id), encode(load), px=ttl_ms)
     client.zadd(keys.workers(), {worker_id: now_ms()})
 
 
-def submit(client, keys: Keys, request_id: str, prompt_len: int = 10, max_new: int = 10,
-           ignore_eos: bool = False, model: str | None = None, n: int = 1) -> GenerateRequest:
-    msg = GenerateRequest(id=request_id, prompt_ids=list(range(1, prompt_len + 1)), model=model, n=n,
-                          params=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos), created_ms=now_ms())
+def submit(
+    client,
+    keys: Keys,
+    request_id: str,
+    prompt_len: int = 10,
+    max_new: int = 10,
+    ignore_eos: bool = False,
+    model: str | None = None,
+    n: int = 1,
+) -> GenerateRequest:
+    msg = GenerateRequest(
+        id=request_id,
+        prompt_ids=list(range(1, prompt_len + 1)),
+        model=model,
+        n=n,
+        params=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos),
+        created_ms=now_ms(),
+    )
     client.hset(keys.meta(request_id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=now_ms()))
     client.xadd(keys.requests(), entry(msg))
     return msg

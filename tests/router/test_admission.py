@@ -11,19 +11,36 @@ from shared.peak import ReqState, check
 from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
 
 
-def load(worker_id, max_total=100, committed=0, draining=False, last_inbox_id="0-0", requests=None,
-         running_max=None, used=0):
+def load(
+    worker_id, max_total=100, committed=0, draining=False, last_inbox_id="0-0", requests=None, running_max=None, used=0
+):
     """A record; without ``requests``, one request holding ``committed`` tokens with nothing left to add."""
     if requests is None:
         requests = [(committed, 0, 0, 0)] if committed else []
-    return WorkerLoad(worker_id=worker_id, seq=1, ts_ms=0, max_total_tokens=max_total, used_tokens=used,
-                      committed_tokens=committed, num_running=0, num_waiting=0, draining=draining,
-                      last_inbox_id=last_inbox_id, requests=requests, running_max_req_size=running_max)
+    return WorkerLoad(
+        worker_id=worker_id,
+        seq=1,
+        ts_ms=0,
+        max_total_tokens=max_total,
+        used_tokens=used,
+        committed_tokens=committed,
+        num_running=0,
+        num_waiting=0,
+        draining=draining,
+        last_inbox_id=last_inbox_id,
+        requests=requests,
+        running_max_req_size=running_max,
+    )
 
 
 def request(prompt=10, new=10, ignore_eos=False, resume=0):
-    return GenerateRequest(id="r", prompt_ids=[1] * prompt, created_ms=0, resume_ids=[5] * resume,
-                           params=SamplingParams(max_new_tokens=new, ignore_eos=ignore_eos))
+    return GenerateRequest(
+        id="r",
+        prompt_ids=[1] * prompt,
+        created_ms=0,
+        resume_ids=[5] * resume,
+        params=SamplingParams(max_new_tokens=new, ignore_eos=ignore_eos),
+    )
 
 
 def estimator(history=(), prior=2048, seed=0):
@@ -117,8 +134,10 @@ def test_aggressive_looks_only_at_tokens_held_now():
 
 def test_lowest_resulting_peak_ratio_wins_across_pool_sizes():
     req = request(10, 10, ignore_eos=True)
-    loads = {"big": load("big", max_total=1000, requests=[(400, 0, 100, 1)]),  # (500 + 20) / 1000
-             "small": load("small", max_total=100, requests=[])}  # 20 / 100
+    loads = {
+        "big": load("big", max_total=1000, requests=[(400, 0, 100, 1)]),  # (500 + 20) / 1000
+        "small": load("small", max_total=100, requests=[]),
+    }  # 20 / 100
     assert choose(loads, {}, req, "past_future") == "small"
     assert choose(loads, {"small": [ReqState(50, 0, 0, 1)]}, req, "past_future") == "big"
 

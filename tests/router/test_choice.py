@@ -9,6 +9,7 @@ def pick(uses, ratios, choices=2):
     def ratio(worker_id):
         asked.append(worker_id)
         return ratios[worker_id]
+
     return least_loaded_fit(uses, ratio, choices), asked
 
 

@@ -39,8 +39,22 @@ def test_requeue_gives_fresh_attempts_and_keeps_emitted_tokens(redis_settings, r
 
 def test_cli_lists_dead_letters(redis_settings, rclient, keys):
     dead_letter_one(redis_settings, rclient, keys)
-    out = subprocess.run([sys.executable, "-m", "lightq.cli", "dead-letters", "list", "--redis_url", redis_settings.url,
-                          "--redis_key_prefix", redis_settings.key_prefix], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightq.cli",
+            "dead-letters",
+            "list",
+            "--redis_url",
+            redis_settings.url,
+            "--redis_key_prefix",
+            redis_settings.key_prefix,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "p" in out.stdout and "died" in out.stdout
 
 

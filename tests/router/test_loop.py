@@ -14,6 +14,7 @@ from tests.router.helpers import finished_lengths, inbox_ids, publish_load, subm
 def make_router(redis_settings, rclient, name="r1", **settings):
     router = Router(RouterSettings(redis=redis_settings, poll_ms=10, **settings), rclient, name)
     from shared.redis import ensure_group
+
     ensure_group(rclient, router.keys.requests(), ROUTER_GROUP)
     return router
 
@@ -87,11 +88,14 @@ def test_dead_worker_requests_go_back_with_emitted_tokens(redis_settings, rclien
     assert not rclient.exists(keys.inbox("w1"))
 
 
-@pytest.mark.parametrize("policy, ignore_eos, expected", [
-    ("conservative", False, 4),  # 4 x (100 + 400) = 2,000: the pool
-    ("past_future", False, 10),  # history: outputs of 20 tokens, so each needs about 120
-    ("past_future", True, 3),  # exact 500 each, and 4 x 500 > 2,000 x 0.95
-])
+@pytest.mark.parametrize(
+    "policy, ignore_eos, expected",
+    [
+        ("conservative", False, 4),  # 4 x (100 + 400) = 2,000: the pool
+        ("past_future", False, 10),  # history: outputs of 20 tokens, so each needs about 120
+        ("past_future", True, 3),  # exact 500 each, and 4 x 500 > 2,000 x 0.95
+    ],
+)
 def test_policy_decides_how_much_one_worker_takes(redis_settings, rclient, keys, policy, ignore_eos, expected):
     publish_load(rclient, keys, "w1", max_total=2000, requests=[], running_max=64)
     finished_lengths(rclient, keys, [20] * 200)
@@ -105,8 +109,9 @@ def test_policy_decides_how_much_one_worker_takes(redis_settings, rclient, keys,
 
 def test_history_is_read_from_redis_with_the_prior_filling_the_rest(redis_settings, rclient, keys):
     finished_lengths(rclient, keys, [7, 8, 9])
-    router = make_router(redis_settings, rclient,
-                         admission_rule=AdmissionSettings(history_window=10, history_prior=500))
+    router = make_router(
+        redis_settings, rclient, admission_rule=AdmissionSettings(history_window=10, history_prior=500)
+    )
     router.step()
     assert router.rule.history.values == [7, 8, 9] + [500] * 5
 

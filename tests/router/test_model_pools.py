@@ -33,7 +33,8 @@ def test_a_request_whose_model_no_worker_serves_waits(redis_settings, rclient, k
 
 def test_choose_worker_filters_by_model():
     loads = {"a": load("a").model_copy(update={"model": "a"}), "b": load("b").model_copy(update={"model": "b"})}
-    req = GenerateRequest(id="r", prompt_ids=[1] * 10, created_ms=0, model="b",
-                          params=SamplingParams(max_new_tokens=10))
+    req = GenerateRequest(
+        id="r", prompt_ids=[1] * 10, created_ms=0, model="b", params=SamplingParams(max_new_tokens=10)
+    )
     assert choose(loads, {}, req, "conservative") == "b"
     assert choose(loads, {}, req.model_copy(update={"model": "z"}), "conservative") is None

@@ -50,11 +50,18 @@ def test_two_routers_never_over_admit_one_worker(redis_settings, rclient, keys, 
     finished_lengths(rclient, keys, [20] * 200)
     for i in range(BURST):
         submit(rclient, keys, f"q{i}", 50, 50, ignore_eos=ignore_eos)
-    settings = RouterSettings(redis=redis_settings, poll_ms=5, read_batch=20, stale_load_s=600,
-                              admission_rule=AdmissionSettings(admission=policy))
+    settings = RouterSettings(
+        redis=redis_settings,
+        poll_ms=5,
+        read_batch=20,
+        stale_load_s=600,
+        admission_rule=AdmissionSettings(admission=policy),
+    )
     ensure_group(rclient, keys.requests(), ROUTER_GROUP)
-    routers = [Router(settings, rclient.__class__.from_url(redis_settings.url, decode_responses=True), name)
-               for name in ("r1", "r2")]
+    routers = [
+        Router(settings, rclient.__class__.from_url(redis_settings.url, decode_responses=True), name)
+        for name in ("r1", "r2")
+    ]
     start, errors = threading.Barrier(2), []
     threads = [threading.Thread(target=drive, args=(r, start, errors)) for r in routers]
     for t in threads:
@@ -77,8 +84,9 @@ def test_two_routers_never_over_admit_one_worker(redis_settings, rclient, keys, 
 def test_a_router_learns_the_other_routers_dispatches_and_decides_again(redis_settings, rclient, keys):
     publish_load(rclient, keys, "w1", max_total=300, requests=[])
     publish_load(rclient, keys, "w2", max_total=300, requests=[])
-    settings = RouterSettings(redis=redis_settings, poll_ms=5, read_batch=2,
-                              admission_rule=AdmissionSettings(admission="conservative"))
+    settings = RouterSettings(
+        redis=redis_settings, poll_ms=5, read_batch=2, admission_rule=AdmissionSettings(admission="conservative")
+    )
     ensure_group(rclient, keys.requests(), ROUTER_GROUP)
     r1, r2 = (Router(settings, rclient, name) for name in ("r1", "r2"))
     for i in range(4):
@@ -103,19 +111,24 @@ def test_no_dispatch_to_a_worker_whose_record_expired_after_the_registry_read(re
     assert not rclient.exists(keys.inbox("w1")) and len(router.queue) == 1
 
 
-def test_a_run_of_decisions_goes_in_one_round_trip_and_a_refused_one_keeps_its_order(redis_settings, rclient,
-                                                                                     keys):
+def test_a_run_of_decisions_goes_in_one_round_trip_and_a_refused_one_keeps_its_order(redis_settings, rclient, keys):
     publish_load(rclient, keys, "w1", max_total=10_000, requests=[])
-    router = Router(RouterSettings(redis=redis_settings, poll_ms=5, read_batch=8,
-                                   admission_rule=AdmissionSettings(admission="conservative")), rclient, "r1")
+    router = Router(
+        RouterSettings(
+            redis=redis_settings, poll_ms=5, read_batch=8, admission_rule=AdmissionSettings(admission="conservative")
+        ),
+        rclient,
+        "r1",
+    )
     ensure_group(rclient, keys.requests(), ROUTER_GROUP)
     calls = []
     send_many = router.dispatcher.send_many
     router.dispatcher.send_many = lambda items: calls.append([i.request.id for i in items]) or send_many(items)
     for i in range(3):
         submit(rclient, keys, f"q{i}")
-    other = GenerateRequest(id="other", prompt_ids=list(range(1, 11)), params=SamplingParams(max_new_tokens=10),
-                            created_ms=0)
+    other = GenerateRequest(
+        id="other", prompt_ids=list(range(1, 11)), params=SamplingParams(max_new_tokens=10), created_ms=0
+    )
     rclient.xadd(keys.inbox("w1"), entry(other))  # another router's dispatch, unknown to this one
     assert router.step() == 3
     # The first run's q0 met the other router's entry; q1 and q2 behind it were not tried.

@@ -67,8 +67,13 @@ def test_a_live_router_keeps_what_it_holds(redis_settings, rclient, keys):
 
 def test_a_request_past_its_deadline_expires_without_running(redis_settings, rclient, keys):
     router = make_router(redis_settings, rclient)
-    msg = GenerateRequest(id="late", prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=4),
-                          created_ms=now_ms(), deadline_ms=now_ms() - 1)
+    msg = GenerateRequest(
+        id="late",
+        prompt_ids=[1, 2],
+        params=SamplingParams(max_new_tokens=4),
+        created_ms=now_ms(),
+        deadline_ms=now_ms() - 1,
+    )
     rclient.hset(keys.meta("late"), mapping=RequestMeta.fields(status=RequestStatus.QUEUED))
     rclient.xadd(keys.requests(), entry(msg))
     publish_load(rclient, keys, "w1")

@@ -33,13 +33,22 @@ def check_worker(record, reserved, req, policy):
 
 def random_case(rng):
     """A worker record (sometimes draining, or with a request cap), reservations, a request (sometimes a group)."""
-    states = [(p + g, g, m, int(rng.random() < 0.3))
-              for p, m in ((rng.randint(1, 300), rng.randint(1, 400)) for _ in range(rng.randint(0, 40)))
-              for g in [rng.randint(0, m)]]
-    record = load("w", max_total=rng.choice([2000, 8000, 20000]), draining=rng.random() < 0.05,
-                  requests=states, running_max=rng.choice([None, 10, 45]))
-    reserved = [request_state(request(rng.randint(1, 300), rng.randint(1, 400), rng.random() < 0.3,
-                                      rng.randint(0, 5))) for _ in range(rng.randint(0, 4))]
+    states = [
+        (p + g, g, m, int(rng.random() < 0.3))
+        for p, m in ((rng.randint(1, 300), rng.randint(1, 400)) for _ in range(rng.randint(0, 40)))
+        for g in [rng.randint(0, m)]
+    ]
+    record = load(
+        "w",
+        max_total=rng.choice([2000, 8000, 20000]),
+        draining=rng.random() < 0.05,
+        requests=states,
+        running_max=rng.choice([None, 10, 45]),
+    )
+    reserved = [
+        request_state(request(rng.randint(1, 300), rng.randint(1, 400), rng.random() < 0.3, rng.randint(0, 5)))
+        for _ in range(rng.randint(0, 4))
+    ]
     req = request(rng.randint(1, 300), rng.randint(1, 400), rng.random() < 0.3, rng.randint(0, 5))
     if rng.random() < 0.25:  # a group of 2 to 4 samples (no resume_ids: a group resumes per choice)
         req = req.model_copy(update={"n": rng.randint(2, 4), "resume_ids": []})
@@ -50,8 +59,10 @@ def random_case(rng):
 def same_draws(monkeypatch):
     """Past-future's draws as a function of the state alone: the view draws them once per
     view and ``check`` once per call, in other orders; with this both see the same lengths."""
+
     def remaining(self, s):
         return self._remaining(s, ((s.held * 7919 + s.generated * 104729 + s.max_new_tokens) % 1000) / 1000)
+
     monkeypatch.setattr(Estimator, "remaining_sampled", remaining)
 
 
@@ -96,8 +107,7 @@ def test_the_views_choose_what_the_check_from_scratch_chooses(same_draws):
         req = cases[0][2]
         views = Views(r.policy)
         views.refresh(loads, reserved)
-        assert views.choose(Candidate(request_states(req), r.policy)) == choose_by_check(
-            loads, reserved, req, r.policy)
+        assert views.choose(Candidate(request_states(req), r.policy)) == choose_by_check(loads, reserved, req, r.policy)
 
 
 def test_a_group_counts_its_prompt_once():

@@ -24,8 +24,12 @@ def random_state(rng: random.Random) -> ReqState:
 
 def random_group(rng: random.Random) -> list[ReqState]:
     max_new = rng.randint(1, 400)
-    return group_states(rng.randint(1, 300), [rng.randint(0, max_new) for _ in range(rng.randint(2, 4))],
-                        max_new, int(rng.random() < 0.3))
+    return group_states(
+        rng.randint(1, 300),
+        [rng.randint(0, max_new) for _ in range(rng.randint(2, 4))],
+        max_new,
+        int(rng.random() < 0.3),
+    )
 
 
 def pass_by_check(running, queue, pool, cap, rule) -> list[float | None]:

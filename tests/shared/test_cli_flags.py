@@ -31,12 +31,29 @@ def test_on_off_settings_are_switches():
 
 
 def test_lightllm_flag_names():
-    flags = parse(["--data_type", "bf16", "--disable_cudagraph", "--max_req_input_len", "100",
-                   "--tokenizer_mode", "fast", "--trust_remote_code", "--eos_id", "2", "7"])
+    flags = parse(
+        [
+            "--data_type",
+            "bf16",
+            "--disable_cudagraph",
+            "--max_req_input_len",
+            "100",
+            "--tokenizer_mode",
+            "fast",
+            "--trust_remote_code",
+            "--eos_id",
+            "2",
+            "7",
+        ]
+    )
     assert flags == {"dtype": "bfloat16", "cuda_graphs": False, "max_req_input_len": 100, "eos_id": [2, 7]}
     settings = build(WorkerSettings, flags)
-    assert (settings.dtype, settings.cuda_graphs, settings.model.max_req_input_len, settings.eos_id) == \
-        ("bfloat16", False, 100, [2, 7])
+    assert (settings.dtype, settings.cuda_graphs, settings.model.max_req_input_len, settings.eos_id) == (
+        "bfloat16",
+        False,
+        100,
+        [2, 7],
+    )
     assert as_env({"eos_id": [2, 7]}) == {"LIGHTQ_EOS_ID": "[2, 7]"}  # a child reads it back as a list
     with pytest.raises(SystemExit):
         parse(["--tokenizer_mode", "slow"])
@@ -54,8 +71,15 @@ def test_a_child_reads_a_given_list_back(monkeypatch):
 def test_help_is_grouped_with_one_default_each():
     serve = subcommand("serve")
     titles = {group.title: group for group in serve._action_groups}
-    assert {"producer settings", "router settings", "worker settings", "redis settings",
-            "model settings", "admission settings", "LightLLM's flag names"} <= set(titles)
+    assert {
+        "producer settings",
+        "router settings",
+        "worker settings",
+        "redis settings",
+        "model settings",
+        "admission settings",
+        "LightLLM's flag names",
+    } <= set(titles)
     in_worker = {a.dest for a in titles["worker settings"]._group_actions}
     assert {"max_total_token_num", "cuda_graphs", "device"} <= in_worker
     for action in serve._actions:

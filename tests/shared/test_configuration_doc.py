@@ -23,18 +23,27 @@ print(json.dumps(render()))
 
 
 def render_with_cores(cores: int) -> str:
-    out = subprocess.run([sys.executable, "-c", RENDER_WITH_CORES, str(cores)], cwd=ROOT, check=True,
-                         capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", RENDER_WITH_CORES, str(cores)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     return json.loads(out)
 
 
 def test_committed_configuration_doc_is_rendered_from_the_settings():
     committed, rendered = DOC.read_text(), render()
     if committed != rendered:
-        diff = difflib.unified_diff(committed.splitlines(), rendered.splitlines(), "docs/configuration.md",
-                                    "render()", lineterm="", n=0)
-        raise AssertionError(f"docs/configuration.md differs from the settings classes in shared/config.py; "
-                             f"regenerate it with: {COMMAND}\n" + "\n".join(list(diff)[:20]))
+        diff = difflib.unified_diff(
+            committed.splitlines(), rendered.splitlines(), "docs/configuration.md", "render()", lineterm="", n=0
+        )
+        raise AssertionError(
+            f"docs/configuration.md differs from the settings classes in shared/config.py; "
+            f"regenerate it with: {COMMAND}\n" + "\n".join(list(diff)[:20])
+        )
 
 
 def test_every_setting_is_documented_with_its_environment_variable():

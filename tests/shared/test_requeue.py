@@ -16,8 +16,9 @@ RID = "g"
 
 
 def group(n=3) -> GenerateRequest:
-    return GenerateRequest(id=RID, prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=8), created_ms=0,
-                           n=n, attempt=1)
+    return GenerateRequest(
+        id=RID, prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=8), created_ms=0, n=n, attempt=1
+    )
 
 
 def write(rclient, keys, *chunks: tuple[int, int, int | None, str | None]) -> None:
@@ -25,8 +26,18 @@ def write(rclient, keys, *chunks: tuple[int, int, int | None, str | None]) -> No
     rclient.hset(keys.meta(RID), mapping=RequestMeta.fields(status=RequestStatus.RUNNING))
     pipe = rclient.pipeline()
     for choice, index, token_id, reason in chunks:
-        append_chunk(pipe, keys, TokenChunk(request_id=RID, index=index, choice=choice, token_id=token_id,
-                                            finished=reason is not None, finish_reason=reason))
+        append_chunk(
+            pipe,
+            keys,
+            TokenChunk(
+                request_id=RID,
+                index=index,
+                choice=choice,
+                token_id=token_id,
+                finished=reason is not None,
+                finish_reason=reason,
+            ),
+        )
     pipe.execute()
 
 
@@ -36,8 +47,16 @@ def meta(rclient, keys) -> RequestMeta:
 
 def test_a_group_goes_back_with_each_choices_tokens_and_its_finished_choices(rclient, keys):
     # choice 0: 3 tokens (one chunk written twice, out of order); 1: finished after 2; 2: nothing yet
-    write(rclient, keys, (0, 0, 10, None), (1, 0, 20, None), (0, 1, 11, None), (1, 1, 21, "stop"),
-          (0, 1, 11, None), (0, 2, 12, None))
+    write(
+        rclient,
+        keys,
+        (0, 0, 10, None),
+        (1, 0, 20, None),
+        (0, 1, 11, None),
+        (1, 1, 21, "stop"),
+        (0, 1, 11, None),
+        (0, 2, 12, None),
+    )
     chunks = emitted_chunks(rclient, keys, RID)
     assert not has_ended(chunks, 3)
     assert requeue(rclient, keys, group(), ttl_s=60, max_attempts=5) == 1

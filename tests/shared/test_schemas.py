@@ -12,8 +12,9 @@ def test_request_round_trips_through_a_stream_entry():
     assert msg.max_tokens_needed == 8
 
 
-@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": 0}, {"top_p": 0}, {"top_p": 1.5},
-                                 {"top_k": -2}])
+@pytest.mark.parametrize(
+    "bad", [{"max_new_tokens": 0}, {"temperature": 0}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}]
+)
 def test_sampling_params_reject_out_of_range(bad):
     with pytest.raises(ValidationError):
         SamplingParams(**bad)
@@ -49,13 +50,20 @@ def test_a_requeued_groups_progress_defaults_empty_and_is_checked():
     fresh = decode(GenerateRequest, old)
     assert fresh.group_resume == [] and fresh.finished_choices == [] and fresh.open_choices == [0, 1, 2]
     assert fresh.emitted(2) == [] and fresh.num_emitted == 0
-    resumed = GenerateRequest(id="g", prompt_ids=[1], params=params, created_ms=0, n=3,
-                              group_resume=[[4], [5, 6], []], finished_choices=[0])
+    resumed = GenerateRequest(
+        id="g", prompt_ids=[1], params=params, created_ms=0, n=3, group_resume=[[4], [5, 6], []], finished_choices=[0]
+    )
     assert from_entry(GenerateRequest, entry(resumed)) == resumed
     assert resumed.open_choices == [1, 2] and resumed.emitted(1) == [5, 6] and resumed.num_emitted == 3
     single = GenerateRequest(id="s", prompt_ids=[1], params=params, created_ms=0, resume_ids=[7])
     assert single.emitted(0) == [7] and single.open_choices == [0]
-    for bad in [dict(n=1, group_resume=[[1]]), dict(n=3, group_resume=[[1], []]), dict(n=3, finished_choices=[0, 1, 2]),
-                dict(n=3, finished_choices=[3]), dict(n=3, finished_choices=[1, 0]), dict(n=1, finished_choices=[0])]:
+    for bad in [
+        dict(n=1, group_resume=[[1]]),
+        dict(n=3, group_resume=[[1], []]),
+        dict(n=3, finished_choices=[0, 1, 2]),
+        dict(n=3, finished_choices=[3]),
+        dict(n=3, finished_choices=[1, 0]),
+        dict(n=1, finished_choices=[0]),
+    ]:
         with pytest.raises(ValidationError):
             GenerateRequest(id="g", prompt_ids=[1], params=params, created_ms=0, **bad)

@@ -18,8 +18,9 @@ from worker.model.kv_cache import KVCache
 from worker.runner.req_table import ReqTable
 
 
-def build_batch(table: torch.Tensor, rows: list[int], cached: list[int], new: list[list[int]],
-                slots: list[np.ndarray]) -> ForwardBatch:
+def build_batch(
+    table: torch.Tensor, rows: list[int], cached: list[int], new: list[list[int]], slots: list[np.ndarray]
+) -> ForwardBatch:
     """The ForwardBatch of requests at ``rows`` with ``cached`` tokens pooled, adding ``new``."""
     q_lens = [len(ids) for ids in new]
     seq_lens = [c + n for c, n in zip(cached, q_lens)]
@@ -42,8 +43,7 @@ def build_batch(table: torch.Tensor, rows: list[int], cached: list[int], new: li
 
 class PoolRunner:
     def __init__(self, model, num_slots: int = 512, max_requests: int = 8, max_len: int = 256):
-        self.cache = KVCache(model.num_layers, num_slots, model.num_kv_heads, model.head_dim,
-                             model.dtype, "cpu")
+        self.cache = KVCache(model.num_layers, num_slots, model.num_kv_heads, model.head_dim, model.dtype, "cpu")
         model.set_backend(TorchAttention(self.cache))
         self.model = model
         self.pool = TokenPool(num_slots)

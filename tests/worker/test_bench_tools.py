@@ -24,8 +24,9 @@ def test_word_tokenizer_covers_the_shapes_vocabulary(tmp_path):
 
 
 def test_step_profile_times_steps_of_a_fully_decoding_batch(capsys):
-    rows = step_profile.main(["--model-shape", "tiny", "--batches", "1,4", "--context", "16", "--steps", "3",
-                              "--device", "cpu"])
+    rows = step_profile.main(
+        ["--model-shape", "tiny", "--batches", "1,4", "--context", "16", "--steps", "3", "--device", "cpu"]
+    )
     assert sorted(rows) == [1, 4]
     for row in rows.values():
         assert row["wall"] > 0 and row["forward"] > 0 and row["sample"] > 0
@@ -34,9 +35,12 @@ def test_step_profile_times_steps_of_a_fully_decoding_batch(capsys):
 
 
 def test_offline_timeline_accounts_for_every_step(capsys):
-    settings = offline.WorkerSettings(model=offline.ModelSettings(model_dir=f"dummy:{config_dir('tiny')}",
-                                                                  max_req_total_len=256),
-                                      device="cpu", max_total_token_num=4096, batch_max_tokens=32)
+    settings = offline.WorkerSettings(
+        model=offline.ModelSettings(model_dir=f"dummy:{config_dir('tiny')}", max_req_total_len=256),
+        device="cpu",
+        max_total_token_num=4096,
+        batch_max_tokens=32,
+    )
     engine = offline.build_engine(settings)
     rng = np.random.default_rng(0)
     work = [(rng.integers(3, 500, size=n).tolist(), o) for n, o in [(40, 3), (5, 9), (70, 1)]]
@@ -55,8 +59,9 @@ def test_floor_counts_one_decode_step_per_token_of_the_longest_output():
     from bench.floor import bounds
 
     # two requests: prompts 10 and 20, outputs 3 and 1; 1 byte of weights, 1 byte of K/V per token
-    b = bounds([(10, 3), (20, 1)], weight_bytes=1.0, kv_bytes_per_token=1.0, flops_per_token=1.0,
-               bandwidth=1.0, flops=1.0)
+    b = bounds(
+        [(10, 3), (20, 1)], weight_bytes=1.0, kv_bytes_per_token=1.0, flops_per_token=1.0, bandwidth=1.0, flops=1.0
+    )
     assert b["steps"] == 3 and b["output_tokens"] == 4
     # step 0: both run, context 30, memory 31 > compute 2; steps 1 and 2: context 11 and 12
     assert b["decode_overlap_s"] == 31 + 12 + 13

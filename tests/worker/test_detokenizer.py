@@ -9,11 +9,14 @@ def tokenizer():
     return load_tokenizer(resolve("default"))
 
 
-@pytest.mark.parametrize("text", [
-    " Paris is the capital of France.",
-    "Multi-byte: 你好，世界 and emoji 🎉🚀 and accents café naïve.",
-    "\n\nlines\n  indented\ttabs",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        " Paris is the capital of France.",
+        "Multi-byte: 你好，世界 and emoji 🎉🚀 and accents café naïve.",
+        "\n\nlines\n  indented\ttabs",
+    ],
+)
 def test_streamed_pieces_join_to_the_full_decode(tokenizer, text):
     prompt = tokenizer.encode("Say something:")
     ids = tokenizer.encode(text)

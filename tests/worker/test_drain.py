@@ -23,15 +23,21 @@ SLOTS = 4096
 
 def counting_engine(running_max: int) -> Engine:
     cpu = torch.device("cpu")
-    runner = ModelRunner(CountingModel(256, cpu), TokenPool(SLOTS), ReqTable(running_max, 512, SLOTS, cpu),
-                         256, cpu, set(), None)
-    return Engine(runner, EngineLimits(SLOTS, 1024, running_max), set(),
-                  AdmissionRule(AdmissionSettings(admission="conservative")))
+    runner = ModelRunner(
+        CountingModel(256, cpu), TokenPool(SLOTS), ReqTable(running_max, 512, SLOTS, cpu), 256, cpu, set(), None
+    )
+    return Engine(
+        runner,
+        EngineLimits(SLOTS, 1024, running_max),
+        set(),
+        AdmissionRule(AdmissionSettings(admission="conservative")),
+    )
 
 
 def send(rclient, keys, worker_id: str, request_id: str) -> None:
-    msg = GenerateRequest(id=request_id, prompt_ids=[7] * 8, created_ms=0,
-                          params=SamplingParams(max_new_tokens=400, ignore_eos=True))
+    msg = GenerateRequest(
+        id=request_id, prompt_ids=[7] * 8, created_ms=0, params=SamplingParams(max_new_tokens=400, ignore_eos=True)
+    )
     rclient.hset(keys.meta(request_id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=0))
     rclient.xadd(keys.inbox(worker_id), entry(msg))
 

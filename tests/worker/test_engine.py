@@ -25,9 +25,16 @@ POOL = 200
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                      max_position_embeddings=256, eos_token_id=0)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=256,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(config).eval()
     ref.save_pretrained(folder)
@@ -39,20 +46,26 @@ def make_engine(folder, running_max=8, batch_max_tokens=64):
     cache = attach_kv_cache(model, POOL, "cpu")
     table = ReqTable(running_max, 128, cache.hold_slot, "cpu")
     runner = ModelRunner(model, TokenPool(POOL), table, config.vocab_size, torch.device("cpu"))
-    return Engine(runner, EngineLimits(POOL, batch_max_tokens, running_max), eos_ids=set(),
-                  rule=AdmissionRule(AdmissionSettings(admission="conservative")))
+    return Engine(
+        runner,
+        EngineLimits(POOL, batch_max_tokens, running_max),
+        eos_ids=set(),
+        rule=AdmissionRule(AdmissionSettings(admission="conservative")),
+    )
 
 
 def req(rid, prompt, max_new, **params):
-    msg = GenerateRequest(id=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new, **params),
-                          created_ms=0)
+    msg = GenerateRequest(
+        id=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new, **params), created_ms=0
+    )
     return Req(msg=msg, inbox_id=f"{rid}-0")
 
 
 def reference_greedy(ref, prompt, max_new):
-    out = ref.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                       eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = ref.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def run_to_end(engine, arrivals):
@@ -129,8 +142,14 @@ def test_resumed_request_continues_after_its_emitted_tokens(tiny):
     prompt = [4, 8, 15, 16, 23, 42]
     full = reference_greedy(ref, prompt, 10)
     engine = make_engine(folder)
-    msg = GenerateRequest(id="r", prompt_ids=prompt, params=SamplingParams(max_new_tokens=10), created_ms=0,
-                          attempt=1, resume_ids=full[:4])
+    msg = GenerateRequest(
+        id="r",
+        prompt_ids=prompt,
+        params=SamplingParams(max_new_tokens=10),
+        created_ms=0,
+        attempt=1,
+        resume_ids=full[:4],
+    )
     engine.add(Req(msg=msg, inbox_id="1-0"))
     events = []
     while engine.has_work:

@@ -19,8 +19,9 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
 def group(rid, prompt, max_new, n, **params):
-    msg = GenerateRequest(id=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new, **params),
-                          created_ms=0, n=n)
+    msg = GenerateRequest(
+        id=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new, **params), created_ms=0, n=n
+    )
     return Req(msg=msg, inbox_id=f"{rid}-0")
 
 

@@ -10,6 +10,7 @@ def test_eos_id_replaces_the_models_and_tokenizers():
     model = ModelSettings(model_dir="counting")
     default = build_engine(WorkerSettings(model=model, device="cpu", max_total_token_num=256), tokenizer=None)
     assert default.eos_ids == set()  # the stand-in has none of its own
-    given = build_engine(WorkerSettings(model=model, device="cpu", max_total_token_num=256, eos_id=[7, 9]),
-                         tokenizer=None)
+    given = build_engine(
+        WorkerSettings(model=model, device="cpu", max_total_token_num=256, eos_id=[7, 9]), tokenizer=None
+    )
     assert given.eos_ids == {7, 9}

@@ -31,25 +31,40 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-gpu")
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                      num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-                                      vocab_size=1000, max_position_embeddings=1024, eos_token_id=0,
-                                      # Peaked logits: a random model with flat ones has near-ties that
-                                      # tf32 (GPU) and fp32 (CPU) break differently (seen at token 21 of 24).
-                                      initializer_range=0.15)
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1000,
+        max_position_embeddings=1024,
+        eos_token_id=0,
+        # Peaked logits: a random model with flat ones has near-ties that
+        # tf32 (GPU) and fp32 (CPU) break differently (seen at token 21 of 24).
+        initializer_range=0.15,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     return str(folder)
 
 
 def greedy(model_dir: str, device: str, prompts, max_new: int, graphs: bool) -> list[list[int]]:
-    settings = WorkerSettings(model=ModelSettings(model_dir=model_dir, max_req_total_len=512), device=device,
-                              dtype="float32", max_total_token_num=4096, running_max_req_size=16,
-                              cuda_graphs=graphs, graph_max_batch_size=16)
+    settings = WorkerSettings(
+        model=ModelSettings(model_dir=model_dir, max_req_total_len=512),
+        device=device,
+        dtype="float32",
+        max_total_token_num=4096,
+        running_max_req_size=16,
+        cuda_graphs=graphs,
+        graph_max_batch_size=16,
+    )
     engine = build_engine(settings)
     for i, prompt in enumerate(prompts):
-        msg = GenerateRequest(id=str(i), prompt_ids=prompt, created_ms=0,
-                              params=SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+        msg = GenerateRequest(
+            id=str(i), prompt_ids=prompt, created_ms=0, params=SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        )
         engine.add(Req(msg=msg, inbox_id=f"{i}-0"))
     out: dict[str, list[int]] = {}
     while engine.has_work:
@@ -99,8 +114,10 @@ def test_smollm2_greedy_text_is_identical_on_both_backends():
 
     tokenizer = load_tokenizer(source)
     questions = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about rain."]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True) for q in questions]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in questions
+    ]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     gpu = greedy("default", "cuda", prompts, 32, True)
     cpu = greedy("default", "cpu", prompts, 32, False)

@@ -28,8 +28,9 @@ SEEDED = dict(do_sample=True, temperature=1.5, seed=1234)
 
 
 def group_msg(**params) -> GenerateRequest:
-    return GenerateRequest(id="g", prompt_ids=PROMPT, params=SamplingParams(max_new_tokens=MAX_NEW, **params),
-                           created_ms=0, n=3)
+    return GenerateRequest(
+        id="g", prompt_ids=PROMPT, params=SamplingParams(max_new_tokens=MAX_NEW, **params), created_ms=0, n=3
+    )
 
 
 def first_attempt(folder, msg: GenerateRequest, steps: int, stop: dict[int, int]) -> list[Token]:
@@ -45,8 +46,9 @@ def first_attempt(folder, msg: GenerateRequest, steps: int, stop: dict[int, int]
     return tokens
 
 
-def requeued(rclient, keys, msg: GenerateRequest, tokens: list[Token], stopped: set[int],
-             lost: set[tuple[int, int]]) -> GenerateRequest:
+def requeued(
+    rclient, keys, msg: GenerateRequest, tokens: list[Token], stopped: set[int], lost: set[tuple[int, int]]
+) -> GenerateRequest:
     """Write the first attempt's chunks as its publisher would (a stopped sample's last chunk finished,
     ``lost`` (choice, index) never written, one chunk written twice), requeue, read the message back."""
     last = {t.choice: t.index for t in tokens}
@@ -57,16 +59,29 @@ def requeued(rclient, keys, msg: GenerateRequest, tokens: list[Token], stopped: 
             continue
         stop = t.choice in stopped and t.index == last[t.choice]
         reason = "stop" if stop else t.finish_reason
-        append_chunk(pipe, keys, TokenChunk(request_id=msg.id, index=t.index, choice=t.choice, token_id=t.token_id,
-                                            finished=reason is not None, finish_reason=reason))
+        append_chunk(
+            pipe,
+            keys,
+            TokenChunk(
+                request_id=msg.id,
+                index=t.index,
+                choice=t.choice,
+                token_id=t.token_id,
+                finished=reason is not None,
+                finish_reason=reason,
+            ),
+        )
     pipe.execute()
     assert requeue(rclient, keys, msg, ttl_s=60, max_attempts=3) == 1
     return from_entry(GenerateRequest, rclient.xrange(keys.requests())[-1][1])
 
 
 def own_tokens(tokens: list[Token], choice: int, lost=frozenset()) -> list[int]:
-    return [t.token_id for t in sorted(tokens, key=lambda t: t.index)
-            if t.choice == choice and (choice, t.index) not in lost]
+    return [
+        t.token_id
+        for t in sorted(tokens, key=lambda t: t.index)
+        if t.choice == choice and (choice, t.index) not in lost
+    ]
 
 
 def resume_and_check(folder, again: GenerateRequest) -> tuple[dict[int, list[int]], list]:
@@ -88,8 +103,11 @@ def resume_and_check(folder, again: GenerateRequest) -> tuple[dict[int, list[int
     return full, events
 
 
-@pytest.mark.parametrize("params", [{}, dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)],
-                         ids=["greedy", "penalties"])
+@pytest.mark.parametrize(
+    "params",
+    [{}, dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)],
+    ids=["greedy", "penalties"],
+)
 @pytest.mark.parametrize("finished", [None, 0, 1])
 def test_requeued_greedy_group_resumes_each_sample_exactly(tiny, rclient, keys, params, finished):
     _, folder = tiny

@@ -17,8 +17,17 @@ def record_seq(rclient, keys, worker_id: str) -> int:
 
 
 def load(seq: int) -> WorkerLoad:
-    return WorkerLoad(worker_id="hb", seq=seq, ts_ms=0, max_total_tokens=100, used_tokens=0, committed_tokens=0,
-                      num_running=0, num_waiting=0, requests=[])
+    return WorkerLoad(
+        worker_id="hb",
+        seq=seq,
+        ts_ms=0,
+        max_total_tokens=100,
+        used_tokens=0,
+        committed_tokens=0,
+        num_running=0,
+        num_waiting=0,
+        requests=[],
+    )
 
 
 def wait_for(condition, timeout_s: float = 10.0) -> bool:

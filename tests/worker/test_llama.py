@@ -17,14 +17,29 @@ from worker.model.loader import attach_kv_cache, load_model
 from worker.model.models import model_class
 from worker.model.models.llama import LlamaForCausalLM
 
-BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-5)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=256,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 CONFIGS = {
     "mha-untied": dict(tie_word_embeddings=False),
-    "gqa-tied-headdim": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                             tie_word_embeddings=True, num_hidden_layers=3),
+    "gqa-tied-headdim": dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, num_hidden_layers=3
+    ),
     "gqa-llama3-rope": dict(num_key_value_heads=2, vocab_size=512, rope_parameters=LLAMA3_ROPE),
     "bias": dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True),
 }
@@ -152,7 +167,7 @@ def _dense_attention(q, keys, values, cached: int) -> torch.Tensor:
     n, hq, d = q.shape
     group = hq // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [L, Hq, D]
-    scores = torch.einsum("nhd,lhd->hnl", q.double(), keys.double()) / d ** 0.5
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), keys.double()) / d**0.5
     causal = torch.arange(keys.shape[0])[None, :] <= cached + torch.arange(n)[:, None]
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     return torch.einsum("hnl,lhd->nhd", probs, values.double()).float()
@@ -173,12 +188,12 @@ def test_torch_attention_vs_dense(hq, hkv, decode):
     slots = torch.randperm(64, generator=gen)
     rows, context, new_slots, start = [2, 0, 1], [], [], 0
     for row, c, n in zip(rows, cached, q_lens):
-        table[row, :c + n] = slots[start:start + c + n].int()
+        table[row, : c + n] = slots[start : start + c + n].int()
         ctx_k, ctx_v = (torch.randn(c, hkv, d, generator=gen) for _ in range(2))
         cache.k(layer)[table[row, :c].long()] = ctx_k
         cache.v(layer)[table[row, :c].long()] = ctx_v
         context.append((ctx_k, ctx_v))
-        new_slots.append(table[row, c:c + n])
+        new_slots.append(table[row, c : c + n])
         start += c + n
     T = sum(q_lens)
     q = torch.randn(T, hq, d, generator=gen)
@@ -189,7 +204,9 @@ def test_torch_attention_vs_dense(hq, hkv, decode):
     assert out.shape == q.shape and torch.isfinite(out).all()
     s = 0
     for (ctx_k, ctx_v), c, n in zip(context, cached, q_lens):
-        keys, values = torch.cat((ctx_k, k[s:s + n])), torch.cat((ctx_v, v[s:s + n]))
-        torch.testing.assert_close(out[s:s + n], _dense_attention(q[s:s + n], keys, values, c), atol=1e-5, rtol=1e-5)
+        keys, values = torch.cat((ctx_k, k[s : s + n])), torch.cat((ctx_v, v[s : s + n]))
+        torch.testing.assert_close(
+            out[s : s + n], _dense_attention(q[s : s + n], keys, values, c), atol=1e-5, rtol=1e-5
+        )
         s += n
     assert torch.isnan(cache.buffer[0]).all(), "another layer was written"

@@ -14,8 +14,13 @@ from worker.service.serve import WorkerService
 
 
 def req(rid, prompt, max_new, output=(), resume=(), ignore_eos=False, phase=Phase.RUNNING):
-    msg = GenerateRequest(id=rid, prompt_ids=[1] * prompt, created_ms=0, resume_ids=list(resume),
-                          params=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos))
+    msg = GenerateRequest(
+        id=rid,
+        prompt_ids=[1] * prompt,
+        created_ms=0,
+        resume_ids=list(resume),
+        params=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos),
+    )
     r = Req(msg=msg, inbox_id=f"{rid}-0", phase=phase)
     r.output_ids += list(output)
     return r
@@ -33,9 +38,12 @@ class FakeEngine:
 
     def snapshot(self):
         reqs = self.requests()
-        return LoadSnapshot(used_tokens=sum(r.num_tokens for r in self.running),
-                            committed_tokens=sum(r.msg.max_tokens_needed for r in reqs),
-                            num_running=len(self.running), num_waiting=len(self.waiting))
+        return LoadSnapshot(
+            used_tokens=sum(r.num_tokens for r in self.running),
+            committed_tokens=sum(r.msg.max_tokens_needed for r in reqs),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+        )
 
 
 def engine():
@@ -61,15 +69,17 @@ def test_a_request_seen_in_both_lists_is_listed_once_and_finished_ones_not_at_al
 
 
 def test_service_heartbeat_reaches_the_router(redis_settings, rclient, keys):
-    service = WorkerService(WorkerSettings(redis=redis_settings), rclient, engine(), worker_id="w1",
-                            publisher=None)  # the load record needs no publisher
+    service = WorkerService(
+        WorkerSettings(redis=redis_settings), rclient, engine(), worker_id="w1", publisher=None
+    )  # the load record needs no publisher
     service.last_inbox_id = "9-0"
     Heartbeat(rclient, keys, "w1", 0.5, service.load).beat()
     registry = read_registry(rclient, keys, stale_ms=5000)
     load = registry.admissible()["w1"]
     assert load.requests == [(17, 7, 50, 0), (22, 2, 30, 1), (8, 3, 100, 0)] and load.last_inbox_id == "9-0"
-    big = GenerateRequest(id="x", prompt_ids=[1] * 500, created_ms=0,
-                          params=SamplingParams(max_new_tokens=500, ignore_eos=True))
+    big = GenerateRequest(
+        id="x", prompt_ids=[1] * 500, created_ms=0, params=SamplingParams(max_new_tokens=500, ignore_eos=True)
+    )
     est = Estimator(OutputLengthHistory(window=10, prior=50))
     assert choose(registry.live, {}, big, "past_future", est) is None  # 1,000 more: over 950
     small = big.model_copy(update={"params": SamplingParams(max_new_tokens=100, ignore_eos=True)})

@@ -24,18 +24,30 @@ from worker.model.loader import attach_kv_cache, load_model
 from worker.model.models import MODELS, model_class
 from worker.model.triton_attention import TritonAttention
 
-LLAMA_LIKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-5)
+LLAMA_LIKE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
 BLOOM = dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=256, layer_norm_epsilon=1e-5)
 CONFIGS = {
     "bloom": (transformers.BloomConfig, BLOOM),
     # 6 heads: ALiBi's slopes for a head count off a power of two; the other residual wiring.
-    "bloom-6heads-postln": (transformers.BloomConfig, dict(BLOOM, hidden_size=96, n_head=6,
-                                                           apply_residual_connection_post_layernorm=True)),
+    "bloom-6heads-postln": (
+        transformers.BloomConfig,
+        dict(BLOOM, hidden_size=96, n_head=6, apply_residual_connection_post_layernorm=True),
+    ),
     "qwen2-tied": (transformers.Qwen2Config, dict(LLAMA_LIKE, tie_word_embeddings=True)),
     # The window only on layers >= max_window_layers, as transformers marks them.
-    "qwen2-sliding": (transformers.Qwen2Config, dict(LLAMA_LIKE, use_sliding_window=True, sliding_window=4,
-                                                     max_window_layers=1)),
+    "qwen2-sliding": (
+        transformers.Qwen2Config,
+        dict(LLAMA_LIKE, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    ),
     # A window shorter than most prompts, so it cuts in prefill and in decode.
     "mistral": (transformers.MistralConfig, dict(LLAMA_LIKE, sliding_window=4, head_dim=16)),
     "mistral-no-window": (transformers.MistralConfig, dict(LLAMA_LIKE, sliding_window=None)),
@@ -82,11 +94,13 @@ def _prefill_then_decode(ref, runner: PoolRunner, steps: int, seed: int) -> None
     vocab = ref.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     seqs: dict = {}
-    _step_and_check(ref, runner, seqs, {b: torch.randint(vocab, (n,), generator=gen).tolist()
-                                        for b, n in enumerate(PROMPT_LENS)})
+    _step_and_check(
+        ref, runner, seqs, {b: torch.randint(vocab, (n,), generator=gen).tolist() for b, n in enumerate(PROMPT_LENS)}
+    )
     for _ in range(steps):
-        _step_and_check(ref, runner, seqs, {b: torch.randint(vocab, (1,), generator=gen).tolist()
-                                            for b in range(len(PROMPT_LENS))})
+        _step_and_check(
+            ref, runner, seqs, {b: torch.randint(vocab, (1,), generator=gen).tolist() for b in range(len(PROMPT_LENS))}
+        )
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -118,8 +132,9 @@ def test_triton_backend_gets_the_rules(name, tmp_path):
 def test_bloom_loads_bigscience_names(tmp_path):
     """bigscience's checkpoints are saved from BloomModel: no ``transformer.`` prefix, no lm_head."""
     ref = _reference("bloom")
-    state = {k.removeprefix("transformer."): v.contiguous() for k, v in ref.state_dict().items()
-             if k != "lm_head.weight"}
+    state = {
+        k.removeprefix("transformer."): v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight"
+    }
     save_file(state, str(tmp_path / "model.safetensors"))
     ref.config.save_pretrained(tmp_path)
     model, _ = load_model(ModelSource("hf", str(tmp_path)), torch.float32, "cpu")

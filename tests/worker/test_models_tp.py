@@ -25,16 +25,30 @@ from worker.model.loader import load_model
 from worker.model.models.llama import LlamaForCausalLM
 
 TP = 2
-LLAMA_LIKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-5)
+LLAMA_LIKE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
 CONFIGS = {
     # Row-parallel biases (o_proj, down_proj) are whole on each rank and added once.
-    "llama-gqa-bias": (transformers.LlamaConfig, "LlamaForCausalLM",
-                       dict(LLAMA_LIKE, attention_bias=True, mlp_bias=True)),
+    "llama-gqa-bias": (
+        transformers.LlamaConfig,
+        "LlamaForCausalLM",
+        dict(LLAMA_LIKE, attention_bias=True, mlp_bias=True),
+    ),
     "qwen2-tied": (transformers.Qwen2Config, "Qwen2ForCausalLM", dict(LLAMA_LIKE, tie_word_embeddings=True)),
     "mistral-window": (transformers.MistralConfig, "MistralForCausalLM", dict(LLAMA_LIKE, sliding_window=4)),
-    "bloom": (transformers.BloomConfig, "BloomForCausalLM",
-              dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=256, layer_norm_epsilon=1e-5)),
+    "bloom": (
+        transformers.BloomConfig,
+        "BloomForCausalLM",
+        dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=256, layer_norm_epsilon=1e-5),
+    ),
 }
 STEPS = [  # request id -> new tokens, per pool step
     {0: [5, 17, 3, 99, 42, 7], 1: [250], 2: list(range(30, 41))},
@@ -92,8 +106,13 @@ def test_tp2_matches_tp1(name, group_results):
         for step, (got, want) in enumerate(zip(results[name], single)):
             scale = want.abs().max().item()
             # Only the summation order differs (partial sums across ranks).
-            torch.testing.assert_close(got, want, atol=1e-5 * max(scale, 1.0), rtol=1e-5,
-                                       msg=lambda m, rank=rank, step=step: f"rank {rank}, step {step}: {m}")
+            torch.testing.assert_close(
+                got,
+                want,
+                atol=1e-5 * max(scale, 1.0),
+                rtol=1e-5,
+                msg=lambda m, rank=rank, step=step: f"rank {rank}, step {step}: {m}",
+            )
 
 
 def test_split_must_divide():

@@ -33,10 +33,12 @@ def started(counts: TokenCounts, rows, prompts, outputs) -> None:
 def test_apply_matches_the_reference_for_a_mixed_batch():
     torch.manual_seed(0)
     counts = TokenCounts(max_rows=8, vocab_size=V, eos_ids={EOS}, device=CPU)
-    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.3),
-              SamplingParams(),  # neutral row: untouched
-              SamplingParams(repetition_penalty=1.7, max_new_tokens=20, min_new_tokens=4),
-              SamplingParams(presence_penalty=1.0, frequency_penalty=2.0, repetition_penalty=1.2)]
+    params = [
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(),  # neutral row: untouched
+        SamplingParams(repetition_penalty=1.7, max_new_tokens=20, min_new_tokens=4),
+        SamplingParams(presence_penalty=1.0, frequency_penalty=2.0, repetition_penalty=1.2),
+    ]
     rows = [5, 0, 3, 7]
     prompts = [[1, 4, 4, 9], [3, 3], [7, 8, 30], [11]]
     outputs = [[4, 12, 12, 12], [6], [30, 31], [11, 11, 20]]

@@ -22,9 +22,17 @@ from worker.runner.req_table import ReqTable
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-prefill-graphs")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                      max_position_embeddings=256, eos_token_id=0, initializer_range=0.15)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=256,
+        eos_token_id=0,
+        initializer_range=0.15,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     return str(folder)
@@ -41,8 +49,9 @@ def setup(folder: str, device: str):
 
 def compare(folder: str, device: str, capture: bool) -> None:
     model, config, cache, table, pool = setup(folder, device)
-    graphs = PrefillGraphs(model, table, cache.hold_slot, config.vocab_size, torch.device(device),
-                           buckets=(8, 32), capture=capture)
+    graphs = PrefillGraphs(
+        model, table, cache.hold_slot, config.vocab_size, torch.device(device), buckets=(8, 32), capture=capture
+    )
     rng = np.random.default_rng(0)
     for cached_len, new_len in [(0, 5), (0, 8), (6, 13), (20, 32), (3, 1)]:
         row = table.allocate_row()
@@ -52,8 +61,13 @@ def compare(folder: str, device: str, capture: bool) -> None:
         if cached_len:  # the cached prefix, prefilled eagerly first
             cached = build_batch(table.table, [row], [0], [prompt[:cached_len]], [slots[:cached_len]])
             model.forward(_on(cached, device))
-        eager = model.forward(_on(build_batch(table.table, [row], [cached_len], [prompt[cached_len:]],
-                                              [slots[cached_len:]]), device)).float().cpu()
+        eager = (
+            model.forward(
+                _on(build_batch(table.table, [row], [cached_len], [prompt[cached_len:]], [slots[cached_len:]]), device)
+            )
+            .float()
+            .cpu()
+        )
         graphs.logits.fill_(float("nan"))  # poisoned: the run must write it
         before = cache.buffer.clone()
         positions = np.arange(cached_len, cached_len + new_len)
@@ -73,6 +87,7 @@ def compare(folder: str, device: str, capture: bool) -> None:
 
 def _on(batch, device: str):
     import dataclasses
+
     fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     return type(batch)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()})
 
@@ -98,9 +113,15 @@ def test_prefills_arriving_one_at_a_time_decode_the_cpu_tokens(tiny_dir):
     from worker.main import build_engine
 
     def greedy(device: str) -> dict[str, list[int]]:
-        settings = WorkerSettings(model=ModelSettings(model_dir=tiny_dir, max_req_total_len=128), device=device,
-                                  dtype="float32", max_total_token_num=2048, running_max_req_size=8,
-                                  cuda_graphs=device == "cuda", graph_max_batch_size=8)
+        settings = WorkerSettings(
+            model=ModelSettings(model_dir=tiny_dir, max_req_total_len=128),
+            device=device,
+            dtype="float32",
+            max_total_token_num=2048,
+            running_max_req_size=8,
+            cuda_graphs=device == "cuda",
+            graph_max_batch_size=8,
+        )
         engine = build_engine(settings)
         if device == "cuda":
             assert engine.runner.prefill_graphs is not None
@@ -108,8 +129,12 @@ def test_prefills_arriving_one_at_a_time_decode_the_cpu_tokens(tiny_dir):
         prompts = [list(range(3, 3 + n)) for n in (5, 40, 1, 17)]
         for step in range(60):
             if step < len(prompts):  # one newcomer a step: each prefill alone, beside the decodes
-                msg = GenerateRequest(id=str(step), prompt_ids=prompts[step], created_ms=0,
-                                      params=SamplingParams(max_new_tokens=12, ignore_eos=True))
+                msg = GenerateRequest(
+                    id=str(step),
+                    prompt_ids=prompts[step],
+                    created_ms=0,
+                    params=SamplingParams(max_new_tokens=12, ignore_eos=True),
+                )
                 engine.add(Req(msg=msg, inbox_id=f"{step}-0"))
             for e in flat(engine.step()):
                 if isinstance(e, Token):

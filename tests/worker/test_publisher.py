@@ -60,7 +60,7 @@ def publish(publisher: Publisher, events: list, steps: int = 1) -> list[Sample]:
         else:
             packed.append(event)
     size = -(-len(packed) // steps)
-    return publisher.publish([(0, packed[i:i + size]) for i in range(0, len(packed), size)])
+    return publisher.publish([(0, packed[i : i + size]) for i in range(0, len(packed), size)])
 
 
 def chunks(client, keys, request_id=RID) -> list[TokenChunk]:
@@ -73,9 +73,16 @@ def tokens(ids, start=0, stop=None, last_reason=None) -> list[Token]:
 
 
 def started(stops=(), resume_ids=(), min_new_tokens=0, n=1) -> Started:
-    return Started(GenerateRequest(id=RID, prompt_ids=[1, 2, 3], resume_ids=list(resume_ids), n=n, created_ms=0,
-                                   params=SamplingParams(max_new_tokens=16, stop_sequences=tuple(stops),
-                                                         min_new_tokens=min_new_tokens)))
+    return Started(
+        GenerateRequest(
+            id=RID,
+            prompt_ids=[1, 2, 3],
+            resume_ids=list(resume_ids),
+            n=n,
+            created_ms=0,
+            params=SamplingParams(max_new_tokens=16, stop_sequences=tuple(stops), min_new_tokens=min_new_tokens),
+        )
+    )
 
 
 def test_a_stop_split_across_tokens_ends_the_request(publisher, client, keys, ids):
@@ -86,8 +93,9 @@ def test_a_stop_split_across_tokens_ends_the_request(publisher, client, keys, id
     assert "".join(c.text for c in chunks(client, keys)) == " The answer is "  # "4" is held back
     assert publish(publisher, tokens(ids, 5, 7)) == [(RID, 0)]  # "2", "." complete the stop string
     # The engine runs the request a step or two more, then frees it (as a cancel).
-    publish(publisher, [*tokens(ids, 7, 9), Ended(RID, RequestStatus.CANCELLED, "cancelled", 9),
-                       Released(RID, inbox_id)])
+    publish(
+        publisher, [*tokens(ids, 7, 9), Ended(RID, RequestStatus.CANCELLED, "cancelled", 9), Released(RID, inbox_id)]
+    )
     out = chunks(client, keys)
     assert [c.index for c in out] == list(range(7))
     assert "".join(c.text for c in out) == " The answer is "
@@ -141,9 +149,17 @@ def test_the_publisher_processes_write_in_order_and_report_stops(redis_settings,
     link.start()
     others = [f"{i:032d}" for i in range(6)]  # spread over the shards
     assert shards == 1 or len({owner(r, shards) for r in [RID, *others]}) == shards
-    link.put([started(["answer"]), *[Started(GenerateRequest(id=r, prompt_ids=[1, 2, 3], created_ms=0,
-                                                            params=SamplingParams(max_new_tokens=16)))
-                                     for r in others]])
+    link.put(
+        [
+            started(["answer"]),
+            *[
+                Started(
+                    GenerateRequest(id=r, prompt_ids=[1, 2, 3], created_ms=0, params=SamplingParams(max_new_tokens=16))
+                )
+                for r in others
+            ],
+        ]
+    )
     for i in range(4):
         rows = [tokens(ids, i, i + 1)[0], *[Token(r, i, ids[i], -0.5, None) for r in others]]
         link.put([pack(rows)])
@@ -178,12 +194,13 @@ def test_a_dead_publisher_process_is_reported(redis_settings):
 def test_a_groups_samples_have_their_own_text_stops_and_one_end(publisher, client, keys, ids):
     """Choice 1 stops on "42." while choices 0 and 2 run to their lengths; the status
     says finished once, after the last sample, with every sample's tokens counted."""
-    def sample(choice, start, stop, last_reason=None):
-        return [Token(RID, i, ids[i], -0.5, last_reason if i == stop - 1 else None, choice)
-                for i in range(start, stop)]
 
-    assert publish(publisher, [started(("42.",), n=3), *sample(0, 0, 2), *sample(1, 0, 7),
-                               *sample(2, 0, 3, "length")]) == [(RID, 1)]
+    def sample(choice, start, stop, last_reason=None):
+        return [Token(RID, i, ids[i], -0.5, last_reason if i == stop - 1 else None, choice) for i in range(start, stop)]
+
+    assert publish(
+        publisher, [started(("42.",), n=3), *sample(0, 0, 2), *sample(1, 0, 7), *sample(2, 0, 3, "length")]
+    ) == [(RID, 1)]
     assert RequestMeta.from_hash(client.hgetall(keys.meta(RID))).status is RequestStatus.RUNNING
     publish(publisher, [*sample(1, 7, 8), *sample(0, 2, 5, "length"), Released(RID, "1-0")])  # 1's extra: dropped
     out = chunks(client, keys)
@@ -200,8 +217,15 @@ def test_a_requeued_group_resumes_each_samples_text_and_counts_its_finished_ones
     """Choice 1 finished in an earlier attempt (3 tokens); choice 0 emitted 5 with "4" held back
     (it could start "4x"), choice 2 emitted 2. Only 0 and 2 run here; the status ends once, after
     both, with every sample's tokens counted (3 + 7 + 4)."""
-    msg = GenerateRequest(id=RID, prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=8, stop_sequences=("4x",)),
-                          created_ms=0, n=3, group_resume=[ids[:5], ids[:3], ids[:2]], finished_choices=[1])
+    msg = GenerateRequest(
+        id=RID,
+        prompt_ids=[1, 2, 3],
+        params=SamplingParams(max_new_tokens=8, stop_sequences=("4x",)),
+        created_ms=0,
+        n=3,
+        group_resume=[ids[:5], ids[:3], ids[:2]],
+        finished_choices=[1],
+    )
     event = Started(msg)
     assert msg.open_choices == [0, 2] and msg.emitted(2) == ids[:2]
     publish(publisher, [event, Token(RID, 5, ids[5], -0.5, None, 0), Token(RID, 2, ids[2], -0.5, None, 2)])

@@ -22,8 +22,9 @@ def counting_engine(room: int = 4, slots: int = 256) -> Engine:
 
 
 def add(engine, rid, **params):
-    msg = GenerateRequest(id=rid, prompt_ids=[5, 6, 7], created_ms=0,
-                          params=SamplingParams(max_new_tokens=6, ignore_eos=True, **params))
+    msg = GenerateRequest(
+        id=rid, prompt_ids=[5, 6, 7], created_ms=0, params=SamplingParams(max_new_tokens=6, ignore_eos=True, **params)
+    )
     engine.add(Req(msg=msg, inbox_id=f"{rid}-0"))
 
 

@@ -54,8 +54,9 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_best():
 
 
 def seeded_ids(logits, params, output_lens=None):
-    return sample(logits, SamplingBatch.build(params, logits.shape[-1], torch.device("cpu"),
-                                              output_lens=output_lens))[0]
+    return sample(logits, SamplingBatch.build(params, logits.shape[-1], torch.device("cpu"), output_lens=output_lens))[
+        0
+    ]
 
 
 def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch():

@@ -35,8 +35,10 @@ def tokenizer(source):
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"]) for c in chats]
+    return [
+        list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        for c in chats
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +51,13 @@ def reference_outputs(source, prompts) -> list[list[int]]:
     outputs = []
     with torch.no_grad():
         for ids in prompts:
-            out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                               do_sample=False, max_new_tokens=NEW_TOKENS)
-            outputs.append(out[0, len(ids):].tolist())
+            out = ref.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+            )
+            outputs.append(out[0, len(ids) :].tolist())
     return outputs
 
 
@@ -62,5 +68,5 @@ def test_greedy_matches_transformers(source, tokenizer, prompts, reference_outpu
     for got, want in zip(ours, reference_outputs):
         # transformers stops at EOS; lightq's harness decodes all NEW_TOKENS.
         assert len(want) == NEW_TOKENS or want[-1] == eos
-        assert got[:len(want)] == want, (tokenizer.decode(got), tokenizer.decode(want))
+        assert got[: len(want)] == want, (tokenizer.decode(got), tokenizer.decode(want))
     assert "Paris" in tokenizer.decode(ours[0])

@@ -67,7 +67,7 @@ def reference(stops, pieces):
         seen += piece
         starts = [seen.find(s) for s in stops if s in seen]
         if starts:
-            return seen[:min(starts)], index
+            return seen[: min(starts)], index
     return seen, None
 
 

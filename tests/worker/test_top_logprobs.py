@@ -26,9 +26,12 @@ def test_sampler_reports_each_rows_ask_from_the_tempered_penalised_distribution(
     torch.manual_seed(0)
     vocab = 40
     logits = torch.randn(4, vocab)
-    params = [SamplingParams(top_logprobs=5), SamplingParams(),
-              SamplingParams(do_sample=True, temperature=0.6, seed=3, top_logprobs=2),
-              SamplingParams(frequency_penalty=1.5, top_logprobs=3)]
+    params = [
+        SamplingParams(top_logprobs=5),
+        SamplingParams(),
+        SamplingParams(do_sample=True, temperature=0.6, seed=3, top_logprobs=2),
+        SamplingParams(frequency_penalty=1.5, top_logprobs=3),
+    ]
     counts = TokenCounts(max_rows=4, vocab_size=vocab, eos_ids=set(), device=CPU)
     favourite = int(logits[3].argmax())
     counts.start(3, [], [favourite, favourite])  # row 3 already produced its argmax twice
@@ -36,8 +39,12 @@ def test_sampler_reports_each_rows_ask_from_the_tempered_penalised_distribution(
     ids, chosen, top = sample(logits, batch, counts)
     penalised = logits[3].clone()
     penalised[favourite] -= 2 * 1.5
-    references = [torch.log_softmax(logits[0], -1), None, torch.log_softmax(logits[2] / 0.6, -1),
-                  torch.log_softmax(penalised, -1)]
+    references = [
+        torch.log_softmax(logits[0], -1),
+        None,
+        torch.log_softmax(logits[2] / 0.6, -1),
+        torch.log_softmax(penalised, -1),
+    ]
     assert top[1] is None
     for row, k in [(0, 5), (2, 2), (3, 3)]:
         assert len(top[row]) == k
@@ -62,7 +69,7 @@ def test_engine_top_logprobs_equal_a_reference_forward(tiny):
     for rid, k, temperature in [("five", 5, 1.0), ("hot", 2, 0.7)]:
         out = [t.token_id for t in tokens[rid]]
         with torch.no_grad():  # one reference forward over prompt + output: position i predicts token i
-            logits = ref(torch.tensor([prompts[rid] + out])).logits[0, len(prompts[rid]) - 1:-1].float()
+            logits = ref(torch.tensor([prompts[rid] + out])).logits[0, len(prompts[rid]) - 1 : -1].float()
         reference = torch.log_softmax(logits / temperature, -1)
         for i, token in enumerate(tokens[rid]):
             assert len(token.top) == k

@@ -30,9 +30,16 @@ RUNNING_MAX = 8
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-tp")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-                                      max_position_embeddings=256, eos_token_id=0)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=256,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(config).eval()
     ref.save_pretrained(folder)
@@ -40,8 +47,13 @@ def tiny(tmp_path_factory):
 
 
 def settings(folder: str, tp: int, **kw) -> WorkerSettings:
-    kw = {"device": "cpu", "max_total_token_num": POOL, "running_max_req_size": RUNNING_MAX,
-          "batch_max_tokens": 8, **kw}
+    kw = {
+        "device": "cpu",
+        "max_total_token_num": POOL,
+        "running_max_req_size": RUNNING_MAX,
+        "batch_max_tokens": 8,
+        **kw,
+    }
     return WorkerSettings(model=ModelSettings(model_dir=folder, max_req_total_len=120), tp=tp, **kw)
 
 
@@ -68,8 +80,10 @@ def assert_idle(engine) -> None:
 def test_continuous_batching_tp2_equals_tp1(tiny, engines):
     ref, _ = tiny
     prompts = {"a": [5, 6, 7, 8, 9], "b": [11, 3], "c": list(range(20, 40))}  # c: a prefill in 3 chunks
-    arrivals = lambda: {0: [req("a", prompts["a"], 12, ignore_eos=True)],  # noqa: E731
-                        3: [req("b", prompts["b"], 6, ignore_eos=True), req("c", prompts["c"], 9, ignore_eos=True)]}
+    arrivals = lambda: {  # noqa: E731
+        0: [req("a", prompts["a"], 12, ignore_eos=True)],
+        3: [req("b", prompts["b"], 6, ignore_eos=True), req("c", prompts["c"], 9, ignore_eos=True)],
+    }
     single, group = (run_to_end(engine, arrivals()) for engine in engines)
     assert group == single
     for rid, n in [("a", 12), ("b", 6), ("c", 9)]:
@@ -126,8 +140,9 @@ def test_group_forked_over_tp2_equals_transformers(tiny, engines):
 
     ref, _ = tiny
     prompt = list(range(30, 50))  # 20 tokens: the fork comes with the third chunk
-    msg = GenerateRequest(id="g", prompt_ids=prompt, params=SamplingParams(max_new_tokens=10, ignore_eos=True),
-                          created_ms=0, n=3)
+    msg = GenerateRequest(
+        id="g", prompt_ids=prompt, params=SamplingParams(max_new_tokens=10, ignore_eos=True), created_ms=0, n=3
+    )
     engine = engines[1]
     engine.add(Req(msg=msg, inbox_id="g-0"))
     tokens: dict[int, list[int]] = {}
@@ -191,8 +206,13 @@ time.sleep(600)
 
 def start_group(folder: str) -> tuple[subprocess.Popen, int]:
     """A rank 0 in a child process, loaded and idle; and its follower's pid."""
-    proc = subprocess.Popen([sys.executable, "-c", LIFECYCLE, folder], stdout=subprocess.PIPE, text=True,
-                            cwd=os.getcwd(), start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LIFECYCLE, folder],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.getcwd(),
+        start_new_session=True,
+    )
     return proc, int(proc.stdout.readline())
 
 

@@ -64,8 +64,9 @@ class Runner(Protocol):
 
     def start(self, req: Req) -> None: ...
     def finish(self, req: Req) -> None: ...
-    def prefill(self, reqs: list[Req], num_new: list[int], completing: list[Req],
-                forks: dict[Req, list[Req]] | None = None) -> Sampled: ...
+    def prefill(
+        self, reqs: list[Req], num_new: list[int], completing: list[Req], forks: dict[Req, list[Req]] | None = None
+    ) -> Sampled: ...
     def decode(self, reqs: list[Req]) -> Sampled: ...
 
 
@@ -171,8 +172,9 @@ class Engine:
         # Prepared once for the pass: each candidate costs O(K log n), not O(K n log n) from
         # scratch (a burst of 1,000 requests took 0.6 s of one step that way).
         policy = self.rule.policy
-        view = BatchView(request_states(self.running), self.limits.max_total_tokens,
-                         self.limits.running_max_req_size, policy)
+        view = BatchView(
+            request_states(self.running), self.limits.max_total_tokens, self.limits.running_max_req_size, policy
+        )
         with self._lock:
             while self.waiting:
                 req = self.waiting[0]
@@ -197,8 +199,9 @@ class Engine:
                 victim.phase, victim.is_prefilled, victim.is_paused = Phase.WAITING, False, True
                 self.waiting.appendleft(victim)
             self.num_pauses += 1
-            log.info("paused %s (%d tokens out) to free KV slots: an estimate was short", victim.id,
-                     len(victim.output_ids))
+            log.info(
+                "paused %s (%d tokens out) to free KV slots: an estimate was short", victim.id, len(victim.output_ids)
+            )
 
     def _slots_needed(self) -> int:
         """Slots this step must have: one per decoding request, one for any prefill to progress."""
@@ -235,8 +238,9 @@ class Engine:
             if reason is not None:
                 reasons[row] = reason
         tops = {row: top for row, top in enumerate(sampled.top) if top is not None}
-        tokens = Tokens([r.id for r in reqs], [r.choice for r in reqs], indexes, sampled.ids, sampled.logprobs,
-                        reasons, tops)
+        tokens = Tokens(
+            [r.id for r in reqs], [r.choice for r in reqs], indexes, sampled.ids, sampled.logprobs, reasons, tops
+        )
         events: list[Event] = [tokens]
         for row, reason in reasons.items():
             events += self._release(reqs[row], reason)

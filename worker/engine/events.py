@@ -77,4 +77,3 @@ class Released:
 
 
 Event = Started | Tokens | Ended | Released
-

@@ -73,13 +73,22 @@ def request_states(reqs: list[Req]) -> list[ReqState]:
     return states
 
 
-def build_load(engine: LoadSource, worker_id: str, seq: int, last_inbox_id: str, draining: bool = False,
-               model: str | None = None) -> WorkerLoad:
+def build_load(
+    engine: LoadSource, worker_id: str, seq: int, last_inbox_id: str, draining: bool = False, model: str | None = None
+) -> WorkerLoad:
     snap = engine.snapshot()
-    return WorkerLoad(worker_id=worker_id, seq=seq, ts_ms=now_ms(),
-                      max_total_tokens=engine.limits.max_total_tokens, used_tokens=snap.used_tokens,
-                      committed_tokens=snap.committed_tokens, num_running=snap.num_running,
-                      num_waiting=snap.num_waiting, last_inbox_id=last_inbox_id, draining=draining, model=model,
-                      running_max_req_size=engine.limits.running_max_req_size,
-                      requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos)
-                                for s in request_states(engine.requests())])
+    return WorkerLoad(
+        worker_id=worker_id,
+        seq=seq,
+        ts_ms=now_ms(),
+        max_total_tokens=engine.limits.max_total_tokens,
+        used_tokens=snap.used_tokens,
+        committed_tokens=snap.committed_tokens,
+        num_running=snap.num_running,
+        num_waiting=snap.num_waiting,
+        last_inbox_id=last_inbox_id,
+        draining=draining,
+        model=model,
+        running_max_req_size=engine.limits.running_max_req_size,
+        requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in request_states(engine.requests())],
+    )

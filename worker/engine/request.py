@@ -48,8 +48,9 @@ def sample_msg(msg: GenerateRequest, choice: int) -> GenerateRequest:
     """
     if choice == 0:
         return msg
-    return msg.model_copy(update={"params": msg.params.model_copy(update={"seed": member_seed(msg.params.seed,
-                                                                                              choice)})})
+    return msg.model_copy(
+        update={"params": msg.params.model_copy(update={"seed": member_seed(msg.params.seed, choice)})}
+    )
 
 
 @dataclass(eq=False)
@@ -114,8 +115,11 @@ class Req:
         """The group's other open samples, each with its own params (derived seed) and no slots yet."""
         group = self.unforked_group
         assert group is not None, "only an unforked group's leader forks"
-        return [Req(msg=sample_msg(group.msg, c), inbox_id=self.inbox_id, choice=c, group=group)
-                for c in group.msg.open_choices if c != self.choice]
+        return [
+            Req(msg=sample_msg(group.msg, c), inbox_id=self.inbox_id, choice=c, group=group)
+            for c in group.msg.open_choices
+            if c != self.choice
+        ]
 
     def take_emitted(self) -> None:
         """At the fork: this sample continues after the tokens its choice already emitted."""

@@ -26,12 +26,12 @@ class TokenPool:
         if n > self.num_free:
             raise MemoryError(f"KV pool exhausted: asked {n} slots, {self.num_free} free")
         self.num_free -= n
-        slots: np.ndarray = self._free[self.num_free:self.num_free + n].copy()
+        slots: np.ndarray = self._free[self.num_free : self.num_free + n].copy()
         return slots
 
     def free(self, slots: np.ndarray) -> None:
         n = len(slots)
         if self.num_free + n > self.num_slots:
             raise ValueError("freeing more slots than were allocated")
-        self._free[self.num_free:self.num_free + n] = slots
+        self._free[self.num_free : self.num_free + n] = slots
         self.num_free += n

@@ -29,27 +29,27 @@ class IncrementalDecoder:
     def _prefix(self) -> str:
         """The window's settled text: it changes only when the offsets move, so it is decoded once."""
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            self._prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         return self._prefix_text
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (maybe empty)."""
         self.ids.append(token_id)
         prefix_text = self._prefix()
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self._prefix_text = None
-            return new_text[len(prefix_text):]
+            return new_text[len(prefix_text) :]
         return ""
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
         prefix_text = self._prefix()
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
         self._prefix_text = None
-        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
 def resumed_decoder(tokenizer, prompt_ids: list[int], resume_ids: list[int]) -> IncrementalDecoder:

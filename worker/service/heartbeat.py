@@ -26,8 +26,9 @@ EARLY_GAP_S = 0.05
 
 
 class Heartbeat:
-    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, period_s: float,
-                 read_load: Callable[[int], WorkerLoad]):
+    def __init__(
+        self, client: redis.Redis, keys: Keys, worker_id: str, period_s: float, read_load: Callable[[int], WorkerLoad]
+    ):
         self.client = client
         self.keys = keys
         self.worker_id = worker_id

@@ -34,19 +34,40 @@ class WorkerMetrics:
         # No collect() at registration: a collector reads Redis, which may be down at start-up.
         self.registry = CollectorRegistry(auto_describe=False)
         reg, worker = self.registry, {"worker": worker_id}
-        self.generation_tokens = Counter("lightq:worker_generation_tokens", "output tokens sampled",
-                                         ["worker"], registry=reg).labels(**worker)
-        self.prompt_tokens = Counter("lightq:worker_prompt_tokens", "tokens prefilled (prompt + resumed output)",
-                                     ["worker"], registry=reg).labels(**worker)
-        self.ended = Counter("lightq:worker_requests_ended", "requests that ended here, by finish reason",
-                             ["worker", "reason"], registry=reg)
-        self.step_time = Histogram("lightq:worker_step_seconds", "one engine step (prefill chunk + decode)",
-                                   ["worker"], buckets=STEP_BUCKETS, registry=reg).labels(**worker)
-        self.queue_time = Histogram("lightq:worker_queue_seconds", "from a request's creation at the producer "
-                                    "to its admission into this worker's batch (the clocks of two hosts)",
-                                    ["worker"], buckets=QUEUE_BUCKETS, registry=reg).labels(**worker)
-        self.batch_size = Histogram("lightq:worker_batch_requests", "requests in the running batch after a step",
-                                    ["worker"], buckets=BATCH_BUCKETS, registry=reg).labels(**worker)
+        self.generation_tokens = Counter(
+            "lightq:worker_generation_tokens", "output tokens sampled", ["worker"], registry=reg
+        ).labels(**worker)
+        self.prompt_tokens = Counter(
+            "lightq:worker_prompt_tokens", "tokens prefilled (prompt + resumed output)", ["worker"], registry=reg
+        ).labels(**worker)
+        self.ended = Counter(
+            "lightq:worker_requests_ended",
+            "requests that ended here, by finish reason",
+            ["worker", "reason"],
+            registry=reg,
+        )
+        self.step_time = Histogram(
+            "lightq:worker_step_seconds",
+            "one engine step (prefill chunk + decode)",
+            ["worker"],
+            buckets=STEP_BUCKETS,
+            registry=reg,
+        ).labels(**worker)
+        self.queue_time = Histogram(
+            "lightq:worker_queue_seconds",
+            "from a request's creation at the producer "
+            "to its admission into this worker's batch (the clocks of two hosts)",
+            ["worker"],
+            buckets=QUEUE_BUCKETS,
+            registry=reg,
+        ).labels(**worker)
+        self.batch_size = Histogram(
+            "lightq:worker_batch_requests",
+            "requests in the running batch after a step",
+            ["worker"],
+            buckets=BATCH_BUCKETS,
+            registry=reg,
+        ).labels(**worker)
         self.worker_id = worker_id
 
     def count(self, events: list[Event], now_ms: int) -> None:
@@ -89,26 +110,39 @@ class WorkerCollector(Collector):
         snap, limits, w = self.engine.snapshot(), self.engine.limits, [self.worker_id]
         pool = limits.max_total_tokens
         yield _gauge("lightq:worker_running_requests", "requests in the running batch", w, snap.num_running)
-        yield _gauge("lightq:worker_waiting_requests", "requests taken in, not yet admitted to the batch", w,
-                     snap.num_waiting)
+        yield _gauge(
+            "lightq:worker_waiting_requests", "requests taken in, not yet admitted to the batch", w, snap.num_waiting
+        )
         yield _gauge("lightq:worker_used_tokens", "KV pool tokens holding a request's K/V", w, snap.used_tokens)
-        yield _gauge("lightq:worker_committed_tokens", "prompt + max_new_tokens over running and waiting "
-                     "requests", w, snap.committed_tokens)
+        yield _gauge(
+            "lightq:worker_committed_tokens",
+            "prompt + max_new_tokens over running and waiting requests",
+            w,
+            snap.committed_tokens,
+        )
         yield _gauge("lightq:worker_max_total_tokens", "KV pool size in tokens", w, pool)
-        yield _gauge("lightq:worker_kv_usage_ratio", "KV pool tokens in use / pool size", w,
-                     snap.used_tokens / pool if pool else 0.0)
-        yield _counter("lightq:worker_preemptions", "running requests paused to free KV slots (an estimate "
-                       "was short; each is prefilled again later)", w, self.engine.num_pauses)
+        yield _gauge(
+            "lightq:worker_kv_usage_ratio",
+            "KV pool tokens in use / pool size",
+            w,
+            snap.used_tokens / pool if pool else 0.0,
+        )
+        yield _counter(
+            "lightq:worker_preemptions",
+            "running requests paused to free KV slots (an estimate was short; each is prefilled again later)",
+            w,
+            self.engine.num_pauses,
+        )
         yield from self._inbox()
 
     def _inbox(self) -> Iterable[Metric]:
         stream = self.keys.inbox(self.worker_id)
         lag, pending = group_backlog(self.client, stream, WORKER_GROUP)
         labels = ["stream", "group"]
-        yield _gauge("lightq:stream_lag", "entries never delivered to the group", [stream, WORKER_GROUP],
-                     lag, labels)
-        yield _gauge("lightq:stream_pending", "entries delivered, not acknowledged", [stream, WORKER_GROUP],
-                     pending, labels)
+        yield _gauge("lightq:stream_lag", "entries never delivered to the group", [stream, WORKER_GROUP], lag, labels)
+        yield _gauge(
+            "lightq:stream_pending", "entries delivered, not acknowledged", [stream, WORKER_GROUP], pending, labels
+        )
 
 
 def _gauge(name: str, doc: str, label_values: list[str], value: float, labels: list[str] | None = None) -> Metric:

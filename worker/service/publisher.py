@@ -38,8 +38,8 @@ from shared.keys import WORKER_GROUP
 from shared.redis import Backoff
 from shared.request_log import append_chunk, mark_ended, now_ms
 from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
-from worker.service.detokenizer import IncrementalDecoder, resumed_decoder
 from worker.engine.events import Ended, Event, Released, Started, Token, Tokens
+from worker.service.detokenizer import IncrementalDecoder, resumed_decoder
 from worker.service.stop import StopMatcher
 
 log = logging.getLogger("lightq.worker")
@@ -69,9 +69,15 @@ Sample = tuple[str, int]  # (request id, choice)
 
 
 class Publisher:
-    def __init__(self, settings: WorkerSettings, client: redis.Redis, tokenizer, worker_id: str,
-                 owns: Callable[[str], bool] = lambda request_id: True,
-                 worker_alive: Callable[[], bool] = lambda: True):
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        client: redis.Redis,
+        tokenizer,
+        worker_id: str,
+        owns: Callable[[str], bool] = lambda request_id: True,
+        worker_alive: Callable[[], bool] = lambda: True,
+    ):
         self.owns = owns  # whether this publisher writes a request (one shard of several; all by default)
         self.worker_alive = worker_alive  # False once the worker is gone: retries are bounded then
         self.client = client
@@ -109,8 +115,7 @@ class Publisher:
                 if deadline is not None and time.monotonic() > deadline:
                     log.error("publishing %d writes failed (%s): giving up, the worker is gone", len(pipe.calls), exc)
                     return stopped
-                log.warning("publishing %d writes failed (%s): retrying in %.1f s", len(pipe.calls), exc,
-                            backoff.delay)
+                log.warning("publishing %d writes failed (%s): retrying in %.1f s", len(pipe.calls), exc, backoff.delay)
                 time.sleep(backoff.next())
 
     def _record(self, events: list[Event], pipe, stepped_ms: int | None) -> list[Sample]:
@@ -128,11 +133,22 @@ class Publisher:
                 # A group's sample that already ended (its last token) is not ended twice; a request
                 # that never started here (refused on arrival) still gets its end.
                 if sample not in self.ended_by_stop and (running or event.request_id not in self.groups):
-                    append_chunk(pipe, self.keys, TokenChunk(
-                        request_id=event.request_id, index=event.num_output, choice=event.choice, token_id=None,
-                        finished=True, finish_reason=event.reason, error=event.error))
-                    self._sample_ended(pipe, event.request_id, event.status, event.reason, event.num_output,
-                                       event.error)
+                    append_chunk(
+                        pipe,
+                        self.keys,
+                        TokenChunk(
+                            request_id=event.request_id,
+                            index=event.num_output,
+                            choice=event.choice,
+                            token_id=None,
+                            finished=True,
+                            finish_reason=event.reason,
+                            error=event.error,
+                        ),
+                    )
+                    self._sample_ended(
+                        pipe, event.request_id, event.status, event.reason, event.num_output, event.error
+                    )
             elif isinstance(event, Released):
                 self.ended_by_stop = {s for s in self.ended_by_stop if s[0] != event.request_id}
                 self.groups.pop(event.request_id, None)
@@ -147,8 +163,15 @@ class Publisher:
             sample = (request_id, tokens.choices[row])
             if sample in self.ended_by_stop or not self.owns(request_id):
                 continue
-            token = Token(request_id, tokens.indexes[row], tokens.token_ids[row], tokens.logprobs[row],
-                          tokens.reasons.get(row), sample[1], tokens.tops.get(row))
+            token = Token(
+                request_id,
+                tokens.indexes[row],
+                tokens.token_ids[row],
+                tokens.logprobs[row],
+                tokens.reasons.get(row),
+                sample[1],
+                tokens.tops.get(row),
+            )
             if self._token(pipe, token):
                 stopped.append(sample)
         return stopped
@@ -164,11 +187,19 @@ class Publisher:
                 decoder = resumed_decoder(self.tokenizer, msg.prompt_ids, emitted)
             self.outputs[(msg.id, choice)] = _Output(decoder, matcher, msg.params.min_new_tokens)
         if msg.n > 1:  # a requeued group's finished samples are counted already, not ended again
-            self.groups[msg.id] = _Group(remaining=len(msg.open_choices),
-                                         num_output=sum(len(msg.emitted(c)) for c in msg.finished_choices))
-        pipe.hset(self.keys.meta(msg.id), mapping=RequestMeta.fields(
-            status=RequestStatus.RUNNING, started_ms=now_ms(), worker=self.worker_id, taken_ms=event.taken_ms,
-            stepped_ms=stepped_ms))
+            self.groups[msg.id] = _Group(
+                remaining=len(msg.open_choices), num_output=sum(len(msg.emitted(c)) for c in msg.finished_choices)
+            )
+        pipe.hset(
+            self.keys.meta(msg.id),
+            mapping=RequestMeta.fields(
+                status=RequestStatus.RUNNING,
+                started_ms=now_ms(),
+                worker=self.worker_id,
+                taken_ms=event.taken_ms,
+                stepped_ms=stepped_ms,
+            ),
+        )
 
     def _replay(self, msg: GenerateRequest, emitted: list[int], matcher: StopMatcher) -> IncrementalDecoder:
         """Rebuild what the earlier attempt held back: same tokens, same pieces, same state.
@@ -207,9 +238,21 @@ class Publisher:
 
     def _write_token(self, pipe, event: Token, text: str, reason: FinishReason | None) -> None:
         finished = reason is not None
-        append_chunk(pipe, self.keys, TokenChunk(
-            request_id=event.request_id, index=event.index, choice=event.choice, token_id=event.token_id,
-            text=text, logprob=event.logprob, top_logprobs=event.top, finished=finished, finish_reason=reason))
+        append_chunk(
+            pipe,
+            self.keys,
+            TokenChunk(
+                request_id=event.request_id,
+                index=event.index,
+                choice=event.choice,
+                token_id=event.token_id,
+                text=text,
+                logprob=event.logprob,
+                top_logprobs=event.top,
+                finished=finished,
+                finish_reason=reason,
+            ),
+        )
         num_output = event.index + 1
         if finished:
             pipe.lpush(self.keys.output_lengths(), num_output)
@@ -218,8 +261,15 @@ class Publisher:
         # No status write per token: a running request's count is its chunk stream's (readers
         # take the larger of the two), and the status hash changes when the request's state does.
 
-    def _sample_ended(self, pipe, request_id: str, status: RequestStatus, reason: FinishReason,
-                      num_output: int, error: str | None = None) -> None:
+    def _sample_ended(
+        self,
+        pipe,
+        request_id: str,
+        status: RequestStatus,
+        reason: FinishReason,
+        num_output: int,
+        error: str | None = None,
+    ) -> None:
         """The request ends with its last sample: status, total output tokens, TTLs."""
         group = self.groups.get(request_id)
         if group is not None:
@@ -228,8 +278,16 @@ class Publisher:
             if group.remaining > 0:
                 return
             num_output = group.num_output
-        mark_ended(pipe, self.keys, request_id, status=status, reason=reason, num_output=num_output,
-                   ttl_s=self.ttl_s, error=error)
+        mark_ended(
+            pipe,
+            self.keys,
+            request_id,
+            status=status,
+            reason=reason,
+            num_output=num_output,
+            ttl_s=self.ttl_s,
+            error=error,
+        )
 
 
 class _Recorder:

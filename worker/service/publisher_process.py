@@ -77,8 +77,12 @@ class PublisherLink:
             events_in, events_out = ctx.Pipe(duplex=False)
             stops_in, stops_out = ctx.Pipe(duplex=False)
             _grow(events_out)
-            process = ctx.Process(target=run, args=(settings, worker_id, shard, events_in, stops_out),
-                                  name=f"lightq-publisher-{worker_id}-{shard}", daemon=True)
+            process = ctx.Process(
+                target=run,
+                args=(settings, worker_id, shard, events_in, stops_out),
+                name=f"lightq-publisher-{worker_id}-{shard}",
+                daemon=True,
+            )
             self.shards.append(_Shard(process, events_out, stops_in))
             self._child_ends += [events_in, stops_out]
 
@@ -130,8 +134,7 @@ class PublisherLink:
         for shard in self.shards:
             shard.process.join(CLOSE_TIMEOUT_S)
             if shard.process.is_alive():
-                log.warning("publisher process %d did not finish in %.0f s: killed", shard.process.pid,
-                            CLOSE_TIMEOUT_S)
+                log.warning("publisher process %d did not finish in %.0f s: killed", shard.process.pid, CLOSE_TIMEOUT_S)
                 shard.process.kill()
             shard.events.close()
             shard.stops.close()
@@ -155,8 +158,9 @@ def run(settings: WorkerSettings, worker_id: str, shard: int, events: Connection
     client = sync_client(settings.redis)
     shards = settings.publishers
     worker = os.getppid()  # re-parented when the worker dies: then a Redis outage is not waited out
-    publisher = Publisher(settings, client, tokenizer, worker_id, lambda rid: owner(rid, shards) == shard,
-                          lambda: os.getppid() == worker)
+    publisher = Publisher(
+        settings, client, tokenizer, worker_id, lambda rid: owner(rid, shards) == shard, lambda: os.getppid() == worker
+    )
     writes = steps_written = most = 0  # how far behind it ran: steps per write
     while (steps := _next_steps(events)) is not None:
         last = steps[-1] is None
@@ -169,8 +173,15 @@ def run(settings: WorkerSettings, worker_id: str, shard: int, events: Connection
         if last:
             break
     client.close()
-    log.info("publisher %d/%d wrote %d steps in %d writes (%.2f a write, at most %d)", shard, shards,
-             steps_written, writes, steps_written / max(1, writes), most)
+    log.info(
+        "publisher %d/%d wrote %d steps in %d writes (%.2f a write, at most %d)",
+        shard,
+        shards,
+        steps_written,
+        writes,
+        steps_written / max(1, writes),
+        most,
+    )
 
 
 def _next_steps(events: Connection) -> list | None:

@@ -36,8 +36,9 @@ IDLE_BLOCK_MS = 200
 
 
 class WorkerService:
-    def __init__(self, settings: WorkerSettings, client: redis.Redis, engine: Engine, worker_id: str,
-                 publisher: PublisherLink):
+    def __init__(
+        self, settings: WorkerSettings, client: redis.Redis, engine: Engine, worker_id: str, publisher: PublisherLink
+    ):
         self.settings = settings
         self.client = client
         self.engine = engine
@@ -133,11 +134,18 @@ class WorkerService:
         inbox = self.keys.inbox(self.worker_id)
         try:  # and what the inbox holds that this worker never read
             reply = self.client.xreadgroup(WORKER_GROUP, self.worker_id, {inbox: ">"}, count=100_000)
-            unstarted += [(from_entry(GenerateRequest, fields), entry_id) for entry_id, fields in
-                          (reply[0][1] if reply else [])]
+            unstarted += [
+                (from_entry(GenerateRequest, fields), entry_id) for entry_id, fields in (reply[0][1] if reply else [])
+            ]
             for msg, entry_id in unstarted:
-                requeue(self.client, self.keys, msg, self.settings.redis.request_ttl_s,
-                        self.settings.max_attempts, count_attempt=False)
+                requeue(
+                    self.client,
+                    self.keys,
+                    msg,
+                    self.settings.redis.request_ttl_s,
+                    self.settings.max_attempts,
+                    count_attempt=False,
+                )
                 pipe = self.client.pipeline(transaction=True)
                 pipe.xack(inbox, WORKER_GROUP, entry_id)
                 pipe.xdel(inbox, entry_id)
@@ -150,8 +158,14 @@ class WorkerService:
     def _hand_back(self) -> None:
         """Requeue what is still in our inbox (waiting, unfinished, or dispatched late)."""
         try:
-            count = hand_back_inbox(self.client, self.keys, self.worker_id, self.settings.redis.request_ttl_s,
-                                    self.settings.max_attempts, count_attempt=False)
+            count = hand_back_inbox(
+                self.client,
+                self.keys,
+                self.worker_id,
+                self.settings.redis.request_ttl_s,
+                self.settings.max_attempts,
+                count_attempt=False,
+            )
         except redis.RedisError as exc:  # the router reaps our inbox once our record expires
             log.warning("hand-back failed (%s): the router will re-dispatch", exc)
             return
@@ -162,8 +176,9 @@ class WorkerService:
         if self._read_id == "0":  # first turn, or after a Redis restart lost the group
             ensure_group(self.client, self.keys.inbox(self.worker_id), WORKER_GROUP)
         block = None if self.engine.has_work or self._read_id == "0" else IDLE_BLOCK_MS
-        reply = self.client.xreadgroup(WORKER_GROUP, self.worker_id, {self.keys.inbox(self.worker_id): self._read_id},
-                                       count=1024, block=block)
+        reply = self.client.xreadgroup(
+            WORKER_GROUP, self.worker_id, {self.keys.inbox(self.worker_id): self._read_id}, count=1024, block=block
+        )
         self._read_id = ">"
         for entry_id, fields in reply[0][1] if reply else []:
             self._take(entry_id, from_entry(GenerateRequest, fields))
@@ -172,10 +187,13 @@ class WorkerService:
     def _take(self, entry_id: str, msg: GenerateRequest) -> None:
         req = Req(msg=msg, inbox_id=entry_id)
         if msg.max_tokens_needed > self.engine.limits.max_total_tokens:
-            error = (f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds "
-                     f"{self.engine.limits.max_total_tokens}")
-            self.publisher.put([Ended(msg.id, RequestStatus.FAILED, "error", msg.num_emitted, error),
-                                Released(msg.id, entry_id)])
+            error = (
+                f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds "
+                f"{self.engine.limits.max_total_tokens}"
+            )
+            self.publisher.put(
+                [Ended(msg.id, RequestStatus.FAILED, "error", msg.num_emitted, error), Released(msg.id, entry_id)]
+            )
             return
         self.engine.add(req)
 

@@ -39,8 +39,8 @@ class StopMatcher:
             self.held, self.stopped = "", True
             return buffer[:first], True
         keep = self._partial_tail(buffer)
-        self.held = buffer[len(buffer) - keep:] if keep else ""
-        return buffer[:len(buffer) - keep], False
+        self.held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep], False
 
     def flush(self) -> str:
         """The held text, when the output ends for another reason (EOS, length)."""
