@@ -67,14 +67,31 @@ def gpu_slices(env: dict[str, str], num_workers: int, gpus: list[str]) -> list[s
 
 
 def worker_envs(env: dict[str, str], num_workers: int, gpus: list[str]) -> list[dict[str, str]]:
-    """One environment per worker: its GPUs, and its share of the CPU threads."""
+    """One environment per worker: its GPUs, and its share of the CPU threads; on a CPU, glibc's
+    malloc settings for big temporaries (``CPU_MALLOC``)."""
     envs = []
     for gpu_slice in gpu_slices(env, num_workers, gpus):
         own = worker_env(env, num_workers)
         if gpu_slice is not None:
             own["CUDA_VISIBLE_DEVICES"] = gpu_slice
+        if runs_on_cpu(env, gpus):
+            own = {**CPU_MALLOC, **own}  # the environment's own values win
         envs.append(own)
     return envs
+
+
+# A CPU worker's prefill makes tensors of tens of MB per layer (4,096 tokens x the MLP: 50 MB for
+# SmolLM2), above glibc's largest mmap threshold (32 MB): each was mapped, faulted in page by page and
+# unmapped again, 10-15% of a prefill in system time on the 2-core sandbox (bench/RESULTS.md). From the
+# heap instead, and kept there (the heap is trimmed only past 1 GiB free), they are reused. glibc reads these at start;
+# other C libraries ignore them.
+CPU_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+def runs_on_cpu(env: dict[str, str], gpus: list[str]) -> bool:
+    """Whether serve's workers will run on the CPU: ``--device cpu``, or ``auto`` with no GPU visible."""
+    device = env.get("LIGHTQ_DEVICE", "auto")
+    return device == "cpu" or (device == "auto" and not gpus)
 
 
 def worker_env(env: dict[str, str], num_workers: int) -> dict[str, str]:

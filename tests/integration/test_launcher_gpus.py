@@ -31,3 +31,13 @@ def test_worker_environments_carry_their_gpus_and_a_share_of_the_cores(monkeypat
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "3"]
     assert all(e["OMP_NUM_THREADS"] == "4" and e["PATH"] == "/bin" for e in envs)
     assert "CUDA_VISIBLE_DEVICES" not in worker_envs({}, 2, [])[0]
+
+
+def test_cpu_workers_keep_big_temporaries_in_the_heap():
+    """glibc's malloc settings go to CPU workers only, and never override the environment's own."""
+    cpu = worker_envs({"PATH": "/bin"}, 2, [])
+    assert all(e["MALLOC_MMAP_THRESHOLD_"] == str(256 << 20) and e["PATH"] == "/bin" for e in cpu)
+    assert worker_envs({"LIGHTQ_DEVICE": "cpu"}, 1, ["0"])[0]["MALLOC_TRIM_THRESHOLD_"] == str(1 << 30)
+    assert worker_envs({"MALLOC_MMAP_THRESHOLD_": "1024"}, 1, [])[0]["MALLOC_MMAP_THRESHOLD_"] == "1024"
+    for env in ({}, {"LIGHTQ_DEVICE": "cuda"}, {"LIGHTQ_DEVICE": "cuda:1"}):
+        assert "MALLOC_MMAP_THRESHOLD_" not in worker_envs(env, 1, ["0"])[0]
