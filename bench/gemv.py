@@ -1,0 +1,88 @@
+"""The decode step's matmuls at small batch against the weight-read floor (issue 16, item 2).
+
+    python3 -m bench.gemv --model-shape llama3-8b --batches 1,4,8,16,64
+
+For each linear layer of one decoder layer (and the LM head) at M rows, times
+``F.linear`` (cuBLAS) with CUDA events, median of many after warm-up, and puts
+it next to the floor: the weight's bytes over the device-to-device copy
+bandwidth measured in the same run. Each call reads a different copy of the
+weight (copies totalling >= 1 GiB, cycled), so no call finds its weight in the
+L2 cache, as a real step over 32 layers would not; 32 calls are timed back to back. Weights and inputs are
+random normal (never zeros). Prints a table and one line: the time-weighted
+share of the floor for M <= 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from bench.decode_step import copy_bandwidth, time_cuda
+from bench.shapes import SHAPES
+
+COPIES_BYTES = 1 << 30
+
+
+def layer_shapes(shape: str) -> list[tuple[str, int, int]]:
+    """(name, out_features, in_features) of one decoder layer's linears and the LM head."""
+    c = SHAPES[shape]
+    hidden, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = hidden // heads
+    return [
+        ("qkv_proj", (heads + 2 * kv_heads) * head_dim, hidden),
+        ("o_proj", hidden, heads * head_dim),
+        ("gate_up_proj", 2 * c["intermediate_size"], hidden),
+        ("down_proj", hidden, c["intermediate_size"]),
+        ("lm_head", c["vocab_size"], hidden),
+    ]
+
+
+def time_linear(out_features: int, in_features: int, m: int, calls: int = 32) -> float:
+    """Median seconds of one x [m, in] @ W.T, W [out, in] bf16, a fresh copy of W each call.
+
+    Timed as ``calls`` launches back to back between two events (as a step's 32 layers run), so
+    the GPU is never idle waiting on the host's next launch: one call between two events
+    measured the launch, not the kernel (5x the floor for a 4096x4096 weight)."""
+    weight_bytes = out_features * in_features * 2
+    copies = max(2, COPIES_BYTES // weight_bytes)
+    weights = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(m, in_features, device="cuda", dtype=torch.bfloat16)
+
+    def run() -> None:
+        for i in range(calls):
+            F.linear(x, weights[i % copies])
+
+    return statistics.median(time_cuda(run, repeat=30, warmup=3)) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--batches", default="1,4,8,16,64")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    bandwidth = copy_bandwidth()
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'layer':<13} {'out x in':>14} {'M':>4} {'ms':>8} {'floor ms':>9} {'floor/time':>10} {'TB/s':>6}")
+    small_time = small_floor = 0.0
+    for name, out_features, in_features in layer_shapes(args.model_shape):
+        floor = out_features * in_features * 2 / bandwidth
+        for m in batches:
+            t = time_linear(out_features, in_features, m)
+            if m <= 16:
+                small_time, small_floor = small_time + t, small_floor + floor
+            print(
+                f"{name:<13} {f'{out_features}x{in_features}':>14} {m:>4} {t * 1e3:>8.3f} {floor * 1e3:>9.3f} "
+                f"{floor / t:>10.2f} {out_features * in_features * 2 / t / 1e12:>6.2f}"
+            )
+    print(
+        f"gemv {args.model_shape}: cuBLAS at M<=16 reaches {small_floor / small_time:.2f} of the weight-read floor "
+        f"(time-weighted over the layer's linears and the LM head; copy bandwidth {bandwidth / 1e12:.2f} TB/s)"
+    )
+
+
+if __name__ == "__main__":
+    main()
