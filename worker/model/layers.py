@@ -89,12 +89,71 @@ class Linear(nn.Module):
             self.bias.tp_dim = 0
         self.tp = tp
         self.reduce = split == "row" and tp.size > 1
+        self.small: SmallBatchGemm | None = None  # set by pack_for_small_batches (CPU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and x.shape[0] <= self.small.max_rows:
+            return self.small(x)
         if not self.reduce:
             return F.linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out], summed over ranks
         return y if self.bias is None else y + self.bias
+
+
+class SmallBatchGemm:
+    """y = x W^T (+ b) for at most ``max_rows`` rows of x, through oneDNN with W packed once (CPU, fp32).
+
+    A decode step multiplies a few dozen rows by every weight. At 32 rows on the 2-core sandbox,
+    torch's default CPU path (``F.linear``, MKL) ran SmolLM2's matmuls at 44-98 GFLOP/s, oneDNN on
+    weights packed beforehand at 103-134 (the 49,152-row output layer: 44 vs 103); at thousands of
+    rows (a prefill) ``F.linear`` was as fast or faster, so larger inputs keep it. The packed copy
+    costs the weight's memory again. The ops are private ones of torch's oneDNN integration
+    (``torch.ops.mkldnn``): ``make`` gives None where this torch lacks them or their result
+    disagrees with ``F.linear``.
+    """
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, max_rows: int):
+        self.packed, self.bias, self.max_rows = packed, bias, max_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    @classmethod
+    def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int) -> SmallBatchGemm | None:
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+            return None
+        try:
+            gemm = cls(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), min(max_rows, 64)),
+                       None if bias is None else bias.detach(), max_rows)
+            x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+            want = F.linear(x, weight, bias)
+            if not torch.allclose(gemm(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+                return None
+        except (RuntimeError, AttributeError):  # an op this torch does not have, or cannot run here
+            return None
+        return gemm
+
+
+SMALL_BATCH_ROWS = 64  # a Linear's decode-sized inputs: at 128 rows MKL was as fast for some shapes
+PACK_BUDGET_BYTES = 2 << 30  # packed copies double the weights' memory: models up to ~0.5 B params (fp32)
+
+
+def pack_for_small_batches(model: nn.Module, head_rows: int = 1 << 20) -> int:
+    """Give every ``Linear`` of ``model`` (and any module with a ``small`` slot and a ``weight``,
+    the output layer: ``head_rows``, as it only ever sees one row per request) a ``SmallBatchGemm``,
+    on a CPU, fp32, single-process model whose weights fit ``PACK_BUDGET_BYTES``. Returns the bytes
+    packed (0: nothing packed)."""
+    targets = [m for m in model.modules()
+               if hasattr(m, "small") and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    size = sum(m.weight.numel() * m.weight.element_size() for m in targets)
+    if not targets or size > PACK_BUDGET_BYTES or any(getattr(m, "tp", SINGLE).size > 1 for m in targets):
+        return 0
+    packed = 0
+    for m in targets:
+        m.small = SmallBatchGemm.make(m.weight, m.bias, SMALL_BATCH_ROWS if isinstance(m, Linear) else head_rows)
+        if m.small is not None:
+            packed += m.weight.numel() * m.weight.element_size()
+    return packed
 
 
 class RMSNorm(nn.Module):

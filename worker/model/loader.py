@@ -24,6 +24,7 @@ Sources (``shared.model_files.ModelSource``):
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Iterator
 
@@ -34,10 +35,13 @@ from tqdm import tqdm
 from shared.model_files import ModelSource, load_config
 from worker.model.attention import make_backend
 from worker.model.kv_cache import KVCache
-from worker.model.layers import SINGLE, LayerNorm, RMSNorm, TensorParallel
+from worker.model.layers import SINGLE, LayerNorm, RMSNorm, TensorParallel, pack_for_small_batches
 from worker.model.models import model_class
+from worker.model.ops import is_triton
 
 WeightStream = Iterator[tuple[str, torch.Tensor]]
+
+log = logging.getLogger("lightq.worker")
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str,
@@ -58,6 +62,10 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
         init_dummy_weights(model, seed)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
+    if not is_triton(device):
+        packed = pack_for_small_batches(model)
+        if packed:
+            log.info("CPU: decode-sized matmuls through oneDNN, weights packed once (%.0f MiB)", packed / 2**20)
     return model.eval(), config
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from worker.model.attention import AttentionBackend
 from worker.model.forward_batch import ForwardBatch
-from worker.model.layers import SINGLE, TensorParallel, empty_param
+from worker.model.layers import SINGLE, SmallBatchGemm, TensorParallel, empty_param
 
 
 class VocabEmbedding(nn.Module):
@@ -64,8 +64,12 @@ class VocabHead(nn.Module):
         self.weight = empty_param(tp.part(vocab_size, "vocab_size"), hidden_size, dtype=dtype, device=device)
         self.weight.tp_dim = 0
         self.tp = tp
+        self.bias = None
+        self.small: SmallBatchGemm | None = None  # set by pack_for_small_batches (CPU)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and h.shape[0] <= self.small.max_rows:
+            return self.tp.all_gather(self.small(h))
         return self.tp.all_gather(nn.functional.linear(h, self.weight))  # [B, V/N] per rank -> [B, V]
 
 
