@@ -79,8 +79,14 @@ class Workload:
         return len(self.prompts) * self.new_tokens
 
 
-def workload(num_requests: int = 32, min_input: int = 16, max_input: int = 256, new_tokens: int = 64,
-             vocab_size: int = 49152, seed: int = 0) -> Workload:
+def workload(
+    num_requests: int = 32,
+    min_input: int = 16,
+    max_input: int = 256,
+    new_tokens: int = 64,
+    vocab_size: int = 49152,
+    seed: int = 0,
+) -> Workload:
     """``num_requests`` prompts of uniform lengths in [min_input, max_input], ids uniform in
     [FIRST_ID, vocab_size); the same for the same arguments."""
     rng = random.Random(seed)
@@ -99,8 +105,19 @@ def lightq_threads() -> int:
 
 def start_serve(data_dir: Path, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [sys.executable, "-m", "lightq.cli", "serve", "--port", str(port), "--data_dir", str(data_dir),
-               "--device", "cpu", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "lightq.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--data_dir",
+        str(data_dir),
+        "--device",
+        "cpu",
+        *extra,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}  # this tree's code, run from anywhere
     process = subprocess.Popen(command, cwd=REPO, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -163,8 +180,11 @@ def run_lightq(work: Workload, serve_args: list[str], repeat: int) -> float:
     try:
         for r in range(repeat):
             walls.append(asyncio.run(send_all(http, work, warm=r == 0)))
-            print(f"  lightq: {work.output_tokens} tokens in {walls[-1]:.2f} s = "
-                  f"{work.output_tokens / walls[-1]:.1f} out tok/s (log {log_path})", flush=True)
+            print(
+                f"  lightq: {work.output_tokens} tokens in {walls[-1]:.2f} s = "
+                f"{work.output_tokens / walls[-1]:.1f} out tok/s (log {log_path})",
+                flush=True,
+            )
     finally:
         stop_serve(process)
     return work.output_tokens / min(walls)
@@ -185,8 +205,12 @@ def run_engine(work: Workload, threads: int, repeat: int) -> float:
 
     def run(prompts: list[list[int]], new_tokens: int, tag: str) -> None:
         for i, prompt in enumerate(prompts):
-            msg = GenerateRequest(id=f"{tag}-{i}", prompt_ids=prompt, created_ms=0,
-                                  params=SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+            msg = GenerateRequest(
+                id=f"{tag}-{i}",
+                prompt_ids=prompt,
+                created_ms=0,
+                params=SamplingParams(max_new_tokens=new_tokens, ignore_eos=True),
+            )
             engine.add(Req(msg=msg, inbox_id=f"{i}-0"))
         while engine.has_work:
             engine.step()
@@ -197,8 +221,10 @@ def run_engine(work: Workload, threads: int, repeat: int) -> float:
         start = time.perf_counter()
         run(work.prompts, work.new_tokens, f"run{r}")
         wall = time.perf_counter() - start
-        print(f"  engine alone: {work.output_tokens} tokens in {wall:.2f} s = {work.output_tokens / wall:.1f} "
-              f"out tok/s", flush=True)
+        print(
+            f"  engine alone: {work.output_tokens} tokens in {wall:.2f} s = {work.output_tokens / wall:.1f} out tok/s",
+            flush=True,
+        )
         best = max(best, work.output_tokens / wall)
     return best
 
@@ -206,8 +232,14 @@ def run_engine(work: Workload, threads: int, repeat: int) -> float:
 def engine_in_worker_env(argv: list[str]) -> float:
     """``run_engine`` in a child process with a serve worker's environment (``lightq.launcher.worker_envs``)."""
     env = {**worker_envs(dict(os.environ), 1, [])[0], "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "bench.cpu_bench", *argv, "--engine-only"], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.cpu_bench", *argv, "--engine-only"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    ).stdout
     lines = out.splitlines()
     print("\n".join(line for line in lines if line.startswith("  engine alone")), flush=True)
     return float(lines[-1].split()[-1])
@@ -234,16 +266,21 @@ def static_batches(model, work: Workload, batch_size: int, pad_id: int) -> float
         width = max(map(len, prompts))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=pad_id)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+        )
         assert out.shape[1] == width + new_tokens, out.shape
 
     with torch.inference_mode():
         one_batch([p[:16] for p in work.prompts[:batch_size]], 4)  # warm-up
         start = time.perf_counter()
-        for i in tqdm(range(0, len(work.prompts), batch_size), desc=f"transformers static-{batch_size}",
-                      unit="batch"):
-            one_batch(work.prompts[i:i + batch_size], work.new_tokens)
+        for i in tqdm(range(0, len(work.prompts), batch_size), desc=f"transformers static-{batch_size}", unit="batch"):
+            one_batch(work.prompts[i : i + batch_size], work.new_tokens)
         return time.perf_counter() - start
 
 
@@ -272,8 +309,11 @@ def run_transformers(work: Workload, threads: int, batch_size: int, with_generat
     static = 0.0
     for _ in range(repeat):
         wall = static_batches(model, work, batch_size, pad_id=model.config.pad_token_id or 0)
-        print(f"  transformers static-{batch_size}: {work.output_tokens} tokens in {wall:.2f} s = "
-              f"{work.output_tokens / wall:.1f} out tok/s", flush=True)
+        print(
+            f"  transformers static-{batch_size}: {work.output_tokens} tokens in {wall:.2f} s = "
+            f"{work.output_tokens / wall:.1f} out tok/s",
+            flush=True,
+        )
         static = max(static, work.output_tokens / wall)
     cb = None
     if with_generate_batch:
@@ -284,8 +324,11 @@ def run_transformers(work: Workload, threads: int, batch_size: int, with_generat
         cb = 0.0
         for _ in range(repeat):
             wall = continuous_batching(model, work)
-            print(f"  transformers generate_batch: {work.output_tokens} tokens in {wall:.2f} s = "
-                  f"{work.output_tokens / wall:.1f} out tok/s", flush=True)
+            print(
+                f"  transformers generate_batch: {work.output_tokens} tokens in {wall:.2f} s = "
+                f"{work.output_tokens / wall:.1f} out tok/s",
+                flush=True,
+            )
             cb = max(cb, work.output_tokens / wall)
     return static, cb
 
@@ -308,9 +351,12 @@ def main(argv: list[str] | None = None) -> None:
     work = workload(args.requests, args.min_input, args.max_input, args.new_tokens, seed=args.seed)
     threads = lightq_threads()
     lengths = sorted(map(len, work.prompts))
-    print(f"cpu_bench: SmolLM2-135M-Instruct (default GGUF), fp32, {args.requests} requests, input "
-          f"{lengths[0]}-{lengths[-1]} (mean {sum(lengths) / len(lengths):.0f}), output {args.new_tokens} "
-          f"(ignore_eos), greedy; torch threads {threads} of {os.cpu_count()} cores", flush=True)
+    print(
+        f"cpu_bench: SmolLM2-135M-Instruct (default GGUF), fp32, {args.requests} requests, input "
+        f"{lengths[0]}-{lengths[-1]} (mean {sum(lengths) / len(lengths):.0f}), output {args.new_tokens} "
+        f"(ignore_eos), greedy; torch threads {threads} of {os.cpu_count()} cores",
+        flush=True,
+    )
     if args.engine_only:
         print(f"engine-only best {run_engine(work, threads, args.repeat):.3f}")
         return

@@ -61,9 +61,10 @@ def gpu_slices(env: dict[str, str], num_workers: int, gpus: list[str]) -> list[s
     if not gpus or env.get("LIGHTQ_DEVICE", "auto") not in ("auto", "cuda"):
         return [None] * num_workers
     if len(gpus) < num_workers * tp:
-        raise SystemExit(f"--workers {num_workers} x --tp {tp} needs {num_workers * tp} GPUs; "
-                         f"{len(gpus)} visible ({','.join(gpus)})")
-    return [",".join(gpus[i * tp:(i + 1) * tp]) for i in range(num_workers)]
+        raise SystemExit(
+            f"--workers {num_workers} x --tp {tp} needs {num_workers * tp} GPUs; {len(gpus)} visible ({','.join(gpus)})"
+        )
+    return [",".join(gpus[i * tp : (i + 1) * tp]) for i in range(num_workers)]
 
 
 def worker_envs(env: dict[str, str], num_workers: int, gpus: list[str]) -> list[dict[str, str]]:
@@ -172,11 +173,21 @@ def watch(children: list[Child], stop: threading.Event, readiness: Readiness, st
             child.flush_output()
             delay = policy.delay(child, now)
             if delay is None:
-                log.error("%s failed at start-up %d times in a row; its last lines:\n%s\nlightq: stopping: "
-                          "%s exited with %d", child.role, FAILURES, child.last_lines(), child.role,
-                          child.process.returncode)
+                log.error(
+                    "%s failed at start-up %d times in a row; its last lines:\n%s\nlightq: stopping: %s exited with %d",
+                    child.role,
+                    FAILURES,
+                    child.last_lines(),
+                    child.role,
+                    child.process.returncode,
+                )
                 return child.process.returncode or 1
-            log.warning("%s (pid %d) exited with %d: starting another in %.1f s", child.role, child.process.pid,
-                        child.process.returncode, delay)
+            log.warning(
+                "%s (pid %d) exited with %d: starting another in %.1f s",
+                child.role,
+                child.process.pid,
+                child.process.returncode,
+                delay,
+            )
             due[i] = now + delay
     return 0

@@ -10,8 +10,9 @@ from worker.model import layers
 from worker.model.layers import SMALL_BATCH_ROWS, Linear, SmallBatchGemm, TensorParallel, pack_for_small_batches
 from worker.model.models.base import VocabHead
 
-needs_onednn = pytest.mark.skipif(SmallBatchGemm.make(torch.ones(4, 4), None, 8) is None,
-                                  reason="this torch has no usable oneDNN linear")
+needs_onednn = pytest.mark.skipif(
+    SmallBatchGemm.make(torch.ones(4, 4), None, 8) is None, reason="this torch has no usable oneDNN linear"
+)
 
 
 def _filled(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

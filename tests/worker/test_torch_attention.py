@@ -45,12 +45,12 @@ def test_decode_groups_match_the_dense_reference(num_requests, rules):
     slots = torch.randperm(num_slots, generator=gen)
     context, new_slots, start = [], [], 0
     for row, c in zip(rows, lens):
-        table[row, :c + 1] = slots[start:start + c + 1].int()
-        table[row, c + 1:] = slots[-1 - row]  # stale slots past the end, never written: NaN
+        table[row, : c + 1] = slots[start : start + c + 1].int()
+        table[row, c + 1 :] = slots[-1 - row]  # stale slots past the end, never written: NaN
         kv = torch.randn(c, 2 * hkv, d, generator=gen)
         cache.buffer[layer, table[row, :c].long()] = kv
         context.append(kv)
-        new_slots.append(table[row, c:c + 1])
+        new_slots.append(table[row, c : c + 1])
         start += c + 1
     q = torch.randn(num_requests, hq, d, generator=gen)
     k, v = torch.randn(num_requests, hkv, d, generator=gen), torch.randn(num_requests, hkv, d, generator=gen)
@@ -60,8 +60,8 @@ def test_decode_groups_match_the_dense_reference(num_requests, rules):
 
     assert out.shape == q.shape and torch.isfinite(out).all()
     for b, (kv, c) in enumerate(zip(context, lens)):
-        keys = torch.cat((kv[:, :hkv], k[b:b + 1]))
-        values = torch.cat((kv[:, hkv:], v[b:b + 1]))
+        keys = torch.cat((kv[:, :hkv], k[b : b + 1]))
+        values = torch.cat((kv[:, hkv:], v[b : b + 1]))
         want = _reference(q[b], keys, values, c, kw.get("alibi_slopes"), kw.get("window"))
         torch.testing.assert_close(out[b], want, atol=1e-5, rtol=1e-5)
     groups = backend._decode_groups(batch, {"alibi_slopes": kw.get("alibi_slopes"), "window": kw.get("window")})
@@ -79,8 +79,7 @@ def test_a_steps_groups_are_worked_out_once():
         table[row, :3] = torch.tensor([3 * row, 3 * row + 1, 3 * row + 2])
 
     def step():
-        return build_batch(table, list(range(16)), [2] * 16, [[0]] * 16,
-                           [table[r, 2:3].numpy() for r in range(16)])
+        return build_batch(table, list(range(16)), [2] * 16, [[0]] * 16, [table[r, 2:3].numpy() for r in range(16)])
 
     rules = {"alibi_slopes": None, "window": None}
     batch = step()

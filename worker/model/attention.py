@@ -19,9 +19,16 @@ from worker.model.positions import position_scores
 
 
 class AttentionBackend(Protocol):
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch, alibi_slopes: torch.Tensor | None = None,
-                window: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        alibi_slopes: torch.Tensor | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
         """Store this step's K/V, then attend.
 
         q: [T, Hq, D]; k, v: [T, Hkv, D] (rotary already applied). Writes k, v
@@ -72,9 +79,16 @@ class TorchAttention:
         self._step: ForwardBatch | None = None  # the decode step whose groups are kept
         self._groups: dict[tuple, list[_DecodeGroup]] = {}
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch, alibi_slopes: torch.Tensor | None = None,
-                window: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        alibi_slopes: torch.Tensor | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
         buf = self.cache.buffer[layer]  # [S+1, 2Hkv, D]
         buf[batch.out_slots.long()] = torch.cat((k, v), dim=1).to(buf.dtype)
         rules = dict(alibi_slopes=alibi_slopes, window=window)
@@ -89,8 +103,9 @@ class TorchAttention:
         kv = kv.float().transpose(1, 2)  # [B, 2Hkv, L, D]
         return kv[:, :hkv], kv[:, hkv:]
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rel: torch.Tensor | None,
-                rules: dict) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rel: torch.Tensor | None, rules: dict
+    ) -> torch.Tensor:
         """q [B, Hq, Q, D] over keys/values [B, Hkv, L, D]; rel [B, Q, L] = key - query position
         (None: plain causal from the first key) -> [B, Hq, Q, D] fp32."""
         gqa = q.shape[-3] != keys.shape[-3]
@@ -117,8 +132,9 @@ class TorchAttention:
             kv = buf.flatten(1).index_select(0, group.slots).view(group.size, -1, 2 * hkv, buf.shape[-1])
             kv = kv.float().transpose(1, 2)  # [b, 2Hkv, L, D]
             qg = q if group.members is None else q.index_select(0, group.members)
-            o = F.scaled_dot_product_attention(qg.float()[:, :, None, :], kv[:, :hkv], kv[:, hkv:],
-                                               attn_mask=group.mask, enable_gqa=q.shape[1] != hkv)  # [b, Hq, 1, D]
+            o = F.scaled_dot_product_attention(
+                qg.float()[:, :, None, :], kv[:, :hkv], kv[:, hkv:], attn_mask=group.mask, enable_gqa=q.shape[1] != hkv
+            )  # [b, Hq, 1, D]
             if group.members is None:
                 out.copy_(o[:, :, 0])
             else:
@@ -143,7 +159,7 @@ class TorchAttention:
         count = max(1, min(MAX_DECODE_GROUPS, B // MIN_DECODE_GROUP))
         order = torch.argsort(seq_lens) if count > 1 else None
         groups = []
-        for members in (torch.tensor_split(order, count) if order is not None else [None]):
+        for members in torch.tensor_split(order, count) if order is not None else [None]:
             lens = seq_lens if members is None else seq_lens.index_select(0, members)
             rows = batch.req_rows.long() if members is None else batch.req_rows.long().index_select(0, members)
             L = int(lens.max())
@@ -163,11 +179,19 @@ class TorchAttention:
         cached, seqs = batch.cached_lens.tolist(), batch.seq_lens.tolist()
         plain = rules["alibi_slopes"] is None and rules["window"] is None
         for row, s, n, c, L in zip(rows, starts, lens, cached, seqs):
-            keys, values = self._gather(buf, batch.req_table[row:row + 1, :L].long())  # [1, Hkv, L, D] each
+            keys, values = self._gather(buf, batch.req_table[row : row + 1, :L].long())  # [1, Hkv, L, D] each
             # query i sits at position c + i (4-D throughout: torch's fused CPU kernel wants it)
-            rel = None if plain and c == 0 else (
-                torch.arange(L, device=q.device)[None, None, :] - (c + torch.arange(n, device=q.device))[None, :, None])
-            out[s:s + n] = self._attend(q[None, s:s + n].transpose(1, 2), keys, values, rel, rules)[0].transpose(0, 1)
+            rel = (
+                None
+                if plain and c == 0
+                else (
+                    torch.arange(L, device=q.device)[None, None, :]
+                    - (c + torch.arange(n, device=q.device))[None, :, None]
+                )
+            )
+            out[s : s + n] = self._attend(q[None, s : s + n].transpose(1, 2), keys, values, rel, rules)[0].transpose(
+                0, 1
+            )
         return out
 
 

@@ -12,7 +12,8 @@ Index invariants (B requests, T = sum(q_lens) new tokens, packed, no padding):
 | seq_lens     | [B]   | cached_lens + q_lens: tokens of b in the pool after this step  |
 | q_starts     | [B]   | exclusive cumsum of q_lens                                     |
 | q_lens       | [B]   | new tokens of b in this step (1 for a decode)                  |
-| req_table    | [R+1, L] | req_table[req_rows[b], p] = pool slot of b's token at position p, for p < seq_lens[b]; written before the forward |
+| req_table    | [R+1, L] | req_table[req_rows[b], p] = pool slot of b's token at position p,   |
+|              |       | for p < seq_lens[b]; written before the forward                |
 
 A decode step is the case q_lens == 1 everywhere (``is_decode``); a chunked
 or prefix-cached prefill is the case cached_lens > 0.

@@ -13,16 +13,22 @@ import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         # Zeros, not empty: a slot never written must not hold NaN/inf that a
         # masked-out read could turn into NaN (0 * inf) in some kernel.
-        self.buffer = torch.zeros(num_layers, num_slots + 1, 2 * num_kv_heads, head_dim,
-                                  dtype=dtype, device=device)
+        self.buffer = torch.zeros(num_layers, num_slots + 1, 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
 
     @property
     def hold_slot(self) -> int:
@@ -30,11 +36,11 @@ class KVCache:
 
     def k(self, layer: int) -> torch.Tensor:
         """[num_slots + 1, Hkv, D] view of ``layer``'s keys."""
-        return self.buffer[layer, :, :self.num_kv_heads]
+        return self.buffer[layer, :, : self.num_kv_heads]
 
     def v(self, layer: int) -> torch.Tensor:
         """[num_slots + 1, Hkv, D] view of ``layer``'s values."""
-        return self.buffer[layer, :, self.num_kv_heads:]
+        return self.buffer[layer, :, self.num_kv_heads :]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -73,8 +73,16 @@ class Linear(nn.Module):
     full sum over ranks; b is whole and added once, after the sum.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device | str, tp: TensorParallel = SINGLE, split: str | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel = SINGLE,
+        split: str | None = None,
+    ):
         super().__init__()
         assert split in (None, "column", "row"), split
         if split == "column":
@@ -123,8 +131,11 @@ class SmallBatchGemm:
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
             return None
         try:
-            gemm = cls(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), min(max_rows, 64)),
-                       None if bias is None else bias.detach(), max_rows)
+            gemm = cls(
+                torch.ops.mkldnn._reorder_linear_weight(weight.detach(), min(max_rows, 64)),
+                None if bias is None else bias.detach(),
+                max_rows,
+            )
             x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
             want = F.linear(x, weight, bias)
             if not torch.allclose(gemm(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
@@ -143,8 +154,9 @@ def pack_for_small_batches(model: nn.Module, head_rows: int = 1 << 20) -> int:
     the output layer: ``head_rows``, as it only ever sees one row per request) a ``SmallBatchGemm``,
     on a CPU, fp32, single-process model whose weights fit ``PACK_BUDGET_BYTES``. Returns the bytes
     packed (0: nothing packed)."""
-    targets = [m for m in model.modules()
-               if hasattr(m, "small") and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    targets = [
+        m for m in model.modules() if hasattr(m, "small") and isinstance(getattr(m, "weight", None), torch.Tensor)
+    ]
     size = sum(m.weight.numel() * m.weight.element_size() for m in targets)
     if not targets or size > PACK_BUDGET_BYTES or any(getattr(m, "tp", SINGLE).size > 1 for m in targets):
         return 0
@@ -192,8 +204,15 @@ class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up fused in one matmul: rows [gate; up].
     Tensor parallel: each rank holds its I/N columns of gate and of up, and of down's inputs."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device | str, tp: TensorParallel = SINGLE):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
         tp.part(intermediate_size, "intermediate_size")  # gate and up split alike
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device, tp, "column")
@@ -213,8 +232,7 @@ def rope_parameters(config) -> dict:
     """
     params = getattr(config, "rope_parameters", None)
     if not isinstance(params, dict) or "rope_theta" not in params:
-        params = {"rope_theta": getattr(config, "rope_theta", 10000.0),
-                  **(getattr(config, "rope_scaling", None) or {})}
+        params = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
     params = dict(params)
     params.setdefault("rope_type", params.pop("type", "default"))
     return params

@@ -44,8 +44,9 @@ WeightStream = Iterator[tuple[str, torch.Tensor]]
 log = logging.getLogger("lightq.worker")
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str,
-               seed: int = 0, tp: TensorParallel = SINGLE) -> tuple[nn.Module, object]:
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device | str, seed: int = 0, tp: TensorParallel = SINGLE
+) -> tuple[nn.Module, object]:
     """(model with weights on ``device``, no attention backend yet; its transformers config).
 
     ``seed`` only matters for dummy weights. ``tp``: this process's rank in a
@@ -90,7 +91,7 @@ def safetensors_weights(folder: str) -> WeightStream:
     with tqdm(total=total, desc="loading weights", unit="tensor") as bar:
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 (a safetensors file, not a dict: no iteration)
                     yield name, f.get_tensor(name)
                     bar.update()
 

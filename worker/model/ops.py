@@ -37,8 +37,9 @@ class TorchOps:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(residual + x), residual + x); the sum rounded to the model dtype first."""
         s = residual + x
         return self.rms_norm(s, weight, eps), s
@@ -64,8 +65,9 @@ class TritonOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rmsnorm.rmsnorm(x.contiguous(), weight, eps)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rmsnorm.fused_add_rmsnorm(x.contiguous(), residual.contiguous(), weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

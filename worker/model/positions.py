@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def position_scores(scores: torch.Tensor, rel: torch.Tensor, alibi_slopes: torch.Tensor | None = None,
-                    window: int | None = None) -> torch.Tensor:
+def position_scores(
+    scores: torch.Tensor, rel: torch.Tensor, alibi_slopes: torch.Tensor | None = None, window: int | None = None
+) -> torch.Tensor:
     """The one statement of the position rules, shared by the PyTorch backend and the kernels' references.
 
     scores [Q, Hq, L] fp32, already scaled; rel [Q, L] = key position - query

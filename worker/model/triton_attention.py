@@ -29,13 +29,21 @@ class TritonAttention:
     def __init__(self, kv_cache, sm_scale: float | None = None):
         buffer = kv_cache.buffer
         assert buffer.dim() == 4 and buffer.shape[2] % 2 == 0, (
-            f"kv buffer {tuple(buffer.shape)}: want [layers, num_slots + 1, 2 * Hkv, D]")
+            f"kv buffer {tuple(buffer.shape)}: want [layers, num_slots + 1, 2 * Hkv, D]"
+        )
         self.kv_cache = kv_cache
         self.sm_scale = sm_scale  # None: 1 / sqrt(D)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch, alibi_slopes: torch.Tensor | None = None,
-                window: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        alibi_slopes: torch.Tensor | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; see AttentionBackend.forward."""
         pool = self.kv_cache.buffer[layer]  # [num_slots + 1, 2 * Hkv, D]
         num_kv_heads = pool.shape[1] // 2
@@ -45,10 +53,34 @@ class TritonAttention:
         o = torch.empty_like(q)
         if batch.is_decode:
             # q_lens == 1, so token b is request b's query: q is [B, Hq, D].
-            decode_attention(q, k_cache, v_cache, o, batch.req_rows, batch.seq_lens, batch.req_table,
-                             batch.max_seq_len, sm_scale=self.sm_scale, alibi_slopes=alibi_slopes, window=window)
+            decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                o,
+                batch.req_rows,
+                batch.seq_lens,
+                batch.req_table,
+                batch.max_seq_len,
+                sm_scale=self.sm_scale,
+                alibi_slopes=alibi_slopes,
+                window=window,
+            )
         else:
-            context_attention(q, k_cache, v_cache, o, batch.q_starts, batch.q_lens, batch.cached_lens,
-                              batch.seq_lens, batch.req_rows, batch.req_table, batch.max_q_len,
-                              sm_scale=self.sm_scale, alibi_slopes=alibi_slopes, window=window)
+            context_attention(
+                q,
+                k_cache,
+                v_cache,
+                o,
+                batch.q_starts,
+                batch.q_lens,
+                batch.cached_lens,
+                batch.seq_lens,
+                batch.req_rows,
+                batch.req_table,
+                batch.max_q_len,
+                sm_scale=self.sm_scale,
+                alibi_slopes=alibi_slopes,
+                window=window,
+            )
         return o

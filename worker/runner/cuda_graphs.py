@@ -61,8 +61,9 @@ def capture(step: Callable[[int], None], sizes: list[int]) -> dict[int, torch.cu
 
 
 class DecodeGraphs:
-    def __init__(self, model, table: ReqTable, hold_slot: int, vocab_size: int, buckets: list[int],
-                 device: torch.device):
+    def __init__(
+        self, model, table: ReqTable, hold_slot: int, vocab_size: int, buckets: list[int], device: torch.device
+    ):
         self.model = model
         self.table = table
         self.hold_slot = hold_slot
@@ -95,10 +96,19 @@ class DecodeGraphs:
         positions32 = positions.to(torch.int32)
         ones = torch.ones_like(positions32)
         batch = ForwardBatch(
-            input_ids=input_ids, positions=positions, out_slots=slots, req_rows=rows.to(torch.int32),
-            cached_lens=positions32, seq_lens=positions32 + 1,
-            q_starts=torch.arange(bs, dtype=torch.int32, device=positions.device), q_lens=ones,
-            req_table=self.table.table, max_seq_len=self.table.max_len, max_q_len=1, is_decode=True)
+            input_ids=input_ids,
+            positions=positions,
+            out_slots=slots,
+            req_rows=rows.to(torch.int32),
+            cached_lens=positions32,
+            seq_lens=positions32 + 1,
+            q_starts=torch.arange(bs, dtype=torch.int32, device=positions.device),
+            q_lens=ones,
+            req_table=self.table.table,
+            max_seq_len=self.table.max_len,
+            max_q_len=1,
+            is_decode=True,
+        )
         self.logits[:bs].copy_(self.model.forward(batch))
 
     def _capture_all(self) -> None:

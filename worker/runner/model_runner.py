@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker.model.forward_batch import ForwardBatch
-from worker.runner.req_table import ReqTable
 from worker.engine.request import Req, sampling_after_prefill
-from worker.runner.penalties import TokenCounts
-from worker.runner.sampler import RowParams, Sampled, SamplingBatch, sample
 from worker.engine.token_pool import TokenPool
+from worker.model.forward_batch import ForwardBatch
+from worker.runner.penalties import TokenCounts
+from worker.runner.req_table import ReqTable
+from worker.runner.sampler import RowParams, Sampled, SamplingBatch, sample
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,17 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: TokenPool, table: ReqTable, vocab_size: int, device: torch.device,
-                 eos_ids: set[int] = frozenset(), graphs=None, prefill_graphs=None):
+    def __init__(
+        self,
+        model,
+        pool: TokenPool,
+        table: ReqTable,
+        vocab_size: int,
+        device: torch.device,
+        eos_ids: set[int] = frozenset(),
+        graphs=None,
+        prefill_graphs=None,
+    ):
         self.model = model
         self.pool = pool
         self.table = table
@@ -79,7 +88,7 @@ class ModelRunner:
 
     def finish(self, req: Req) -> None:
         """Free the request's row and own slots; a group's prompt slots go with their last holder."""
-        self.pool.free(req.slot_ids[req.num_shared:req.num_cached])
+        self.pool.free(req.slot_ids[req.num_shared : req.num_cached])
         if req.num_shared:
             group = req.group
             group.holders -= 1
@@ -123,8 +132,9 @@ class ModelRunner:
         return self._sample(logits, reqs)
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Req], num_new: list[int], completing: list[Req],
-                forks: dict[Req, list[Req]] | None = None) -> Sampled:
+    def prefill(
+        self, reqs: list[Req], num_new: list[int], completing: list[Req], forks: dict[Req, list[Req]] | None = None
+    ) -> Sampled:
         """Feed ``num_new[i]`` uncached tokens of each request; sample for those in ``completing``
         and, right after each leader in ``forks`` (which must complete), for its new members."""
         forks = forks or {}
@@ -134,16 +144,26 @@ class ModelRunner:
         input_ids: list[int] = []
         offset = 0
         for req, n, start in zip(reqs, num_new, cached):
-            new = slots[offset:offset + n]
-            req.slot_ids[start:start + n] = new
-            input_ids.extend(req.all_ids[start:start + n])
+            new = slots[offset : offset + n]
+            req.slot_ids[start : start + n] = new
+            input_ids.extend(req.all_ids[start : start + n])
             req.num_cached += n
             offset += n
         positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, q_lens)])
         rows = np.array([r.row for r in reqs], dtype=np.int64)
         copies = [c for leader, members in forks.items() for c in self._fork(leader, members)]
-        logits = self.forward(StepInputs(np.array(input_ids, dtype=np.int64), positions, slots, rows, cached,
-                                         q_lens, False, np.array(copies, dtype=np.int64).reshape(-1, 3)))
+        logits = self.forward(
+            StepInputs(
+                np.array(input_ids, dtype=np.int64),
+                positions,
+                slots,
+                rows,
+                cached,
+                q_lens,
+                False,
+                np.array(copies, dtype=np.int64).reshape(-1, 3),
+            )
+        )
         pairs = sampling_after_prefill(completing, forks)
         if not pairs:  # nothing completed, or only samples that resume after emitted tokens
             return Sampled([], [], [])
@@ -170,16 +190,23 @@ class ModelRunner:
             graphs = self.prefill_graphs
             if graphs is not None and graphs.can_run(len(step.rows), len(step.input_ids), len(step.forks)):
                 return graphs.run(step.input_ids, step.positions, step.slots, int(step.rows[0]), int(step.cached[0]))
-        return self.model.forward(self._batch(step.input_ids, step.positions, step.slots, step.rows, step.cached,
-                                              step.q_lens, step.is_decode))
+        return self.model.forward(
+            self._batch(step.input_ids, step.positions, step.slots, step.rows, step.cached, step.q_lens, step.is_decode)
+        )
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> Sampled:
         params = [r.msg.params for r in reqs]
         key = tuple((r.id, r.choice) for r in reqs)
         if key != self._row_params[0]:
             self._row_params = (key, RowParams.build(params, self.vocab_size, self.device))
-        batch = SamplingBatch.build(params, self.vocab_size, self.device, rows=[r.row for r in reqs],
-                                    output_lens=[len(r.output_ids) for r in reqs], fixed=self._row_params[1])
+        batch = SamplingBatch.build(
+            params,
+            self.vocab_size,
+            self.device,
+            rows=[r.row for r in reqs],
+            output_lens=[len(r.output_ids) for r in reqs],
+            fixed=self._row_params[1],
+        )
         return sample(logits, batch, self.counts)
 
     def _batch(self, input_ids, positions, slots, rows, cached, q_lens, is_decode: bool) -> ForwardBatch:
@@ -189,9 +216,16 @@ class ModelRunner:
         seq_lens = cached + q_lens
         q_starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
         return ForwardBatch(
-            input_ids=dev(input_ids, torch.int64), positions=dev(positions, torch.int64),
-            out_slots=dev(slots, torch.int64), req_rows=dev(rows), cached_lens=dev(cached),
-            seq_lens=dev(seq_lens), q_starts=dev(q_starts), q_lens=dev(q_lens),
-            req_table=self.table.table, max_seq_len=int(seq_lens.max()), max_q_len=int(q_lens.max()),
+            input_ids=dev(input_ids, torch.int64),
+            positions=dev(positions, torch.int64),
+            out_slots=dev(slots, torch.int64),
+            req_rows=dev(rows),
+            cached_lens=dev(cached),
+            seq_lens=dev(seq_lens),
+            q_starts=dev(q_starts),
+            q_lens=dev(q_lens),
+            req_table=self.table.table,
+            max_seq_len=int(seq_lens.max()),
+            max_q_len=int(q_lens.max()),
             is_decode=is_decode,
         )

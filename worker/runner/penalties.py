@@ -33,17 +33,18 @@ COUNT_MASK = PROMPT_FLAG - 1
 class PenaltyBatch:
     """One step's penalty parameters, one entry per batch row, on the device."""
 
-    rows: torch.Tensor        # [B] int64 request-table rows
-    presence: torch.Tensor    # [B] fp32
-    frequency: torch.Tensor   # [B] fp32
+    rows: torch.Tensor  # [B] int64 request-table rows
+    presence: torch.Tensor  # [B] fp32
+    frequency: torch.Tensor  # [B] fp32
     repetition: torch.Tensor  # [B] fp32
     eos_blocked: torch.Tensor  # [B] bool: fewer than min_new_tokens are out
-    any_counts: bool          # some row has presence/frequency/repetition
+    any_counts: bool  # some row has presence/frequency/repetition
     any_eos_blocked: bool
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], rows: torch.Tensor, output_lens: Sequence[int],
-              device: torch.device) -> "PenaltyBatch | None":
+    def build(
+        cls, params: Sequence[SamplingParams], rows: torch.Tensor, output_lens: Sequence[int], device: torch.device
+    ) -> PenaltyBatch | None:
         """None when no row needs anything (the common case costs nothing).
 
         ``output_lens[i]``: tokens row i already generated (resumed ones included),
@@ -53,12 +54,24 @@ class PenaltyBatch:
         blocked = [n < p.min_new_tokens for p, n in zip(params, output_lens)]
         if not any_counts and not any(blocked):
             return None
-        floats = torch.tensor([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
-                               [p.repetition_penalty for p in params], [float(b) for b in blocked]],
-                              dtype=torch.float32).to(device, non_blocking=True)  # one copy for all floats
-        return cls(rows=rows.to(device, torch.int64),
-                   presence=floats[0], frequency=floats[1], repetition=floats[2], eos_blocked=floats[3] > 0,
-                   any_counts=any_counts, any_eos_blocked=any(blocked))
+        floats = torch.tensor(
+            [
+                [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.repetition_penalty for p in params],
+                [float(b) for b in blocked],
+            ],
+            dtype=torch.float32,
+        ).to(device, non_blocking=True)  # one copy for all floats
+        return cls(
+            rows=rows.to(device, torch.int64),
+            presence=floats[0],
+            frequency=floats[1],
+            repetition=floats[2],
+            eos_blocked=floats[3] > 0,
+            any_counts=any_counts,
+            any_eos_blocked=any(blocked),
+        )
 
 
 class TokenCounts:
@@ -94,8 +107,9 @@ class TokenCounts:
     def add(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """counts[rows[i], token_ids[i]] += 1 for all i, in one indexed add (repeats accumulate)."""
         ones = torch.ones(rows.shape[0], dtype=torch.int32, device=self.device)
-        self.counts.index_put_((rows.to(self.device, torch.int64), token_ids.to(self.device, torch.int64)),
-                               ones, accumulate=True)
+        self.counts.index_put_(
+            (rows.to(self.device, torch.int64), token_ids.to(self.device, torch.int64)), ones, accumulate=True
+        )
 
     def output_counts(self, rows: torch.Tensor) -> torch.Tensor:
         """[B, V] int32: generated-token counts of the rows (prompt flag removed)."""

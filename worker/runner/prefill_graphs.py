@@ -29,8 +29,8 @@ import logging
 import numpy as np
 import torch
 
-from worker.runner.cuda_graphs import capture
 from worker.model.forward_batch import ForwardBatch
+from worker.runner.cuda_graphs import capture
 from worker.runner.req_table import ReqTable
 
 log = logging.getLogger("lightq.worker")
@@ -39,8 +39,16 @@ DEFAULT_BUCKETS = (32, 64, 128, 256, 512)
 
 
 class PrefillGraphs:
-    def __init__(self, model, table: ReqTable, hold_slot: int, vocab_size: int, device: torch.device,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, capture: bool = True):
+    def __init__(
+        self,
+        model,
+        table: ReqTable,
+        hold_slot: int,
+        vocab_size: int,
+        device: torch.device,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        capture: bool = True,
+    ):
         self.model, self.table, self.hold_slot = model, table, hold_slot
         self.buckets = sorted(buckets)
         self.max_tokens = self.buckets[-1]
@@ -65,8 +73,9 @@ class PrefillGraphs:
         self.request.copy_(torch.tensor([row, cached, n], dtype=torch.int64), non_blocking=True)
         return bucket
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, row: int,
-            cached: int) -> torch.Tensor:
+    def run(
+        self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, row: int, cached: int
+    ) -> torch.Tensor:
         """Logits [1, vocab] of the request's last new token (its table entries are written already)."""
         self.graphs[self.load(input_ids, positions, slots, row, cached)].replay()
         return self.logits
@@ -74,11 +83,21 @@ class PrefillGraphs:
     def step(self, bucket: int) -> None:
         """The captured work: the forward over the padded tokens, logits into the static buffer."""
         input_ids, positions, slots = self.tokens[:, :bucket]
-        row, cached, n = (self.request[i:i + 1].to(torch.int32) for i in range(3))
+        row, cached, n = (self.request[i : i + 1].to(torch.int32) for i in range(3))
         batch = ForwardBatch(
-            input_ids=input_ids, positions=positions, out_slots=slots, req_rows=row, cached_lens=cached,
-            seq_lens=cached + n, q_starts=torch.zeros_like(n), q_lens=n, req_table=self.table.table,
-            max_seq_len=self.table.max_len, max_q_len=bucket, is_decode=False)
+            input_ids=input_ids,
+            positions=positions,
+            out_slots=slots,
+            req_rows=row,
+            cached_lens=cached,
+            seq_lens=cached + n,
+            q_starts=torch.zeros_like(n),
+            q_lens=n,
+            req_table=self.table.table,
+            max_seq_len=self.table.max_len,
+            max_q_len=bucket,
+            is_decode=False,
+        )
         self.logits.copy_(self.model.forward(batch))
 
     def _capture_all(self) -> None:

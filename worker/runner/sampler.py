@@ -45,38 +45,57 @@ class RowParams:
     """The per-row tensors that follow from the requests' parameters alone, not from their
     progress: the same for every step of an unchanged batch, so the runner keeps them."""
 
-    greedy: torch.Tensor       # [B] bool
+    greedy: torch.Tensor  # [B] bool
     temperature: torch.Tensor  # [B] fp32
-    top_p: torch.Tensor        # [B] fp32
-    min_p: torch.Tensor        # [B] fp32
-    top_k: torch.Tensor        # [B] int64, vocab size when disabled
+    top_p: torch.Tensor  # [B] fp32
+    min_p: torch.Tensor  # [B] fp32
+    top_k: torch.Tensor  # [B] int64, vocab size when disabled
     all_greedy: bool
-    num_top: tuple[int, ...]   # [B] on the host: alternatives each row wants (0: none)
+    num_top: tuple[int, ...]  # [B] on the host: alternatives each row wants (0: none)
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> "RowParams":
+    def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> RowParams:
         greedy = [p.is_greedy for p in params]
-        floats = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                               [p.top_p for p in params], [p.min_p for p in params], [float(g) for g in greedy]],
-                              dtype=torch.float32).to(device, non_blocking=True)
-        return cls(greedy=floats[3] > 0, temperature=floats[0], top_p=floats[1], min_p=floats[2],
-                   top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
-                                      dtype=torch.int64).to(device, non_blocking=True),
-                   all_greedy=all(greedy), num_top=tuple(min(p.top_logprobs, vocab_size) for p in params))
+        floats = torch.tensor(
+            [
+                [1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [float(g) for g in greedy],
+            ],
+            dtype=torch.float32,
+        ).to(device, non_blocking=True)
+        return cls(
+            greedy=floats[3] > 0,
+            temperature=floats[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64).to(
+                device, non_blocking=True
+            ),
+            all_greedy=all(greedy),
+            num_top=tuple(min(p.top_logprobs, vocab_size) for p in params),
+        )
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    fixed: RowParams                       # from the parameters alone (kept across steps by the runner)
-    seeded: torch.Tensor | None = None     # [S] int64: batch rows with a seed (sampling ones)
+    fixed: RowParams  # from the parameters alone (kept across steps by the runner)
+    seeded: torch.Tensor | None = None  # [S] int64: batch rows with a seed (sampling ones)
     seed_keys: torch.Tensor | None = None  # [S] int64: 32-bit key of (seed, output index)
     penalties: PenaltyBatch | None = None  # None: no row has penalties or min_new_tokens pending
-    rows: torch.Tensor | None = None       # [B] int64 request-table rows (for TokenCounts.add)
+    rows: torch.Tensor | None = None  # [B] int64 request-table rows (for TokenCounts.add)
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device,
-              rows: Sequence[int] | None = None, output_lens: Sequence[int] | None = None,
-              fixed: RowParams | None = None) -> "SamplingBatch":
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        vocab_size: int,
+        device: torch.device,
+        rows: Sequence[int] | None = None,
+        output_lens: Sequence[int] | None = None,
+        fixed: RowParams | None = None,
+    ) -> SamplingBatch:
         """``rows``: the requests' table rows (needed for penalties and counting);
         ``output_lens``: tokens each already generated (the index being sampled);
         ``fixed``: ``RowParams.build`` of these same ``params``, kept from an earlier step."""
@@ -93,7 +112,8 @@ class SamplingBatch:
             fixed=fixed,
             seeded=_device_ints(seeded, device) if seeded else None,
             seed_keys=_device_ints([seed_key(params[i].seed, output_lens[i]) for i in seeded], device)
-            if seeded else None,
+            if seeded
+            else None,
             penalties=penalties,
             rows=row_ids,
         )
@@ -135,8 +155,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCounts | Non
         parts += [top.indices.to(torch.float64), (top.values - log_z).to(torch.float64).clamp_min(FLOOR_LOGPROB)]
     host = torch.cat(parts, dim=1).cpu().tolist()  # the one copy
     wants = batch.fixed.num_top or (0,) * len(host)
-    return Sampled([int(row[0]) for row in host], [row[1] for row in host],
-                   [_top_of(row, n, k) for row, n in zip(host, wants)])
+    return Sampled(
+        [int(row[0]) for row in host], [row[1] for row in host], [_top_of(row, n, k) for row, n in zip(host, wants)]
+    )
 
 
 def _log_normaliser(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -178,6 +199,7 @@ def _sample_filtered(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 
 # ---- counter-based noise: lowbias32 (C. Wellons), a bijection on 32-bit values ----
+
 
 def _mul32(x, c: int):
     """(x * c) mod 2**32 for x in [0, 2**32) without int64 overflow (tensors or ints)."""

@@ -77,8 +77,19 @@ class TPGroup:
         """Rank 0, before each of its forwards: the followers run the same one."""
         kind = FORWARD_DECODE if step.is_decode else FORWARD_PREFILL
         self._broadcast(np.array([kind, len(step.rows), len(step.input_ids), len(step.forks)], dtype=np.int64))
-        self._broadcast(np.concatenate([step.input_ids, step.positions, step.slots, step.rows, step.cached,
-                                        step.q_lens, step.forks.reshape(-1)]).astype(np.int64, copy=False))
+        self._broadcast(
+            np.concatenate(
+                [
+                    step.input_ids,
+                    step.positions,
+                    step.slots,
+                    step.rows,
+                    step.cached,
+                    step.q_lens,
+                    step.forks.reshape(-1),
+                ]
+            ).astype(np.int64, copy=False)
+        )
 
     def recv_step(self) -> StepInputs | None:
         """A follower: the next step, None on shutdown."""
@@ -144,9 +155,14 @@ def launch(size: int, device: torch.device, target, *args) -> TPGroup:
     """
     store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False)  # a free port, no race
     context = multiprocessing.get_context("spawn")
-    group = TPGroup(TensorParallel(0, size), None, [
-        context.Process(target=target, args=(rank, size, store.port, *args), name=f"lightq-tp{rank}")
-        for rank in range(1, size)])
+    group = TPGroup(
+        TensorParallel(0, size),
+        None,
+        [
+            context.Process(target=target, args=(rank, size, store.port, *args), name=f"lightq-tp{rank}")
+            for rank in range(1, size)
+        ],
+    )
     for proc in group.followers:
         proc.start()
     threading.Thread(target=_watch_followers, args=(group,), name="lightq-tp-watch", daemon=True).start()
@@ -155,8 +171,12 @@ def launch(size: int, device: torch.device, target, *args) -> TPGroup:
     except BaseException:
         group.abort()
         raise
-    log.info("tensor parallel: %d ranks over %s, followers pid %s", size, dist.get_backend(),
-             [p.pid for p in group.followers])
+    log.info(
+        "tensor parallel: %d ranks over %s, followers pid %s",
+        size,
+        dist.get_backend(),
+        [p.pid for p in group.followers],
+    )
     return group
 
 
@@ -212,6 +232,10 @@ def _watch_followers(group: TPGroup) -> None:
     if group.closing:
         return
     proc = sentinels[ready[0]]
-    log.error("tensor-parallel follower %s (pid %d) exited with %s: the group cannot go on, exiting",
-              proc.name, proc.pid, proc.exitcode)
+    log.error(
+        "tensor-parallel follower %s (pid %d) exited with %s: the group cannot go on, exiting",
+        proc.name,
+        proc.pid,
+        proc.exitcode,
+    )
     os._exit(1)

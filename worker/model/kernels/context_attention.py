@@ -31,9 +31,28 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slope, window, slot_ptr, k_ptr, v_ptr, stride_ks, stride_vs,
-                  lo, hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _attend_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    qk_scale,
+    slope,
+    window,
+    slot_ptr,
+    k_ptr,
+    v_ptr,
+    stride_ks,
+    stride_vs,
+    lo,
+    hi,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
     """Online-softmax update over pool positions [lo, hi) of one request.
 
     MASKED=False: every position is visible to every query of the block, so no
@@ -75,14 +94,34 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slope, window, slot_ptr, k_
 
 @triton.jit
 def _context_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,
-    q_starts_ptr, q_lens_ptr, cached_lens_ptr, seq_lens_ptr, req_rows_ptr, table_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    q_starts_ptr,
+    q_lens_ptr,
+    cached_lens_ptr,
+    seq_lens_ptr,
+    req_rows_ptr,
+    table_ptr,
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
-    slopes_ptr, window,  # ALiBi slopes [Hq] fp32 and the window: read only when HAS_ALIBI / HAS_WINDOW
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_table,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    slopes_ptr,
+    window,  # ALiBi slopes [Hq] fp32 and the window: read only when HAS_ALIBI / HAS_WINDOW
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -101,8 +140,9 @@ def _context_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     m_mask = offs_m < q_len
     q_rows = q_start + offs_m
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None], other=0.0)  # [BLOCK_M, D]
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=m_mask[:, None], other=0.0
+    )  # [BLOCK_M, D]
     q_pos = cached + offs_m  # absolute position of each query
 
     # Finite init: a row whose first tile is fully masked gives exp2(-inf - m) = 0, not NaN.
@@ -118,27 +158,87 @@ def _context_attention_kernel(
     if HAS_WINDOW:
         # Nothing before the first query's window edge is visible to the block.
         lo = tl.maximum(cached + start_m - window + 1, 0) // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slope, window, slot_ptr, k_head,
-                                      v_head, stride_ks, stride_vs, lo, kv_end, HEAD_DIM, BLOCK_N, True,
-                                      HAS_ALIBI, HAS_WINDOW)
+        acc, m_i, l_i = _attend_tiles(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            qk_scale,
+            slope,
+            window,
+            slot_ptr,
+            k_head,
+            v_head,
+            stride_ks,
+            stride_vs,
+            lo,
+            kv_end,
+            HEAD_DIM,
+            BLOCK_N,
+            True,
+            HAS_ALIBI,
+            HAS_WINDOW,
+        )
     else:
         # Positions <= cached + start_m are visible to every query of the block
         # (and < seq_len, as start_m < q_len): whole tiles of them need no mask.
         full_end = (cached + start_m + 1) // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slope, window, slot_ptr, k_head,
-                                      v_head, stride_ks, stride_vs, 0, full_end, HEAD_DIM, BLOCK_N, False,
-                                      HAS_ALIBI, HAS_WINDOW)
+        acc, m_i, l_i = _attend_tiles(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            qk_scale,
+            slope,
+            window,
+            slot_ptr,
+            k_head,
+            v_head,
+            stride_ks,
+            stride_vs,
+            0,
+            full_end,
+            HEAD_DIM,
+            BLOCK_N,
+            False,
+            HAS_ALIBI,
+            HAS_WINDOW,
+        )
         # The rest, up to the block's last query position: causal mask.
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, slope, window, slot_ptr, k_head,
-                                      v_head, stride_ks, stride_vs, full_end, kv_end, HEAD_DIM, BLOCK_N, True,
-                                      HAS_ALIBI, HAS_WINDOW)
+        acc, m_i, l_i = _attend_tiles(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            qk_scale,
+            slope,
+            window,
+            slot_ptr,
+            k_head,
+            v_head,
+            stride_ks,
+            stride_vs,
+            full_end,
+            kv_end,
+            HEAD_DIM,
+            BLOCK_N,
+            True,
+            HAS_ALIBI,
+            HAS_WINDOW,
+        )
     # Every valid row saw its own position, so l_i > 0 wherever the store is unmasked.
     if HAS_WINDOW:
         # Padding rows (past q_len) may see nothing inside their window: 0/0, never stored.
         l_i = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_i[:, None]
-    tl.store(o_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             acc.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
+    tl.store(
+        o_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        acc.to(o_ptr.dtype.element_ty),
+        mask=m_mask[:, None],
+    )
 
 
 def launch_config(head_dim: int) -> dict:
@@ -151,9 +251,11 @@ def check_position_rules(q: torch.Tensor, alibi_slopes: torch.Tensor | None, win
     """alibi_slopes: fp32 [Hq] on q's device; window: a positive int. Shared with decode_attention."""
     if alibi_slopes is not None:
         assert alibi_slopes.shape == (q.shape[1],) and alibi_slopes.dtype == torch.float32, (
-            f"alibi_slopes {tuple(alibi_slopes.shape)} {alibi_slopes.dtype}: want fp32 [{q.shape[1]}]")
+            f"alibi_slopes {tuple(alibi_slopes.shape)} {alibi_slopes.dtype}: want fp32 [{q.shape[1]}]"
+        )
         assert alibi_slopes.device == q.device and alibi_slopes.stride(0) == 1, (
-            "alibi_slopes: contiguous, on q's device")
+            "alibi_slopes: contiguous, on q's device"
+        )
     assert window is None or window >= 1, f"window {window}: want None or >= 1"
 
 
@@ -175,12 +277,24 @@ def _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table) -> None:
     assert len(devices) == 1, f"inputs on several devices: {devices}"
 
 
-def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
-                      q_starts: torch.Tensor, q_lens: torch.Tensor, cached_lens: torch.Tensor,
-                      seq_lens: torch.Tensor, req_rows: torch.Tensor, req_table: torch.Tensor,
-                      max_q_len: int, sm_scale: float | None = None,
-                      alibi_slopes: torch.Tensor | None = None, window: int | None = None,
-                      block_m: int | None = None, block_n: int | None = None) -> None:
+def context_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    o: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    cached_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_rows: torch.Tensor,
+    req_table: torch.Tensor,
+    max_q_len: int,
+    sm_scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    window: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> None:
     """o[T, Hq, D] = causal attention of q over the pool, per request (see module doc).
 
     k_cache / v_cache: [S, Hkv, D] views of one pool layer (pool[:, :Hkv], pool[:, Hkv:]).
@@ -200,19 +314,53 @@ def context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_m, block_n = block_m or tile_m, block_n or tile_n
     grid = (batch, num_heads, triton.cdiv(max_q_len, block_m))
     _context_attention_kernel[grid](
-        q, k_cache, v_cache, o, q_starts, q_lens, cached_lens, seq_lens, req_rows, req_table,
+        q,
+        k_cache,
+        v_cache,
+        o,
+        q_starts,
+        q_lens,
+        cached_lens,
+        seq_lens,
+        req_rows,
+        req_table,
         # Without ALiBi, q stands in for the slopes pointer: never read, but a tensor either way.
-        scale * LOG2E, q if alibi_slopes is None else alibi_slopes, window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        o.stride(0), o.stride(1), req_table.stride(0),
-        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=window is not None, **cfg,
+        scale * LOG2E,
+        q if alibi_slopes is None else alibi_slopes,
+        window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        o.stride(0),
+        o.stride(1),
+        req_table.stride(0),
+        GROUP=num_heads // k_cache.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_ALIBI=alibi_slopes is not None,
+        HAS_WINDOW=window is not None,
+        **cfg,
     )
 
 
-def context_attention_ref(q, k_cache, v_cache, q_starts, q_lens, cached_lens, seq_lens,
-                          req_rows, req_table, sm_scale: float | None = None,
-                          alibi_slopes: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+def context_attention_ref(
+    q,
+    k_cache,
+    v_cache,
+    q_starts,
+    q_lens,
+    cached_lens,
+    seq_lens,
+    req_rows,
+    req_table,
+    sm_scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """Plain PyTorch, one request at a time, in fp32. Returns [T, Hq, D] in q's dtype.
 
     The causal mask, ALiBi and the window come from worker.model.positions.position_scores,
@@ -227,9 +375,9 @@ def context_attention_ref(q, k_cache, v_cache, q_starts, q_lens, cached_lens, se
         slots = req_table[int(req_rows[b]), :seq].long()
         k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [seq, Hq, D]
         v = v_cache[slots].float().repeat_interleave(group, dim=1)
-        qb = q[start:start + n].float()  # [n, Hq, D]
+        qb = q[start : start + n].float()  # [n, Hq, D]
         scores = torch.einsum("qhd,khd->qhk", qb, k) * scale  # [n, Hq, seq]
         rel = torch.arange(seq)[None, :] - (cached + torch.arange(n))[:, None]  # [n, seq]
         scores = position_scores(scores, rel.to(q.device), alibi_slopes, window)
-        out[start:start + n] = torch.einsum("qhk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        out[start : start + n] = torch.einsum("qhk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out

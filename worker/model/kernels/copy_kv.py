@@ -16,9 +16,19 @@ import triton.language as tl
 
 @triton.jit
 def _copy_kv_kernel(
-    k_ptr, v_ptr, slots_ptr, pool_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_ps, stride_ph,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    slots_ptr,
+    pool_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ps,
+    stride_ph,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     # One program per new token: it moves Hkv * D elements of K and of V.
     t = tl.program_id(0)
@@ -35,12 +45,12 @@ def _copy_kv_kernel(
     tl.store(dst + NUM_KV_HEADS * stride_ph, v, mask=mask)
 
 
-def _check_inputs(k: torch.Tensor, v: torch.Tensor, out_slots: torch.Tensor,
-                  pool_layer: torch.Tensor) -> None:
+def _check_inputs(k: torch.Tensor, v: torch.Tensor, out_slots: torch.Tensor, pool_layer: torch.Tensor) -> None:
     assert k.dim() == 3 and k.shape == v.shape, f"k {tuple(k.shape)} / v {tuple(v.shape)}: want equal [T, Hkv, D]"
     num_tokens, num_kv_heads, head_dim = k.shape
     assert pool_layer.dim() == 3 and tuple(pool_layer.shape[1:]) == (2 * num_kv_heads, head_dim), (
-        f"pool layer {tuple(pool_layer.shape)}: want [num_slots + 1, {2 * num_kv_heads}, {head_dim}]")
+        f"pool layer {tuple(pool_layer.shape)}: want [num_slots + 1, {2 * num_kv_heads}, {head_dim}]"
+    )
     assert out_slots.shape == (num_tokens,), f"out_slots {tuple(out_slots.shape)}: want [{num_tokens}]"
     assert not out_slots.is_floating_point(), "out_slots must be an integer tensor"
     assert k.dtype == v.dtype == pool_layer.dtype, f"dtypes k {k.dtype} v {v.dtype} pool {pool_layer.dtype}"
@@ -50,23 +60,31 @@ def _check_inputs(k: torch.Tensor, v: torch.Tensor, out_slots: torch.Tensor,
     assert head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two"
 
 
-def copy_kv(k: torch.Tensor, v: torch.Tensor, out_slots: torch.Tensor,
-            pool_layer: torch.Tensor) -> None:
+def copy_kv(k: torch.Tensor, v: torch.Tensor, out_slots: torch.Tensor, pool_layer: torch.Tensor) -> None:
     """pool_layer[out_slots[t], :Hkv] = k[t]; pool_layer[out_slots[t], Hkv:] = v[t]."""
     _check_inputs(k, v, out_slots, pool_layer)
     num_tokens, num_kv_heads, head_dim = k.shape  # [T, Hkv, D]
     if num_tokens == 0:
         return
     _copy_kv_kernel[(num_tokens,)](
-        k, v, out_slots, pool_layer,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), pool_layer.stride(0), pool_layer.stride(1),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        k,
+        v,
+        out_slots,
+        pool_layer,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        pool_layer.stride(0),
+        pool_layer.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 
 
-def copy_kv_ref(k: torch.Tensor, v: torch.Tensor, out_slots: torch.Tensor,
-                pool_layer: torch.Tensor) -> None:
+def copy_kv_ref(k: torch.Tensor, v: torch.Tensor, out_slots: torch.Tensor, pool_layer: torch.Tensor) -> None:
     num_kv_heads = k.shape[1]
     slots = out_slots.long()
     pool_layer[slots, :num_kv_heads] = k

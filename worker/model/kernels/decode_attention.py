@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.positions import position_scores
 from worker.model.kernels.context_attention import check_position_rules
+from worker.model.positions import position_scores
 
 LOG2E = 1.4426950408889634
 # Split choice and tiles from a sweep on an H200 (Llama-3-8B shapes, bf16, CUDA graphs):
@@ -47,12 +47,36 @@ DEFAULT_BLOCK_N = 128
 
 @triton.jit
 def _decode_stage1_kernel(
-    q_ptr, k_ptr, v_ptr, req_rows_ptr, seq_lens_ptr, table_ptr, part_o_ptr, part_lse_ptr,
-    qk_scale, split_len, slopes_ptr, window,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    req_rows_ptr,
+    seq_lens_ptr,
+    table_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    qk_scale,
+    split_len,
+    slopes_ptr,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_table,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -71,8 +95,11 @@ def _decode_stage1_kernel(
     h_mask = offs_h < GROUP  # rows past the group are padding for tl.dot
     heads = g * GROUP + offs_h
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None], other=0.0)  # [BLOCK_H, D]
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_H, D]
     if HAS_ALIBI:
         # log2 units, as qk_scale; padding rows get slope 0 (their output is never stored).
         slopes = tl.load(slopes_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634  # [BLOCK_H]
@@ -85,8 +112,9 @@ def _decode_stage1_kernel(
         n_mask = offs_n < split_end
         # Masked columns read slot 0, a valid pool row; their scores are masked below.
         slots = tl.load(table_ptr + row * stride_table + offs_n, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None],
-                    mask=n_mask[None, :], other=0.0)  # [D, BLOCK_N]
+        k = tl.load(
+            k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0
+        )  # [D, BLOCK_N]
         qk = tl.dot(q, k) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         if HAS_ALIBI:
             qk += slopes[:, None] * (offs_n - (seq_len - 1)).to(tl.float32)[None, :]
@@ -95,22 +123,36 @@ def _decode_stage1_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slots[:, None] * stride_vs + g * stride_vh + offs_d[None, :],
-                    mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(
+            v_ptr + slots[:, None] * stride_vs + g * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0
+        )  # [BLOCK_N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # The split holds >= 1 position, so l_i > 0.
     base = b.to(tl.int64) * stride_pb + heads * stride_ph + s * stride_ps  # [BLOCK_H]
     tl.store(part_o_ptr + base[:, None] + offs_d[None, :], acc / l_i[:, None], mask=h_mask[:, None])
-    tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + s, m_i + tl.log2(l_i),
-             mask=h_mask)
+    tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + s, m_i + tl.log2(l_i), mask=h_mask)
 
 
 @triton.jit
 def _decode_stage2_kernel(
-    part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, split_len, num_splits, window,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    part_o_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    o_ptr,
+    split_len,
+    num_splits,
+    window,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -122,14 +164,17 @@ def _decode_stage2_kernel(
     if HAS_WINDOW:
         s_mask = s_mask & (offs_s >= tl.maximum(seq_len - window, 0) // split_len)
     offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
-                  mask=s_mask, other=float("-inf"))  # [BLOCK_S]
+    lse = tl.load(
+        part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf")
+    )  # [BLOCK_S]
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no split used: avoid -inf - -inf
     weight = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
-    part = tl.load(part_o_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
-                   + offs_s[:, None] * stride_ps + offs_d[None, :],
-                   mask=s_mask[:, None], other=0.0)  # [BLOCK_S, D]
+    part = tl.load(
+        part_o_ptr + b.to(tl.int64) * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=s_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_S, D]
     total = tl.sum(weight, 0)
     # seq_len == 0 (a padding request) has no split: write zeros, not NaN.
     out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -141,15 +186,14 @@ def stage1_config(head_dim: int) -> dict:
     return dict(num_warps=4, num_stages=3)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the CPU interpreter: few programs, fast tests
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
-                  block_n: int) -> tuple[int, int]:
+def choose_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int) -> tuple[int, int]:
     """(num_splits, split_len) from host ints only: about PROGRAMS_PER_SM per SM,
     no split shorter than MIN_SPLIT_LEN, split_len a multiple of block_n."""
     want = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, batch * num_kv_heads))
@@ -164,7 +208,8 @@ def _check_inputs(q, k_cache, v_cache, o, req_rows, seq_lens, req_table) -> None
     assert k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "k_cache / v_cache: want equal [S, Hkv, D]"
     batch, num_heads, head_dim = q.shape
     assert k_cache.shape[2] == head_dim and num_heads % k_cache.shape[1] == 0, (
-        f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}")
+        f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
+    )
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: power of two >= 16 (tl.dot)"
     assert q.dtype == o.dtype == k_cache.dtype == v_cache.dtype, "q, o and the cache share a dtype"
     assert all(t.stride(-1) == 1 for t in (q, o, k_cache, v_cache)), "head dim must be contiguous"
@@ -175,11 +220,21 @@ def _check_inputs(q, k_cache, v_cache, o, req_rows, seq_lens, req_table) -> None
     assert len(devices) == 1, f"inputs on several devices: {devices}"
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, o: torch.Tensor,
-                     req_rows: torch.Tensor, seq_lens: torch.Tensor, req_table: torch.Tensor,
-                     max_seq_len: int, sm_scale: float | None = None,
-                     alibi_slopes: torch.Tensor | None = None, window: int | None = None,
-                     num_splits: int | None = None, block_n: int = DEFAULT_BLOCK_N) -> None:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    o: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_table: torch.Tensor,
+    max_seq_len: int,
+    sm_scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    window: int | None = None,
+    num_splits: int | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+) -> None:
     """o[B, Hq, D] = attention of request b's one query over its first seq_lens[b] pool tokens.
 
     k_cache / v_cache: [S, Hkv, D] views of one pool layer. max_seq_len (host
@@ -202,23 +257,65 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
         # Without ALiBi, q stands in for the slopes pointer: never read, but a tensor either way.
-        q, k_cache, v_cache, req_rows, seq_lens, req_table, part_o, part_lse, scale * LOG2E, split_len,
-        q if alibi_slopes is None else alibi_slopes, window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_table.stride(0), *part_o.stride()[:3], *part_lse.stride()[:2],
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=window is not None, **stage1_config(head_dim),
+        q,
+        k_cache,
+        v_cache,
+        req_rows,
+        seq_lens,
+        req_table,
+        part_o,
+        part_lse,
+        scale * LOG2E,
+        split_len,
+        q if alibi_slopes is None else alibi_slopes,
+        window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_table.stride(0),
+        *part_o.stride()[:3],
+        *part_lse.stride()[:2],
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n,
+        HAS_ALIBI=alibi_slopes is not None,
+        HAS_WINDOW=window is not None,
+        **stage1_config(head_dim),
     )
     _decode_stage2_kernel[(batch, num_heads)](
-        part_o, part_lse, seq_lens, o, split_len, num_splits, window or 0,
-        *part_o.stride()[:3], *part_lse.stride()[:2], o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), HAS_WINDOW=window is not None,
+        part_o,
+        part_lse,
+        seq_lens,
+        o,
+        split_len,
+        num_splits,
+        window or 0,
+        *part_o.stride()[:3],
+        *part_lse.stride()[:2],
+        o.stride(0),
+        o.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        HAS_WINDOW=window is not None,
         num_warps=4,
     )
 
 
-def decode_attention_ref(q, k_cache, v_cache, req_rows, seq_lens, req_table, sm_scale: float | None = None,
-                         alibi_slopes: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+def decode_attention_ref(
+    q,
+    k_cache,
+    v_cache,
+    req_rows,
+    seq_lens,
+    req_table,
+    sm_scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """Plain PyTorch in fp32, one request at a time. Returns [B, Hq, D] in q's dtype.
     ALiBi and the window: worker.model.positions.position_scores, as the model tests check it."""
     batch, num_heads, head_dim = q.shape
@@ -226,7 +323,7 @@ def decode_attention_ref(q, k_cache, v_cache, req_rows, seq_lens, req_table, sm_
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     out = torch.empty_like(q)
     for b in range(batch):
-        slots = req_table[int(req_rows[b]), :int(seq_lens[b])].long()
+        slots = req_table[int(req_rows[b]), : int(seq_lens[b])].long()
         k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [seq, Hq, D]
         v = v_cache[slots].float().repeat_interleave(group, dim=1)
         seq = slots.shape[0]

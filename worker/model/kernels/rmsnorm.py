@@ -19,9 +19,19 @@ MAX_ROW = 65536  # one row must fit one program's registers
 
 @triton.jit
 def _rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, n_cols, eps,
-    stride_x, stride_res, stride_y, stride_res_out,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    res_out_ptr,
+    n_cols,
+    eps,
+    stride_x,
+    stride_res,
+    stride_y,
+    stride_res_out,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -56,10 +66,21 @@ def _launch(x, residual, weight, y, residual_out, eps: float) -> None:
     res, res_out = (residual, residual_out) if has_res else (x, y)  # unused when not has_res
     block = triton.next_power_of_2(n_cols)
     _rmsnorm_kernel[(num_rows,)](
-        x, res, weight, y, res_out, n_cols, eps,
-        x.stride(0), res.stride(0), y.stride(0), res_out.stride(0),
+        x,
+        res,
+        weight,
+        y,
+        res_out,
+        n_cols,
+        eps,
+        x.stride(0),
+        res.stride(0),
+        y.stride(0),
+        res_out.stride(0),
         # ~1024 elements per warp: 4 warps at hidden 4096 beat 8-16 on an H200.
-        HAS_RESIDUAL=has_res, BLOCK=block, num_warps=min(8, max(1, block // 1024)),
+        HAS_RESIDUAL=has_res,
+        BLOCK=block,
+        num_warps=min(8, max(1, block // 1024)),
     )
 
 
@@ -71,9 +92,14 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
     return y
 
 
-def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                      out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, residual_out) with residual_out = x + residual, y = rmsnorm(residual_out) * weight.
 
     out=x and residual_out=residual update in place: a program reads its row before writing it.
@@ -90,7 +116,8 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-def fused_add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rmsnorm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     s = (x.float() + residual.float()).to(x.dtype)
     return rmsnorm_ref(s, weight, eps), s

@@ -16,8 +16,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, cos, sin, num_heads,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rotate_heads(x_ptr, stride_h, cos, sin, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     # x_ptr: this token's first head; rotates heads [0, num_heads) in place.
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF)
@@ -31,9 +30,21 @@ def _rotate_heads(x_ptr, stride_h, cos, sin, num_heads,
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, num_q_heads, num_kv_heads,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
-    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_q_heads,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    stride_st,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
 ):
     # One program per token: cos/sin are loaded once and serve every q and k head.
     t = tl.program_id(0).to(tl.int64)
@@ -47,7 +58,8 @@ def _rotary_kernel(
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by cos/sin [T, D/2]."""
     assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2], (
-        f"q {tuple(q.shape)} / k {tuple(k.shape)}: want [T, Hq, D] / [T, Hkv, D]")
+        f"q {tuple(q.shape)} / k {tuple(k.shape)}: want [T, Hq, D] / [T, Hkv, D]"
+    )
     num_tokens, num_q_heads, head_dim = q.shape
     half = head_dim // 2
     assert half >= 1 and half & (half - 1) == 0, f"head_dim {head_dim}: D/2 must be a power of two"
@@ -59,9 +71,21 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
         return
     num_kv_heads = k.shape[1]
     _rotary_kernel[(num_tokens,)](
-        q, k, cos, sin, num_q_heads, num_kv_heads,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        q,
+        k,
+        cos,
+        sin,
+        num_q_heads,
+        num_kv_heads,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HALF=half,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         num_warps=4,
     )
 

@@ -32,13 +32,20 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if out is None:
         out = torch.empty((num_rows, n_cols), dtype=x.dtype, device=x.device)
     assert out.shape == (num_rows, n_cols) and out.dtype == x.dtype and out.device == x.device, (
-        f"out {tuple(out.shape)} {out.dtype}: want [{num_rows}, {n_cols}] {x.dtype}")
+        f"out {tuple(out.shape)} {out.dtype}: want [{num_rows}, {n_cols}] {x.dtype}"
+    )
     assert x.stride(1) == 1 and out.stride(1) == 1, "rows must be contiguous"
     if num_rows == 0 or n_cols == 0:
         return out
     block = min(BLOCK, triton.next_power_of_2(n_cols))
     _silu_and_mul_kernel[(num_rows, triton.cdiv(n_cols, block))](
-        x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        x,
+        out,
+        n_cols,
+        x.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=4,
     )
     return out
 

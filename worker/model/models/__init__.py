@@ -11,10 +11,15 @@ from worker.model.models.llama import LlamaForCausalLM
 from worker.model.models.mistral import MistralForCausalLM
 from worker.model.models.qwen2 import Qwen2ForCausalLM
 
-MODELS: dict[str, type] = {cls.__name__: cls for cls in (
-    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, BloomForCausalLM)}
+MODELS: dict[str, type] = {
+    cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, BloomForCausalLM)
+}
 _BY_MODEL_TYPE: dict[str, type] = {
-    "llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM, "bloom": BloomForCausalLM}
+    "llama": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "bloom": BloomForCausalLM,
+}
 
 
 def model_class(config) -> type:
@@ -29,4 +34,5 @@ def model_class(config) -> type:
     raise ValueError(
         f"unsupported model: architectures={architectures or None}, model_type={model_type}; "
         f"supported architectures: {', '.join(sorted(MODELS))} "
-        f"(or, without architectures, model_type {', '.join(sorted(_BY_MODEL_TYPE))})")
+        f"(or, without architectures, model_type {', '.join(sorted(_BY_MODEL_TYPE))})"
+    )

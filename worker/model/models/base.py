@@ -34,8 +34,14 @@ class VocabEmbedding(nn.Module):
     all-reduce then adds the owner's row, so every rank ends with every row.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str,
-                 tp: TensorParallel = SINGLE):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
         self.rows = tp.part(vocab_size, "vocab_size")
         self.start = tp.rank * self.rows
@@ -58,8 +64,14 @@ class VocabHead(nn.Module):
     computes its V/N vocabulary rows and an all-gather joins them. The split is
     the embedding's, so a tied head is the embedding's own shard."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, dtype: torch.dtype, device: torch.device | str,
-                 tp: TensorParallel = SINGLE):
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
         self.weight = empty_param(tp.part(vocab_size, "vocab_size"), hidden_size, dtype=dtype, device=device)
         self.weight.tp_dim = 0
@@ -83,8 +95,15 @@ class CausalLM(nn.Module):
     # Checkpoint tensors that carry no weights (recomputed from the config).
     ignored_suffixes: tuple[str, ...] = ()
 
-    def __init__(self, config, dtype: torch.dtype, num_kv_heads: int, head_dim: int,
-                 backend: AttentionBackend | None, tp: TensorParallel):
+    def __init__(
+        self,
+        config,
+        dtype: torch.dtype,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: AttentionBackend | None,
+        tp: TensorParallel,
+    ):
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -188,7 +207,8 @@ class CausalLM(nn.Module):
         return tensor.narrow(dim, self.tp.rank * n, n)
 
     def _check_filled(self, params: dict[str, torch.Tensor], filled: dict[str, set[int]]) -> None:
-        missing = [name for name, p in params.items()
-                   if len(filled.get(name, ())) < len(self.shard_sizes(name, p) or [0])]
+        missing = [
+            name for name, p in params.items() if len(filled.get(name, ())) < len(self.shard_sizes(name, p) or [0])
+        ]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:4]}")

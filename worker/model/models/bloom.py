@@ -72,8 +72,9 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(hidden, dtype, device, tp)
         self.residual_from_norm = bool(config.apply_residual_connection_post_layernorm)
 
-    def forward(self, h: torch.Tensor, pending: None, extra: None, batch: ForwardBatch,
-                backend: AttentionBackend) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, h: torch.Tensor, pending: None, extra: None, batch: ForwardBatch, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, None]:
         """Leaves nothing pending: BLOOM's LayerNorm has no fused add (``CausalLM.decoder_layers``)."""
         x = self.input_layernorm(h)
         h = (x if self.residual_from_norm else h) + self.self_attention(x, batch, backend)
@@ -94,11 +95,18 @@ class BloomModel(nn.Module):
 class BloomForCausalLM(CausalLM):
     """forward(batch) -> fp32 logits [B, vocab] of each request's last new token."""
 
-    def __init__(self, config, dtype: torch.dtype, device: torch.device | str,
-                 backend: AttentionBackend | None = None, tp: TensorParallel = SINGLE):
+    def __init__(
+        self,
+        config,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        backend: AttentionBackend | None = None,
+        tp: TensorParallel = SINGLE,
+    ):
         # Multi-head: the pool holds every (of this rank's) head's K/V.
-        super().__init__(config, dtype, config.num_attention_heads,
-                         config.hidden_size // config.num_attention_heads, backend, tp)
+        super().__init__(
+            config, dtype, config.num_attention_heads, config.hidden_size // config.num_attention_heads, backend, tp
+        )
         self.transformer = BloomModel(config, dtype, device, tp)
         self.lm_head = VocabHead(config.hidden_size, config.vocab_size, dtype, device, tp)
         self.tie_lm_head(self.transformer.word_embeddings)

@@ -20,13 +20,16 @@ from torch import nn
 from worker.model.attention import AttentionBackend
 from worker.model.forward_batch import ForwardBatch
 from worker.model.layers import SINGLE, Linear, RMSNorm, Rotary, SwiGLU, TensorParallel
-from worker.model.ops import ops_for
 from worker.model.models.base import CausalLM, VocabEmbedding, VocabHead
+from worker.model.ops import ops_for
 
 # checkpoint projection name -> (fused parameter's module name, shard index)
 _FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D] of this step's positions
@@ -35,8 +38,15 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D] of this step's po
 class LlamaAttention(nn.Module):
     """Tensor parallel: this rank's Hq/N query and Hkv/N KV heads (column), o_proj row-parallel."""
 
-    def __init__(self, config, layer: int, arch: type[LlamaForCausalLM], dtype: torch.dtype,
-                 device: torch.device | str, tp: TensorParallel):
+    def __init__(
+        self,
+        config,
+        layer: int,
+        arch: type[LlamaForCausalLM],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel,
+    ):
         super().__init__()
         self.layer = layer
         self.num_heads = tp.part(config.num_attention_heads, "attention heads")
@@ -53,16 +63,26 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
-        q, k = self.ops.rotate(q.view(T, self.num_heads, self.head_dim),  # [T, Hq, D]
-                           k.view(T, self.num_kv_heads, self.head_dim), *rope)  # [T, Hkv, D]
+        q, k = self.ops.rotate(
+            q.view(T, self.num_heads, self.head_dim),  # [T, Hq, D]
+            k.view(T, self.num_kv_heads, self.head_dim),
+            *rope,
+        )  # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         out = backend.forward(self.layer, q, k, v, batch, window=self.window)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, -1))  # [T, H]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, arch: type[LlamaForCausalLM], dtype: torch.dtype,
-                 device: torch.device | str, tp: TensorParallel):
+    def __init__(
+        self,
+        config,
+        layer: int,
+        arch: type[LlamaForCausalLM],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel,
+    ):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = LlamaAttention(config, layer, arch, dtype, device, tp)
@@ -70,8 +90,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
 
-    def forward(self, h: torch.Tensor, pending: torch.Tensor | None, rope: Rope, batch: ForwardBatch,
-                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, h: torch.Tensor, pending: torch.Tensor | None, rope: Rope, batch: ForwardBatch, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, pending) -> (h, this layer's MLP output): each residual add is fused into the norm
         after it, the MLP's into the next layer's (``CausalLM.decoder_layers``)."""
         x, h = (self.input_layernorm(h), h) if pending is None else self.input_layernorm.add_norm(pending, h)
@@ -80,12 +101,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, arch: type[LlamaForCausalLM], dtype: torch.dtype, device: torch.device | str,
-                 tp: TensorParallel):
+    def __init__(
+        self, config, arch: type[LlamaForCausalLM], dtype: torch.dtype, device: torch.device | str, tp: TensorParallel
+    ):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, arch, dtype, device, tp) for i in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, i, arch, dtype, device, tp) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary = Rotary(config, head_dim_of(config), device)
 
@@ -95,8 +118,14 @@ class LlamaForCausalLM(CausalLM):
 
     ignored_suffixes = ("rotary_emb.inv_freq",)
 
-    def __init__(self, config, dtype: torch.dtype, device: torch.device | str,
-                 backend: AttentionBackend | None = None, tp: TensorParallel = SINGLE):
+    def __init__(
+        self,
+        config,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        backend: AttentionBackend | None = None,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__(config, dtype, config.num_key_value_heads, head_dim_of(config), backend, tp)
         self.model = LlamaModel(config, type(self), dtype, device, tp)
         self.lm_head = VocabHead(config.hidden_size, config.vocab_size, dtype, device, tp)
@@ -121,8 +150,7 @@ class LlamaForCausalLM(CausalLM):
     def shard_sizes(self, name: str, param: torch.Tensor) -> list[int] | None:
         if ".qkv_proj." in name:
             kv_size = self.num_kv_heads * self.head_dim
-            return [self.tp.part(self.config.num_attention_heads, "attention heads") * self.head_dim,
-                    kv_size, kv_size]
+            return [self.tp.part(self.config.num_attention_heads, "attention heads") * self.head_dim, kv_size, kv_size]
         if ".gate_up_proj." in name:
             return [param.shape[0] // 2] * 2
         return None

@@ -26,6 +26,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         if not getattr(config, "use_sliding_window", False) or not getattr(config, "sliding_window", None):
             return None
         layer_types = getattr(config, "layer_types", None)
-        sliding = (layer_types[layer] == "sliding_attention" if layer_types
-                   else layer >= getattr(config, "max_window_layers", 0))
+        sliding = (
+            layer_types[layer] == "sliding_attention"
+            if layer_types
+            else layer >= getattr(config, "max_window_layers", 0)
+        )
         return config.sliding_window if sliding else None
