@@ -64,16 +64,20 @@ async def test_no_more_than_max_in_flight_requests_are_in_the_pool(client, worke
         lasts = [await aredis.xrevrange(keys.chunks(rid), count=1) for rid in ids]
         return sum(not last or '"finished":true' not in last[0][1]["msg"] for last in lasts)
 
+    sampling = [True]  # a flag, not cancel(): redis-py can swallow a CancelledError inside a command, and a
+    # sampler that missed its cancel ran on into the fixtures' teardown (a 600 s hang, seen under load)
+
     async def sample() -> None:
         nonlocal peak
-        while True:
+        while sampling[0]:
             peak = max(peak, await unanswered())
             await asyncio.sleep(0.005)
 
     sampler = asyncio.create_task(sample())
     async with pool(worker, delay_s=0.03) as taken:
         await run_rq()
-    sampler.cancel()
+    sampling[0] = False
+    await sampler  # done before the fixtures close its Redis client
     assert len(taken) == 6
     assert peak == 2
     assert (await client.get(f"/v1/batches/{view['id']}")).json()["request_counts"]["completed"] == 6
