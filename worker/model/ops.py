@@ -9,6 +9,8 @@ The Triton kernels import lazily: a CPU worker never loads Triton.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -87,4 +89,10 @@ Ops = TorchOps | TritonOps
 
 
 def ops_for(device: torch.device | str) -> Ops:
-    return TritonOps() if is_triton(device) else TorchOps()
+    """The one ops object of ``device``'s backend, shared by every layer (built on first use)."""
+    return _ops(is_triton(device))
+
+
+@functools.cache
+def _ops(triton: bool) -> Ops:
+    return TritonOps() if triton else TorchOps()
