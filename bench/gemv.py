@@ -8,8 +8,11 @@ it next to the floor: the weight's bytes over the device-to-device copy
 bandwidth measured in the same run. Each call reads a different copy of the
 weight (copies totalling >= 1 GiB, cycled), so no call finds its weight in the
 L2 cache, as a real step over 32 layers would not; 32 calls are timed back to back. Weights and inputs are
-random normal (never zeros). Prints a table and one line: the time-weighted
-share of the floor for M <= 16.
+random normal (never zeros). At M <= 16 the same is timed for lightq's Triton
+kernel (worker/model/kernels/gemv.py) with its default config and with the
+best of a small grid of configs (checked against cuBLAS's result first).
+Prints a table and one line: the time-weighted share of the floor for
+M <= 16, cuBLAS against the kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 
 from bench.decode_step import copy_bandwidth, time_cuda
 from bench.shapes import SHAPES
+from worker.model.kernels.gemv import MAX_ROWS, GemvConfig, default_config, gemv
 
 COPIES_BYTES = 1 << 30
 
@@ -40,7 +44,12 @@ def layer_shapes(shape: str) -> list[tuple[str, int, int]]:
     ]
 
 
-def time_linear(out_features: int, in_features: int, m: int, calls: int = 32) -> float:
+GRID = [GemvConfig(n, k, s) for n in (16, 32, 64) for k in (128, 256) for s in (1, 2, 4, 8)]
+
+
+def time_linear(
+    out_features: int, in_features: int, m: int, calls: int = 32, config: GemvConfig | None = None
+) -> float:
     """Median seconds of one x [m, in] @ W.T, W [out, in] bf16, a fresh copy of W each call.
 
     Timed as ``calls`` launches back to back between two events (as a step's 32 layers run), so
@@ -51,9 +60,16 @@ def time_linear(out_features: int, in_features: int, m: int, calls: int = 32) ->
     weights = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     x = torch.randn(m, in_features, device="cuda", dtype=torch.bfloat16)
 
+    if config is not None:  # the kernel must agree with cuBLAS before it is timed
+        ref = F.linear(x, weights[0]).float()
+        torch.testing.assert_close(gemv(x, weights[0], None, config).float(), ref, atol=0.5, rtol=2e-2)
+
     def run() -> None:
         for i in range(calls):
-            F.linear(x, weights[i % copies])
+            if config is None:
+                F.linear(x, weights[i % copies])
+            else:
+                gemv(x, weights[i % copies], None, config)
 
     return statistics.median(time_cuda(run, repeat=30, warmup=3)) / calls
 
@@ -66,21 +82,31 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'layer':<13} {'out x in':>14} {'M':>4} {'ms':>8} {'floor ms':>9} {'floor/time':>10} {'TB/s':>6}")
-    small_time = small_floor = 0.0
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(
+        f"{'layer':<13} {'out x in':>14} {'M':>4} {'cuBLAS ms':>9} {'floor ms':>9} {'floor/t':>7} "
+        f"{'triton ms':>9} {'floor/t':>7} {'best ms':>8} {'best config':>22}"
+    )
+    small = {"floor": 0.0, "cublas": 0.0, "triton": 0.0, "best": 0.0}
     for name, out_features, in_features in layer_shapes(args.model_shape):
         floor = out_features * in_features * 2 / bandwidth
+        default = default_config(out_features, in_features, num_sms)
         for m in batches:
             t = time_linear(out_features, in_features, m)
-            if m <= 16:
-                small_time, small_floor = small_time + t, small_floor + floor
-            print(
-                f"{name:<13} {f'{out_features}x{in_features}':>14} {m:>4} {t * 1e3:>8.3f} {floor * 1e3:>9.3f} "
-                f"{floor / t:>10.2f} {out_features * in_features * 2 / t / 1e12:>6.2f}"
-            )
+            shape = f"{out_features}x{in_features}"
+            line = f"{name:<13} {shape:>14} {m:>4} {t * 1e3:>9.3f} {floor * 1e3:>9.3f} {floor / t:>7.2f}"
+            if m <= MAX_ROWS:
+                tt = time_linear(out_features, in_features, m, config=default)
+                best_t, best = min((time_linear(out_features, in_features, m, config=c), c) for c in GRID)
+                for key, value in (("floor", floor), ("cublas", t), ("triton", tt), ("best", best_t)):
+                    small[key] += value
+                label = f"n{best.block_n} k{best.block_k} s{best.split_k}"
+                line += f" {tt * 1e3:>9.3f} {floor / tt:>7.2f} {best_t * 1e3:>8.3f} {label:>22}"
+            print(line)
     print(
-        f"gemv {args.model_shape}: cuBLAS at M<=16 reaches {small_floor / small_time:.2f} of the weight-read floor "
-        f"(time-weighted over the layer's linears and the LM head; copy bandwidth {bandwidth / 1e12:.2f} TB/s)"
+        f"gemv {args.model_shape} M<=16, share of the weight-read floor (time-weighted over the linears and LM head): "
+        f"cuBLAS {small['floor'] / small['cublas']:.2f}, triton default {small['floor'] / small['triton']:.2f}, "
+        f"triton best-of-grid {small['floor'] / small['best']:.2f} (copy bandwidth {bandwidth / 1e12:.2f} TB/s)"
     )
 
 

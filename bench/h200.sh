@@ -47,7 +47,7 @@ for part in "$@"; do
       bin=$(python3 -c "from shared.embedded_redis import redis_server_binary; print(redis_server_binary())")
       $bin --port 6390 --save '' --appendonly no --daemonize yes >/dev/null
       timeout 200 python3 -m bench.scale_sim --redis_url redis://127.0.0.1:6390/0 2>&1 | tee "$OUT/scale.log" | tail -12 ;;  # the same with one worker over both GPUs
-    gemv)   timeout 200 python3 -m bench.gemv --model-shape llama3-8b --batches 1,4,8,16,64 2>&1 | tee "$OUT/gemv.log" ;;
+    gemv)   timeout 400 python3 -m bench.gemv --model-shape llama3-8b --batches 1,4,8,16,64 2>&1 | tee "$OUT/gemv.log" ;;
     graph-tests) timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/worker/test_prefill_graphs.py \
                tests/worker/test_gpu_backend.py -m "not slow" 2>&1 | tee "$OUT/graph-tests.log" | tail -8 ;;
     gpu-tests)  # the kernels whole (their slow marks are for Triton's CPU interpreter), the rest without SmolLM2
