@@ -7,7 +7,8 @@ For each linear layer of one decoder layer (and the LM head) at M rows, times
 it next to the floor: the weight's bytes over the device-to-device copy
 bandwidth measured in the same run. Each call reads a different copy of the
 weight (copies totalling >= 1 GiB, cycled), so no call finds its weight in the
-L2 cache, as a real step over 32 layers would not; 32 calls are timed back to back. Weights and inputs are
+L2 cache, as a real step over 32 layers would not; 32 calls are captured in one CUDA graph and
+its replays timed, as the decode step runs. Weights and inputs are
 random normal (never zeros). At M <= 16 the same is timed for lightq's Triton
 kernel (worker/model/kernels/gemv.py) with its default config and with the
 best of a small grid of configs (checked against cuBLAS's result first).
@@ -44,7 +45,7 @@ def layer_shapes(shape: str) -> list[tuple[str, int, int]]:
     ]
 
 
-GRID = [GemvConfig(n, k, s) for n in (16, 32, 64) for k in (128, 256) for s in (1, 2, 4, 8)]
+GRID = [GemvConfig(n, k, s) for n in (16, 32, 64) for k in (128, 256) for s in (1, 2, 4, 8, 16)]
 
 
 def time_linear(
@@ -52,9 +53,9 @@ def time_linear(
 ) -> float:
     """Median seconds of one x [m, in] @ W.T, W [out, in] bf16, a fresh copy of W each call.
 
-    Timed as ``calls`` launches back to back between two events (as a step's 32 layers run), so
-    the GPU is never idle waiting on the host's next launch: one call between two events
-    measured the launch, not the kernel (5x the floor for a 4096x4096 weight)."""
+    Timed as ``calls`` calls in one CUDA graph (as a step's 32 layers run), so the GPU is never
+    idle waiting on the host's next launch: one call between two events measured the launch, not
+    the kernel (5x the floor for a 4096x4096 weight), and Triton's launches cost more than cuBLAS's."""
     weight_bytes = out_features * in_features * 2
     copies = max(2, COPIES_BYTES // weight_bytes)
     weights = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
@@ -71,7 +72,21 @@ def time_linear(
             else:
                 gemv(x, weights[i % copies], None, config)
 
-    return statistics.median(time_cuda(run, repeat=30, warmup=3)) / calls
+    return statistics.median(time_cuda(graphed(run), repeat=30, warmup=3)) / calls
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph, as a decode step runs: a Triton launch from Python costs tens of
+    microseconds of host time, more than a 4096x4096 weight read, and a graph replay none."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def main() -> None:
