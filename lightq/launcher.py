@@ -55,11 +55,17 @@ def gpu_slices(env: dict[str, str], num_workers: int, gpus: list[str]) -> list[s
 
     Without this every worker of ``--workers 2`` would load onto cuda:0. None
     (leave the environment alone) without GPUs, or when ``--device`` pins one
-    explicitly (``cuda:N``, ``cpu``). Too few GPUs fail here, before anything starts.
+    explicitly (``cuda:N``, ``cpu``). With ``--tp 1`` and more workers than
+    GPUs, workers share GPUs round-robin (each then sizes its pool by its
+    share, ``gpu_shares``): a small model uses a big GPU better as several
+    workers, and cache-aware routing can be measured on one GPU. Too few GPUs
+    for ``--tp`` > 1 fail here, before anything starts.
     """
     tp = int(env.get("LIGHTQ_TP", "1"))
     if not gpus or env.get("LIGHTQ_DEVICE", "auto") not in ("auto", "cuda"):
         return [None] * num_workers
+    if tp == 1:
+        return [gpus[i % len(gpus)] for i in range(num_workers)]
     if len(gpus) < num_workers * tp:
         raise SystemExit(
             f"--workers {num_workers} x --tp {tp} needs {num_workers * tp} GPUs; {len(gpus)} visible ({','.join(gpus)})"
@@ -67,14 +73,22 @@ def gpu_slices(env: dict[str, str], num_workers: int, gpus: list[str]) -> list[s
     return [",".join(gpus[i * tp : (i + 1) * tp]) for i in range(num_workers)]
 
 
+def gpu_shares(slices: list[str | None]) -> list[float]:
+    """Each worker's part of its GPU's memory: 1 / the workers given the same GPUs."""
+    return [1.0 if s is None else 1.0 / slices.count(s) for s in slices]
+
+
 def worker_envs(env: dict[str, str], num_workers: int, gpus: list[str]) -> list[dict[str, str]]:
-    """One environment per worker: its GPUs, and its share of the CPU threads; on a CPU, glibc's
-    malloc settings for big temporaries (``CPU_MALLOC``)."""
+    """One environment per worker: its GPUs (and its share of them, where workers share one), and its
+    share of the CPU threads; on a CPU, glibc's malloc settings for big temporaries (``CPU_MALLOC``)."""
     envs = []
-    for gpu_slice in gpu_slices(env, num_workers, gpus):
+    slices = gpu_slices(env, num_workers, gpus)
+    for gpu_slice, share in zip(slices, gpu_shares(slices), strict=True):
         own = worker_env(env, num_workers)
         if gpu_slice is not None:
             own["CUDA_VISIBLE_DEVICES"] = gpu_slice
+        if share < 1:
+            own["LIGHTQ_GPU_SHARE"] = repr(share)
         if runs_on_cpu(env, gpus):
             own = {**CPU_MALLOC, **own}  # the environment's own values win
         envs.append(own)

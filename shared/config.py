@@ -236,6 +236,13 @@ class WorkerSettings(BaseSettings):
         None, gt=0, description="tokens in the preallocated KV pool (default: from free GPU memory, 8192 on CPU)"
     )
     mem_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory weights + KV pool may use")
+    gpu_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="this worker's part of --mem_fraction when several workers share one GPU "
+        "(lightq serve --workers N on fewer GPUs sets it to 1 / workers on the GPU)",
+    )
     batch_max_tokens: int = Field(4096, gt=0, description="max prompt tokens prefilled in one step")
     # LightLLM's default. At 256, a burst of 1,000 requests on an H200 ran 256 at a time while the
     # rest waited in the queue (issue 13); the KV pool, not this cap, should bound the batch.

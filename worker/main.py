@@ -93,13 +93,21 @@ def eos_ids(config, tokenizer) -> set[int]:
 
 def pool_size(settings: WorkerSettings, model, device: torch.device) -> int:
     """``--max_total_token_num`` if given; on a GPU, what ``--mem_fraction`` of
-    its memory leaves after the weights (LightLLM's rule); 8192 on a CPU."""
+    its memory leaves after the weights (LightLLM's rule); 8192 on a CPU.
+
+    A worker sharing its GPU (``--gpu_share`` below 1) takes its share of
+    ``--mem_fraction`` less its own weights, and never more than is free now
+    less the headroom: its neighbours may be loading at the same moment, so
+    free memory alone would let the first to measure take it all."""
     if settings.max_total_token_num is not None:
         return settings.max_total_token_num
     if device.type != "cuda":
         return CPU_POOL_TOKENS
     free, total = torch.cuda.mem_get_info(device)
     usable = free - total * (1 - settings.mem_fraction)
+    if settings.gpu_share < 1:
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        usable = min(usable, total * settings.mem_fraction * settings.gpu_share - weights)
     per_token = KVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
     if usable < per_token * settings.model.max_req_total_len:
         raise RuntimeError(

@@ -19,6 +19,16 @@ def test_spare_gpus_stay_unused_and_too_few_fail_before_anything_starts():
         gpu_slices({"LIGHTQ_TP": "2"}, 2, ["0", "1", "2"])
 
 
+def test_more_workers_than_gpus_share_them_and_split_their_memory():
+    """--tp 1: round-robin, each worker told its part of the GPU (worker.main.pool_size uses it)."""
+    assert gpu_slices({}, 4, ["0"]) == ["0"] * 4
+    assert gpu_slices({}, 3, ["0", "1"]) == ["0", "1", "0"]
+    envs = worker_envs({"LIGHTQ_TP": "1"}, 3, ["0", "1"])
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "0"]
+    assert [e.get("LIGHTQ_GPU_SHARE") for e in envs] == ["0.5", None, "0.5"]
+    assert "LIGHTQ_GPU_SHARE" not in worker_envs({}, 2, ["0", "1"])[0]
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda:1"])
 def test_no_gpus_or_a_pinned_device_leave_the_environment_alone(device):
     assert gpu_slices({}, 2, []) == [None, None]
