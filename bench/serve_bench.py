@@ -3,12 +3,15 @@
     .venv/bin/python -m bench.serve_bench --base-url http://127.0.0.1:8000 \\
         --num-prompts 200 --request-rate 16 --goodput ttft:50 tpot:12
 
-Workload: a ShareGPT JSON file (``--dataset``), sampled and filtered as
+Workload: a ShareGPT JSON file (``--dataset PATH``), sampled and filtered as
 vLLM's ``sample_sharegpt_requests`` does (first human turn -> prompt, the
 reply's token count -> output length; prompt and output >= 4 tokens,
 prompt <= 1024, prompt + output <= 2048), or without one the synthetic
 ShareGPT-like lengths of ``bench/sharegpt.py`` with random token-id prompts
-(``ignore_eos``, so each request emits exactly its drawn length). Requests
+(``ignore_eos``, so each request emits exactly its drawn length), or one of
+the repeating workloads of ``bench/prefix_workloads.py``: ``--dataset gsp``
+(SGLang's generated shared prefix) or ``--dataset multiturn`` (chats that
+resend their history; ``--request-rate`` then starts conversations). Requests
 go through ``/generate_stream`` (LightLLM's SSE) or, with ``--endpoint
 completions``, OpenAI's streaming ``/v1/completions``; arrivals are Poisson
 at ``--request-rate`` (``inf``: all at once), at most ``--concurrency`` in
@@ -29,10 +32,9 @@ from concurrent.futures import ProcessPoolExecutor
 import httpx
 import numpy as np
 
+from bench.prefix_workloads import Conversation, Request, conversations, gsp_requests
 from bench.serve_metrics import Outcome, calculate, parse_slos, report
 from bench.sharegpt import describe, sharegpt_lengths
-
-Request = tuple[str | list[int], int, int]  # (prompt, prompt tokens, output tokens)
 
 
 def synthetic_requests(n: int, seed: int, vocab: int, output_len: int | None) -> list[Request]:
@@ -95,7 +97,10 @@ async def send(client: httpx.AsyncClient, endpoint: str, req: Request, ignore_eo
                 data = line[5:].strip() if line.startswith("data:") else ""
                 if not data or data == "[DONE]":
                     continue
-                count, server_count = tokens_in(endpoint, json.loads(data))
+                event = json.loads(data)
+                count, server_count = tokens_in(endpoint, event)
+                if count and endpoint == "generate_stream":
+                    outcome.output_ids.append(event["token"]["id"])
                 now = time.perf_counter()
                 if count:
                     if chunks == 0:
@@ -139,6 +144,35 @@ async def run(args, requests: list[Request], start_at: float | None = None) -> t
                 await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
         outcomes = await asyncio.gather(*tasks)
         return outcomes, time.perf_counter() - start
+
+
+async def run_conversations(args, chats: list[Conversation]) -> tuple[list[Outcome], float]:
+    """Each conversation's turns one after another (a turn's prompt is the history so far, its
+    reply's real ids included), conversations started at ``--request-rate``; a warm-up first."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(None), limits=limits) as client:
+        warm_prompt = [3] * 16
+        if not (await send(client, args.endpoint, (warm_prompt, 16, 8), args.ignore_eos)).success:
+            raise SystemExit("warm-up request failed")
+        rng = np.random.default_rng(args.seed)
+        rate = args.request_rate
+        starts = np.cumsum(rng.exponential(1.0 / rate, len(chats))) if rate != float("inf") else [0.0] * len(chats)
+
+        async def chat(conv: Conversation, delay: float) -> list[Outcome]:
+            await asyncio.sleep(delay)
+            outcomes = []
+            for _ in conv.user_turns:
+                prompt = conv.next_prompt()
+                outcome = await send(client, args.endpoint, (prompt, len(prompt), conv.output_len), args.ignore_eos)
+                outcomes.append(outcome)
+                if not outcome.success:
+                    break
+                conv.finish_turn(prompt, outcome.output_ids)
+            return outcomes
+
+        start = time.perf_counter()
+        parts = await asyncio.gather(*(chat(c, float(d)) for c, d in zip(chats, starts, strict=True)))
+        return [o for part in parts for o in part], time.perf_counter() - start
 
 
 def run_clients(args, requests: list[Request]) -> tuple[list[Outcome], float]:
@@ -206,7 +240,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--endpoint", choices=["generate_stream", "completions"], default="generate_stream")
-    p.add_argument("--dataset", help="ShareGPT JSON (ShareGPT_V3_unfiltered_cleaned_split.json); default: synthetic")
+    p.add_argument(
+        "--dataset",
+        help="a ShareGPT JSON (ShareGPT_V3_unfiltered_cleaned_split.json), 'gsp' or 'multiturn' "
+        "(bench/prefix_workloads.py); default: synthetic ShareGPT-like lengths",
+    )
+    p.add_argument("--gsp", default="64,16,2048,128,256", help="gsp: groups,prompts per group,system,question,output")
+    p.add_argument("--multiturn", default="32,4,512,128,128", help="multiturn: chats,turns,system,user,output")
     p.add_argument("--tokenizer", default="default", help="--model_dir whose tokenizer measures dataset prompts")
     p.add_argument("--vocab-size", type=int, default=49152, help="token ids of synthetic prompts are below this")
     p.add_argument("--num-prompts", type=int, default=200)
@@ -227,14 +267,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--result-json", help="also write the numbers here")
     args = p.parse_args(argv)
     if args.ignore_eos is None:
-        args.ignore_eos = args.dataset is None
+        args.ignore_eos = args.dataset in (None, "gsp", "multiturn")
+    if args.dataset == "multiturn" and (args.endpoint != "generate_stream" or args.clients != 1):
+        p.error("--dataset multiturn reads replies' token ids: --endpoint generate_stream, --clients 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     slos = parse_slos(args.goodput)
-    if args.dataset:
+    if args.dataset == "multiturn":
+        chats = conversations(args.seed, args.vocab_size, *(int(x) for x in args.multiturn.split(",")))
+        prompts = [len(c.history) + len(c.user_turns[0]) for c in chats]
+        print(f"{len(chats)} conversations x {len(chats[0].user_turns)} turns; first prompts {describe(prompts)}")
+        outcomes, duration = asyncio.run(run_conversations(args, chats))
+        return finish(args, slos, outcomes, duration)
+    if args.dataset == "gsp":
+        requests = gsp_requests(args.seed, args.vocab_size, *(int(x) for x in args.gsp.split(",")))
+    elif args.dataset:
         from shared.model_files import load_tokenizer, resolve
 
         tokenizer = load_tokenizer(resolve(args.tokenizer))
@@ -246,6 +296,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"output {describe([r[2] for r in requests])}; rate {args.request_rate}/s, concurrency {args.concurrency}"
     )
     outcomes, duration = run_clients(args, requests)
+    return finish(args, slos, outcomes, duration)
+
+
+def finish(args, slos, outcomes: list[Outcome], duration: float) -> dict:
     result = calculate(outcomes, duration, slos, [float(p) for p in args.percentiles.split(",")])
     print(report(result, slos))
     if args.hops:

@@ -29,6 +29,7 @@ class Outcome:
     error: str = ""
     request_id: str | None = None  # the server's id (X-Request-Id), for --hops
     sent_unix: float = 0.0  # wall clock at send, to line up with the server's *_ms stamps
+    output_ids: list[int] = field(default_factory=list)  # /generate_stream's token ids (a multi-turn history)
 
     @property
     def tpot(self) -> float:

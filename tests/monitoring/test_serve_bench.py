@@ -56,3 +56,32 @@ async def test_run_against_a_producer(settings, tokenizer, worker, endpoint, cap
     assert result["total_output_tokens"] == 24 and result["goodput_req_s"] > 0
     assert len(served) == 7  # the warm-up and six measured requests
     assert "Mean TTFT (ms)" in capsys.readouterr().out
+
+
+def test_gsp_groups_share_their_system_prompt():
+    from bench.prefix_workloads import gsp_requests
+
+    requests = gsp_requests(seed=1, vocab=1000, num_groups=3, prompts_per_group=4, system_len=20, question_len=5)
+    assert len(requests) == 12 and all(r[1] == 25 and r[2] == 256 for r in requests)
+    systems = [tuple(r[0][:20]) for r in requests]
+    assert sorted(systems.count(s) for s in set(systems)) == [4, 4, 4]
+    assert len({tuple(r[0]) for r in requests}) == 12  # the questions differ
+    assert any(systems[i] != systems[i - i % 4] for i in range(12))  # shuffled, not sent group by group
+
+
+async def test_multiturn_resends_the_history_with_the_real_replies(settings, tokenizer, worker):
+    def reply(request):
+        return [f"t{i}" for i in range(request.params.max_new_tokens)], "length"
+
+    async with worker.answering(reply) as served, serving(settings, tokenizer) as url:
+        args = ["--base-url", url, "--dataset", "multiturn", "--multiturn", "2,3,10,4,2", "--request-rate", "50"]
+        result = await asyncio.to_thread(bench_main, args)
+    assert result["completed"] == 6 and result["failed"] == 0
+    turns = [r.prompt_ids for r in served[1:]]  # after the warm-up
+    by_chat: dict[int, list[list[int]]] = {}
+    for ids in turns:
+        by_chat.setdefault(ids[0] * 100000 + ids[1], []).append(ids)
+    for chat in by_chat.values():
+        assert [len(t) for t in chat] == [14, 20, 26]  # + the 2-token reply and a 4-token user turn each time
+        for earlier, later in zip(chat, chat[1:], strict=False):
+            assert later[: len(earlier)] == earlier and later[len(earlier) : len(earlier) + 2] == [100, 101]
