@@ -35,6 +35,20 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class Constraint(_Frozen):
+    """A grammar the output must follow (constrained decoding, ``worker.runner.grammar``).
+
+    ``spec`` is the JSON schema as JSON text (``json_schema``), the regular
+    expression (``regex``) or the EBNF grammar (``ebnf``); empty for ``json``
+    (any JSON object or value, OpenAI's ``json_object``). The producer checks
+    that it parses before anything is queued; the worker compiles it against
+    its tokenizer. When the grammar is complete the output ends (``stop``).
+    """
+
+    kind: Literal["json", "json_schema", "regex", "ebnf"]
+    spec: str = ""
+
+
 class SamplingParams(_Frozen):
     """Validated generation parameters, as the worker applies them."""
 
@@ -57,6 +71,7 @@ class SamplingParams(_Frozen):
     top_logprobs: int = Field(
         0, ge=0, le=MAX_TOP_LOGPROBS, description="most likely alternatives to report with each token's logprob"
     )
+    constraint: Constraint | None = Field(None, description="a grammar the output must follow (None: free text)")
 
     @property
     def is_greedy(self) -> bool:

@@ -28,6 +28,7 @@ from worker.model.loader import attach_kv_cache, load_model
 from worker.model.models import model_class
 from worker.runner import tp as tensor_parallel
 from worker.runner.cuda_graphs import DecodeGraphs, default_buckets
+from worker.runner.grammar import GrammarCache, Grammars
 from worker.runner.model_runner import ModelRunner
 from worker.runner.prefill_graphs import PrefillGraphs
 from worker.runner.req_table import ReqTable
@@ -159,7 +160,13 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
         if settings.tp == 1:  # small prefills too (measured on one GPU only)
             prefill_graphs = PrefillGraphs(model, table, cache.hold_slot, config.vocab_size, device)
     eos = set(settings.eos_id) if settings.eos_id else eos_ids(config, tokenizer)  # --eos_id replaces them
-    runner = ModelRunner(model, TokenPool(num_slots), table, config.vocab_size, device, eos, graphs, prefill_graphs)
+    # Constrained decoding needs the tokenizer's token texts (rank 0 samples; followers have none).
+    grammars = None
+    if tokenizer is not None and len(tokenizer) <= config.vocab_size:
+        grammars = Grammars(GrammarCache(tokenizer, config.vocab_size, eos))
+    runner = ModelRunner(
+        model, TokenPool(num_slots), table, config.vocab_size, device, eos, graphs, prefill_graphs, grammars
+    )
     if group is not None and rank == 0:
         runner.on_forward = group.send_step  # each forward runs on the followers too
     return runner, eos

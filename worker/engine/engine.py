@@ -247,7 +247,7 @@ class Engine:
         return events
 
     def _finish_reason(self, req: Req, token_id: int) -> FinishReason | None:
-        if token_id in self.eos_ids and not req.msg.params.ignore_eos:
+        if req.is_grammar_complete or (token_id in self.eos_ids and not req.msg.params.ignore_eos):
             return "stop"
         if req.is_done_generating:
             return "length"

@@ -88,6 +88,8 @@ class Req:
     # event was already sent, so re-admission must not send another.
     is_paused: bool = False
     finish_reason: FinishReason | None = None
+    # Set by the runner when this sample's grammar (msg.params.constraint) has ended its output.
+    is_grammar_complete: bool = False
     choice: int = 0  # which sample of its request (always 0 unless a group)
     group: Group | None = None  # None for n = 1
     num_shared: int = 0  # leading positions whose slots are group.prompt_slots (not ours to free)

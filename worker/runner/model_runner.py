@@ -15,6 +15,10 @@ it also forks the other samples (``prefill``'s ``forks``): their table rows
 get a copy of the leader's prompt positions (``StepInputs.forks``, so
 tensor-parallel followers copy too), and each samples its first token from
 the leader's last-position logits. No K/V is copied.
+
+Constrained samples (``grammars``, ``worker.runner.grammar``) get their
+matcher with their row (``start``; rebuilt after the emitted tokens on a
+fork); a step's mask is filled before its forward is launched.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from worker.engine.request import Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
 from worker.model.forward_batch import ForwardBatch
+from worker.runner.grammar import GrammarMask, Grammars
 from worker.runner.penalties import TokenCounts
 from worker.runner.req_table import ReqTable
 from worker.runner.sampler import RowParams, Sampled, SamplingBatch, sample
@@ -59,6 +64,7 @@ class ModelRunner:
         eos_ids: set[int] = frozenset(),
         graphs=None,
         prefill_graphs=None,
+        grammars: Grammars | None = None,
     ):
         self.model = model
         self.pool = pool
@@ -67,6 +73,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs  # worker.runner.cuda_graphs.DecodeGraphs or None
         self.prefill_graphs = prefill_graphs  # worker.runner.prefill_graphs.PrefillGraphs or None
+        self.grammars = grammars  # None: this runner refuses constrained requests (no tokenizer)
         self.on_forward = None  # tensor parallel, rank 0: StepInputs -> None, called before each forward
         # Per table row token counts, for penalties and min_new_tokens (one row per request).
         self.counts = TokenCounts(table.hold_row, vocab_size, eos_ids, device)
@@ -79,6 +86,14 @@ class ModelRunner:
         req.slot_ids = np.empty(req.max_len, dtype=np.int64)
         req.num_cached = req.num_shared = 0
         self._start_counts(req)
+        self._start_grammar(req)
+
+    def _start_grammar(self, req: Req) -> None:
+        if req.msg.params.constraint is None:
+            return
+        if self.grammars is None:
+            raise ValueError(f"{req.id}: a constrained request needs a worker built with its tokenizer's grammars")
+        self.grammars.start(req)
 
     def _start_counts(self, req: Req) -> None:
         """The row's token counts: prompt, and output so far (resumed or paused), for penalties."""
@@ -96,6 +111,8 @@ class ModelRunner:
                 self.pool.free(group.prompt_slots)
                 group.prompt_slots = None
         self.table.free_row(req.row)
+        if self.grammars is not None:
+            self.grammars.finish(req)
         req.row = None
         req.num_cached = req.num_shared = 0
 
@@ -108,8 +125,9 @@ class ModelRunner:
         group.holders = 1 + len(members)
         leader.num_shared = n
         leader.take_emitted()
-        if leader.output_ids:  # its row's counts were started from the prompt alone
+        if leader.output_ids:  # its row's counts and matcher were started from the prompt alone
             self._start_counts(leader)
+            self._start_grammar(leader)
         for member in members:
             member.take_emitted()
             self.start(member)
@@ -128,8 +146,9 @@ class ModelRunner:
             req.slot_ids[req.num_cached] = slot
             req.num_cached += 1
         ones = np.ones(len(reqs), dtype=np.int64)
+        mask = self._mask(reqs)  # before the forward: on a GPU the host work overlaps it
         logits = self.forward(StepInputs(input_ids, positions, slots, rows, positions, ones, True))
-        return self._sample(logits, reqs)
+        return self._sample(logits, reqs, mask)
 
     @torch.inference_mode()
     def prefill(
@@ -152,6 +171,8 @@ class ModelRunner:
         positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, q_lens)])
         rows = np.array([r.row for r in reqs], dtype=np.int64)
         copies = [c for leader, members in forks.items() for c in self._fork(leader, members)]
+        pairs = sampling_after_prefill(completing, forks)  # after the fork, which sets num_uncached
+        mask = self._mask([r for _, r in pairs])
         logits = self.forward(
             StepInputs(
                 np.array(input_ids, dtype=np.int64),
@@ -164,13 +185,12 @@ class ModelRunner:
                 np.array(copies, dtype=np.int64).reshape(-1, 3),
             )
         )
-        pairs = sampling_after_prefill(completing, forks)
         if not pairs:  # nothing completed, or only samples that resume after emitted tokens
             return Sampled([], [], [])
         # Each completing request samples from its own last logits, a fork's members from their leader's
         # (those that resume after emitted tokens do not sample yet: see sampling_after_prefill).
         position = {r: i for i, r in enumerate(reqs)}
-        return self._sample(logits[[position[source] for source, _ in pairs]], [r for _, r in pairs])
+        return self._sample(logits[[position[source] for source, _ in pairs]], [r for _, r in pairs], mask)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
@@ -194,7 +214,10 @@ class ModelRunner:
             self._batch(step.input_ids, step.positions, step.slots, step.rows, step.cached, step.q_lens, step.is_decode)
         )
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> Sampled:
+    def _mask(self, reqs: list[Req]) -> GrammarMask | None:
+        return self.grammars.mask(reqs) if self.grammars is not None and reqs else None
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], mask: GrammarMask | None = None) -> Sampled:
         params = [r.msg.params for r in reqs]
         key = tuple((r.id, r.choice) for r in reqs)
         if key != self._row_params[0]:
@@ -206,8 +229,13 @@ class ModelRunner:
             rows=[r.row for r in reqs],
             output_lens=[len(r.output_ids) for r in reqs],
             fixed=self._row_params[1],
+            grammar=mask,
         )
-        return sample(logits, batch, self.counts)
+        sampled = sample(logits, batch, self.counts)
+        if mask is not None and self.grammars is not None:
+            for req, ended in zip(reqs, self.grammars.accept(reqs, sampled.ids)):
+                req.is_grammar_complete = ended
+        return sampled
 
     def _batch(self, input_ids, positions, slots, rows, cached, q_lens, is_decode: bool) -> ForwardBatch:
         def dev(values: np.ndarray, dtype=torch.int32) -> torch.Tensor:

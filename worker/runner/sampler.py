@@ -17,12 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from shared.schemas import SamplingParams
 from worker.runner.penalties import PenaltyBatch, TokenCounts
+
+if TYPE_CHECKING:
+    from worker.runner.grammar import GrammarMask
 
 M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
@@ -85,6 +88,7 @@ class SamplingBatch:
     seed_keys: torch.Tensor | None = None  # [S] int64: 32-bit key of (seed, output index)
     penalties: PenaltyBatch | None = None  # None: no row has penalties or min_new_tokens pending
     rows: torch.Tensor | None = None  # [B] int64 request-table rows (for TokenCounts.add)
+    grammar: GrammarMask | None = None  # constrained rows' allowed tokens (worker.runner.grammar)
 
     @classmethod
     def build(
@@ -95,6 +99,7 @@ class SamplingBatch:
         rows: Sequence[int] | None = None,
         output_lens: Sequence[int] | None = None,
         fixed: RowParams | None = None,
+        grammar: GrammarMask | None = None,
     ) -> SamplingBatch:
         """``rows``: the requests' table rows (needed for penalties and counting);
         ``output_lens``: tokens each already generated (the index being sampled);
@@ -116,6 +121,7 @@ class SamplingBatch:
             else None,
             penalties=penalties,
             rows=row_ids,
+            grammar=grammar,
         )
 
 
@@ -131,8 +137,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCounts | Non
     (temperature 1 for greedy rows), before top-k/top-p/min-p filtering: the
     alternatives are ranked on the same scale as the chosen token's logprob.
     With ``counts`` (and ``batch.rows``), the sampled tokens are counted for
-    the next step's penalties; ``logits`` itself is never modified.
+    the next step's penalties; ``logits`` itself is never modified. A grammar's
+    mask comes first (on a copy): every logprob is then of the constrained
+    distribution, and a forbidden token can never be drawn (-inf stays -inf
+    through penalties, temperature and the filters).
     """
+    if batch.grammar is not None:
+        logits = batch.grammar.apply(logits)
     if batch.penalties is not None:
         if counts is None:
             raise ValueError("this batch has penalties: pass the TokenCounts")
@@ -226,10 +237,12 @@ def seeded_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
     ``key + t * GOLDEN`` is distinct for distinct t (GOLDEN is odd) and hash32
     is a bijection, so no two tokens of a row share a value; 24 bits of it
-    make u in (0, 1) exactly representable in fp32, never 0 or 1.
+    make u in (0, 1], never 0 (1 for the top value only: clamped below).
     """
     tokens = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)[None, :]
     x = (keys[:, None] + tokens * GOLDEN) & M32
     bits = hash32(hash32(x)) >> 8
     u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u)
+    # bits = 2**24 - 1 rounds to u = 1 in fp32 (x.5 past 2**24 is not representable): noise 0, and a
+    # token filtered out (p = 0: top-k/p, a grammar) would race 0 / 0 = NaN, which argmax picks.
+    return (-torch.log(u)).clamp_min_(MIN_NOISE)

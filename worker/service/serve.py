@@ -185,17 +185,26 @@ class WorkerService:
             self.last_inbox_id = entry_id
 
     def _take(self, entry_id: str, msg: GenerateRequest) -> None:
-        req = Req(msg=msg, inbox_id=entry_id)
-        if msg.max_tokens_needed > self.engine.limits.max_total_tokens:
-            error = (
-                f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds "
-                f"{self.engine.limits.max_total_tokens}"
-            )
+        error = self._refusal(msg)
+        if error is not None:
             self.publisher.put(
                 [Ended(msg.id, RequestStatus.FAILED, "error", msg.num_emitted, error), Released(msg.id, entry_id)]
             )
             return
-        self.engine.add(req)
+        self.engine.add(Req(msg=msg, inbox_id=entry_id))
+
+    def _refusal(self, msg: GenerateRequest) -> str | None:
+        """Why this worker cannot run ``msg`` (None: it can). A constraint is compiled here (then
+        cached), not in the middle of a step."""
+        if msg.max_tokens_needed > self.engine.limits.max_total_tokens:
+            return (
+                f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds "
+                f"{self.engine.limits.max_total_tokens}"
+            )
+        if msg.params.constraint is None:
+            return None
+        grammars = getattr(self.engine.runner, "grammars", None)  # worker.runner.grammar.Grammars or None
+        return "this worker cannot apply grammars" if grammars is None else grammars.cache.error(msg.params.constraint)
 
     def _free_stopped(self) -> None:
         """Requests the publisher ended on a stop string: free their slots now."""
