@@ -22,7 +22,7 @@ from producer.api.errors import install_handlers
 from producer.batches import routes as routes_batches
 from producer.deps import Services
 from producer.edge import front_door
-from producer.edge.auth import authenticate, key_hashes
+from producer.edge.auth import authenticate, key_hashes, key_tenants
 from producer.edge.backlog import Gate
 from producer.edge.body_limit import BodyLimit
 from producer.monitoring import dashboard
@@ -65,6 +65,7 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
             model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
             gate=Gate(redis, keys, settings.max_queue_tokens, settings.reject_without_workers),
             api_key_hashes=key_hashes(settings.api_keys),
+            key_tenants=key_tenants(settings.api_keys),
         )
         # The cluster view is read on a thread of its own; /metrics serves the last read.
         app.state.cluster_view = view = ClusterView(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -34,6 +35,7 @@ class Services:
     model_id: str = "default"  # the served model's name on the OpenAI routes
     gate: Gate | None = None  # overload checks before enqueue (None: no limits, e.g. outside the app)
     api_key_hashes: frozenset[str] = frozenset()  # producer.edge.auth; empty: no keys needed
+    key_tenants: Mapping[str, str] = field(default_factory=dict)  # key hash -> tenant (producer.edge.auth)
     hub: StreamHub | None = None  # one XREAD for every followed chunk stream (None: a read per follower)
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import redis
 
+from router.ordering import cost, member_key
 from shared.admission import request_states
 from shared.codec import FIELD, encode, from_entry
 from shared.keys import ROUTER_GROUP, Keys
@@ -39,22 +40,37 @@ from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, RequestMeta
 
-# KEYS: the ingress stream, then per item: inbox, load record, status hash
+# KEYS: the ingress stream, waiting, vtime, tenant_queued, tenant_served, then per item:
+#       inbox, load record, status hash, the class's order (router.ordering)
 # ARGV: group, most newer entries to return, message field, then per item:
-#       tail, ingress entry id, message, number of status args, status field/value pairs
+#       tail, ingress entry id, message, request id, priority, "priority:tenant", cost,
+#       number of status args, status field/value pairs
 # Per item: {1, id} written; {0, newer} not written, newer entries; {-1} record expired;
-# {2} not tried, as an earlier item to the same inbox was not written (order per inbox holds).
+# {2} not tried, as an earlier item to the same inbox was not written (order per inbox holds);
+# {3, id} not written: request ``id`` of a better class waits (strict classes, router.ordering),
+# and no later item of the call is tried either.
 DISPATCH_LUA = """
 local group, max_newer, field = ARGV[1], ARGV[2], ARGV[3]
-local tails, blocked, out = {}, {}, {}
+local waiting, vtime, queued, served = KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local tails, blocked, out, stop = {}, {}, {}, false
 local a = 4
-for i = 0, (#KEYS - 1) / 3 - 1 do
-  local inbox, load, meta = KEYS[2 + 3 * i], KEYS[3 + 3 * i], KEYS[4 + 3 * i]
-  local tail, entry, msg, nstatus = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
-  local status = {unpack(ARGV, a + 4, a + 3 + nstatus)}
-  a = a + 4 + nstatus
-  if blocked[inbox] then
+for i = 0, (#KEYS - 5) / 4 - 1 do
+  local inbox, load, meta, order = KEYS[6 + 4 * i], KEYS[7 + 4 * i], KEYS[8 + 4 * i], KEYS[9 + 4 * i]
+  local tail, entry, msg, rid = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local prio, member, cost, nstatus = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], tonumber(ARGV[a + 7])
+  local status = {unpack(ARGV, a + 8, a + 7 + nstatus)}
+  a = a + 8 + nstatus
+  local better = {}
+  if not stop and not blocked[inbox] then
+    better = redis.call('ZRANGEBYSCORE', waiting, '-inf', '(' .. prio, 'LIMIT', 0, 1)
+  end
+  if stop then
     out[i + 1] = {2}
+  elseif blocked[inbox] then
+    out[i + 1] = {2}
+  elseif #better > 0 then
+    stop = true
+    out[i + 1] = {3, better[1]}
   elseif redis.call('EXISTS', load) == 0 then
     blocked[inbox] = true
     out[i + 1] = {-1}
@@ -68,6 +84,16 @@ for i = 0, (#KEYS - 1) / 3 - 1 do
       redis.call('HSET', meta, unpack(status))
       redis.call('XACK', KEYS[1], group, entry)
       tails[inbox] = id  -- our own entry: not a conflict for the next item to this inbox
+      -- Out of the order; the class's virtual time moves to the largest tag served.
+      local tag = redis.call('ZSCORE', order, rid)
+      if redis.call('ZREM', order, rid) == 1 and redis.call('HINCRBY', queued, member, -1) <= 0 then
+        redis.call('HDEL', queued, member)
+      end
+      redis.call('ZREM', waiting, rid)
+      redis.call('HINCRBY', served, member, cost)
+      if tag and tonumber(tag) > tonumber(redis.call('HGET', vtime, prio) or '0') then
+        redis.call('HSET', vtime, prio, tag)
+      end
       out[i + 1] = {1, id}
     end
   end
@@ -81,6 +107,7 @@ MAX_NEWER = 256  # entries handed back per conflict; the router asks again for m
 class Outcome:
     inbox_id: str | None = None  # set: dispatched
     newer: list[tuple[str, tuple[ReqState, ...]]] | None = None  # set: not written, learn these and decide again
+    behind: str | None = None  # set: not written, this request of a better class waits somewhere
     # neither: the worker's record expired; leave it to the janitor
 
 
@@ -99,11 +126,15 @@ class Dispatcher:
 
     def send_many(self, items: list[Item]) -> list[Outcome]:
         """Several dispatches in one round trip, each checked as if sent alone, in order."""
-        keys, args = [self.keys.requests()], [ROUTER_GROUP, MAX_NEWER, FIELD]
+        k = self.keys
+        keys = [k.requests(), k.waiting(), k.vtime(), k.tenant_queued(), k.tenant_served()]
+        args = [ROUTER_GROUP, MAX_NEWER, FIELD]
         for item in items:
+            r = item.request
             status = RequestMeta.fields(worker=item.worker_id, dispatched_ms=now_ms())
-            keys += [self.keys.inbox(item.worker_id), self.keys.load(item.worker_id), self.keys.meta(item.request.id)]
-            args += [item.tail, item.entry_id, encode(item.request), 2 * len(status)]
+            keys += [k.inbox(item.worker_id), k.load(item.worker_id), k.meta(r.id), k.order(r.priority)]
+            args += [item.tail, item.entry_id, encode(r), r.id, r.priority, member_key(r.priority, r.tenant)]
+            args += [cost(r), 2 * len(status)]
             args += [x for pair in status.items() for x in pair]
         return [_outcome(reply) for reply in self.script(keys=keys, args=args)]
 
@@ -116,6 +147,8 @@ def _outcome(reply: list) -> Outcome:
         return Outcome(newer=[(_text(i), _state(flat)) for i, flat in rest[0]])
     if status == 2:
         return Outcome(newer=[])  # not tried: decide again
+    if status == 3:
+        return Outcome(newer=[], behind=_text(rest[0]))
     return Outcome()
 
 

@@ -7,8 +7,11 @@ before it leaves the entry pending (re-read with id 0 on restart) and a crash
 after it leaves the request in exactly one inbox. The script writes only if
 no other router dispatched to that worker since this one last looked;
 otherwise this router learns those dispatches and decides again. Requests
-are dispatched in arrival order:
-when the head cannot be placed, everything behind it waits too. The
+are dispatched in the order of ``router.ordering`` (priority classes
+strictly, fair shares of tokens between tenants inside a class, then
+arrival), which lives in Redis so every router orders alike; a router reads
+up to ``order_window`` entries ahead to order them. When the head cannot be
+placed, everything behind it waits too. The
 output-length history past-future admission estimates from is re-read
 from Redis every ``history_refresh_s``, not per request.
 """
@@ -19,7 +22,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
 
 import redis
 
@@ -27,6 +29,7 @@ from router import liveness
 from router.admission import Views
 from router.dispatch import Dispatcher, Item
 from router.janitor import reap_dead_worker
+from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_weights
 from router.registry import read_registry
 from router.reservations import Reservations
 from shared.admission import AdmissionRule, request_states
@@ -52,7 +55,8 @@ class Router:
         self.dispatcher = Dispatcher(client, self.keys)
         self.rule = AdmissionRule(settings.admission_rule)
         self._next_history_read = 0.0
-        self.queue: deque[tuple[str, GenerateRequest]] = deque()
+        self.queue = OrderedQueue()
+        self.tagger = Tagger(client, self.keys, parse_weights(settings.tenant_weights))
         self.stop_event = threading.Event()
         self._read_id = "0"  # first our own pending entries (after a restart), then new ones
         self._next_housekeeping = 0.0
@@ -108,8 +112,7 @@ class Router:
         self._next_housekeeping = now + self.settings.liveness_ttl_s / 3
         ensure_group(self.client, self.keys.requests(), ROUTER_GROUP)
         liveness.beat(self.client, self.keys, self.router_id, self.settings.liveness_ttl_s)
-        for entry_id, fields in liveness.claim_from_dead_routers(self.client, self.keys, self.router_id):
-            self._take(entry_id, fields)
+        self._take(liveness.claim_from_dead_routers(self.client, self.keys, self.router_id))
 
     def _refresh_history(self) -> None:
         now = time.monotonic()
@@ -120,12 +123,12 @@ class Router:
         self.views.clear()  # their draws came from the old history
 
     def _read(self) -> None:
-        room = self.settings.read_batch - len(self.queue)
+        room = min(self.settings.order_window - len(self.queue), self.settings.read_batch)
         if room <= 0:
             return
-        if self._read_id == "0":  # after a restart: entries we read but never dispatched
-            entries = self._xreadgroup("0", room, None)
-            self._read_id = ">"
+        if self._read_id != ">":  # after a restart: entries we read but never dispatched, page by page
+            entries = self._xreadgroup(self._read_id, room, None)
+            self._read_id = entries[-1][0] if len(entries) == room else ">"
             if entries:
                 return
         block = None if self.queue else self.settings.poll_ms
@@ -136,18 +139,27 @@ class Router:
             ROUTER_GROUP, self.router_id, {self.keys.requests(): read_id}, count=count, block=block
         )
         entries = reply[0][1] if reply else []
-        for entry_id, fields in entries:
-            self._take(entry_id, fields)
+        self._take(entries)
         return entries
 
-    def _take(self, entry_id: str, fields: dict) -> None:
-        # An entry can reach us twice: claimed from a dead router, then re-read from our own
-        # pending list. The queue holds each entry once.
-        if entry_id in self._queued_ids:
-            return
+    def _take(self, entries: list) -> None:
+        """Entries into the queue, each at its place in the order (tags from Redis, one round trip)."""
+        taken: list[tuple[str, GenerateRequest]] = []
+        for entry_id, fields in entries:
+            # An entry can reach us twice: claimed from a dead router, then re-read from our own
+            # pending list. The queue holds each entry once.
+            if entry_id in self._queued_ids:
+                continue
+            request = self._parse(entry_id, fields)
+            if request is not None:
+                taken.append((entry_id, request))
+                self._queued_ids.add(entry_id)
+        for (entry_id, request), tag in zip(taken, self.tagger.tags([r for _, r in taken])):
+            self.queue.add(entry_id, request, tag)
+
+    def _parse(self, entry_id: str, fields: dict) -> GenerateRequest | None:
         try:
-            self.queue.append((entry_id, from_entry(GenerateRequest, fields)))
-            self._queued_ids.add(entry_id)
+            return from_entry(GenerateRequest, fields)
         except ValueError as exc:  # unreadable: never retry it, keep it for inspection
             log.error("dead-lettering unreadable entry %s: %s", entry_id, exc)
             pipe = self.client.pipeline(transaction=True)
@@ -155,6 +167,7 @@ class Router:
             pipe.xadd(self.keys.dead_letters(), entry(letter))
             pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
             pipe.execute()
+            return None
 
     def _dispatch(self, loads) -> int:
         loads = dict(loads)  # a worker found dead while dispatching leaves this step's choice
@@ -163,7 +176,11 @@ class Router:
             run = self._decide(cancelled)
             if not run:
                 break
-            dispatched += self._send(run, loads)
+            sent, behind = self._send(run, loads)
+            dispatched += sent
+            if behind is not None:  # a better class waits (maybe at another router): this one waits too
+                clear_if_gone(self.client, self.keys, behind)
+                break
         return dispatched
 
     def _decide(self, cancelled: set[str]) -> list[Item]:
@@ -187,26 +204,30 @@ class Router:
             self.queue.popleft()
         return run
 
-    def _send(self, run: list[Item], loads: dict) -> int:
-        """The run in one round trip; what was not written goes back to the head, in order."""
-        back, rebuild = [], set()
+    def _send(self, run: list[Item], loads: dict) -> tuple[int, str | None]:
+        """The run in one round trip; what was not written goes back to its place. Also returns the
+        request of a better class that blocked the run, if one did."""
+        back, rebuild, behind = [], set(), None
         for item, outcome in zip(run, self.dispatcher.send_many(run)):
             if outcome.inbox_id is not None:
                 self.reservations.add(item.worker_id, outcome.inbox_id, request_states(item.request))
                 self._queued_ids.discard(item.entry_id)
+                self.queue.drop(item.entry_id)
                 continue
+            behind = behind or outcome.behind
             back.append((item.entry_id, item.request))  # another router got there first, or the worker died
             rebuild.add(item.worker_id)
             if outcome.newer is None:
                 loads.pop(item.worker_id, None)
             else:
                 self.reservations.learn(item.worker_id, outcome.newer)
-        self.queue.extendleft(reversed(back))
+        self.queue.put_back(back)
         self.views.refresh(loads, self.reservations.pending(), rebuild)  # undo what was counted in vain
-        return len(run) - len(back)
+        return len(run) - len(back), behind
 
     def _pop(self) -> None:
         entry_id, _ = self.queue.popleft()
+        self.queue.drop(entry_id)
         self._queued_ids.discard(entry_id)
 
     def _cancelled(self) -> set[str]:
@@ -227,7 +248,7 @@ class Router:
         """A worker for the request (a group: all its samples, the prompt once), counted on its
         view at once (the next decision sees it)."""
         candidate = Candidate(request_states(request), self.rule.policy)
-        worker_id = self.views.choose(candidate, request.model)
+        worker_id = self.views.choose(candidate, request.model, request.prompt_ids)  # cache-aware
         if worker_id is not None:
             self.views.admit(worker_id, candidate)
         return worker_id
@@ -251,5 +272,6 @@ class Router:
             ttl_s=self.settings.redis.request_ttl_s,
         )
         pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
+        forget(pipe, self.keys, request)
         pipe.execute()
         self.on_finish(request, status)

@@ -216,6 +216,15 @@ class RouterSettings(BaseSettings):
         le=65535,
         description="port of this service's Prometheus /metrics (0: none; when taken, the next free port above it)",
     )
+    # router.ordering: priorities and fair shares apply to what a router holds, so it holds up to this many.
+    order_window: int = Field(
+        1024, gt=0, description="queued requests a router reads ahead to order (priority, tenant)"
+    )
+    tenant_weights: str = Field(
+        "",
+        pattern=r"^$|^[^=,\s]+=[0-9]*\.?[0-9]+(,[^=,\s]+=[0-9]*\.?[0-9]+)*$",
+        description="fair-share weights, 'tenant=weight,...' (others weigh 1): weight 2 gets twice the tokens",
+    )
 
 
 def default_publishers() -> int:

@@ -26,6 +26,12 @@ land in one slot, so a request's status and chunks can be written together.
 | P:{b:ID}:output             | string + TTL  | rq batch job -> producer (the output JSONL) |
 | P:batches:OWNER             | zset          | producer (an owner's batch ids by creation time; expired ones pruned) |
 | P:housekeeping:cursor       | string        | rq housekeeping (SCAN cursor of the request-record sweep) |
+| P:{q}:waiting               | sorted set    | routers -> routers, producer (request id -> priority, while queued) |
+| P:{q}:order:PRIO            | sorted set    | routers -> routers, producer (request id -> virtual start tag) |
+| P:{q}:vtc:PRIO              | hash          | routers (tenant -> virtual finish tag in the class) |
+| P:{q}:vtime                 | hash          | routers (class -> virtual time: the largest tag dispatched) |
+| P:{q}:tenant_queued         | hash          | routers -> metrics ("PRIO:tenant" -> requests queued) |
+| P:{q}:tenant_served         | hash          | routers -> metrics ("PRIO:tenant" -> tokens dispatched) |
 
 Routers read a worker's inbox past its load's ``last_inbox_id``: dispatches the load does not show yet.
 Expired batch ids leave an owner's zset when the owner's batches are listed.
@@ -109,6 +115,25 @@ class Keys:
 
     def enqueued_tokens(self) -> str:
         return f"{self.prefix}:{{q}}:enqueued_tokens"
+
+    def waiting(self) -> str:
+        """Queued requests (tagged by a router) scored by priority: the class check of every dispatch."""
+        return f"{self.prefix}:{{q}}:waiting"
+
+    def order(self, priority: int) -> str:
+        return f"{self.prefix}:{{q}}:order:{priority}"
+
+    def vtc(self, priority: int) -> str:
+        return f"{self.prefix}:{{q}}:vtc:{priority}"
+
+    def vtime(self) -> str:
+        return f"{self.prefix}:{{q}}:vtime"
+
+    def tenant_queued(self) -> str:
+        return f"{self.prefix}:{{q}}:tenant_queued"
+
+    def tenant_served(self) -> str:
+        return f"{self.prefix}:{{q}}:tenant_served"
 
     def rate_limit(self, key_hash: str, minute: int) -> str:
         return f"{self.prefix}:{{k:{key_hash}}}:rpm:{minute}"

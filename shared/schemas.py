@@ -14,6 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 MAX_TOP_LOGPROBS = 20  # OpenAI chat's limit (completions' is 5)
+# Priorities are small integers: each one in use is a sorted set of its own in Redis (router.ordering).
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+DEFAULT_TENANT = "default"
+MAX_TENANT_CHARS = 128
 
 FinishReason = Literal["stop", "length", "cancelled", "error", "expired"]
 
@@ -111,6 +115,11 @@ class GenerateRequest(_Frozen):
     model: str | None = Field(
         None, description="the served model name it is for: only workers serving it take it (None: any worker)"
     )
+    # Scheduling (router.ordering): classes by ``priority`` (lower first, as in vLLM), and within
+    # a class fair shares of tokens between tenants. The producer sets ``tenant`` (the API key's
+    # tenant, or OpenAI's ``user`` where keys are off); defaults keep older messages valid.
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="lower is served earlier")
+    tenant: str = Field(DEFAULT_TENANT, min_length=1, max_length=MAX_TENANT_CHARS)
     # A requeued group's progress (empty, the defaults, for a fresh one): per choice the tokens it
     # already emitted, and the choices that already ended (never run again).
     group_resume: list[list[int]] = Field(default_factory=list)

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 from pydantic_core import PydanticCustomError
 
-from shared.schemas import FinishReason, RequestStatus, TokenChunk
+from shared.schemas import MAX_PRIORITY, MIN_PRIORITY, FinishReason, RequestStatus, TokenChunk
 
 
 class _Request(BaseModel):
@@ -30,6 +30,7 @@ TIMEOUT_DOC = (
     "seconds the request may wait in the queue; one still queued after that is not run and "
     "ends with finish_reason 'expired'"
 )
+PRIORITY_DOC = "scheduling class: lower is served earlier (as in vLLM); within a class tenants share tokens fairly"
 
 
 class GenerateParameters(_Request):
@@ -58,6 +59,7 @@ class GenerateParameters(_Request):
     n: int | None = None
     return_details: bool = Field(False, description="/generate: per-token id, text, logprob under 'tokens'")
     timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description=TIMEOUT_DOC)
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description=PRIORITY_DOC)
 
     @field_validator("top_k")
     @classmethod
@@ -207,6 +209,10 @@ class RequestView(BaseModel):
     stepped_ms: int | None  # the worker step that admitted it ended
     started_ms: int | None
     finished_ms: int | None
+    priority: int | None = Field(None, description="while queued: its class (router.ordering)")
+    queue_position: int | None = Field(
+        None, description="while queued and read by a router: requests served before it as things stand (0: next)"
+    )
 
 
 class ErrorDetail(BaseModel):

@@ -14,10 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from producer.api.api_types import INT32_MAX, INT64_MAX, MAX_TIMEOUT_S, TIMEOUT_DOC
+from producer.api.api_types import INT32_MAX, INT64_MAX, MAX_TIMEOUT_S, PRIORITY_DOC, TIMEOUT_DOC
 from producer.api.errors import bad_request
 from producer.api.params import MAX_BEST_OF, check_min_tokens, stop_strings
-from shared.schemas import SamplingParams
+from shared.schemas import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
 
 GREEDY_BELOW = 1e-5  # temperature 0 (or this close) means greedy, as in LightLLM
 
@@ -53,6 +53,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description=TIMEOUT_DOC)  # lightq's own
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description=PRIORITY_DOC)  # vLLM's extension
 
     def check_common(self) -> None:
         if self.num_choices > MAX_BEST_OF:

@@ -101,7 +101,7 @@ async def prepare_completions(body: CompletionRequest, services: Services) -> tu
         ids = await prompt_ids(inputs, services.tokenizer, param="prompt" if len(prompts) == 1 else f"prompt.{i}")
         check_prompt_length(len(ids), services.settings.model.max_req_input_len, "prompt")
         check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
-        queued.append(new_request(ids, params, body.timeout, body.num_choices))
+        queued.append(new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user))
     echo = tuple(prompt_text(inputs, services.tokenizer) for inputs in prompts) if body.echo else ()
     call = Call(
         "completion",
@@ -161,7 +161,8 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     # Without a limit the answer may fill the context (LightLLM and vLLM do the same).
     max_new = body.requested_max_tokens or max(limit - len(ids), 1)
     check_context(len(ids), max_new, limit, "messages")
-    queued = new_request(ids, body.sampling(max_new, services.tokenizer), body.timeout, body.num_choices)
+    params = body.sampling(max_new, services.tokenizer)
+    queued = new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user)
     call = Call(
         "chat",
         f"chatcmpl-{queued.id}",

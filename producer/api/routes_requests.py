@@ -59,6 +59,7 @@ async def request_view(services: Services, request_id: str, meta: RequestMeta) -
         for accepted in reader.accept(chunk)
     ]
     tokens = [chunk for chunk in delivered if chunk.token_id is not None]
+    priority, position = await store.queue_place(services.redis, services.keys, request_id)
     return RequestView(
         id=request_id,
         status=meta.status,
@@ -74,6 +75,8 @@ async def request_view(services: Services, request_id: str, meta: RequestMeta) -
         stepped_ms=meta.stepped_ms,
         started_ms=meta.started_ms,
         finished_ms=meta.finished_ms,
+        priority=priority,
+        queue_position=position,
     )
 
 

@@ -16,7 +16,7 @@ from producer.deps import Services
 from producer.edge.backlog import Gate
 from shared.config import ProducerSettings
 from shared.request_log import now_ms
-from shared.schemas import GenerateRequest, SamplingParams
+from shared.schemas import DEFAULT_TENANT, MAX_TENANT_CHARS, GenerateRequest, SamplingParams
 
 
 async def prompt_ids(inputs: str | list[int], tokenizer: Any, param: str = "inputs") -> list[int]:
@@ -52,8 +52,18 @@ def check_length(num_prompt_tokens: int, max_new_tokens: int, max_req_total_len:
         )
 
 
-def new_request(ids: list[int], params: SamplingParams, timeout_s: float | None = None, n: int = 1) -> GenerateRequest:
+def new_request(
+    ids: list[int],
+    params: SamplingParams,
+    timeout_s: float | None = None,
+    n: int = 1,
+    priority: int = 0,
+    user: str | None = None,
+) -> GenerateRequest:
     """A new request; its id (uuid4: 122 random bits) is unguessable, which status URLs rely on.
+
+    ``priority`` and ``user`` (OpenAI's end-user id) are for the router's order: ``user`` is the
+    tenant where no API keys are configured (``enqueue`` puts the key's tenant in its place).
 
     ``timeout_s`` becomes an absolute ``deadline_ms`` the router checks while the request waits.
     ``n`` > 1: a group of samples. A sampled group without a seed gets one, so its samples are
@@ -65,8 +75,24 @@ def new_request(ids: list[int], params: SamplingParams, timeout_s: float | None 
     if n > 1 and params.seed is None and not params.is_greedy:
         params = params.model_copy(update={"seed": secrets.randbits(63)})
     return GenerateRequest(
-        id=uuid.uuid4().hex, prompt_ids=ids, params=params, created_ms=created, deadline_ms=deadline, n=n
+        id=uuid.uuid4().hex,
+        prompt_ids=ids,
+        params=params,
+        created_ms=created,
+        deadline_ms=deadline,
+        n=n,
+        priority=priority,
+        tenant=user_tenant(user),
     )
+
+
+def user_tenant(user: str | None) -> str:
+    """OpenAI's ``user`` as a tenant: blank is the default tenant; 400 if longer than a tenant may be."""
+    if user is None or not user.strip():
+        return DEFAULT_TENANT
+    if len(user) > MAX_TENANT_CHARS:
+        raise bad_request(f"user: at most {MAX_TENANT_CHARS} characters, got {len(user)}", param="user")
+    return user
 
 
 async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings) -> GenerateRequest:
@@ -75,7 +101,7 @@ async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings
     ids = await prompt_ids(body.inputs, tokenizer)
     check_prompt_length(len(ids), settings.model.max_req_input_len, "inputs")
     check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)
-    return new_request(ids, params, body.params.timeout, n)
+    return new_request(ids, params, body.params.timeout, n, body.params.priority)
 
 
 async def enqueue(
@@ -83,11 +109,15 @@ async def enqueue(
 ) -> GenerateRequest:
     """Write the request (status hash + ingress entry) and count it; 429/503 when overloaded.
 
-    ``key_hash`` (``producer.edge.auth``) marks the request as the submitting key's own.
+    ``key_hash`` (``producer.edge.auth``) marks the request as the submitting key's own, and makes
+    it its key's tenant's: with keys, a client cannot pick its tenant (``user`` is ignored).
     """
     # Without the app's gate (a caller outside it) the request is still counted in the backlog.
     gate = services.gate or Gate(services.redis, services.keys, max_queue_tokens=0, require_workers=False)
-    request = request.model_copy(update={"model": services.model_id})  # only its model's workers take it
+    update: dict[str, Any] = {"model": services.model_id}  # only its model's workers take it
+    if key_hash is not None:
+        update["tenant"] = services.key_tenants.get(key_hash, DEFAULT_TENANT)
+    request = request.model_copy(update=update)
     await gate.enqueue(request, services.settings.redis.request_ttl_s, key_hash)
     services.metrics.accepted.labels(route=route).inc()
     services.metrics.prompt_tokens.inc(request.num_prompt_tokens)

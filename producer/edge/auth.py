@@ -38,6 +38,7 @@ from pydantic import SecretStr
 
 from producer.api.errors import ApiError, retry_later
 from producer.deps import Services, get_services
+from shared.schemas import MAX_TENANT_CHARS
 
 # Liveness probes stay open (they tell nothing but "up"); /metrics only with --metrics_open.
 OPEN_PATHS = frozenset({"/health", "/healthz"})
@@ -55,9 +56,27 @@ def open_paths(metrics_open: bool) -> frozenset[str]:
     return OPEN_PATHS | {METRICS_PATH} if metrics_open else OPEN_PATHS
 
 
+def _entries(api_keys: SecretStr) -> list[tuple[str | None, str]]:
+    """``--api_keys`` as (tenant, key): comma-separated, each ``KEY`` or ``TENANT:KEY`` (split at the
+    first ':'; a key of its own holding ':' needs a tenant before it); blanks and spaces ignored."""
+    out: list[tuple[str | None, str]] = []
+    for item in api_keys.get_secret_value().split(","):
+        tenant, sep, key = item.strip().partition(":")
+        out.append((tenant.strip() or None, key.strip()) if sep else (None, tenant))
+    return [(tenant, key) for tenant, key in out if key]
+
+
 def key_hashes(api_keys: SecretStr) -> frozenset[str]:
-    """The configured keys (comma-separated; blanks and surrounding spaces ignored), hashed."""
-    return frozenset(hash_key(key.strip()) for key in api_keys.get_secret_value().split(",") if key.strip())
+    """The configured keys, hashed (without their tenants)."""
+    return frozenset(hash_key(key) for _, key in _entries(api_keys))
+
+
+def key_tenants(api_keys: SecretStr) -> dict[str, str]:
+    """Each key's tenant (router.ordering shares tokens fairly between tenants): the one given
+    before it, else its own, ``key-`` and the start of its hash (never the key itself)."""
+    return {
+        hash_key(key): (tenant or f"key-{hash_key(key)[:8]}")[:MAX_TENANT_CHARS] for tenant, key in _entries(api_keys)
+    }
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ VIEW_KEYS = {
     "stepped_ms",
     "started_ms",
     "finished_ms",
+    "priority",
+    "queue_position",
 }
 
 

@@ -53,12 +53,16 @@ def submit(
     ignore_eos: bool = False,
     model: str | None = None,
     n: int = 1,
+    priority: int = 0,
+    tenant: str = "default",
 ) -> GenerateRequest:
     msg = GenerateRequest(
         id=request_id,
         prompt_ids=list(range(1, prompt_len + 1)),
         model=model,
         n=n,
+        priority=priority,
+        tenant=tenant,
         params=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos),
         created_ms=now_ms(),
     )

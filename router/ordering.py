@@ -1,0 +1,201 @@
+"""The order requests are served in: priority classes strictly, then fair shares of tokens between tenants.
+
+The rule. A request's place is ``(priority, tag, ingress id)``, smallest first:
+
+- ``priority`` (lower first, as in vLLM): a class is served only when no
+  better class has a request waiting anywhere, whichever router holds it
+  (the dispatch script checks ``waiting``, a sorted set every router shares).
+- ``tag``: the request's virtual start in its class, start-time fair queuing
+  over token counts. Each tenant has a virtual finish ``F`` per class, each
+  class a virtual time ``V`` (the largest tag dispatched in it). A request
+  gets ``S = max(V, F[tenant])`` and moves its tenant's ``F`` to
+  ``S + cost / weight``. A flooding tenant's tags run ahead at the rate it
+  sends, so a tenant sending less is served at the same token rate as long
+  as it has work: the virtual token counters of "Fairness in Serving Large
+  Language Models" (OSDI 2024). The ``max`` with ``V`` is that paper's lift:
+  a tenant that was idle does not bank credit and then starve the others.
+- the ingress id (arrival order) breaks ties.
+
+Why tags, not counters read at each decision: a tag is assigned once, in
+Redis, atomically (``TAG_LUA``), the first time any router reads the entry,
+and kept in the class's ``order`` sorted set until the request is
+dispatched or ends. So two routers order the same requests the same way,
+and a restarted router (or one that claims a dead router's entries) finds
+the tags it had. Counters read per decision would differ between routers
+deciding at the same moment.
+
+The cost charged is the request's prompt plus ``max_new_tokens`` per open
+sample, known at enqueue (the paper counts tokens as they are generated;
+lightq's router never sees them). A request that stops early is charged its
+budget; all tenants are charged the same way.
+
+A requeued request (worker death, drain, preemption) is a new ingress
+entry and is tagged again, charged for what it still has to run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterable, Iterator
+
+import redis
+
+from shared.keys import Keys
+from shared.schemas import GenerateRequest, RequestStatus
+
+log = logging.getLogger("lightq.router")
+
+# KEYS: waiting, vtime, tenant_queued, then per item: order(priority), vtc(priority)
+# ARGV: per item: request id, priority, tenant, cost, weight
+# Returns each item's tag as a string (a Lua number would be truncated to an integer reply).
+TAG_LUA = """
+local out = {}
+for i = 0, (#KEYS - 3) / 2 - 1 do
+  local order, vtc = KEYS[4 + 2 * i], KEYS[5 + 2 * i]
+  local a = 1 + 5 * i
+  local rid, prio, tenant = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local cost, weight = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  local tag = redis.call('ZSCORE', order, rid)
+  if not tag then
+    local v = tonumber(redis.call('HGET', KEYS[2], prio) or '0')
+    local f = tonumber(redis.call('HGET', vtc, tenant) or '0')
+    local s = math.max(v, f)
+    redis.call('HSET', vtc, tenant, string.format('%.17g', s + cost / weight))
+    redis.call('ZADD', order, s, rid)
+    redis.call('ZADD', KEYS[1], prio, rid)
+    redis.call('HINCRBY', KEYS[3], prio .. ':' .. tenant, 1)
+    tag = string.format('%.17g', s)
+  end
+  out[i + 1] = tag
+end
+return out
+"""
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``--tenant_weights`` ('a=2,b=0.5'; the setting's pattern checked the form) as a dict."""
+    weights = {}
+    for item in filter(None, text.split(",")):
+        tenant, _, weight = item.partition("=")
+        if float(weight) <= 0:
+            raise ValueError(f"tenant_weights: {tenant}'s weight must be > 0, got {weight}")
+        weights[tenant] = float(weight)
+    return weights
+
+
+def cost(request: GenerateRequest) -> int:
+    """Tokens a request is charged: its prompt (and what it already emitted), and its budget per open sample."""
+    return request.num_prompt_tokens + request.num_emitted + request.params.max_new_tokens * len(request.open_choices)
+
+
+def member_key(priority: int, tenant: str) -> str:
+    """The field of ``tenant_queued`` and ``tenant_served``: priority first, so a ':' in a tenant parses."""
+    return f"{priority}:{tenant}"
+
+
+def split_member_key(field: str) -> tuple[int, str]:
+    priority, _, tenant = field.partition(":")
+    return int(priority), tenant
+
+
+class Tagger:
+    """Assigns (or finds) the tags of entries a router takes, in one round trip per read."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, weights: dict[str, float]):
+        self.keys, self.weights = keys, weights
+        self.script = client.register_script(TAG_LUA)
+
+    def tags(self, requests: list[GenerateRequest]) -> list[float]:
+        if not requests:
+            return []
+        keys = [self.keys.waiting(), self.keys.vtime(), self.keys.tenant_queued()]
+        args: list = []
+        for r in requests:
+            keys += [self.keys.order(r.priority), self.keys.vtc(r.priority)]
+            args += [r.id, r.priority, r.tenant, cost(r), self.weights.get(r.tenant, 1.0)]
+        return [float(tag) for tag in self.script(keys=keys, args=args)]
+
+
+# KEYS: the class's order, waiting, tenant_queued; ARGV: request id, "priority:tenant"
+FORGET_LUA = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 and redis.call('HINCRBY', KEYS[3], ARGV[2], -1) <= 0 then
+  redis.call('HDEL', KEYS[3], ARGV[2])
+end
+redis.call('ZREM', KEYS[2], ARGV[1])
+"""
+
+
+def forget(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest) -> None:
+    """A queued request ended without a dispatch (cancelled, expired): out of the order.
+
+    Goes in the same transaction as the entry's XACK, so the order never keeps a request the
+    stream no longer holds. The tenant's count drops only if the request was in the order.
+    """
+    order_keys = [keys.order(request.priority), keys.waiting(), keys.tenant_queued()]
+    pipe.eval(FORGET_LUA, len(order_keys), *order_keys, request.id, member_key(request.priority, request.tenant))
+
+
+def clear_if_gone(client: redis.Redis, keys: Keys, request_id: str) -> None:
+    """A request in ``waiting`` whose record is gone or ended can never be dispatched: out with it,
+    or every lower class would wait on it forever. Only a path that acks an ingress entry without
+    ``forget`` could leave one behind; none does, this is the safety net."""
+    status = client.hget(keys.meta(request_id), "status")
+    if status is not None and not RequestStatus(_text(status)).is_terminal:
+        return
+    priority = client.zscore(keys.waiting(), request_id)
+    if priority is not None:
+        log.warning("request %s was left in the order after it ended: removed", request_id)
+        client.zrem(keys.order(int(priority)), request_id)
+        client.zrem(keys.waiting(), request_id)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class OrderedQueue:
+    """What one router holds, kept in the rule's order; iterates as ``(entry_id, request)``.
+
+    At most ``order_window`` entries, so inserting by bisection (O(n) moves of pointers)
+    is cheaper than any heap bookkeeping would be.
+    """
+
+    def __init__(self) -> None:
+        self._keys: list[tuple] = []
+        self._items: list[tuple[str, GenerateRequest]] = []
+        self._tags: dict[str, float] = {}
+
+    def add(self, entry_id: str, request: GenerateRequest, tag: float) -> None:
+        key = (request.priority, tag, _entry_order(entry_id))
+        at = bisect.bisect(self._keys, key)
+        self._keys.insert(at, key)
+        self._items.insert(at, (entry_id, request))
+        self._tags[entry_id] = tag
+
+    def put_back(self, items: Iterable[tuple[str, GenerateRequest]]) -> None:
+        """Entries taken off the head and not dispatched: back in their places."""
+        for entry_id, request in items:
+            self.add(entry_id, request, self._tags[entry_id])
+
+    def popleft(self) -> tuple[str, GenerateRequest]:
+        # The tag stays until the entry leaves for good (``drop``): a popped entry may come back.
+        self._keys.pop(0)
+        return self._items.pop(0)
+
+    def drop(self, entry_id: str) -> None:
+        self._tags.pop(entry_id, None)
+
+    def __getitem__(self, index: int) -> tuple[str, GenerateRequest]:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[tuple[str, GenerateRequest]]:
+        return iter(list(self._items))  # a copy: the metrics thread iterates while the loop changes it
