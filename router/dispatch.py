@@ -21,6 +21,12 @@ per request); each item is checked as if it were sent alone, and after an
 item to some inbox is not written, the later items to that inbox are not
 tried either, so a worker's requests stay in the router's order.
 
+Priority classes are strict across routers: an item is not written while a
+request of a better class waits in the shared ``waiting`` set (whichever
+router holds it), and nothing after it in the call is tried; the router
+waits for that request to go first. A written item leaves the order and
+its tenant is charged its tokens, in the same script (``router.ordering``).
+
 The script also refuses a worker whose load record has expired: the
 janitor may be emptying that inbox (it reaps only workers without a
 record), and an entry appended after it did would never be read.

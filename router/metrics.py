@@ -14,10 +14,11 @@ import time
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.loop import Router
+from router.ordering import split_member_key
 from router.registry import read_registry
 from shared.keys import ROUTER_GROUP
 from shared.peak import ReqState
@@ -95,6 +96,7 @@ class RouterCollector(Collector):
         yield workers
         yield self._peaks(registry.live.values())
         yield from self._ingress(router)
+        yield from _shares(router)
 
     def _queue(self, router: Router, rid: str) -> Iterable[Metric]:
         queued = [request for _, request in _copy(router.queue)]
@@ -152,6 +154,39 @@ class RouterCollector(Collector):
             [],
             [([], client.xlen(router.keys.dead_letters()))],
         )
+
+
+def _shares(router: Router) -> Iterable[Metric]:
+    """The order's state in Redis (router.ordering), the same from every router: requests queued
+    per class and per tenant, and tokens dispatched per tenant (prompt + max_new_tokens, what the
+    fair share counts)."""
+    pipe = router.client.pipeline(transaction=False)
+    pipe.hgetall(router.keys.tenant_queued())
+    pipe.hgetall(router.keys.tenant_served())
+    queued, served = ({split_member_key(k): int(v) for k, v in h.items()} for h in pipe.execute())
+    per_class: dict[int, int] = {}
+    for (priority, _), n in queued.items():
+        per_class[priority] = per_class.get(priority, 0) + n
+    yield _gauge(
+        "lightq:queue_class_depth",
+        "requests queued per priority class (read by a router, not yet dispatched)",
+        ["priority"],
+        [([str(p)], n) for p, n in sorted(per_class.items())],
+    )
+    yield _gauge(
+        "lightq:queue_tenant_depth",
+        "requests queued per priority class and tenant",
+        ["priority", "tenant"],
+        [([str(p), t], n) for (p, t), n in sorted(queued.items())],
+    )
+    family = CounterMetricFamily(
+        "lightq:tenant_dispatched_tokens",
+        "tokens dispatched per priority class and tenant (prompt + max_new_tokens per open sample)",
+        labels=["priority", "tenant"],
+    )
+    for (p, t), n in sorted(served.items()):
+        family.add_metric([str(p), t], n)
+    yield family
 
 
 def _gauge(name: str, doc: str, labels: list[str], values: list[tuple[list[str], float]]) -> Metric:

@@ -174,3 +174,24 @@ def test_weights_are_checked():
     assert parse_weights("") == {} and parse_weights("a=2,b=.5") == {"a": 2.0, "b": 0.5}
     with pytest.raises(ValueError, match="must be > 0"):
         parse_weights("a=0")
+
+
+def test_metrics_show_depth_per_class_and_tenant_and_tokens_served(redis_settings, rclient, keys):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from router.metrics import RouterCollector
+    from tests.monitoring.conftest import parse
+
+    router = make_router(redis_settings, rclient)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RouterCollector(router))
+    submit(rclient, keys, "a0", 10, 10, priority=0, tenant="a")
+    submit(rclient, keys, "b0", 10, 10, priority=1, tenant="b")
+    submit(rclient, keys, "b1", 10, 10, priority=1, tenant="b")
+    publish_load(rclient, keys, "w1", max_total=25)  # room for one
+    router.step()
+    s = parse(generate_latest(registry).decode())
+    assert s[("lightq:queue_class_depth", (("priority", "1"),))] == 2
+    assert ("lightq:queue_class_depth", (("priority", "0"),)) not in s  # a0 went out
+    assert s[("lightq:queue_tenant_depth", (("priority", "1"), ("tenant", "b")))] == 2
+    assert s[("lightq:tenant_dispatched_tokens_total", (("priority", "0"), ("tenant", "a")))] == 20
