@@ -271,6 +271,11 @@ class WorkerSettings(BaseSettings):
         description="publisher processes per worker (detokenising and Redis writes, each "
         "a shard of the requests; default: 1, 2 with 16 cores or more)",
     )
+    prefix_cache: bool = Field(
+        True,
+        description="keep ended requests' K/V in a radix tree over the KV pool, so later requests with "
+        "the same prefix skip its prefill (off: --no-prefix_cache or --disable_prefix_cache)",
+    )
     heartbeat_s: float = Field(0.5, gt=0, description="seconds between load records")
     admission_rule: AdmissionSettings = Field(default_factory=AdmissionSettings)  # named as the router's
     drain_timeout: float = Field(

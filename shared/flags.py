@@ -146,6 +146,16 @@ def add_lightllm_aliases(parser: argparse.ArgumentParser, flags: set[str]) -> No
             default=None,
             help="LightLLM's --no-cuda_graphs",
         )
+    if "prefix_cache" in flags:
+        for name in ("--disable_prefix_cache", "--disable_dynamic_prompt_cache"):
+            group.add_argument(
+                name,
+                dest="prefix_cache",
+                action="store_const",
+                const=False,
+                default=None,
+                help="the same as --no-prefix_cache",
+            )
     if "model_dir" in flags:
         group.add_argument(
             "--tokenizer_mode",

@@ -220,6 +220,12 @@ class WorkerLoad(_Frozen):
         description="per running or waiting request: [prompt + output tokens, output tokens, "
         "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState), a group's prompt counted once"
     )
+    cached_tokens: int = Field(0, description="tokens the prefix cache holds (0: off)")
+    prefixes: list[tuple[int, int]] = Field(
+        default_factory=list,
+        description="what the prefix cache holds, bounded: [prefix hash, tokens it covers] "
+        "(shared.prefix_hash), the most recently used first",
+    )
 
     def serves(self, model: str | None) -> bool:
         """Whether a request for ``model`` may come here: one pool per served model name."""

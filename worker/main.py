@@ -20,6 +20,7 @@ from shared.model_files import load_config, load_tokenizer, resolve
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
 from worker.engine.engine import Engine, EngineLimits
+from worker.engine.radix_cache import RadixCache
 from worker.engine.token_pool import TokenPool
 from worker.model.counting_model import COUNTING_VOCAB, CountingModel
 from worker.model.kv_cache import KVCache
@@ -164,8 +165,10 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
     grammars = None
     if tokenizer is not None and len(tokenizer) <= config.vocab_size:
         grammars = Grammars(GrammarCache(tokenizer, config.vocab_size, eos))
+    pool = TokenPool(num_slots)
+    prefix_cache = RadixCache(pool) if settings.prefix_cache else None  # rank 0's decides; followers' stay empty
     runner = ModelRunner(
-        model, TokenPool(num_slots), table, config.vocab_size, device, eos, graphs, prefill_graphs, grammars
+        model, pool, table, config.vocab_size, device, eos, graphs, prefill_graphs, grammars, prefix_cache
     )
     if group is not None and rank == 0:
         runner.on_forward = group.send_step  # each forward runs on the followers too

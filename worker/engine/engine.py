@@ -24,12 +24,22 @@ released with the group's last sample. A requeued group forks only its
 unfinished samples, and one that had emitted tokens is prefilled after
 them on top of the shared prompt before it samples again
 (``worker.engine.request``).
+
+With the prefix cache on (``worker.engine.radix_cache``, ``worker.engine.kv_slots``)
+an admitted request starts after the longest cached prefix of its ids, and
+ended, cancelled and paused requests leave their tokens in the tree, which
+gives unreferenced ones back only when a step needs their slots. So the
+room a step has is the free slots plus the evictable cached ones, and
+admission counts only what a request adds: not the part of its prefix that
+running requests already hold (``_adds``). A paused request is resumed
+from whatever of its tokens the tree still holds.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,9 +47,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from shared.admission import AdmissionRule
 from shared.batch_view import BatchView, Candidate
+from shared.peak import ReqState
 from shared.schemas import FinishReason, RequestStatus
 from worker.engine.events import Ended, Event, Released, Started, Tokens
-from worker.engine.load import LoadSnapshot, request_states
+from worker.engine.kv_slots import KVSlots
+from worker.engine.load import SUMMARY_LIMIT, SUMMARY_PERIOD_S, LoadSnapshot, request_states
 from worker.engine.request import Phase, Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
 
@@ -61,6 +73,7 @@ class Runner(Protocol):
     row per request, and the forwards."""
 
     pool: TokenPool
+    slots: KVSlots
 
     def start(self, req: Req) -> None: ...
     def finish(self, req: Req) -> None: ...
@@ -80,6 +93,10 @@ class Engine:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._lock = threading.Lock()  # guards what the heartbeat thread reads
+        # What the prefix cache holds, for the load record: (prefix hash, tokens) pairs, rebuilt
+        # on this thread (the tree is not safe to walk from the heartbeat's) at most every period.
+        self.prefix_summary: tuple[tuple[int, int], ...] = ()
+        self._summary_at = (0.0, -1)  # (when, cached tokens then)
 
     @property
     def has_work(self) -> bool:
@@ -105,7 +122,15 @@ class Engine:
         with self._lock:
             # committed: prompt + max_new_tokens of every sample, each group's prompt once
             committed = sum(s.conservative_need for s in request_states([*self.running, *self.waiting]))
-            return LoadSnapshot(self.runner.pool.num_used, committed, len(self.running), len(self.waiting))
+            slots = self.runner.slots
+            return LoadSnapshot(
+                slots.num_held,
+                committed,
+                len(self.running),
+                len(self.waiting),
+                slots.cache.num_cached,
+                self.prefix_summary,
+            )
 
     def cancel(self, req: Req) -> list[Event]:
         """End ``req`` now (wherever it is) and free its slots; an unforked group ends every sample."""
@@ -142,7 +167,15 @@ class Engine:
                 early(events)
                 events = []
             events += self._sample_and_finish(decoding, self.runner.decode(decoding))
+        self._refresh_summary()
         return events
+
+    def _refresh_summary(self) -> None:
+        cache, (then, cached) = self.runner.slots.cache, self._summary_at
+        now = time.monotonic()
+        if cache.num_cached != cached and now - then >= SUMMARY_PERIOD_S:
+            self.prefix_summary = tuple(cache.summary(SUMMARY_LIMIT))
+            self._summary_at = (now, cache.num_cached)
 
     def _prefill(self, chunks: list[tuple[Req, int]]) -> list[Event]:
         """One prefill forward over (request, tokens) chunks; those that complete sample."""
@@ -178,20 +211,31 @@ class Engine:
         with self._lock:
             while self.waiting:
                 req = self.waiting[0]
-                candidate = Candidate(request_states([req]), policy)  # a group: all its samples, the prompt once
+                candidate = Candidate(self._adds(req), policy)  # a group: all its samples, the prompt once
                 if view.ratio(candidate) is None:
                     break
                 self.waiting.popleft()
                 self.runner.start(req)
+                self.runner.slots.attach_prefix(req)
                 req.phase = Phase.RUNNING
                 self.running.append(req)
                 admitted.append(req)
                 view.admit(candidate)
         return admitted
 
+    def _adds(self, req: Req) -> list[ReqState]:
+        """What ``req`` would add to the pool: its states, less the cached prefix running requests
+        hold already (their states count it; ``worker.engine.load``). The rest of a hit is
+        unreferenced: free now, but the request would hold it, so it counts."""
+        states = request_states([req])
+        _, held = self.runner.slots.cache.peek(req.all_ids[: req.num_tokens - 1])
+        if held:
+            states[0] = states[0]._replace(held=states[0].held - held)
+        return states
+
     def _pause_overflow(self) -> None:
         """Free slots for this step's tokens by pausing the newest requests (an estimate was wrong)."""
-        while self.runner.pool.num_free < self._slots_needed() and len(self.running) > 1:
+        while self.runner.slots.available < self._slots_needed() and len(self.running) > 1:
             victim = self.running[-1]
             with self._lock:
                 self.running.pop()
@@ -209,8 +253,9 @@ class Engine:
 
     def _prefill_chunks(self) -> list[tuple[Req, int]]:
         """(request, tokens to prefill now), oldest first, within ``batch_max_tokens`` and the
-        pool's free slots."""
-        budget, free = self.limits.batch_max_tokens, self.runner.pool.num_free
+        pool's room less this step's decode tokens."""
+        budget = self.limits.batch_max_tokens
+        free = self.runner.slots.available - sum(r.is_prefilled for r in self.running)
         chunks: list[tuple[Req, int]] = []
         for req in self.running:
             if budget <= 0:

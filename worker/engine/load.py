@@ -12,6 +12,13 @@ the prompt on the first member still sharing it. Runs on the heartbeat
 thread while the model loop changes the engine's lists, so it reads a copy
 and tolerates a request appearing in both lists for an instant (it is
 listed once).
+
+A cached prefix several requests lease (``worker.engine.radix_cache``) is
+counted once too, with the first of them, node by node of its path (a
+request admitted with a hit adds only the rest: ``Engine._adds``); a split
+on the model loop can make one record count a few tokens twice, never lose
+them. The record also carries what the cache holds (``prefixes``) for the
+router's cache-aware choice.
 """
 
 from __future__ import annotations
@@ -23,7 +30,13 @@ from shared.admission import request_states as message_states
 from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import WorkerLoad
+from worker.engine.radix_cache import Lease, lease_path
 from worker.engine.request import Phase, Req
+
+# The cache summary in each load record: at most this many (hash, tokens) pairs (about 40 bytes
+# each as JSON), rebuilt at most this often (each rebuild walks the tree on the model loop).
+SUMMARY_LIMIT = 256
+SUMMARY_PERIOD_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,8 @@ class LoadSnapshot:
     committed_tokens: int
     num_running: int
     num_waiting: int
+    cached_tokens: int = 0
+    prefixes: tuple[tuple[int, int], ...] = ()  # the cache's summary (Engine.prefix_summary)
 
 
 class Limits(Protocol):
@@ -54,6 +69,7 @@ def request_states(reqs: list[Req]) -> list[ReqState]:
     """One state per sample; each group's shared prompt counted once."""
     seen: set[int] = set()
     carried: set[int] = set()  # groups whose shared prompt is already counted
+    counted: set[int] = set()  # cache nodes whose tokens are already counted
     states: list[ReqState] = []
     for req in reqs:
         if id(req) in seen or req.phase is Phase.FINISHED:
@@ -62,15 +78,28 @@ def request_states(reqs: list[Req]) -> list[ReqState]:
         params = req.msg.params
         group = req.unforked_group
         if group is not None:  # every open sample, as the router counted the group's message
-            states += message_states(group.msg)
+            first, *rest = message_states(group.msg)
+            states += [first._replace(held=first.held - _counted_before(req.lease, counted)), *rest]
             continue
-        held = req.num_tokens
-        if req.num_shared:  # a member reading the group's prompt: count it with the first one only
+        held = req.num_tokens - _counted_before(req.lease, counted)
+        if req.num_shared and req.group is not None:  # a member reading the group's prompt: counted once
             if id(req.group) in carried:
                 held -= req.num_shared
+            else:
+                held -= _counted_before(req.group.lease, counted)
             carried.add(id(req.group))
         states.append(ReqState(held, len(req.output_ids), params.max_new_tokens, int(params.ignore_eos)))
     return states
+
+
+def _counted_before(lease: Lease | None, counted: set[int]) -> int:
+    """Tokens of the lease's path already counted with an earlier request; the rest is now."""
+    before = 0
+    for node, tokens in lease_path(lease):
+        if node in counted:
+            before += tokens
+        counted.add(node)
+    return before
 
 
 def build_load(
@@ -91,4 +120,6 @@ def build_load(
         model=model,
         running_max_req_size=engine.limits.running_max_req_size,
         requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in request_states(engine.requests())],
+        cached_tokens=snap.cached_tokens,
+        prefixes=list(snap.prefixes),
     )

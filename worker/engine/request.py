@@ -28,6 +28,7 @@ import numpy as np
 
 from shared.request_log import now_ms
 from shared.schemas import FinishReason, GenerateRequest
+from worker.engine.radix_cache import Lease
 
 
 def member_seed(seed: int | None, choice: int) -> int | None:
@@ -63,6 +64,7 @@ class Group:
     forked: bool = False
     prompt_slots: np.ndarray | None = None  # the leader's prompt slots, from the fork on
     holders: int = 0  # members whose table rows point at prompt_slots
+    lease: Lease | None = None  # the prefix cache's hold on the prompt's cached part (worker.engine.kv_slots)
 
 
 class Phase(Enum):
@@ -81,6 +83,9 @@ class Req:
     # slot_ids[p] is the pool slot of position p, for p < num_cached.
     slot_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     num_cached: int = 0
+    # slot_ids[:num_locked] are the prefix cache's, held through ``lease`` (worker.engine.kv_slots).
+    lease: Lease | None = None
+    num_locked: int = 0
     # Set once the whole prompt (plus resumed output) is in the pool and a token
     # was sampled from it; from then on the request feeds one token a step.
     is_prefilled: bool = False

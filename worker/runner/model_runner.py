@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from worker.engine.kv_slots import KVSlots
+from worker.engine.radix_cache import NoCache, PrefixCache
 from worker.engine.request import Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
 from worker.model.forward_batch import ForwardBatch
@@ -51,6 +53,8 @@ class StepInputs:
     # [F, 3] (member row, leader row, prompt length): table[member, :len] = table[leader, :len],
     # after this step's writes (prefill steps only).
     forks: np.ndarray = field(default_factory=lambda: np.empty((0, 3), dtype=np.int64))
+    # [P, 3] (row, position, slot): cached prefixes written into new rows before this step's tokens.
+    prefix: np.ndarray = field(default_factory=lambda: np.empty((0, 3), dtype=np.int64))
 
 
 class ModelRunner:
@@ -65,9 +69,13 @@ class ModelRunner:
         graphs=None,
         prefill_graphs=None,
         grammars: Grammars | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.model = model
         self.pool = pool
+        # Every slot is taken and given back through ``slots``; a prefix cache (None: off) keeps
+        # ended requests' K/V for later ones (worker.engine.kv_slots).
+        self.slots = KVSlots(pool, prefix_cache if prefix_cache is not None else NoCache(pool))
         self.table = table
         self.vocab_size = vocab_size
         self.device = device
@@ -103,13 +111,7 @@ class ModelRunner:
 
     def finish(self, req: Req) -> None:
         """Free the request's row and own slots; a group's prompt slots go with their last holder."""
-        self.pool.free(req.slot_ids[req.num_shared : req.num_cached])
-        if req.num_shared:
-            group = req.group
-            group.holders -= 1
-            if group.holders == 0:
-                self.pool.free(group.prompt_slots)
-                group.prompt_slots = None
+        self.slots.release(req)
         self.table.free_row(req.row)
         if self.grammars is not None:
             self.grammars.finish(req)
@@ -122,6 +124,7 @@ class ModelRunner:
         they are uncached, prefilled by later steps on top of the shared prompt."""
         group, n = leader.group, len(leader.msg.prompt_ids)
         group.forked, group.prompt_slots = True, leader.slot_ids[:n].copy()
+        self.slots.fork(leader)
         group.holders = 1 + len(members)
         leader.num_shared = n
         leader.take_emitted()
@@ -138,7 +141,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, reqs: list[Req]) -> Sampled:
         """One token for each request (all prefilled): feed its last token, sample the next."""
-        slots = self.pool.allocate(len(reqs))
+        slots = self.slots.allocate(len(reqs))
         rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
         positions = np.fromiter((r.num_cached for r in reqs), dtype=np.int64, count=len(reqs))
         input_ids = np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int64, count=len(reqs))
@@ -157,7 +160,7 @@ class ModelRunner:
         """Feed ``num_new[i]`` uncached tokens of each request; sample for those in ``completing``
         and, right after each leader in ``forks`` (which must complete), for its new members."""
         forks = forks or {}
-        slots = self.pool.allocate(sum(num_new))
+        slots = self.slots.allocate(sum(num_new))
         cached = np.array([r.num_cached for r in reqs], dtype=np.int64)
         q_lens = np.array(num_new, dtype=np.int64)
         input_ids: list[int] = []
@@ -170,6 +173,9 @@ class ModelRunner:
             offset += n
         positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, q_lens)])
         rows = np.array([r.row for r in reqs], dtype=np.int64)
+        prefix = self.slots.prefix_writes(reqs)
+        for req in completing:  # before the fork: a leader's shared prompt moves to its group whole
+            self.slots.share(req)
         copies = [c for leader, members in forks.items() for c in self._fork(leader, members)]
         pairs = sampling_after_prefill(completing, forks)  # after the fork, which sets num_uncached
         mask = self._mask([r for _, r in pairs])
@@ -183,6 +189,7 @@ class ModelRunner:
                 q_lens,
                 False,
                 np.array(copies, dtype=np.int64).reshape(-1, 3),
+                prefix,
             )
         )
         if not pairs:  # nothing completed, or only samples that resume after emitted tokens
@@ -204,6 +211,8 @@ class ModelRunner:
         else:  # every new token's slot in one indexed write (a mixed step has a row per decoding request)
             if len(step.positions) and int(step.positions.max()) >= self.table.max_len:
                 raise ValueError(f"position {int(step.positions.max())} past the table's {self.table.max_len}")
+            if len(step.prefix):  # a new row's cached prefix, before its first tokens
+                self.table.write_scattered(step.prefix[:, 0], step.prefix[:, 1], step.prefix[:, 2])
             self.table.write_scattered(np.repeat(step.rows, step.q_lens), step.positions, step.slots)
             for member, leader, n in step.forks.tolist():
                 self.table.table[member, :n] = self.table.table[leader, :n]

@@ -76,7 +76,8 @@ class TPGroup:
     def send_step(self, step: StepInputs) -> None:
         """Rank 0, before each of its forwards: the followers run the same one."""
         kind = FORWARD_DECODE if step.is_decode else FORWARD_PREFILL
-        self._broadcast(np.array([kind, len(step.rows), len(step.input_ids), len(step.forks)], dtype=np.int64))
+        counts = [kind, len(step.rows), len(step.input_ids), len(step.forks), len(step.prefix)]
+        self._broadcast(np.array(counts, dtype=np.int64))
         self._broadcast(
             np.concatenate(
                 [
@@ -87,18 +88,24 @@ class TPGroup:
                     step.cached,
                     step.q_lens,
                     step.forks.reshape(-1),
+                    step.prefix.reshape(-1),
                 ]
             ).astype(np.int64, copy=False)
         )
 
     def recv_step(self) -> StepInputs | None:
         """A follower: the next step, None on shutdown."""
-        kind, b, t, f = self._receive(4)
+        kind, b, t, f, p = self._receive(5)
         if kind == SHUTDOWN:
             return None
-        payload = self._receive(3 * t + 3 * b + 3 * f)
-        ids, positions, slots, rows, cached, q_lens, forks = np.split(payload, np.cumsum([t, t, t, b, b, b]))
-        return StepInputs(ids, positions, slots, rows, cached, q_lens, kind == FORWARD_DECODE, forks.reshape(-1, 3))
+        payload = self._receive(3 * t + 3 * b + 3 * f + 3 * p)
+        ids, positions, slots, rows, cached, q_lens, forks, prefix = np.split(
+            payload, np.cumsum([t, t, t, b, b, b, 3 * f])
+        )
+        decode = kind == FORWARD_DECODE
+        return StepInputs(
+            ids, positions, slots, rows, cached, q_lens, decode, forks.reshape(-1, 3), prefix.reshape(-1, 3)
+        )
 
     def _broadcast(self, values: np.ndarray) -> None:
         dist.broadcast(torch.from_numpy(np.ascontiguousarray(values)), src=0, group=self.control)
@@ -119,7 +126,7 @@ class TPGroup:
         torn down locally and cleanly, so rank 0 can start another group (tests do)."""
         self.closing = True
         try:
-            self._broadcast(np.array([SHUTDOWN, 0, 0, 0], dtype=np.int64))
+            self._broadcast(np.array([SHUTDOWN, 0, 0, 0, 0], dtype=np.int64))
         finally:
             self._reap(JOIN_TIMEOUT_S)
             if dist.get_backend() == "gloo":

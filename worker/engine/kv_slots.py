@@ -1,0 +1,110 @@
+"""Whose pool slots are whose: the token pool and the prefix cache together (no torch).
+
+The runner asks this for every slot it fills and gives every request's slots
+back through it (``worker.runner.model_runner``); the engine asks it how much
+room there is (``available``). With the prefix cache on, a request's slots
+are, by position:
+
+| positions                  | owner                                                  |
+|----------------------------|--------------------------------------------------------|
+| ``[0, num_locked)``        | the tree (``req.lease``): a cached prefix, or its own  |
+|                            | prefill, shared when it completed (``share``)          |
+| ``[0, num_shared)``        | a forked group's prompt (``Group``; ``num_locked`` 0)  |
+| ``[.., num_cached)``       | the request itself, until ``release``                  |
+
+A group's prompt slots are held by ``Group.lease`` (the leader's lease, moved
+at the fork) and released, like a request's, with the group's last holder.
+With the cache off (``NoCache``) nothing is ever locked and a release frees
+every own slot, as before the cache existed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from worker.engine.radix_cache import PrefixCache
+from worker.engine.request import Req
+from worker.engine.token_pool import TokenPool
+
+
+class KVSlots:
+    def __init__(self, pool: TokenPool, cache: PrefixCache):
+        self.pool = pool
+        self.cache = cache
+        self.num_asked = 0  # tokens of requests admitted (prompt + resumed output), for the hit rate
+        self.num_hit = 0  # of those, tokens found in the cache (not prefilled)
+        self._unwritten: dict[Req, int] = {}  # cached prefixes not yet in their table rows
+
+    @property
+    def available(self) -> int:
+        """Slots a step may fill: free ones and unreferenced cached ones (evicted on demand)."""
+        return self.pool.num_free + self.cache.num_evictable
+
+    @property
+    def num_held(self) -> int:
+        """Slots requests hold (their own and cached prefixes they lease); the rest is free or evictable."""
+        return self.pool.num_used - self.cache.num_evictable
+
+    def allocate(self, n: int) -> np.ndarray:
+        short = n - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short)
+        return self.pool.allocate(n)
+
+    def attach_prefix(self, req: Req) -> None:
+        """A request starting here takes the longest cached prefix of its ids (all but the last,
+        whose logits it needs): those positions are filled before any forward."""
+        slots, lease = self.cache.match(req.all_ids[: req.num_tokens - 1])
+        n = len(slots)
+        req.slot_ids[:n] = slots
+        req.num_cached = req.num_locked = n
+        req.lease = lease
+        self.num_asked += req.num_tokens
+        self.num_hit += n
+        if n:
+            self._unwritten[req] = n
+
+    def share(self, req: Req) -> None:
+        """A request's prefill is complete: its slots join the tree now, so requests admitted
+        from the next step on can hit them while it runs (unless another request inserted part
+        of them meanwhile: then at its release)."""
+        if req.num_shared:  # a forked group's member: the prompt is the group's
+            return
+        n = req.num_cached
+        lease = self.cache.extend(req.all_ids[:n], req.slot_ids[:n], req.lease)
+        if lease is not None:
+            req.lease, req.num_locked = lease, n
+
+    def fork(self, leader: Req) -> None:
+        """The leader's prompt becomes its group's: so does its lease on the cached part."""
+        assert leader.group is not None, "only a group's leader forks"
+        leader.group.lease, leader.lease, leader.num_locked = leader.lease, None, 0
+
+    def release(self, req: Req) -> None:
+        """``req`` gives its slots back: into the tree (or the pool, when the cache is off); a
+        member's shared prompt goes with its group's last holder."""
+        self._unwritten.pop(req, None)
+        group = req.group
+        if req.num_shared and group is not None:
+            self.pool.free(req.slot_ids[req.num_shared : req.num_cached])
+            group.holders -= 1
+            if group.holders == 0:
+                assert group.prompt_slots is not None
+                self.cache.release(group.msg.prompt_ids, group.prompt_slots, group.lease)
+                group.prompt_slots, group.lease = None, None
+        else:
+            n = req.num_cached
+            self.cache.release(req.all_ids[:n], req.slot_ids[:n], req.lease)
+        req.lease, req.num_locked = None, 0
+
+    def prefix_writes(self, reqs: list[Req]) -> np.ndarray:
+        """[P, 3] (row, position, slot): the cached prefixes of ``reqs`` their table rows do not
+        show yet (each written once, with the request's first prefill)."""
+        writes: list[np.ndarray] = []
+        for req in reqs:
+            n = self._unwritten.pop(req, 0)
+            if n:
+                assert req.row is not None
+                positions = np.arange(n, dtype=np.int64)
+                writes.append(np.stack([np.full(n, req.row, dtype=np.int64), positions, req.slot_ids[:n]], axis=1))
+        return np.concatenate(writes) if writes else np.empty((0, 3), dtype=np.int64)
