@@ -18,6 +18,14 @@ one). So a decision runs about ``CHOICES`` checks, not one per worker: at 32
 workers, checking every one was three quarters of the router's time
 (bench/RESULTS.md, the scale test). When the least loaded do not fit, the
 walk goes on, so a request waits only if no worker can take it.
+
+Workers publish what their prefix caches hold (``WorkerLoad.prefixes``,
+hashes of prefixes at ``shared.prefix_hash`` boundaries), so the choice is
+cache-aware (``cache_aware_fit``): the workers holding the longest prefix of
+the request's prompt are asked too, and a hit is traded against load. The
+check itself still counts the whole prompt: the record does not say which
+cached tokens running requests already hold, and the worker's own check,
+which knows, counts only what the request adds.
 """
 
 from __future__ import annotations
@@ -27,9 +35,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 from shared.batch_view import BatchView, Candidate, Policy
 from shared.peak import ReqState
+from shared.prefix_hash import prefix_hashes
 from shared.schemas import WorkerLoad
 
 CHOICES = 2
+# Cache-aware choice (``cache_aware_fit``): how many of the workers with the longest hits are asked
+# besides the least loaded, and what a whole-prompt hit is worth in use ratio (see there).
+HIT_CHOICES = 2
+HIT_WEIGHT = 0.5
 
 
 def least_loaded_fit(
@@ -47,6 +60,46 @@ def least_loaded_fit(
     return min(fitting)[2] if fitting else None
 
 
+def cache_aware_fit(
+    uses: Mapping[str, float],
+    hits: Mapping[str, float],
+    ratio: Callable[[str], float | None],
+    choices: int = CHOICES,
+) -> str | None:
+    """``least_loaded_fit``'s walk, plus the ``HIT_CHOICES`` workers with the longest hits
+    (``hits``: worker -> cached share of the prompt, 0..1); the request fits some of them, and
+    the lowest ``ratio - HIT_WEIGHT * hit`` wins.
+
+    The trade-off: a hit saves the prefill of its tokens (the prompt's time to first token and
+    the batch's compute), load costs every request there decode time and room. At 0.5, a worker
+    holding the whole prompt wins over an empty one until its projected use is half the pool
+    above it; beyond that the request goes to the less loaded one, so a hot prefix spreads to a
+    second worker when one cannot serve all of it, and a short hit barely moves the choice. A
+    worker the request does not fit is never chosen, however long its hit: the request goes
+    elsewhere at once instead of waiting for it. Without hits this is ``least_loaded_fit``."""
+    asked: dict[str, tuple[float, int] | None] = {}  # worker -> (ratio, order asked), None: no fit
+
+    def ask(worker_id: str) -> bool:
+        if worker_id not in asked:
+            result = ratio(worker_id)
+            asked[worker_id] = None if result is None else (result, len(asked))
+        return asked[worker_id] is not None
+
+    for worker_id in sorted(hits, key=lambda w: (-hits[w], uses[w], w))[:HIT_CHOICES]:
+        ask(worker_id)
+    fitting = 0
+    for _, worker_id in sorted((use, worker_id) for worker_id, use in uses.items()):
+        fitting += ask(worker_id)
+        if fitting == choices:
+            break
+    scored = [
+        (answer[0] - HIT_WEIGHT * hits.get(worker_id, 0.0), answer[0], answer[1], worker_id)
+        for worker_id, answer in asked.items()
+        if answer is not None
+    ]
+    return min(scored)[3] if scored else None
+
+
 class WorkerView(BatchView):
     """A worker's record plus this router's reservations on it (``reserved``: counted as added).
     A draining worker takes nothing."""
@@ -55,7 +108,15 @@ class WorkerView(BatchView):
         states = [ReqState(*r) for r in load.requests]
         super().__init__(states, load.max_total_tokens, load.running_max_req_size, policy)
         self.load = load
+        self.prefixes = dict(load.prefixes)  # prefix hash -> tokens it covers
         self.add(reserved)
+
+    def hit(self, hashes: Sequence[int]) -> int:
+        """Tokens of the longest prefix (``hashes``: the prompt's) this worker's cache holds."""
+        for h in reversed(hashes):
+            if h in self.prefixes:
+                return self.prefixes[h]
+        return 0
 
     def ratio(self, candidate: Candidate) -> float | None:
         return None if self.load.draining else super().ratio(candidate)
@@ -102,11 +163,19 @@ class Views:
             views[worker_id] = view if same else WorkerView(load, reserved, self.policy)
         self._views = views
 
-    def choose(self, candidate: Candidate, model: str | None = None) -> str | None:
-        """The least loaded worker serving ``model`` that the candidate fits (``least_loaded_fit``),
-        or None: the request waits."""
-        uses = {worker_id: view.use_ratio() for worker_id, view in self._views.items() if view.load.serves(model)}
-        return least_loaded_fit(uses, lambda worker_id: self._views[worker_id].ratio(candidate))
+    def choose(self, candidate: Candidate, model: str | None = None, prompt_ids: Sequence[int] = ()) -> str | None:
+        """A worker serving ``model`` that the candidate fits, by load and by what its cache holds
+        of ``prompt_ids`` (``cache_aware_fit``), or None: the request waits."""
+        views = {worker_id: view for worker_id, view in self._views.items() if view.load.serves(model)}
+        uses = {worker_id: view.use_ratio() for worker_id, view in views.items()}
+        hits: dict[str, float] = {}
+        if prompt_ids and any(view.prefixes for view in views.values()):
+            hashes = prefix_hashes(prompt_ids)
+            for worker_id, view in views.items():
+                tokens = view.hit(hashes)
+                if tokens:
+                    hits[worker_id] = tokens / len(prompt_ids)
+        return cache_aware_fit(uses, hits, lambda worker_id: self._views[worker_id].ratio(candidate))
 
     def admit(self, worker_id: str, candidate: Candidate) -> None:
         """The candidate was sent there: the next decision sees it."""

@@ -1,0 +1,105 @@
+"""Cache-aware routing: a worker's prefix cache summary (from a real radix tree) in its load
+record draws the requests whose prompts start with what it holds, traded against load; a full
+holder sends them elsewhere at once; without hits the choice is the least loaded one's."""
+
+import random
+
+from router.admission import HIT_WEIGHT, Views, cache_aware_fit, least_loaded_fit
+from shared.admission import POLICIES, request_states
+from shared.batch_view import Candidate
+from shared.codec import encode
+from shared.request_log import now_ms
+from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
+from tests.router.helpers import inbox_ids
+from tests.router.test_admission import estimator
+from tests.router.test_loop import make_router
+from worker.engine.radix_cache import RadixCache
+from worker.engine.token_pool import TokenPool
+
+TURN1 = list(range(100, 400))  # a conversation's first prompt (300 tokens)
+TURN2 = TURN1 + list(range(500, 600))  # its next turn resends it
+
+
+def summary_after(*prompts: list[int]) -> list[tuple[int, int]]:
+    """What a worker that served ``prompts`` publishes."""
+    pool = TokenPool(4096)
+    cache = RadixCache(pool)
+    for prompt in prompts:
+        cache.release(prompt, pool.allocate(len(prompt)), None)
+    return cache.summary(256)
+
+
+def record(worker_id, held=0, prefixes=(), max_total=2000, seq=1) -> WorkerLoad:
+    requests = [(held, 0, 0, 0)] if held else []
+    return WorkerLoad(
+        worker_id=worker_id,
+        seq=seq,
+        ts_ms=now_ms(),
+        max_total_tokens=max_total,
+        used_tokens=held,
+        committed_tokens=held,
+        num_running=len(requests),
+        num_waiting=0,
+        requests=requests,
+        prefixes=list(prefixes),
+    )
+
+
+def message(rid: str, prompt: list[int], max_new: int = 20) -> GenerateRequest:
+    return GenerateRequest(id=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new), created_ms=0)
+
+
+def choose(loads, msg):
+    views = Views(POLICIES["conservative"](estimator(), 0.05))
+    views.refresh({load.worker_id: load for load in loads}, {})
+    return views.choose(Candidate(request_states(msg), views.policy), None, msg.prompt_ids)
+
+
+def test_the_next_turn_goes_to_the_worker_holding_the_conversation():
+    holder = record("holder", held=300, prefixes=summary_after(TURN1, list(range(9000, 9100))))
+    idle = record("idle")
+    assert choose([idle, holder], message("t2", TURN2)) == "holder"
+    assert choose([idle, holder], message("other", list(range(2000, 2400)))) == "idle"  # no hit: least loaded
+
+
+def test_a_loaded_holder_loses_to_an_idle_worker_and_a_full_one_is_skipped():
+    prefixes = summary_after(TURN1)
+    busy = record("holder", held=1000, prefixes=prefixes)  # 0.71 with the request, less 0.32 for 256 of 400 hit
+    assert choose([record("idle"), busy], message("t2", TURN2)) == "idle"
+    full = record("holder", held=1990, prefixes=prefixes)  # the request does not fit there
+    assert choose([record("idle", held=500), full], message("t2", TURN2)) == "idle"
+
+
+def test_the_hit_is_worth_half_a_pool_of_use():
+    uses = {"a": 0.1, "b": 0.3}
+    assert cache_aware_fit(uses, {"b": 1.0}, {"a": 0.2, "b": 0.2 + HIT_WEIGHT - 0.01}.get) == "b"
+    assert cache_aware_fit(uses, {"b": 1.0}, {"a": 0.2, "b": 0.2 + HIT_WEIGHT + 0.01}.get) == "a"
+    assert cache_aware_fit(uses, {"b": 1.0}, {"a": 0.2, "b": None}.get) == "a"
+    assert cache_aware_fit(uses, {"b": 1.0}, {"a": None, "b": None}.get) is None
+
+
+def test_without_hits_it_is_the_least_loaded_choice():
+    rng = random.Random(0)
+    for _ in range(300):
+        workers = [f"w{i}" for i in range(rng.randint(1, 6))]
+        uses = {w: rng.choice([0.1, 0.2, rng.random()]) for w in workers}
+        ratios = {w: None if rng.random() < 0.3 else rng.choice([0.3, rng.random()]) for w in workers}
+        assert cache_aware_fit(uses, {}, ratios.get) == least_loaded_fit(uses, ratios.get)
+
+
+def publish(client, keys, load: WorkerLoad) -> None:
+    client.set(keys.load(load.worker_id), encode(load), px=5000)
+    client.zadd(keys.workers(), {load.worker_id: now_ms()})
+
+
+def test_the_router_sends_a_conversations_next_turn_to_its_worker(redis_settings, rclient, keys):
+    from shared.codec import entry
+
+    publish(rclient, keys, record("w1"))
+    publish(rclient, keys, record("w2", held=200, prefixes=summary_after(TURN1)))
+    router = make_router(redis_settings, rclient)
+    for msg in (message("turn2", TURN2), message("stranger", list(range(3000, 3300)))):
+        rclient.xadd(keys.requests(), entry(msg))
+    router.step()
+    assert inbox_ids(rclient, keys, "w2") == ["turn2"]
+    assert inbox_ids(rclient, keys, "w1") == ["stranger"]
