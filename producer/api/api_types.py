@@ -60,6 +60,10 @@ class GenerateParameters(_Request):
     return_details: bool = Field(False, description="/generate: per-token id, text, logprob under 'tokens'")
     timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description=TIMEOUT_DOC)
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description=PRIORITY_DOC)
+    # Constrained decoding, under LightLLM's names (at most one; producer.api.structured).
+    guided_json: dict[str, Any] | str | None = Field(None, description="a JSON schema the output follows")
+    regular_constraint: str | None = Field(None, description="a regular expression the output matches")
+    guided_grammar: str | None = Field(None, description="an EBNF grammar (xgrammar's dialect) the output follows")
 
     @field_validator("top_k")
     @classmethod

@@ -1,4 +1,11 @@
-"""Prompts of the OpenAI routes: the chat template, and completions' prompt forms."""
+"""Prompts of the OpenAI routes: the chat template, and completions' prompt forms.
+
+Tools (``producer.api.tools``) go to a template that renders them (its source
+mentions ``tools``); other templates get them described in the system
+message, and an assistant's earlier calls as the JSON text the model was
+asked to write. Tool results are ``tool`` messages, passed to the template
+as they are (with their ``tool_call_id``).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +14,15 @@ from typing import Any
 
 from producer.api.errors import bad_request
 from producer.api.openai_types import ChatMessage
+from producer.api.tools import ToolPlan, calls_text, template_calls
 
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name; chat templates know "system"
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as chat templates expect them: text content only, parts joined by newlines (vLLM)."""
-    out = []
+def template_messages(messages: list[ChatMessage], renders_tools: bool = False) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: text content only, parts joined by newlines (vLLM);
+    an assistant's calls as the template takes them (``renders_tools``) or as text."""
+    out: list[dict[str, Any]] = []
     for n, message in enumerate(messages):
         content = message.content
         if isinstance(content, list):
@@ -25,29 +34,50 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     code="unsupported_content",
                 )
             content = "\n".join(part.text or "" for part in content)
-        entry = {"role": ROLE_ALIASES.get(message.role, message.role), "content": content or ""}
+        entry: dict[str, Any] = {"role": ROLE_ALIASES.get(message.role, message.role), "content": content or ""}
         if message.name:
             entry["name"] = message.name
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.tool_calls and renders_tools:
+            entry["tool_calls"] = template_calls(message.tool_calls)
+        elif message.tool_calls:
+            entry["content"] = "\n".join(x for x in (entry["content"], calls_text(message.tool_calls)) if x)
         out.append(entry)
     return out
 
 
-def _apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    result = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def with_tools_described(messages: list[dict[str, Any]], plan: ToolPlan) -> list[dict[str, Any]]:
+    """The tools in the system message (prepended to one the conversation has, else a new first one)."""
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{plan.system_prompt()}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": plan.system_prompt()}, *messages]
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    result = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     if hasattr(result, "keys"):  # transformers 5 returns a BatchEncoding
         result = result["input_ids"]
     return list(result)
 
 
-async def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any) -> list[int]:
-    """The prompt the model's chat template makes of ``messages``, ending with the assistant's turn."""
+async def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Any, plan: ToolPlan | None = None) -> list[int]:
+    """The prompt the model's chat template makes of ``messages`` (and the tools ``plan`` offers),
+    ending with the assistant's turn."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request(
             "the served model has no chat template; use /v1/completions", param="messages", code="no_chat_template"
         )
-    converted = template_messages(messages)
+    renders_tools = "tools" in tokenizer.chat_template
+    converted = template_messages(messages, renders_tools)
+    tools = None
+    if plan is not None and renders_tools:
+        tools = [{"type": "function", "function": t.model_dump(exclude_none=True)} for t in plan.tools]
+    elif plan is not None:
+        converted = with_tools_described(converted, plan)
     try:
-        ids = await asyncio.to_thread(_apply_template, tokenizer, converted)
+        ids = await asyncio.to_thread(_apply_template, tokenizer, converted, tools)
     except Exception as exc:  # jinja raises for conversations the template refuses (e.g. role order)
         raise bad_request(
             f"messages: the chat template refused them: {exc}", param="messages", code="chat_template_error"

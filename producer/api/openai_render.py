@@ -12,6 +12,9 @@ Top log-probabilities arrive as (token id, logprob) pairs on each chunk
 (``TokenChunk.top_logprobs``) and are rendered here, each id as its own
 text: completions as ``{text: logprob}`` with the chosen token added (OpenAI:
 up to ``logprobs`` + 1 entries), chat as ``[{token, logprob, bytes}]``.
+
+A chat call with tools reads each choice's text as calls where the plan says
+(``producer.api.tool_render``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from producer.api.openai_types import (
     ChatChoice,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessageOut,
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionChoice,
@@ -34,6 +36,8 @@ from producer.api.openai_types import (
     CompletionResponse,
     Usage,
 )
+from producer.api.tool_render import ToolStream, chat_message
+from producer.api.tools import ToolPlan
 from shared.schemas import TokenChunk
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # "abort": vLLM's name
@@ -54,6 +58,7 @@ class Call:
     echo: tuple[str, ...] = ()  # completions with echo: each prompt's text
     n: int = 1  # choices per prompt
     num_prompts: int = 1  # completions: prompts listed; choice c answers prompt c // n
+    tools: ToolPlan | None = None  # chat with tools offered (not "none")
 
     @property
     def num_choices(self) -> int:
@@ -103,7 +108,8 @@ def _choice(call: Call, index: int, chunks: list[TokenChunk], tokenizer: Any) ->
     reason = FINISH_REASONS.get(chunks[-1].finish_reason or "", chunks[-1].finish_reason)
     if call.kind == "chat":
         logprobs = ChatLogprobs(content=[_chat_logprob(tokenizer, c) for c in tokens]) if call.logprobs else None
-        return ChatChoice(index=index, message=ChatMessageOut(content=text), logprobs=logprobs, finish_reason=reason)
+        message, reason = chat_message(call.tools, text, reason)
+        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason)
     echo = call.echo_of(index)
     logprobs = _completion_logprobs(tokenizer, tokens, len(echo)) if call.logprobs else None
     return CompletionChoice(index=index, text=echo + text, logprobs=logprobs, finish_reason=reason)
@@ -145,6 +151,10 @@ def _completion_logprobs(tokenizer: Any, tokens: list[TokenChunk], offset: int) 
     )
 
 
+def _opening(tools: ToolStream | None, choice: int) -> dict[str, Any]:
+    return tools.opening(choice) if tools is not None else {"role": "assistant", "content": ""}
+
+
 def sse_data(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -160,6 +170,7 @@ class StreamRenderer:
         self.completion_tokens = 0
         self.offsets = [0] * call.num_choices  # per choice: characters streamed so far (completions' text_offset)
         self.failed = False
+        self.tools = ToolStream(call.tools, call.num_choices) if call.tools is not None else None
 
     def _event(self, choice: dict[str, Any] | None, index: int = 0) -> str:
         call = self.call
@@ -183,8 +194,9 @@ class StreamRenderer:
     def start(self) -> list[str]:
         """Each choice's opening: its role (chat) or the echoed prompt (completions)."""
         if self.call.kind == "chat":  # OpenAI's first chunk of a choice names the role
+            tools = self.tools
             return [
-                self._event({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}, i)
+                self._event({"delta": _opening(tools, i), "logprobs": None, "finish_reason": None}, i)
                 for i in range(self.call.num_choices)
             ]
         if self.call.echo:
@@ -211,6 +223,11 @@ class StreamRenderer:
             if self.call.logprobs:
                 logprobs = self._logprobs(chunk)
         self.offsets[chunk.choice] += len(chunk.text)
+        if self.tools is not None:
+            delta, reason = self.tools.delta(chunk.choice, chunk.text, reason)
+            if delta is None:
+                return []
+            return [self._event({"delta": delta, "logprobs": logprobs, "finish_reason": reason}, chunk.choice)]
         if not chunk.text and logprobs is None and reason is None:
             return []  # nothing to tell (text held back, or half a character)
         return [self._event(self._text_choice(chunk.text, logprobs, reason), chunk.choice)]

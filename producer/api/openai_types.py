@@ -2,8 +2,10 @@
 
 Requests are strict and ignore unknown keys, like the native ones. Fields
 that would change the answer but are not implemented (``logit_bias``,
-``suffix``, ``tools``, JSON ``response_format``, ``best_of > n``, prompt
-log-probabilities) get a 400 saying so rather than being silently ignored.
+``suffix``, ``best_of > n``, prompt log-probabilities, the legacy
+``functions``) get a 400 saying so rather than being silently ignored.
+``response_format`` and ``tools`` are ``producer.api.structured``'s and
+``producer.api.tools``'.
 Extras beyond OpenAI's list follow vLLM: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``.
 """
@@ -12,11 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from producer.api.api_types import INT32_MAX, INT64_MAX, MAX_TIMEOUT_S, PRIORITY_DOC, TIMEOUT_DOC
 from producer.api.errors import bad_request
 from producer.api.params import MAX_BEST_OF, check_min_tokens, stop_strings
+from producer.api.structured import ResponseFormat
+from producer.api.tools import Tool, ToolCallIn, ToolChoice
 from shared.schemas import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
 
 GREEDY_BELOW = 1e-5  # temperature 0 (or this close) means greedy, as in LightLLM
@@ -53,6 +57,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description=TIMEOUT_DOC)  # lightq's own
+    response_format: ResponseFormat | None = None
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description=PRIORITY_DOC)  # vLLM's extension
 
     def check_common(self) -> None:
@@ -138,6 +143,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -145,17 +152,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # legacy: refused (producer.api.tools.plan_tools)
+    function_call: Any = None
 
     def check(self) -> None:
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
-        if self.tools:
-            raise _unsupported("tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", f" {self.response_format.get('type')!r}")
 
     @property
     def num_top_logprobs(self) -> int:
@@ -205,7 +211,16 @@ class CompletionChoice(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``tool_calls`` only when the model called (OpenAI's shape)."""
+        data: dict[str, Any] = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):

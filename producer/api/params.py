@@ -12,6 +12,7 @@ from typing import Any
 
 from producer.api.api_types import GenerateParameters
 from producer.api.errors import bad_request
+from producer.api.structured import native_constraint
 from shared.schemas import SamplingParams
 
 MAX_STOP_SEQUENCES = 10  # LightLLM's MAX_STOP_SEQUENCES
@@ -123,4 +124,5 @@ def native_sampling(p: GenerateParameters, default_max_new_tokens: int, tokenize
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,
         stop_sequences=stop_strings(p.stop_sequences, tokenizer, "parameters.stop_sequences"),
+        constraint=native_constraint(p.guided_json, p.regular_constraint, p.guided_grammar),
     )

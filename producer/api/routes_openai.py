@@ -24,7 +24,9 @@ from producer.api.errors import ApiError, bad_request
 from producer.api.openai_render import Call, StreamRenderer, response
 from producer.api.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from producer.api.params import check_prompt_length
+from producer.api.structured import check_constraint
 from producer.api.submit import abandon_all, enqueue, new_request, prompt_ids
+from producer.api.tools import output_constraint, plan_tools
 from producer.deps import Services, ServicesDep, parse_body
 from producer.edge.auth import CallerDep
 from producer.streams.merged_follower import MergedFollower
@@ -95,7 +97,9 @@ async def prepare_completions(body: CompletionRequest, services: Services) -> tu
     body.check()
     prompts = completion_inputs(body.prompt, services.settings.max_prompts)
     max_new = body.max_tokens or services.settings.default_max_new_tokens
-    params = body.sampling(max_new, services.tokenizer)
+    constraint = body.response_format.constraint() if body.response_format is not None else None
+    await check_constraint(constraint, "response_format")
+    params = body.sampling(max_new, services.tokenizer).model_copy(update={"constraint": constraint})
     queued: list[GenerateRequest] = []
     for i, inputs in enumerate(prompts):
         ids = await prompt_ids(inputs, services.tokenizer, param="prompt" if len(prompts) == 1 else f"prompt.{i}")
@@ -155,13 +159,17 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     """Every check and the chat template of a chat completion; nothing is written (batches share it)."""
     check_model(body.model, services)
     body.check()
-    ids = await chat_prompt_ids(body.messages, services.tokenizer)
+    legacy = body.functions is not None or body.function_call is not None
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, legacy)
+    formatted = body.response_format.constraint() if body.response_format is not None else None
+    constraint = await output_constraint(formatted, plan)
+    ids = await chat_prompt_ids(body.messages, services.tokenizer, plan)
     check_prompt_length(len(ids), services.settings.model.max_req_input_len, "messages")
     limit = services.settings.model.max_req_total_len
     # Without a limit the answer may fill the context (LightLLM and vLLM do the same).
     max_new = body.requested_max_tokens or max(limit - len(ids), 1)
     check_context(len(ids), max_new, limit, "messages")
-    params = body.sampling(max_new, services.tokenizer)
+    params = body.sampling(max_new, services.tokenizer).model_copy(update={"constraint": constraint})
     queued = new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user)
     call = Call(
         "chat",
@@ -172,6 +180,7 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
         logprobs=body.logprobs,
         include_usage=body.include_usage,
         n=queued.n,
+        tools=plan,
     )
     return queued, call
 

@@ -56,8 +56,13 @@ CHAT_ONLY = {
     "top_logprobs_without_logprobs": ({"top_logprobs": 3}, "top_logprobs"),
     "top_logprobs_range": ({"top_logprobs": 21}, "top_logprobs"),
     "max_completion_tokens": ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    "response_format": ({"response_format": {"type": "json_object"}}, "response_format"),
+    "tool_choice_without_tools": ({"tool_choice": "auto"}, "tool_choice"),
+    "tools_schema": (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}]},
+        "tools.0.function.parameters",
+    ),
+    "legacy_functions": ({"functions": [{"name": "f"}]}, "functions"),
+    "response_format": ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
 }
 CASES = [("/v1/completions", COMPLETION, name, *case) for name, case in {**COMMON, **COMPLETION_ONLY}.items()] + [
     ("/v1/chat/completions", CHAT, name, *case) for name, case in {**COMMON, **CHAT_ONLY}.items()

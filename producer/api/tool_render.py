@@ -1,0 +1,70 @@
+"""Tool calls in chat answers: the message of a whole answer, and the deltas of a streamed one.
+
+A choice whose text is calls (``ToolPlan.calls``) answers ``content: null`` with
+``tool_calls`` and finish reason ``tool_calls`` (a call cut short by ``max_tokens`` keeps
+``length``). Streamed, a named function's choice opens with the call (id, name, empty
+arguments) and then streams its arguments as they are generated; an ``auto`` or
+``required`` choice is held until it ends, then sent in one delta, as calls or as content.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from producer.api.openai_types import ChatMessageOut
+from producer.api.tools import ToolCall, ToolPlan, call_id
+
+
+def chat_message(plan: ToolPlan | None, text: str, reason: str | None) -> tuple[ChatMessageOut, str | None]:
+    """A choice's message and finish reason, its text read as calls where the plan says so."""
+    calls = _calls(plan, text, reason)
+    if calls is None:
+        return ChatMessageOut(content=text), reason
+    return ChatMessageOut(content=None, tool_calls=[c.dump() for c in calls]), _call_reason(reason)
+
+
+def _calls(plan: ToolPlan | None, text: str, reason: str | None) -> list[ToolCall] | None:
+    if plan is None:
+        return None
+    if plan.mode != "named" and reason != "stop":  # cut short or failed: not a whole call
+        return None
+    return plan.calls(text)
+
+
+def _call_reason(reason: str | None) -> str | None:
+    return "tool_calls" if reason == "stop" else reason
+
+
+def _indexed(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"index": i, **call.dump()} for i, call in enumerate(calls)]
+
+
+class ToolStream:
+    """Per choice: the deltas a streamed chat choice sends under a tool plan."""
+
+    def __init__(self, plan: ToolPlan, num_choices: int) -> None:
+        self.plan = plan
+        self.held = [""] * num_choices  # auto/required: the text so far
+        self.ids = [call_id() for _ in range(num_choices)]  # named: each choice's one call
+
+    def opening(self, choice: int) -> dict[str, Any]:
+        """The first delta of a choice: the role, and a named function's call."""
+        if self.plan.mode != "named":
+            return {"role": "assistant", "content": None}
+        call = ToolCall(self.ids[choice], self.plan.named or "", "")
+        return {"role": "assistant", "content": None, "tool_calls": _indexed([call])}
+
+    def delta(self, choice: int, text: str, reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
+        """The delta for one chunk's ``text`` (None: nothing to send yet) and the finish reason to send."""
+        if self.plan.mode == "named":
+            arguments = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+            if reason is None:
+                return (arguments or None), None
+            return arguments, _call_reason(reason)
+        self.held[choice] += text
+        if reason is None:
+            return None, None
+        calls = _calls(self.plan, self.held[choice], reason)
+        if calls is None:
+            return ({"content": self.held[choice]} if self.held[choice] else {}), reason
+        return {"tool_calls": _indexed(calls)}, _call_reason(reason)

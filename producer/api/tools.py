@@ -1,0 +1,231 @@
+"""OpenAI tool calls: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` as a ``ToolPlan``.
+
+What the model is asked to write, per ``tool_choice``:
+- ``none`` (or no tools): plain text; the tools are not shown to the model.
+- a named function: the call's arguments only, constrained to its ``parameters`` schema; the
+  answer is one call of that function (streamed: the arguments as they are generated).
+- ``required``: a JSON array of ``{"name", "arguments"}`` calls, constrained to a schema whose
+  items are one object per tool (``const`` name, its parameters); one item only when
+  ``parallel_tool_calls`` is false.
+- ``auto`` (the default with tools): unconstrained. The model is told to answer with such an
+  array (or one such object) when it calls; an output that parses as calls of known tools
+  (optionally inside ``<tool_call>`` tags, as Hermes-style templates write them) becomes
+  ``tool_calls``, anything else is ``content``. Streamed, an ``auto`` or ``required`` choice
+  is held until it ends, then sent as calls or as content in one delta.
+
+Tools reach the prompt through the chat template when it knows them (its source mentions
+``tools``); otherwise a system message describes them and the format above.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from producer.api.errors import bad_request
+from shared.schemas import Constraint
+
+TOOL_CALL_TAGS = re.compile(r"^\s*<tool_call>\s*(.*?)\s*(</tool_call>)?\s*$", re.DOTALL)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
+
+
+class FunctionDef(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def dump(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: Literal["auto", "required", "named"]
+    tools: tuple[FunctionDef, ...]
+    parallel: bool = True
+    named: str | None = None
+
+    def constraint(self) -> Constraint | None:
+        if self.mode == "named":
+            return Constraint(kind="json_schema", spec=json.dumps(self._parameters(self.named)))
+        if self.mode == "required":
+            return Constraint(kind="json_schema", spec=json.dumps(self._calls_schema()))
+        return None
+
+    def _parameters(self, name: str | None) -> dict[str, Any]:
+        function = next(t for t in self.tools if t.name == name)
+        return function.parameters or {"type": "object"}
+
+    def _calls_schema(self) -> dict[str, Any]:
+        items = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
+        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return schema
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        """The calls ``text`` makes (None: it is not a call, so it is content)."""
+        if self.mode == "named":
+            assert self.named is not None
+            return [ToolCall(call_id(), self.named, text.strip())]
+        match = TOOL_CALL_TAGS.match(text)
+        try:
+            value = json.loads(match.group(1) if match else text)
+        except ValueError:
+            return None
+        items = value if isinstance(value, list) else [value]
+        names = {t.name for t in self.tools}
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or item.get("name") not in names:
+                return None
+            arguments = item.get("arguments", item.get("parameters", {}))
+            calls.append(ToolCall(call_id(), item["name"], json.dumps(arguments, ensure_ascii=False)))
+        return calls or None
+
+    def system_prompt(self) -> str:
+        """The tools and the call format, for a chat template that does not render tools itself."""
+        listed = "\n".join(
+            json.dumps({"name": t.name, "description": t.description or "", "parameters": t.parameters or {}})
+            for t in self.tools
+        )
+        if self.mode == "named":
+            ask = f"Answer with only the JSON arguments of a call to {self.named}."
+        else:
+            ask = (
+                'To call functions, answer with only a JSON array of calls, each {"name": <function name>, '
+                '"arguments": <arguments object>}.'
+            )
+            if self.mode == "auto":
+                ask += " If no function is needed, answer normally."
+        return f"You can call these functions:\n{listed}\n{ask}"
+
+
+def plan_tools(
+    tools: list[Tool] | None, tool_choice: ToolChoice | None, parallel: bool | None, has_legacy: bool
+) -> ToolPlan | None:
+    """The plan for a chat request's tool fields, or None (no tools, or ``none``); 400s as OpenAI."""
+    if has_legacy:
+        raise bad_request(
+            "functions and function_call are deprecated and not supported; use tools and tool_choice",
+            param="functions",
+            code="unsupported_parameter",
+        )
+    if tool_choice is not None and not tools:
+        raise bad_request(
+            "tool_choice is only allowed when tools are specified", param="tool_choice", code="invalid_tool_choice"
+        )
+    if not tools or tool_choice == "none":
+        return None
+    functions = tuple(t.function for t in tools)
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: function names must be unique", param="tools", code="invalid_tools")
+    if isinstance(tool_choice, NamedToolChoice):
+        if tool_choice.function.name not in names:
+            raise bad_request(
+                f"tool_choice: no tool named {tool_choice.function.name!r} in tools",
+                param="tool_choice",
+                code="invalid_tool_choice",
+            )
+        return ToolPlan("named", functions, parallel is not False, tool_choice.function.name)
+    return ToolPlan(tool_choice or "auto", functions, parallel is not False)
+
+
+class CalledFunction(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Request):
+    """A call in an assistant message of the conversation (a round trip's earlier turn)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+def template_calls(calls: list[ToolCallIn]) -> list[dict[str, Any]]:
+    """Calls as chat templates take them: arguments as an object where they parse (transformers' form)."""
+    out = []
+    for call in calls:
+        try:
+            arguments: Any = json.loads(call.function.arguments)
+        except ValueError:
+            arguments = call.function.arguments
+        out.append(
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+        )
+    return out
+
+
+def calls_text(calls: list[ToolCallIn]) -> str:
+    """Calls as the text the model was asked to write (templates that cannot render calls)."""
+    return json.dumps(
+        [{"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")} for c in calls],
+        ensure_ascii=False,
+    )
+
+
+async def output_constraint(response_format: Constraint | None, plan: ToolPlan | None) -> Constraint | None:
+    """The one grammar a chat answer follows, every schema in the request checked (400s)."""
+    from producer.api.structured import check_constraint, schema_constraint
+
+    if plan is not None:
+        for n, tool in enumerate(plan.tools):
+            if tool.parameters is not None:
+                await check_constraint(schema_constraint(tool.parameters), f"tools.{n}.function.parameters")
+    from_tools = plan.constraint() if plan is not None else None
+    if from_tools is not None and response_format is not None:
+        raise bad_request(
+            "response_format cannot be combined with a tool_choice that forces a call",
+            param="response_format",
+            code="invalid_response_format",
+        )
+    await check_constraint(response_format, "response_format")
+    return from_tools or response_format

@@ -1,0 +1,161 @@
+"""Structured output and tool calls at the producer: bad schemas and tool fields are 400s before
+anything is queued; the constraint reaches the worker; calls come back in OpenAI's shape, whole and
+streamed, through the official client (the fake worker plays the model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.schemas import Constraint
+
+openai = pytest.importorskip("openai")
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": CITY}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def chat(**extra):
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, **extra}
+
+
+CHAT, CMPL, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
+
+
+def schema_format(schema):
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def native(**parameters):
+    return {"inputs": "a", "parameters": parameters}
+
+
+BAD_OBJECT = {"properties": 5, "type": "object"}
+BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}
+UNKNOWN = {"type": "function", "function": {"name": "nope"}}
+BAD = [
+    (CHAT, chat(response_format=schema_format({"type": "foo"})), "response_format", "invalid_json_schema"),
+    (CMPL, {"model": MODEL, "prompt": "a", "response_format": schema_format(BAD_OBJECT)}, "response_format", "invalid_json_schema"),  # noqa: E501
+    (CHAT, chat(response_format={"type": "json_schema"}), "response_format.json_schema", "invalid_response_format"),
+    (CHAT, chat(tool_choice="auto"), "tool_choice", "invalid_tool_choice"),
+    (CHAT, chat(tools=[WEATHER], tool_choice=UNKNOWN), "tool_choice", "invalid_tool_choice"),
+    (CHAT, chat(functions=[WEATHER["function"]]), "functions", "unsupported_parameter"),
+    (CHAT, chat(function_call="auto"), "functions", "unsupported_parameter"),
+    (CHAT, chat(tools=[BAD_TOOL]), "tools.0.function.parameters", "invalid_json_schema"),
+    (CHAT, chat(tools=[WEATHER], tool_choice=NAMED, response_format={"type": "json_object"}), "response_format", "invalid_response_format"),  # noqa: E501
+    (GEN, native(regular_constraint="(abc"), "parameters.regular_constraint", "invalid_regex"),
+    (GEN, native(guided_json={"type": "foo"}), "parameters.guided_json", "invalid_json_schema"),
+    (GEN, native(guided_grammar="root ::= nothing"), "parameters.guided_grammar", "invalid_ebnf"),
+    (GEN, native(guided_json={}, regular_constraint="a"), "parameters.regular_constraint", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "param", "code"), BAD, ids=[f"{b[0]}:{b[2]}:{n}" for n, b in enumerate(BAD)])
+async def test_bad_structure_is_a_400_before_anything_is_queued(client, aredis, keys, path, body, param, code):
+    response = await client.post(path, content=json.dumps(body))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and (code is None or error["code"] == code), error
+    assert await aredis.xlen(keys.requests()) == 0
+
+
+def reply_with(texts):
+    return lambda request: (texts, "stop")
+
+
+async def test_response_format_reaches_the_worker_as_a_constraint(oai, worker, client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    async with worker.answering(reply_with(['{"a": 1}'])) as seen:
+        fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+        out = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt)
+        await oai.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"})
+        await oai.completions.create(model=MODEL, prompt="x", extra_body={"response_format": fmt})  # a lightq extra
+        native = await client.post(
+            "/generate", content=json.dumps({"inputs": "x", "parameters": {"regular_constraint": "[ab]+"}})
+        )
+    assert json.loads(out.choices[0].message.content) == {"a": 1}
+    assert native.status_code == 200
+    assert [r.params.constraint for r in seen] == [
+        Constraint(kind="json_schema", spec=json.dumps(schema)),
+        Constraint(kind="json"),
+        Constraint(kind="json_schema", spec=json.dumps(schema)),
+        Constraint(kind="regex", spec="[ab]+"),
+    ]
+
+
+async def test_a_named_function_is_a_constrained_call_whole_and_streamed(oai, worker):
+    texts = ['{"city": ', '"Paris"}']
+    async with worker.answering(reply_with(texts)) as seen:
+        out = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice=NAMED)
+        stream = await oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice=NAMED, stream=True
+        )
+        events = [e async for e in stream]
+    assert seen[0].params.constraint == Constraint(kind="json_schema", spec=json.dumps(CITY))
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    deltas = [e.choices[0].delta for e in events if e.choices]
+    assert deltas[0].tool_calls[0].function.name == "get_weather" and deltas[0].tool_calls[0].id.startswith("call_")
+    streamed = "".join(d.tool_calls[0].function.arguments for d in deltas if d.tool_calls)
+    assert streamed == "".join(texts)
+    assert events[-1].choices[0].finish_reason == "tool_calls"
+
+
+async def test_required_and_auto_read_calls_off_the_output(oai, worker, tokenizer):
+    calls = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+    tagged = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    replies = iter([[calls], [tagged], ["It is sunny."], [tagged]])
+    async with worker.answering(lambda request: (next(replies), "stop")) as seen:
+        required = await oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False
+        )
+        auto = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK])
+        text = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK])
+        stream = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK], stream=True)
+        events = [e async for e in stream]
+    schema = json.loads(seen[0].params.constraint.spec)
+    assert schema["type"] == "array" and schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    assert seen[1].params.constraint is None  # auto: free text
+    assert "get_weather" in tokenizer.decode(seen[1].prompt_ids)  # the tools described to the model
+    assert [(c.function.name, c.function.arguments) for c in required.choices[0].message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}'),
+        ("get_time", "{}"),
+    ]
+    assert auto.choices[0].message.tool_calls[0].function.name == "get_time"
+    assert auto.choices[0].finish_reason == "tool_calls"
+    assert text.choices[0].message.content == "It is sunny." and text.choices[0].message.tool_calls is None
+    deltas = [e.choices[0].delta for e in events if e.choices and e.choices[0].delta.tool_calls]
+    assert [d.tool_calls[0].function.name for d in deltas] == ["get_time"]
+    assert events[-1].choices[0].finish_reason == "tool_calls"
+
+
+async def test_a_tool_round_trip_goes_through_the_chat_template(oai, worker, tokenizer):
+    async with worker.answering(reply_with(["It is 21 C."])) as seen:
+        messages = [
+            *MESSAGES,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"},
+        ]
+        out = await oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none")
+    assert out.choices[0].message.content == "It is 21 C." and out.choices[0].finish_reason == "stop"
+    prompt = tokenizer.decode(seen[0].prompt_ids)
+    assert "21 C, sunny" in prompt and '"get_weather"' in prompt  # the call as text, the result as a tool turn
+    assert "You can call these functions" not in prompt  # none: the tools are not offered
