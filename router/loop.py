@@ -238,10 +238,11 @@ class Router:
         now = time.monotonic()
         if now >= self._next_cancel_check:
             self._next_cancel_check = now + CANCEL_CHECK_S
-            pipe = self.client.pipeline(transaction=False)
-            for _, request in self.queue:
-                pipe.exists(self.keys.cancel(request.id))
-            self._cancelled_ids.update(request.id for (_, request), hit in zip(self.queue, pipe.execute()) if hit)
+            # One MGET, not a command per request: the queue holds up to ``order_window`` of them.
+            ids = [request.id for _, request in self.queue]
+            if ids:
+                hits = self.client.mget([self.keys.cancel(i) for i in ids])
+                self._cancelled_ids.update(i for i, hit in zip(ids, hits) if hit is not None)
         return self._cancelled_ids
 
     def _choose(self, request: GenerateRequest) -> str | None:
