@@ -21,6 +21,7 @@ from tests.router.helpers import publish_load, submit
 from tests.worker.token_rows import pack
 from worker.engine.engine import EngineLimits, LoadSnapshot
 from worker.engine.events import Ended, Started, Token
+from worker.engine.kv_slots import CacheStats
 from worker.service.metrics import MeteredService, WorkerCollector, WorkerMetrics
 
 
@@ -76,7 +77,8 @@ class StubEngine:
         self.events = events
 
     def snapshot(self) -> LoadSnapshot:
-        return LoadSnapshot(used_tokens=400, committed_tokens=600, num_running=2, num_waiting=5)
+        cache = CacheStats(cached=300, evictable=100, asked=1000, hit=250, evicted=40)
+        return LoadSnapshot(used_tokens=400, committed_tokens=600, num_running=2, num_waiting=5, cache=cache)
 
     def step(self, early):
         early(self.events[:1])  # the prefill's events go out before the decode runs
@@ -131,6 +133,14 @@ def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys
     assert s[("lightq:worker_batch_requests_bucket", (("le", "2.0"), ("worker", "w1")))] == 0
     assert s[("lightq:worker_preemptions_total", w1)] == 2
     assert s[("lightq:worker_kv_usage_ratio", w1)] == 0.4
+    assert (s[("lightq:worker_prefix_cached_tokens", w1)], s[("lightq:worker_prefix_evictable_tokens", w1)]) == (
+        300,
+        100,
+    )
+    assert s[("lightq:worker_prefix_hit_tokens_total", w1)] == 250
+    assert s[("lightq:worker_prefix_asked_tokens_total", w1)] == 1000
+    assert s[("lightq:worker_prefix_hit_ratio", w1)] == 0.25
+    assert s[("lightq:worker_prefix_evicted_tokens_total", w1)] == 40
     assert (s[("lightq:worker_running_requests", w1)], s[("lightq:worker_waiting_requests", w1)]) == (2, 5)
     assert s[("lightq:stream_lag", (("group", WORKER_GROUP), ("stream", keys.inbox("w1"))))] == 1
 

@@ -128,7 +128,7 @@ class Engine:
                 committed,
                 len(self.running),
                 len(self.waiting),
-                slots.cache.num_cached,
+                slots.stats(),
                 self.prefix_summary,
             )
 
@@ -173,7 +173,8 @@ class Engine:
     def _refresh_summary(self) -> None:
         cache, (then, cached) = self.runner.slots.cache, self._summary_at
         now = time.monotonic()
-        if cache.num_cached != cached and now - then >= SUMMARY_PERIOD_S:
+        # at most every period while busy; at once when idle, so a pool at rest shows its last state
+        if cache.num_cached != cached and (now - then >= SUMMARY_PERIOD_S or not self.has_work):
             self.prefix_summary = tuple(cache.summary(SUMMARY_LIMIT))
             self._summary_at = (now, cache.num_cached)
 

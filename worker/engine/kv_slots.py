@@ -20,11 +20,26 @@ every own slot, as before the cache existed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from worker.engine.radix_cache import PrefixCache
 from worker.engine.request import Req
 from worker.engine.token_pool import TokenPool
+
+EVICT_SHARE = 100  # an eviction frees at least 1 / EVICT_SHARE of the pool (see ``allocate``)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The prefix cache's numbers for the load record and the metrics (all 0 when it is off)."""
+
+    cached: int = 0  # tokens in the tree (leased or evictable)
+    evictable: int = 0  # of those, tokens no running request holds
+    asked: int = 0  # tokens of admitted requests looked up (prompt + resumed output), since start
+    hit: int = 0  # of those, tokens found cached (not prefilled)
+    evicted: int = 0  # tokens evicted since start
 
 
 class KVSlots:
@@ -40,15 +55,22 @@ class KVSlots:
         """Slots a step may fill: free ones and unreferenced cached ones (evicted on demand)."""
         return self.pool.num_free + self.cache.num_evictable
 
+    def stats(self) -> CacheStats:
+        cache = self.cache
+        return CacheStats(cache.num_cached, cache.num_evictable, self.num_asked, self.num_hit, cache.num_evicted)
+
     @property
     def num_held(self) -> int:
         """Slots requests hold (their own and cached prefixes they lease); the rest is free or evictable."""
         return self.pool.num_used - self.cache.num_evictable
 
     def allocate(self, n: int) -> np.ndarray:
+        """``n`` slots; when the pool is short, cached ones are evicted, at least 1% of the pool at
+        a time: eviction walks the whole tree, and a pool full of cache would otherwise walk it
+        on every decode step."""
         short = n - self.pool.num_free
         if short > 0:
-            self.cache.evict(short)
+            self.cache.evict(max(short, self.pool.num_slots // EVICT_SHARE))
         return self.pool.allocate(n)
 
     def attach_prefix(self, req: Req) -> None:

@@ -30,13 +30,14 @@ from shared.admission import request_states as message_states
 from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import WorkerLoad
+from worker.engine.kv_slots import CacheStats
 from worker.engine.radix_cache import Lease, lease_path
 from worker.engine.request import Phase, Req
 
 # The cache summary in each load record: at most this many (hash, tokens) pairs (about 40 bytes
 # each as JSON), rebuilt at most this often (each rebuild walks the tree on the model loop).
 SUMMARY_LIMIT = 256
-SUMMARY_PERIOD_S = 0.25
+SUMMARY_PERIOD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class LoadSnapshot:
     committed_tokens: int
     num_running: int
     num_waiting: int
-    cached_tokens: int = 0
+    cache: CacheStats = CacheStats()
     prefixes: tuple[tuple[int, int], ...] = ()  # the cache's summary (Engine.prefix_summary)
 
 
@@ -120,6 +121,6 @@ def build_load(
         model=model,
         running_max_req_size=engine.limits.running_max_req_size,
         requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in request_states(engine.requests())],
-        cached_tokens=snap.cached_tokens,
+        cached_tokens=snap.cache.cached,
         prefixes=list(snap.prefixes),
     )

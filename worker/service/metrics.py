@@ -22,6 +22,7 @@ from shared.redis import group_backlog
 from shared.request_log import now_ms
 from worker.engine.engine import Engine
 from worker.engine.events import Ended, Event, Started, Tokens
+from worker.engine.kv_slots import CacheStats
 from worker.service.serve import WorkerService
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -133,6 +134,7 @@ class WorkerCollector(Collector):
             w,
             self.engine.num_pauses,
         )
+        yield from _prefix_cache(snap.cache, w)
         yield from self._inbox()
 
     def _inbox(self) -> Iterable[Metric]:
@@ -143,6 +145,43 @@ class WorkerCollector(Collector):
         yield _gauge(
             "lightq:stream_pending", "entries delivered, not acknowledged", [stream, WORKER_GROUP], pending, labels
         )
+
+
+def _prefix_cache(cache: CacheStats, w: list[str]) -> Iterable[Metric]:
+    """The prefix cache (``--prefix_cache``; all 0 when off)."""
+    yield _gauge(
+        "lightq:worker_prefix_cached_tokens",
+        "KV pool tokens the prefix cache holds (leased or evictable)",
+        w,
+        cache.cached,
+    )
+    yield _gauge(
+        "lightq:worker_prefix_evictable_tokens",
+        "cached tokens no running request holds: free for admission, evicted when the pool needs them",
+        w,
+        cache.evictable,
+    )
+    yield _counter(
+        "lightq:worker_prefix_asked_tokens",
+        "tokens of admitted requests looked up in the prefix cache (prompt + resumed output)",
+        w,
+        cache.asked,
+    )
+    yield _counter(
+        "lightq:worker_prefix_hit_tokens", "of the tokens looked up, those found cached (not prefilled)", w, cache.hit
+    )
+    yield _gauge(
+        "lightq:worker_prefix_hit_ratio",
+        "hit tokens / looked-up tokens since the worker started",
+        w,
+        cache.hit / cache.asked if cache.asked else 0.0,
+    )
+    yield _counter(
+        "lightq:worker_prefix_evicted_tokens",
+        "cached tokens evicted to make room since the worker started",
+        w,
+        cache.evicted,
+    )
 
 
 def _gauge(name: str, doc: str, label_values: list[str], value: float, labels: list[str] | None = None) -> Metric:
