@@ -130,3 +130,24 @@ def test_admission_counts_a_prefix_running_requests_hold_once(tiny):  # noqa: F8
         run_to_end(engine, {})
         assert engine.runner.slots.num_held == 0
     assert running == [1, 3]
+
+
+def test_a_requeued_group_resumes_each_sample_the_same_from_the_cache(tiny, rclient, keys):  # noqa: F811
+    """A group's first worker dies after 5 steps (shared.requeue); the next worker, which holds the
+    prompt and more from an earlier request, gives each sample the tokens the cache off gives."""
+    from tests.worker.test_group_resume import PROMPT, first_attempt, group_msg, requeued
+
+    _, folder = tiny
+    msg = group_msg()
+    again = requeued(rclient, keys, msg, first_attempt(folder, msg, 5, {}), set(), set())
+    assert any(again.emitted(c) for c in again.open_choices)
+    outputs = []
+    for cache in (False, True):
+        engine = make_engine(folder, cache)
+        run(engine, req("warm", PROMPT + [40, 41], 3))  # the prompt and more, in the cache when on
+        tokens, _ = run(engine, Req(msg=again, inbox_id="2-0"))
+        outputs.append(tokens)
+        if cache:
+            assert engine.runner.slots.num_hit >= len(PROMPT) - 1
+            assert_idle(engine, 400)
+    assert outputs[0] == outputs[1]
