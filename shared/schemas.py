@@ -76,6 +76,13 @@ class SamplingParams(_Frozen):
         0, ge=0, le=MAX_TOP_LOGPROBS, description="most likely alternatives to report with each token's logprob"
     )
     constraint: Constraint | None = Field(None, description="a grammar the output must follow (None: free text)")
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="each prompt token's logprob (after the first) with this many alternatives, computed "
+        "from the prefill and sent with the first output token (None: not asked)",
+    )
 
     @property
     def is_greedy(self) -> bool:
@@ -187,6 +194,9 @@ class TokenChunk(_Frozen):
     text: str = ""
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    # With the first token of a request that asked (SamplingParams.prompt_logprobs): per prompt
+    # token after the first, (its logprob, (id, logprob) alternatives most likely first).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -195,8 +205,9 @@ class TokenChunk(_Frozen):
     def _without_empty_top(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """One chunk per token goes over Redis: no ``top_logprobs: null`` on every one."""
         data: dict[str, Any] = handler(self)
-        if data.get("top_logprobs") is None:
-            data.pop("top_logprobs", None)
+        for key in ("top_logprobs", "prompt_logprobs"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 

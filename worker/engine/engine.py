@@ -284,8 +284,18 @@ class Engine:
             if reason is not None:
                 reasons[row] = reason
         tops = {row: top for row, top in enumerate(sampled.top) if top is not None}
+        prompts = {row: r.prompt_logprobs for row, r in enumerate(reqs) if r.prompt_logprobs is not None}
+        for row in prompts:  # they leave with the first token (worker.runner.prompt_logprobs)
+            reqs[row].prompt_logprobs = None
         tokens = Tokens(
-            [r.id for r in reqs], [r.choice for r in reqs], indexes, sampled.ids, sampled.logprobs, reasons, tops
+            [r.id for r in reqs],
+            [r.choice for r in reqs],
+            indexes,
+            sampled.ids,
+            sampled.logprobs,
+            reasons,
+            tops,
+            prompts,
         )
         events: list[Event] = [tokens]
         for row, reason in reasons.items():

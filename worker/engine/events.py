@@ -7,7 +7,7 @@ columns (lists the sampler already made), not an object per token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.schemas import FinishReason, GenerateRequest, RequestStatus
 
@@ -36,6 +36,7 @@ class Token:
     finish_reason: FinishReason | None  # set on the sample's last token
     choice: int = 0
     top: list[tuple[int, float]] | None = None  # (id, logprob) alternatives, when the request asked
+    prompt: list[tuple[float, list[tuple[int, float]]]] | None = None  # prompt logprobs, with a first token
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class Tokens:
     logprobs: list[float]
     reasons: dict[int, FinishReason]  # row -> why its sample ended with this token
     tops: dict[int, list[tuple[int, float]]]  # row -> (id, logprob) alternatives
+    # row -> the prompt's logprobs (SamplingParams.prompt_logprobs), with its request's first token
+    prompts: dict[int, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -76,7 +76,9 @@ class KVSlots:
     def attach_prefix(self, req: Req) -> None:
         """A request starting here takes the longest cached prefix of its ids (all but the last,
         whose logits it needs): those positions are filled before any forward."""
-        slots, lease = self.cache.match(req.all_ids[: req.num_tokens - 1])
+        # One asking for prompt logprobs takes none: a cached position has no logits to score it.
+        wants_scores = req.msg.params.prompt_logprobs is not None and not req.output_ids
+        slots, lease = self.cache.match(req.all_ids[: 0 if wants_scores else req.num_tokens - 1])
         n = len(slots)
         req.slot_ids[:n] = slots
         req.num_cached = req.num_locked = n

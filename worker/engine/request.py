@@ -95,6 +95,9 @@ class Req:
     finish_reason: FinishReason | None = None
     # Set by the runner when this sample's grammar (msg.params.constraint) has ended its output.
     is_grammar_complete: bool = False
+    # Asked-for prompt logprobs gathered chunk by chunk (worker.runner.prompt_logprobs), until the
+    # first token takes them to the publisher.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     choice: int = 0  # which sample of its request (always 0 unless a group)
     group: Group | None = None  # None for n = 1
     num_shared: int = 0  # leading positions whose slots are group.prompt_slots (not ours to free)

@@ -33,7 +33,7 @@ class CountingModel:
         """Nothing reads the KV pool; kept for the loader's interface."""
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        last = batch.input_ids[batch.last_token_index.long()]  # [B]
+        last = batch.input_ids[batch.output_index.long()]  # [B] (or [N]: batch.logit_index)
         logits = torch.full((last.shape[0], self.vocab_size), -1e4, dtype=torch.float32, device=self.device)
         logits[torch.arange(last.shape[0], device=self.device), (last + 1) % self.vocab_size] = 0.0
         return logits  # [B, V]

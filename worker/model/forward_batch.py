@@ -40,6 +40,9 @@ class ForwardBatch:
     max_seq_len: int
     max_q_len: int
     is_decode: bool
+    # Packed tokens whose logits the forward returns, in order; None: each request's last new token
+    # (what is sampled). Prompt log-probabilities ask for every token of a request's chunk.
+    logit_index: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -53,3 +56,8 @@ class ForwardBatch:
     def last_token_index(self) -> torch.Tensor:
         """[B] index into the packed tokens of each request's last new token."""
         return self.q_starts + self.q_lens - 1
+
+    @property
+    def output_index(self) -> torch.Tensor:
+        """[N] the packed tokens whose logits the forward returns (``logit_index``, or each last)."""
+        return self.logit_index if self.logit_index is not None else self.last_token_index

@@ -33,6 +33,7 @@ from worker.engine.radix_cache import NoCache, PrefixCache
 from worker.engine.request import Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
 from worker.model.forward_batch import ForwardBatch
+from worker.runner import prompt_logprobs
 from worker.runner.grammar import GrammarMask, Grammars
 from worker.runner.penalties import TokenCounts
 from worker.runner.req_table import ReqTable
@@ -55,6 +56,8 @@ class StepInputs:
     forks: np.ndarray = field(default_factory=lambda: np.empty((0, 3), dtype=np.int64))
     # [P, 3] (row, position, slot): cached prefixes written into new rows before this step's tokens.
     prefix: np.ndarray = field(default_factory=lambda: np.empty((0, 3), dtype=np.int64))
+    # [N] packed tokens to return logits for (None: each request's last); prompt logprobs, --tp 1 only.
+    logit_index: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -179,6 +182,7 @@ class ModelRunner:
         copies = [c for leader, members in forks.items() for c in self._fork(leader, members)]
         pairs = sampling_after_prefill(completing, forks)  # after the fork, which sets num_uncached
         mask = self._mask([r for _, r in pairs])
+        index, last_rows = prompt_logprobs.logit_index(reqs, num_new)
         logits = self.forward(
             StepInputs(
                 np.array(input_ids, dtype=np.int64),
@@ -190,8 +194,12 @@ class ModelRunner:
                 False,
                 np.array(copies, dtype=np.int64).reshape(-1, 3),
                 prefix,
+                index,
             )
         )
+        if index is not None:  # every token's logits of the requests that asked: their prompt's logprobs
+            prompt_logprobs.gather(reqs, num_new, cached, logits)
+            logits = logits[torch.from_numpy(last_rows).to(logits.device)]
         if not pairs:  # nothing completed, or only samples that resume after emitted tokens
             return Sampled([], [], [])
         # Each completing request samples from its own last logits, a fork's members from their leader's
@@ -217,10 +225,23 @@ class ModelRunner:
             for member, leader, n in step.forks.tolist():
                 self.table.table[member, :n] = self.table.table[leader, :n]
             graphs = self.prefill_graphs
-            if graphs is not None and graphs.can_run(len(step.rows), len(step.input_ids), len(step.forks)):
+            if (
+                graphs is not None
+                and step.logit_index is None
+                and graphs.can_run(len(step.rows), len(step.input_ids), len(step.forks))
+            ):
                 return graphs.run(step.input_ids, step.positions, step.slots, int(step.rows[0]), int(step.cached[0]))
         return self.model.forward(
-            self._batch(step.input_ids, step.positions, step.slots, step.rows, step.cached, step.q_lens, step.is_decode)
+            self._batch(
+                step.input_ids,
+                step.positions,
+                step.slots,
+                step.rows,
+                step.cached,
+                step.q_lens,
+                step.is_decode,
+                step.logit_index,
+            )
         )
 
     def _mask(self, reqs: list[Req]) -> GrammarMask | None:
@@ -246,7 +267,9 @@ class ModelRunner:
                 req.is_grammar_complete = ended
         return sampled
 
-    def _batch(self, input_ids, positions, slots, rows, cached, q_lens, is_decode: bool) -> ForwardBatch:
+    def _batch(
+        self, input_ids, positions, slots, rows, cached, q_lens, is_decode: bool, logit_index=None
+    ) -> ForwardBatch:
         def dev(values: np.ndarray, dtype=torch.int32) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(values)).to(self.device, dtype=dtype, non_blocking=True)
 
@@ -265,4 +288,5 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             max_q_len=int(q_lens.max()),
             is_decode=is_decode,
+            logit_index=None if logit_index is None else dev(logit_index, torch.int64),
         )

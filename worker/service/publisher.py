@@ -171,6 +171,7 @@ class Publisher:
                 tokens.reasons.get(row),
                 sample[1],
                 tokens.tops.get(row),
+                tokens.prompts.get(row),
             )
             if self._token(pipe, token):
                 stopped.append(sample)
@@ -249,6 +250,7 @@ class Publisher:
                 text=text,
                 logprob=event.logprob,
                 top_logprobs=event.top,
+                prompt_logprobs=event.prompt,
                 finished=finished,
                 finish_reason=reason,
             ),

@@ -201,6 +201,8 @@ class WorkerService:
                 f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds "
                 f"{self.engine.limits.max_total_tokens}"
             )
+        if msg.params.prompt_logprobs is not None and self.settings.tp > 1:
+            return "prompt log-probabilities need a worker with --tp 1"
         if msg.params.constraint is None:
             return None
         grammars = getattr(self.engine.runner, "grammars", None)  # worker.runner.grammar.Grammars or None

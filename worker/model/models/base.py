@@ -156,11 +156,11 @@ class CausalLM(nn.Module):
         pending = None
         for layer in self.decoder_layers():
             h, pending = layer(h, pending, extra, batch, self.backend)
-        # Only the last new token of each request is sampled from; the final
-        # norm is per token, so selecting first saves the rest of the work.
-        last = batch.last_token_index.long()
-        last = self.final_norm(h[last] if pending is None else h[last] + pending[last])  # [B, H]
-        return self.lm_head(last).float()  # [B, V]
+        # Only the last new token of each request is sampled from (unless the batch asks for more,
+        # batch.logit_index); the final norm is per token, so selecting first saves the rest.
+        last = batch.output_index.long()
+        last = self.final_norm(h[last] if pending is None else h[last] + pending[last])  # [B or N, H]
+        return self.lm_head(last).float()  # [B or N, V]
 
     # --- weights -----------------------------------------------------------
 
