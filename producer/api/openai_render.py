@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from producer.api import echo
 from producer.api.errors import ApiError
 from producer.api.openai_types import (
     ChatChoice,
@@ -59,6 +60,8 @@ class Call:
     n: int = 1  # choices per prompt
     num_prompts: int = 1  # completions: prompts listed; choice c answers prompt c // n
     tools: ToolPlan | None = None  # chat with tools offered (not "none")
+    score_only: bool = False  # completions' max_tokens 0: the one generated token is left out
+    prompt_ids: tuple[list[int], ...] = ()  # echo + logprobs: each prompt's ids (producer.api.echo)
 
     @property
     def num_choices(self) -> int:
@@ -94,25 +97,36 @@ def response(call: Call, chunks: list[TokenChunk], tokenizer: Any) -> Completion
     by_choice = [[c for c in chunks if c.choice == i] for i in range(call.num_choices)]
     for own in by_choice:
         _raise_if_failed(own[-1])
-    choices = [_choice(call, i, own, tokenizer) for i, own in enumerate(by_choice)]
-    usage = _usage(call, sum(c.token_id is not None for c in chunks))
+    choices = [_choice(call, i, own, tokenizer, chunks) for i, own in enumerate(by_choice)]
+    usage = _usage(call, 0 if call.score_only else sum(c.token_id is not None for c in chunks))
     if call.kind == "chat":
         return ChatCompletionResponse(id=call.id, created=call.created, model=call.model, choices=choices, usage=usage)
     return CompletionResponse(id=call.id, created=call.created, model=call.model, choices=choices, usage=usage)
 
 
-def _choice(call: Call, index: int, chunks: list[TokenChunk], tokenizer: Any) -> ChatChoice | CompletionChoice:
-    """One choice from its own chunks (the last one ends it)."""
-    tokens = [chunk for chunk in chunks if chunk.token_id is not None]
+def _choice(
+    call: Call, index: int, chunks: list[TokenChunk], tokenizer: Any, every: list[TokenChunk]
+) -> ChatChoice | CompletionChoice:
+    """One choice from its own chunks (the last one ends it); ``every``: the whole answer's, where an
+    echoed prompt's logprobs are (with its request's first token, whichever choice that was)."""
+    tokens = [chunk for chunk in chunks if chunk.token_id is not None and not call.score_only]
     text = "".join(chunk.text for chunk in tokens)
     reason = FINISH_REASONS.get(chunks[-1].finish_reason or "", chunks[-1].finish_reason)
+    if call.score_only:
+        reason = "length"
     if call.kind == "chat":
         logprobs = ChatLogprobs(content=[_chat_logprob(tokenizer, c) for c in tokens]) if call.logprobs else None
         message, reason = chat_message(call.tools, text, reason)
         return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason)
-    echo = call.echo_of(index)
-    logprobs = _completion_logprobs(tokenizer, tokens, len(echo)) if call.logprobs else None
-    return CompletionChoice(index=index, text=echo + text, logprobs=logprobs, finish_reason=reason)
+    echo_text = call.echo_of(index)
+    logprobs = _completion_logprobs(tokenizer, tokens, len(echo_text)) if call.logprobs else None
+    if logprobs is not None and call.prompt_ids:
+        siblings = [c for c in every if c.choice // call.n == index // call.n]
+        prompt = echo.prompt_part(
+            tokenizer, call.prompt_ids[index // call.n], siblings, lambda i: _token_str(tokenizer, i), _logprob
+        )
+        logprobs = echo.joined(prompt, logprobs)
+    return CompletionChoice(index=index, text=echo_text + text, logprobs=logprobs, finish_reason=reason)
 
 
 def _chat_top(tokenizer: Any, token_id: int, logprob: float | None) -> ChatTopLogprob:

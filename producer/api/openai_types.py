@@ -110,6 +110,7 @@ def _unsupported(param: str, detail: str = "") -> Exception:
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, description="0: score the prompt only (with echo and logprobs)")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
@@ -126,12 +127,17 @@ class CompletionRequest(_SamplingFields):
             )
         if self.suffix:
             raise _unsupported("suffix")
-        if self.echo and self.logprobs is not None:
-            raise _unsupported("echo", " with logprobs (prompt log-probabilities)")
+        if self.stream and (self.max_tokens == 0 or (self.echo and self.logprobs is not None)):
+            raise _unsupported("stream", " with max_tokens 0 or with echo and logprobs (ask without stream)")
 
     @property
     def num_top_logprobs(self) -> int:
         return self.logprobs or 0
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token when the prompt's logprobs are asked for (echo + logprobs)."""
+        return self.logprobs if self.echo and self.logprobs is not None else None
 
 
 class ContentPart(_Request):
@@ -184,7 +190,7 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None  # None for an echoed prompt's first token
     text_offset: list[int]
 
 

@@ -96,10 +96,12 @@ async def prepare_completions(body: CompletionRequest, services: Services) -> tu
     check_model(body.model, services)
     body.check()
     prompts = completion_inputs(body.prompt, services.settings.max_prompts)
-    max_new = body.max_tokens or services.settings.default_max_new_tokens
+    # max_tokens 0 scores the prompt only: one token is generated and left out of the answer.
+    max_new = body.max_tokens or (1 if body.max_tokens == 0 else services.settings.default_max_new_tokens)
     constraint = body.response_format.constraint() if body.response_format is not None else None
     await check_constraint(constraint, "response_format")
-    params = body.sampling(max_new, services.tokenizer).model_copy(update={"constraint": constraint})
+    extra = {"constraint": constraint, "prompt_logprobs": body.prompt_logprobs}
+    params = body.sampling(max_new, services.tokenizer).model_copy(update=extra)
     queued: list[GenerateRequest] = []
     for i, inputs in enumerate(prompts):
         ids = await prompt_ids(inputs, services.tokenizer, param="prompt" if len(prompts) == 1 else f"prompt.{i}")
@@ -118,6 +120,8 @@ async def prepare_completions(body: CompletionRequest, services: Services) -> tu
         echo=echo,
         n=body.num_choices,
         num_prompts=len(queued),
+        score_only=body.max_tokens == 0,
+        prompt_ids=tuple(q.prompt_ids for q in queued) if body.prompt_logprobs is not None else (),
     )
     return queued, call
 

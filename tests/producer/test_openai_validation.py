@@ -21,7 +21,7 @@ COMMON = {  # bad field -> the name the message and ``param`` must carry
     "top_p_above_one": ({"top_p": 1.01}, "top_p"),
     "n": ({"n": 9}, "n"),
     "n_zero": ({"n": 0}, "n"),
-    "max_tokens": ({"max_tokens": 0}, "max_tokens"),
+    "max_tokens": ({"max_tokens": -1}, "max_tokens"),
     "presence_penalty": ({"presence_penalty": 2.5}, "presence_penalty"),
     "frequency_penalty": ({"frequency_penalty": -2.5}, "frequency_penalty"),
     "repetition_penalty": ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -45,7 +45,8 @@ COMPLETION_ONLY = {
     "prompt_empty": ({"prompt": ""}, "prompt"),
     "prompt_token_id": ({"prompt": [1, 99999]}, "prompt"),
     "logprobs_range": ({"logprobs": 6}, "logprobs"),
-    "echo_logprobs": ({"echo": True, "logprobs": 0}, "echo"),
+    "echo_logprobs_streamed": ({"echo": True, "logprobs": 0, "stream": True}, "stream"),
+    "score_only_streamed": ({"max_tokens": 0, "stream": True}, "stream"),
     "suffix": ({"suffix": "end"}, "suffix"),
     "best_of": ({"best_of": 3}, "best_of"),
 }
@@ -56,6 +57,7 @@ CHAT_ONLY = {
     "top_logprobs_without_logprobs": ({"top_logprobs": 3}, "top_logprobs"),
     "top_logprobs_range": ({"top_logprobs": 21}, "top_logprobs"),
     "max_completion_tokens": ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    "max_tokens_zero": ({"max_tokens": 0}, "max_tokens"),  # completions take 0 (score only), chat does not
     "tool_choice_without_tools": ({"tool_choice": "auto"}, "tool_choice"),
     "tools_schema": (
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}]},
