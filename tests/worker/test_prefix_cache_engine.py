@@ -22,14 +22,17 @@ from worker.runner.req_table import ReqTable
 SYSTEM = list(range(30, 70))  # a 40-token "system prompt" every request below starts with
 
 
-def make_engine(folder, cache: bool, pool: int = 400, admission: str = "conservative", batch_max_tokens: int = 64):
-    model, config = load_model(ModelSource("hf", folder), torch.float32, "cpu")
+def make_engine(
+    folder, cache: bool, pool: int = 400, admission: str = "conservative", batch_max_tokens: int = 64, loaded=None
+):
+    """``loaded``: another (model, config) than the tiny one in ``folder``, given a fresh pool."""
+    model, config = loaded or load_model(ModelSource("hf", folder), torch.float32, "cpu")
     kv = attach_kv_cache(model, pool, "cpu")
     slots = TokenPool(pool)
     runner = ModelRunner(
         model,
         slots,
-        ReqTable(8, 128, kv.hold_slot, "cpu"),
+        ReqTable(8, 256, kv.hold_slot, "cpu"),
         config.vocab_size,
         torch.device("cpu"),
         prefix_cache=RadixCache(slots) if cache else None,
