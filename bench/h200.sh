@@ -2,6 +2,7 @@
 # The GPU runs behind bench/RESULTS.md's H200 rows, as sent through the device tool:
 #   bash bench/h200.sh setup gpu-tests profile arrival offline offline-16k serve scale   (one H200)
 #   bash bench/h200.sh setup whole serve        (issue 13: engine vs the whole path, then 16 req/s)
+#   bash bench/h200.sh setup prefix             (issue 17: the prefix cache on and off, ShareGPT-like and gsp)
 #   bash bench/h200.sh setup tp2 bloom serve serve-tp2 scale           (two: tp2 needs both)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
@@ -20,6 +21,21 @@ serve() {  # serve ARGS N: lightq serve with ARGS, then N requests at 16/s throu
   kill $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   kill -0 $pid 2>/dev/null && echo "serve still running 60 s after SIGTERM" || { wait $pid; echo "serve exit code $?"; }
 }
+bench_on() {  # bench_on SERVE_ARGS NAME BENCH_ARGS...: lightq serve with SERVE_ARGS, then each ';'-separated bench run
+  python3 -m bench.shapes llama3-8b /tmp/l3 --tokenizer
+  python3 -m lightq.cli serve --port 8200 $1 --data_dir "$(mktemp -d)" --model_dir dummy:/tmp/l3 >"$OUT/serve_$2.log" 2>&1 & local pid=$!
+  for i in $(seq 150); do grep -q "lightq ready" "$OUT/serve_$2.log" && break; sleep 2; done; echo "$2: up after ~$((i * 2)) s"
+  IFS=';' read -ra runs <<<"$3"
+  for run in "${runs[@]}"; do
+    echo "--- $2: serve_bench $run"
+    timeout 300 python3 -m bench.serve_bench --base-url http://127.0.0.1:8200 --vocab-size 128256 --percentiles 50,99 $run \
+      2>&1 | tee -a "$OUT/bench_$2.log" | grep -E "requests;|conversations|Successful|Failed|duration|Output token|Median TTFT|P99 TTFT|Median TPOT"
+  done
+  python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8200/metrics').read().decode())" \
+    2>&1 | grep -E "prefix_(hit|cached|evicted|asked)" | grep -v "^#" | head -12
+  kill $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+}
+PREFIX_RUNS="--num-prompts 500;--dataset gsp"  # ShareGPT-like lengths (no shared prefixes), then SGLang's gsp
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
@@ -41,6 +57,8 @@ for part in "$@"; do
                | tr '\r' '\n' | tee "$OUT/bloom.log" | grep -v "tok/s\]" | tail -9 ;;
     whole)  timeout 540 python3 -m bench.whole_path --model-shape llama3-8b 2>&1 | tr '\r' '\n' \
                | tee "$OUT/whole.log" | grep -E "^(lightq|/generate|path|engine|lightq serve|whole_path|Median|Output|.*publisher wrote)" ;;
+    prefix)  # issue 17: one worker, prefix cache on, then off, on the same two workloads
+      bench_on "--workers 1" cache-on "$PREFIX_RUNS"; bench_on "--workers 1 --no-prefix_cache" cache-off "$PREFIX_RUNS" ;;
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
     serve-tp2) serve "--workers 1 --tp 2" 150 ;;
     scale)  # the router against 32 simulated workers, on a host with cores to spare (no GPU used)
