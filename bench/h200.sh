@@ -31,8 +31,10 @@ bench_on() {  # bench_on SERVE_ARGS NAME BENCH_ARGS...: lightq serve with SERVE_
     timeout 300 python3 -m bench.serve_bench --base-url http://127.0.0.1:8200 --vocab-size 128256 --percentiles 50,99 $run \
       2>&1 | tee -a "$OUT/bench_$2.log" | grep -E "requests;|conversations|Successful|Failed|duration|Output token|Median TTFT|P99 TTFT|Median TPOT"
   done
-  python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8200/metrics').read().decode())" \
-    2>&1 | grep -E "prefix_(hit|cached|evicted|asked)" | grep -v "^#" | head -12
+  for port in 9300 9301; do  # the worker's own metrics (--metrics_port 9300: the worker or the router, by start order)
+    python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$port/metrics').read().decode())" \
+      2>/dev/null | grep -E "prefix_(hit|cached|evicted|asked)" | grep -v "^#" | head -8
+  done
   kill $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
 }
 PREFIX_RUNS="--num-prompts 500;--dataset gsp"  # ShareGPT-like lengths (no shared prefixes), then SGLang's gsp
@@ -58,7 +60,8 @@ for part in "$@"; do
     whole)  timeout 540 python3 -m bench.whole_path --model-shape llama3-8b 2>&1 | tr '\r' '\n' \
                | tee "$OUT/whole.log" | grep -E "^(lightq|/generate|path|engine|lightq serve|whole_path|Median|Output|.*publisher wrote)" ;;
     prefix)  # issue 17: one worker, prefix cache on, then off, on the same two workloads
-      bench_on "--workers 1" cache-on "$PREFIX_RUNS"; bench_on "--workers 1 --no-prefix_cache" cache-off "$PREFIX_RUNS" ;;
+      bench_on "--workers 1 --metrics_port 9300" cache-on "$PREFIX_RUNS"
+      bench_on "--workers 1 --metrics_port 9300 --no-prefix_cache" cache-off "$PREFIX_RUNS" ;;
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
     serve-tp2) serve "--workers 1 --tp 2" 150 ;;
     scale)  # the router against 32 simulated workers, on a host with cores to spare (no GPU used)
