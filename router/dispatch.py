@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import redis
 
-from router.ordering import cost, member_key
+from router.ordering import cost
 from shared.admission import request_states
 from shared.codec import FIELD, encode, from_entry
-from shared.keys import ROUTER_GROUP, Keys
+from shared.keys import ROUTER_GROUP, Keys, class_tenant_field
 from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, RequestMeta
@@ -139,7 +139,7 @@ class Dispatcher:
             r = item.request
             status = RequestMeta.fields(worker=item.worker_id, dispatched_ms=now_ms())
             keys += [k.inbox(item.worker_id), k.load(item.worker_id), k.meta(r.id), k.order(r.priority)]
-            args += [item.tail, item.entry_id, encode(r), r.id, r.priority, member_key(r.priority, r.tenant)]
+            args += [item.tail, item.entry_id, encode(r), r.id, r.priority, class_tenant_field(r.priority, r.tenant)]
             args += [cost(r), 2 * len(status)]
             args += [x for pair in status.items() for x in pair]
         return [_outcome(reply) for reply in self.script(keys=keys, args=args)]

@@ -18,9 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from router.loop import Router
-from router.ordering import split_member_key
 from router.registry import read_registry
-from shared.keys import ROUTER_GROUP
+from shared.keys import ROUTER_GROUP, split_class_tenant_field
 from shared.peak import ReqState
 from shared.redis import group_backlog
 from shared.schemas import WorkerLoad
@@ -163,7 +162,7 @@ def _shares(router: Router) -> Iterable[Metric]:
     pipe = router.client.pipeline(transaction=False)
     pipe.hgetall(router.keys.tenant_queued())
     pipe.hgetall(router.keys.tenant_served())
-    queued, served = ({split_member_key(k): int(v) for k, v in h.items()} for h in pipe.execute())
+    queued, served = ({split_class_tenant_field(k): int(v) for k, v in h.items()} for h in pipe.execute())
     per_class: dict[int, int] = {}
     for (priority, _), n in queued.items():
         per_class[priority] = per_class.get(priority, 0) + n

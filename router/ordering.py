@@ -41,7 +41,7 @@ from collections.abc import Iterable, Iterator
 
 import redis
 
-from shared.keys import Keys
+from shared.keys import Keys, class_tenant_field
 from shared.schemas import GenerateRequest, RequestStatus
 
 log = logging.getLogger("lightq.router")
@@ -89,16 +89,6 @@ def cost(request: GenerateRequest) -> int:
     return request.num_prompt_tokens + request.num_emitted + request.params.max_new_tokens * len(request.open_choices)
 
 
-def member_key(priority: int, tenant: str) -> str:
-    """The field of ``tenant_queued`` and ``tenant_served``: priority first, so a ':' in a tenant parses."""
-    return f"{priority}:{tenant}"
-
-
-def split_member_key(field: str) -> tuple[int, str]:
-    priority, _, tenant = field.partition(":")
-    return int(priority), tenant
-
-
 class Tagger:
     """Assigns (or finds) the tags of entries a router takes, in one round trip per read."""
 
@@ -133,7 +123,8 @@ def forget(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest) ->
     stream no longer holds. The tenant's count drops only if the request was in the order.
     """
     order_keys = [keys.order(request.priority), keys.waiting(), keys.tenant_queued()]
-    pipe.eval(FORGET_LUA, len(order_keys), *order_keys, request.id, member_key(request.priority, request.tenant))
+    field = class_tenant_field(request.priority, request.tenant)
+    pipe.eval(FORGET_LUA, len(order_keys), *order_keys, request.id, field)
 
 
 def clear_if_gone(client: redis.Redis, keys: Keys, request_id: str) -> None:

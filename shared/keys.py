@@ -45,6 +45,16 @@ ROUTER_GROUP = "routers"
 WORKER_GROUP = "worker"
 
 
+def class_tenant_field(priority: int, tenant: str) -> str:
+    """A field of ``tenant_queued`` and ``tenant_served``: priority first, so a ':' in a tenant parses."""
+    return f"{priority}:{tenant}"
+
+
+def split_class_tenant_field(field: str) -> tuple[int, str]:
+    priority, _, tenant = field.partition(":")
+    return int(priority), tenant
+
+
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "lightq"

@@ -34,7 +34,7 @@ from redis.exceptions import ResponseError
 from producer.edge.backlog import estimated_output
 from producer.monitoring.recent import WINDOW_S, RecentRequest, RequestTracker
 from shared.codec import from_entry
-from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
+from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys, split_class_tenant_field
 from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
 
 QUEUE_SCAN_MAX = 10_000  # queued entries whose tokens are counted
@@ -63,6 +63,9 @@ class ClusterSnapshot:
     loads: list[WorkerLoad] = field(default_factory=list)
     inboxes: dict[str, Backlog] = field(default_factory=dict)
     dead_letters: int = 0
+    # router.ordering's counters: (priority, tenant) -> requests queued, tokens dispatched
+    tenant_queued: dict[tuple[int, str], int] = field(default_factory=dict)
+    tenant_served: dict[tuple[int, str], int] = field(default_factory=dict)
     recent: list[RecentRequest] = field(default_factory=list)
     window_s: float = WINDOW_S
 
@@ -139,8 +142,14 @@ async def read_cluster(
     for load in snap.loads:
         snap.inboxes[load.worker_id] = await group_backlog(redis, keys.inbox(load.worker_id), WORKER_GROUP)
     snap.dead_letters = int(await redis.xlen(keys.dead_letters()))
+    snap.tenant_queued = _by_class_tenant(await redis.hgetall(keys.tenant_queued()))
+    snap.tenant_served = _by_class_tenant(await redis.hgetall(keys.tenant_served()))
     snap.recent = await (tracker or RequestTracker(window_s)).refresh(redis, keys, snap.ts_ms)
     return snap
+
+
+def _by_class_tenant(fields: dict) -> dict[tuple[int, str], int]:
+    return {split_class_tenant_field(k): int(v) for k, v in fields.items()}
 
 
 async def _group_info(redis: aioredis.Redis, stream: str, group: str) -> dict | None:

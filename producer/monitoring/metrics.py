@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -195,6 +195,32 @@ class ProducerMetrics:
         self.history = (*self.history[1 - HISTORY_S :], point)  # a new tuple: readers never see one grow
 
 
+def _ordering_families(snap: ClusterSnapshot, gauge, out: list[Metric]) -> None:
+    """router.ordering's counters: requests queued per class and per (class, tenant), tokens
+    dispatched per (class, tenant)."""
+    per_class: dict[int, int] = {}
+    for (priority, _), n in snap.tenant_queued.items():
+        per_class[priority] = per_class.get(priority, 0) + n
+    depth = gauge(
+        "lightq:queue_class_depth", "requests queued per priority class (read by a router)", labels=("priority",)
+    )
+    for priority, n in sorted(per_class.items()):
+        depth.add_metric([str(priority)], n)
+    tenants = gauge(
+        "lightq:queue_tenant_depth", "requests queued per priority class and tenant", labels=("priority", "tenant")
+    )
+    for (priority, tenant), n in sorted(snap.tenant_queued.items()):
+        tenants.add_metric([str(priority), tenant], n)
+    served = CounterMetricFamily(
+        "lightq:tenant_dispatched_tokens",
+        "tokens dispatched per priority class and tenant (prompt + max_new_tokens per open sample)",
+        labels=("priority", "tenant"),
+    )
+    for (priority, tenant), n in sorted(snap.tenant_served.items()):
+        served.add_metric([str(priority), tenant], n)
+    out.append(served)
+
+
 def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:
     """Every cluster gauge of one snapshot; a worker gone from it is gone from the families."""
 
@@ -230,6 +256,7 @@ def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:
             family.add_metric([worker], getattr(load, name))
     gauge("lightq:live_workers", "workers with a current heartbeat", len(snap.loads))
     gauge("lightq:dead_letters", "entries in the dead-letter stream", snap.dead_letters)
+    _ordering_families(snap, gauge, out)
     gauge(
         "lightq:throughput_tokens_per_second",
         "prompt + output tokens of requests finished in the last minute, per second",

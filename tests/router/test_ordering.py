@@ -12,9 +12,9 @@ from collections import deque
 import pytest
 
 from router.loop import Router
-from router.ordering import cost, member_key, parse_weights
+from router.ordering import cost, parse_weights
 from shared.config import RouterSettings
-from shared.keys import ROUTER_GROUP
+from shared.keys import ROUTER_GROUP, class_tenant_field
 from shared.redis import ensure_group
 from shared.schemas import GenerateRequest
 from tests.router.helpers import inbox_ids, publish_load, submit
@@ -90,7 +90,7 @@ def test_a_flood_gets_the_same_token_rate_as_a_small_tenant(redis_settings, rcli
     first = inbox_ids(rclient, keys, "w1")[:10]
     assert sorted(first) == sorted([r.id for r in flood[:5]] + [r.id for r in small])  # 5 each, not 10:1
     served = rclient.hgetall(keys.tenant_served())
-    assert served == {member_key(0, "a"): str(50 * 20), member_key(0, "b"): str(5 * 20)}
+    assert served == {class_tenant_field(0, "a"): str(50 * 20), class_tenant_field(0, "b"): str(5 * 20)}
 
 
 def test_two_routers_at_once_give_the_same_order(redis_settings, rclient, keys):

@@ -1,0 +1,174 @@
+"""Priorities and fair shares (issue 19) on the real stack: ``lightq serve`` on the counting model.
+
+    .venv/bin/python -m bench.fair_stack            # about 1.5 minutes on 2 cores
+
+One CPU worker (``--running_max_req_size`` small, so the pool is what limits), an embedded
+Redis, API keys naming two tenants (``hi:`` and ``lo:``). Requests go through
+``/generate_stream`` with ``parameters.priority``; a request's time to first token is
+measured at the client (send -> first event). First the pool's capacity in requests/s is
+measured closed-loop, then:
+
+1. class 0 (tenant ``hi``) at ``--hi_load`` x capacity alone, then with class 1 (tenant ``lo``)
+   making the offered load ``--overload`` x capacity: class 0's p99 TTFT in both.
+2. one class, tenant ``lo`` keeping 10x as many requests outstanding as ``hi``: tokens each
+   received in the window and Jain's index, with fair shares and with both keys in one tenant.
+
+The client shares the two cores with the pool, so absolute times are this machine's; the
+ratios are the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import redis
+
+from bench.fair_sim import jain
+from bench.path_bench import REPO, start_serve
+from shared.embedded_redis import start_embedded_redis
+from shared.keys import Keys
+
+KEYS = {"hi": "k-hi-0123456789", "lo": "k-lo-0123456789"}
+
+
+async def one(client: httpx.AsyncClient, http: str, tenant: str, priority: int, args, log: list) -> None:
+    """One streamed request; appends (tenant, priority, sent, first token, tokens, end) to ``log``."""
+    body = {
+        "inputs": [random.randrange(1, 200)],
+        "parameters": {"max_new_tokens": args.output_len, "ignore_eos": True, "priority": priority},
+    }
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    sent, first, times = time.monotonic(), None, []
+    async with client.stream("POST", f"{http}/generate_stream", json=body, headers=headers) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if line.startswith("data:"):
+                now = time.monotonic()
+                first = first or now
+                times.append(now)
+                if json.loads(line[5:]).get("finished"):
+                    break
+    log.append((tenant, priority, sent, first, times))
+
+
+async def submit_only(client: httpx.AsyncClient, http: str, tenant: str, priority: int, args, log: list) -> None:
+    """A request through ``POST /v1/requests`` and not followed: background load that keeps no
+    stream open in this client (hundreds of open streams would make the client the bottleneck)."""
+    body = {
+        "inputs": [random.randrange(1, 200)],
+        "parameters": {"max_new_tokens": args.output_len, "ignore_eos": True, "priority": priority},
+    }
+    reply = await client.post(f"{http}/v1/requests", json=body, headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+    reply.raise_for_status()
+
+
+async def open_loop(http: str, streams: list[tuple[str, int, float]], seconds: float, args) -> list:
+    """Poisson arrivals per (tenant, priority, requests/s); class 0 streamed, the others submitted."""
+    log: list = []
+    rng = random.Random(0)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=4000)) as client:
+        tasks, end = [], time.monotonic() + seconds
+        due = [time.monotonic() + rng.expovariate(rate) for *_, rate in streams]
+        while time.monotonic() < end:
+            i = min(range(len(streams)), key=due.__getitem__)
+            await asyncio.sleep(max(0.0, due[i] - time.monotonic()))
+            tenant, priority, rate = streams[i]
+            send = one if priority == 0 else submit_only
+            tasks.append(asyncio.create_task(send(client, http, tenant, priority, args, log)))
+            due[i] += rng.expovariate(rate)
+        await asyncio.wait(tasks, timeout=60)
+    return log
+
+
+async def closed_loop(http: str, outstanding: dict[str, tuple[str, int]], seconds: float, args) -> list:
+    """Keep n requests of each label in flight (label -> (tenant key, n)); logs under the label."""
+    log: list = []
+
+    async def keep(client, label: str, tenant: str, end: float) -> None:
+        while time.monotonic() < end:
+            mine: list = []
+            await one(client, http, tenant, 0, args, mine)
+            log.extend((label, *row[1:]) for row in mine)
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=4000)) as client:
+        end = time.monotonic() + seconds
+        await asyncio.gather(
+            *(keep(client, label, tenant, end) for label, (tenant, n) in outstanding.items() for _ in range(n))
+        )
+    return log
+
+
+def capacity(http: str, args) -> float:
+    log = asyncio.run(closed_loop(http, {"probe": ("hi", 4 * args.batch)}, args.window_s / 2, args))
+    return len(log) / (args.window_s / 2)
+
+
+def dispatched_tokens(redis_url: str, http: str) -> dict[str, int]:
+    """Tokens dispatched per 'priority:tenant' so far (the router's counters in Redis)."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    prefix = f"lightq-path-{http.rsplit(':', 1)[1]}"  # path_bench.start_serve's key prefix
+    return {k: int(v) for k, v in client.hgetall(Keys(prefix).tenant_served()).items()}
+
+
+def p99_ttft(log: list, priority: int, start: float) -> tuple[float, int]:
+    waits = [(first - sent) * 1000 for _, p, sent, first, _ in log if p == priority and sent >= start and first]
+    return float(np.percentile(waits, 99)), len(waits)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=8, help="the worker's --running_max_req_size")
+    p.add_argument("--output_len", type=int, default=32)
+    p.add_argument("--overload", type=float, default=2.0)
+    p.add_argument("--hi_load", type=float, default=0.5)
+    p.add_argument("--window_s", type=float, default=12.0)
+    p.add_argument("--warmup_s", type=float, default=2.0)
+    p.add_argument("--poll_ms", type=int, default=10, help="the router's wait when the head fits no worker")
+    args = p.parse_args(argv)
+    redis_server = start_embedded_redis()
+    log_path = Path(tempfile.mkdtemp(prefix="lightq-fair-")) / "serve.log"
+    keys = ",".join(f"{tenant}:{key}" for tenant, key in KEYS.items())
+    flags = ["--running_max_req_size", str(args.batch), "--api_keys", keys, "--poll_ms", str(args.poll_ms)]
+    process, http = start_serve(REPO, redis_server.url, log_path, flags)
+    try:
+        cap = capacity(http, args)
+        hi, lo = args.hi_load * cap, (args.overload - args.hi_load) * cap
+        print(
+            f"capacity {cap:.1f} req/s ({args.output_len} tokens each); class 0 at {hi:.1f}, class 1 at {lo:.1f} req/s"
+        )
+        ttft, lo_before = {}, 0
+        for name, streams in [("alone", [("hi", 0, hi)]), ("with class 1", [("hi", 0, hi), ("lo", 1, lo)])]:
+            t0 = time.monotonic()
+            log = asyncio.run(open_loop(http, streams, args.warmup_s + args.window_s, args))
+            ttft[name], n = p99_ttft(log, 0, t0 + args.warmup_s)
+            lo_tokens = dispatched_tokens(redis_server.url, http).get("1:lo", 0) - lo_before
+            lo_before += lo_tokens
+            print(f"  class 0 {name:<13} p99 TTFT {ttft[name]:8.1f} ms over {n}; class-1 tokens dispatched {lo_tokens}")
+        print(f"  ratio {ttft['with class 1'] / ttft['alone']:.2f} (goal <= 2)")
+        small = args.batch  # more than half the batch: the small tenant always has work waiting
+        for name, tenants in [("fair shares", ("lo", "hi")), ("one tenant", ("lo", "lo"))]:
+            outstanding = {"flood": (tenants[0], 10 * small), "small": (tenants[1], small)}
+            t0 = time.monotonic()
+            log = asyncio.run(closed_loop(http, outstanding, args.warmup_s + args.window_s, args))
+            start, end = t0 + args.warmup_s, t0 + args.warmup_s + args.window_s
+            served = [
+                sum(sum(start <= t < end for t in times) for lab, *_, times in log if lab == label)
+                for label in outstanding
+            ]
+            print(f"  {name:<12} tokens flood {served[0]:>6} small {served[1]:>6}  Jain's index {jain(served):.3f}")
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        redis_server.stop()
+
+
+if __name__ == "__main__":
+    main()
