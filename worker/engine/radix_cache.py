@@ -261,11 +261,10 @@ class RadixCache:
             leaf = Node(node, key[present:].copy(), np.asarray(slots[present : len(key)]).copy(), len(key))
             leaf.last_used = next(self._clock)
             first = present // self.block + 1  # the first boundary past ``present``
-            leaf.hashes = [
-                ((k + 1) * self.block, h)
-                for k, h in enumerate(prefix_hashes(key.tolist(), self.block))
-                if k + 1 >= first
-            ]
+            if len(key) // self.block >= first:  # the chain is hashed from the start: only when needed
+                listed = ids if isinstance(ids, list) else key.tolist()
+                hashes = prefix_hashes(listed, self.block)
+                leaf.hashes = [((k + 1) * self.block, h) for k, h in enumerate(hashes) if k + 1 >= first]
             node.children[int(key[present])] = leaf
             self.num_cached += len(leaf.ids)
             self.num_evictable += len(leaf.ids)
@@ -274,6 +273,8 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Give at least ``num_tokens`` slots back to the pool from unreferenced leaves, least
         recently used first (fewer if the rest is held); returns how many."""
+        if self.num_evictable == 0:  # all held: no walk
+            return 0
         leaves = [(n.last_used, id(n), n) for n in self._nodes() if not n.children and n.ref == 0]
         heapq.heapify(leaves)
         freed = 0
