@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -62,7 +63,25 @@ def summary(snap: ClusterSnapshot, depths: list[float]) -> Text:
     ]
     if len(depths) > 1:
         lines.append(f"depth  {sparkline(depths)}  (max {max(depths):.0f})")
+    lines += shares(snap)
     return Text.from_markup("\n".join(lines))
+
+
+def shares(snap: ClusterSnapshot, most: int = 6) -> list[str]:
+    """The priority order's state (router.ordering): queued per class, and the tenants that were
+    served the most tokens, with what each has queued (none of it when nothing was ever ordered)."""
+    if not snap.tenant_queued and not snap.tenant_served:
+        return []
+    per_class: dict[int, int] = {}
+    for (priority, _), n in snap.tenant_queued.items():
+        per_class[priority] = per_class.get(priority, 0) + n
+    classes = " · ".join(f"{p}: [bold]{n}[/]" for p, n in sorted(per_class.items())) or "none"
+    top = sorted(set(snap.tenant_queued) | set(snap.tenant_served), key=lambda k: -snap.tenant_served.get(k, 0))
+    tenants = " · ".join(
+        f"{escape(t)} (class {p}) {snap.tenant_queued.get((p, t), 0)} queued, {snap.tenant_served.get((p, t), 0)} tok"
+        for p, t in top[:most]
+    )
+    return [f"classes queued per priority {classes}", f"tenants {tenants}"]
 
 
 def workers_table(snap: ClusterSnapshot) -> Table:
