@@ -109,3 +109,30 @@ def test_a_named_calls_arguments_stream_as_deltas(oai):
     assert len(calls) > 2  # the arguments arrive piece by piece
     assert isinstance(json.loads("".join(c.function.arguments or "" for c in calls))["city"], str)
     assert events[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_echo_logprobs_equal_a_reference_forward(oai):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) against transformers' forward of
+    the same GGUF: every prompt token's logprob within 1e-3."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_files import load_tokenizer, resolve
+
+    source = resolve("default")
+    ids = load_tokenizer(source).encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    model = oai.models.list().data[0].id
+    out = oai.completions.create(model=model, prompt=ids, echo=True, logprobs=2, max_tokens=0)
+    logprobs = out.choices[0].logprobs
+    assert out.usage.completion_tokens == 0 and len(logprobs.token_logprobs) == len(ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    folder, name = os.path.split(source.path)
+    ref = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = [float(logp[p, ids[p + 1]]) for p in range(len(ids) - 1)]
+    assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-3)
+    best = [float(logp[p].max()) for p in range(len(ids) - 1)]
+    assert [max(top.values()) for top in logprobs.top_logprobs[1:]] == pytest.approx(best, abs=1e-3)
