@@ -195,3 +195,22 @@ def test_metrics_show_depth_per_class_and_tenant_and_tokens_served(redis_setting
     assert ("lightq:queue_class_depth", (("priority", "0"),)) not in s  # a0 went out
     assert s[("lightq:queue_tenant_depth", (("priority", "1"), ("tenant", "b")))] == 2
     assert s[("lightq:tenant_dispatched_tokens_total", (("priority", "0"), ("tenant", "a")))] == 20
+
+
+def test_a_dead_routers_entries_keep_their_places_at_the_router_that_takes_them(redis_settings, rclient, keys):
+    first = make_router(redis_settings, rclient, "r1", liveness_ttl_s=0.3)
+    for i, (priority, tenant) in enumerate([(1, "a"), (0, "a"), (0, "a"), (0, "b")]):
+        submit(rclient, keys, f"q{i}", 5, 5, priority=priority, tenant=tenant)
+    first.step()  # reads and orders all four, then goes silent
+    held = [request.id for _, request in first.queue]
+    assert held == ["q1", "q3", "q2", "q0"]  # class 0 first; b's first request before a's second
+    time.sleep(0.4)
+    publish_load(rclient, keys, "w1", max_total=BIG)
+    second = make_router(redis_settings, rclient, "r2", liveness_ttl_s=0.3)
+    second.step()  # claims r1's entries (tags found in Redis, not charged again) and dispatches
+    assert inbox_ids(rclient, keys, "w1") == held
+    assert rclient.hgetall(keys.tenant_served()) == {
+        class_tenant_field(1, "a"): "10",
+        class_tenant_field(0, "a"): "20",
+        class_tenant_field(0, "b"): "10",
+    }
