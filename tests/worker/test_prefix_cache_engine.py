@@ -154,3 +154,17 @@ def test_a_requeued_group_resumes_each_sample_the_same_from_the_cache(tiny, rcli
             assert engine.runner.slots.num_hit >= len(PROMPT) - 1
             assert_idle(engine, 400)
     assert outputs[0] == outputs[1]
+
+
+def test_the_load_record_says_what_the_cache_holds(tiny):  # noqa: F811
+    from shared.prefix_hash import prefix_hashes
+    from worker.engine.load import build_load
+
+    _, folder = tiny
+    engine = make_engine(folder, True)
+    prompt = [(i * 7) % 90 + 1 for i in range(130)]  # within the tiny vocabulary
+    run_to_end(engine, {0: [req("long", prompt, 4)]})
+    load = build_load(engine, "w", 1, "0-0")
+    assert dict(load.prefixes)[prefix_hashes(prompt)[1]] == 128  # both 64-token boundaries, as the router hashes
+    assert dict(load.prefixes)[prefix_hashes(prompt)[0]] == 64
+    assert load.cached_tokens == 133 and load.used_tokens == 0 and load.requests == []

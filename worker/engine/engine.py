@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from shared.peak import ReqState
 from shared.schemas import FinishReason, RequestStatus
 from worker.engine.events import Ended, Event, Released, Started, Tokens
 from worker.engine.kv_slots import KVSlots
-from worker.engine.load import SUMMARY_LIMIT, SUMMARY_PERIOD_S, LoadSnapshot, request_states
+from worker.engine.load import LoadSnapshot, request_states
 from worker.engine.request import Phase, Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
 
@@ -93,10 +92,6 @@ class Engine:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._lock = threading.Lock()  # guards what the heartbeat thread reads
-        # What the prefix cache holds, for the load record: (prefix hash, tokens) pairs, rebuilt
-        # on this thread (the tree is not safe to walk from the heartbeat's) at most every period.
-        self.prefix_summary: tuple[tuple[int, int], ...] = ()
-        self._summary_at = (0.0, -1)  # (when, cached tokens then)
 
     @property
     def has_work(self) -> bool:
@@ -129,7 +124,7 @@ class Engine:
                 len(self.running),
                 len(self.waiting),
                 slots.stats(),
-                self.prefix_summary,
+                slots.summary,
             )
 
     def cancel(self, req: Req) -> list[Event]:
@@ -167,16 +162,8 @@ class Engine:
                 early(events)
                 events = []
             events += self._sample_and_finish(decoding, self.runner.decode(decoding))
-        self._refresh_summary()
+        self.runner.slots.refresh_summary(idle=not self.has_work)  # on this thread: the tree is not thread-safe
         return events
-
-    def _refresh_summary(self) -> None:
-        cache, (then, cached) = self.runner.slots.cache, self._summary_at
-        now = time.monotonic()
-        # at most every period while busy; at once when idle, so a pool at rest shows its last state
-        if cache.num_cached != cached and (now - then >= SUMMARY_PERIOD_S or not self.has_work):
-            self.prefix_summary = tuple(cache.summary(SUMMARY_LIMIT))
-            self._summary_at = (now, cache.num_cached)
 
     def _prefill(self, chunks: list[tuple[Req, int]]) -> list[Event]:
         """One prefill forward over (request, tokens) chunks; those that complete sample."""
@@ -229,7 +216,7 @@ class Engine:
         hold already (their states count it; ``worker.engine.load``). The rest of a hit is
         unreferenced: free now, but the request would hold it, so it counts."""
         states = request_states([req])
-        _, held = self.runner.slots.cache.peek(req.all_ids[: req.num_tokens - 1])
+        held = self.runner.slots.held_prefix(req)
         if held:
             states[0] = states[0]._replace(held=states[0].held - held)
         return states

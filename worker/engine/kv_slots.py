@@ -10,7 +10,7 @@ are, by position:
 | ``[0, num_locked)``        | the tree (``req.lease``): a cached prefix, or its own  |
 |                            | prefill, shared when it completed (``share``)          |
 | ``[0, num_shared)``        | a forked group's prompt (``Group``; ``num_locked`` 0)  |
-| ``[.., num_cached)``       | the request itself, until ``release``                  |
+| the rest, to ``num_cached`` | the request itself, until ``release``                 |
 
 A group's prompt slots are held by ``Group.lease`` (the leader's lease, moved
 at the fork) and released, like a request's, with the group's last holder.
@@ -20,6 +20,7 @@ every own slot, as before the cache existed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,10 @@ from worker.engine.request import Req
 from worker.engine.token_pool import TokenPool
 
 EVICT_SHARE = 100  # an eviction frees at least 1 / EVICT_SHARE of the pool (see ``allocate``)
+# The cache summary in each load record: at most this many (hash, tokens) pairs (about 40 bytes
+# each as JSON), rebuilt at most this often while busy (each rebuild walks the tree).
+SUMMARY_LIMIT = 256
+SUMMARY_PERIOD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,9 @@ class KVSlots:
         self.num_asked = 0  # tokens of requests admitted (prompt + resumed output), for the hit rate
         self.num_hit = 0  # of those, tokens found in the cache (not prefilled)
         self._unwritten: dict[Req, int] = {}  # cached prefixes not yet in their table rows
+        # What the cache holds, for the load record: (prefix hash, tokens it covers) pairs.
+        self.summary: tuple[tuple[int, int], ...] = ()
+        self._summary_at = (0.0, -1)  # (when, cached tokens then)
 
     @property
     def available(self) -> int:
@@ -72,6 +80,19 @@ class KVSlots:
         if short > 0:
             self.cache.evict(max(short, self.pool.num_slots // EVICT_SHARE))
         return self.pool.allocate(n)
+
+    def refresh_summary(self, idle: bool) -> None:
+        """Rebuild ``summary`` if the cache changed: at most every period while busy, at once when
+        idle (so a pool at rest shows its last state). The model loop's thread only."""
+        then, cached = self._summary_at
+        now = time.monotonic()
+        if self.cache.num_cached != cached and (idle or now - then >= SUMMARY_PERIOD_S):
+            self.summary = tuple(self.cache.summary(SUMMARY_LIMIT))
+            self._summary_at = (now, self.cache.num_cached)
+
+    def held_prefix(self, req: Req) -> int:
+        """Tokens of ``req``'s cached prefix that running requests hold already (leased)."""
+        return self.cache.peek(req.all_ids[: req.num_tokens - 1])[1]
 
     def attach_prefix(self, req: Req) -> None:
         """A request starting here takes the longest cached prefix of its ids (all but the last,

@@ -34,11 +34,6 @@ from worker.engine.kv_slots import CacheStats
 from worker.engine.radix_cache import Lease, lease_path
 from worker.engine.request import Phase, Req
 
-# The cache summary in each load record: at most this many (hash, tokens) pairs (about 40 bytes
-# each as JSON), rebuilt at most this often (each rebuild walks the tree on the model loop).
-SUMMARY_LIMIT = 256
-SUMMARY_PERIOD_S = 1.0
-
 
 @dataclass(frozen=True)
 class LoadSnapshot:
@@ -47,7 +42,7 @@ class LoadSnapshot:
     num_running: int
     num_waiting: int
     cache: CacheStats = CacheStats()
-    prefixes: tuple[tuple[int, int], ...] = ()  # the cache's summary (Engine.prefix_summary)
+    prefixes: tuple[tuple[int, int], ...] = ()  # the cache's summary (KVSlots.summary)
 
 
 class Limits(Protocol):
