@@ -115,6 +115,7 @@ class ClusterSnapshot:
                 "running": load.num_running,
                 "waiting": load.num_waiting,
                 "used_tokens": load.used_tokens,
+                "cached_tokens": load.cached_tokens,  # the prefix cache (worker.engine.radix_cache)
                 "committed_tokens": load.committed_tokens,
                 "max_total_tokens": load.max_total_tokens,
                 "kv_usage": kv_usage(load),

@@ -29,6 +29,7 @@ def seed(rclient, keys) -> None:
             num_running=3,
             num_waiting=1,
             requests=[],
+            cached_tokens=4321 if worker_id == "gpu-a" else 0,
         )
         rclient.set(keys.load(worker_id), encode(load), ex=60)
         rclient.zadd(keys.workers(), {worker_id: now_ms()})
@@ -55,6 +56,7 @@ def test_once_prints_queue_and_workers(rclient, keys, redis_settings):
     assert "2 live worker(s)" in text
     a = next(line for line in text.splitlines() if "gpu-a" in line)
     assert "75.0%" in a and "750 / 1000" in a and "█" * 18 in a
+    assert "4321" in a  # the prefix cache's tokens
     assert "10.0%" in next(line for line in text.splitlines() if "gpu-b" in line)
 
 
