@@ -164,7 +164,7 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
     # Constrained decoding needs the tokenizer's token texts (rank 0 samples; followers have none).
     grammars = None
     if tokenizer is not None and len(tokenizer) <= config.vocab_size:
-        grammars = Grammars(GrammarCache(tokenizer, config.vocab_size, eos))
+        grammars = Grammars(GrammarCache.for_tokenizer(tokenizer, config.vocab_size, eos))
     pool = TokenPool(num_slots)
     prefix_cache = RadixCache(pool) if settings.prefix_cache else None  # rank 0's decides; followers' stay empty
     runner = ModelRunner(

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 import transformers
+import xgrammar as xgr
 
 from shared.admission import AdmissionRule
 from shared.config import AdmissionSettings
@@ -55,7 +56,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def cache(tokenizer):
-    return GrammarCache(tokenizer, VOCAB, {EOS})
+    return GrammarCache.for_tokenizer(tokenizer, VOCAB, {EOS})
 
 
 @pytest.fixture(scope="module")
@@ -194,9 +195,83 @@ def test_a_requeued_group_replays_each_samples_matcher(tiny, cache, tokenizer):
 
 
 def test_the_cache_is_bounded_and_reports_bad_constraints(tokenizer):
-    cache = GrammarCache(tokenizer, VOCAB, {EOS}, max_entries=2)
+    cache = GrammarCache.for_tokenizer(tokenizer, VOCAB, {EOS}, max_entries=2)
     for n in range(4):
         assert cache.error(Constraint(kind="regex", spec=f"a{{{n + 1}}}")) is None
     assert len(cache) == 2
     assert "regex" in cache.error(Constraint(kind="regex", spec="(abc"))
     assert "json_schema" in cache.error(Constraint(kind="json_schema", spec='{"type": "foo"}'))
+
+
+SYNTHETIC_STOP = "</s>"
+
+
+def synthetic_cache(width: int) -> tuple[GrammarCache, list[str]]:
+    """A tokenizer-free vocabulary (printable characters, some multi-character pieces, a stop token),
+    narrower than the logits (``width``), as a model's padded vocabulary is."""
+    pieces = [chr(c) for c in range(32, 127)] + ['{"', '":', '", "', "true", "false", "12", "ab", "yes", "no", "]}"]
+    vocab = [*pieces, SYNTHETIC_STOP]
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=width, stop_token_ids=[len(vocab) - 1])
+    return GrammarCache(info, width), vocab
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_batched_mask_on_the_logits_device(device):
+    """Random logits on ``device`` (a CUDA device applies xgrammar's GPU kernel): constrained rows
+    only ever draw allowed tokens (their matchers accept every one) and end at their grammar's end."""
+    width = 160
+    cache, pieces = synthetic_cache(width)
+    grammars = Grammars(cache)
+    small = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 12]}},
+        "required": ["ok", "n"],
+    }
+    kinds = [
+        Constraint(kind="json_schema", spec=json.dumps(small)),
+        Constraint(kind="regex", spec="(yes|no)-[a-c]{3}"),
+        None,
+    ]
+    reqs = [Req(msg=msg(f"r{i}", kinds[i % 3], seed=i if i % 2 else None, **SAMPLED), inbox_id="0-1") for i in range(9)]
+    for r in reqs:
+        grammars.start(r)
+    torch.manual_seed(5)
+    live = list(reqs)
+    for step in range(60):
+        logits = torch.randn(len(live), width, device=device) * 3
+        batch = SamplingBatch.build(
+            [r.msg.params for r in live],
+            width,
+            torch.device(device),
+            output_lens=[step] * len(live),
+            grammar=grammars.mask(live),
+        )
+        ids = sample(logits, batch).ids
+        for r, token_id, ended in zip(live, ids, grammars.accept(live, ids)):
+            r.output_ids.append(token_id)
+            assert not ended or r.msg.params.constraint is not None
+            if ended:
+                assert token_id == len(pieces) - 1 and grammars.matchers[r].is_terminated()
+                grammars.finish(r)
+        live = [r for r in live if r in grammars.matchers]
+        if not live:
+            break
+    assert not live, "every constrained row ends well within 60 tokens"
+    for r in reqs:
+        if r.msg.params.constraint is None:
+            continue
+        text = "".join(pieces[t] for t in r.output_ids[:-1])
+        if r.msg.params.constraint.kind == "regex":
+            assert re.fullmatch("(yes|no)-[a-c]{3}", text), text
+        else:
+            value = json.loads(text)
+            assert type(value["ok"]) is bool and value["n"] in (1, 12), text

@@ -56,16 +56,20 @@ def compile_constraint(compiler: xgr.GrammarCompiler, constraint: Constraint) ->
 class GrammarCache:
     """Compiled grammars of one tokenizer, least recently used first out."""
 
-    def __init__(
-        self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], max_entries: int = CACHE_ENTRIES
-    ) -> None:
-        # The model's vocabulary (logits' width) may exceed the tokenizer's; stop tokens are the
-        # engine's EOS ids, so that the grammar's end and the engine's "stop" agree.
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
+    def __init__(self, info: xgr.TokenizerInfo, vocab_size: int, max_entries: int = CACHE_ENTRIES) -> None:
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
         self.max_entries = max_entries
         self._compiled: OrderedDict[Constraint, xgr.CompiledGrammar] = OrderedDict()
+
+    @classmethod
+    def for_tokenizer(
+        cls, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], max_entries: int = CACHE_ENTRIES
+    ) -> GrammarCache:
+        """The cache of a Hugging Face tokenizer. The model's vocabulary (logits' width) may exceed
+        the tokenizer's; stop tokens are the engine's EOS ids, so the grammar's end and "stop" agree."""
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
+        return cls(info, vocab_size, max_entries)
 
     def get(self, constraint: Constraint) -> xgr.CompiledGrammar:
         compiled = self._compiled.get(constraint)
