@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 from shared.batch_view import BatchView, Candidate, Policy
 from shared.peak import ReqState
@@ -100,6 +101,19 @@ def cache_aware_fit(
     return min(scored)[3] if scored else None
 
 
+# Why a worker was chosen: it holds a prefix of the prompt; others did but load won; nobody held
+# any (least loaded); none could take it (the request waits).
+Reason = Literal["prefix_hit", "load_over_hit", "least_loaded", "wait"]
+
+
+def reason(chosen: str | None, hits: Mapping[str, float]) -> Reason:
+    if chosen is None:
+        return "wait"
+    if chosen in hits:
+        return "prefix_hit"
+    return "load_over_hit" if hits else "least_loaded"
+
+
 class WorkerView(BatchView):
     """A worker's record plus this router's reservations on it (``reserved``: counted as added).
     A draining worker takes nothing."""
@@ -139,6 +153,7 @@ class Views:
     def __init__(self, policy: Policy):
         self.policy = policy
         self._views: dict[str, WorkerView] = {}
+        self.last_reason: Reason = "wait"  # why the last ``choose`` chose as it did, for the metrics
 
     def clear(self) -> None:
         """Every view goes (their draws came from an older history)."""
@@ -175,7 +190,9 @@ class Views:
                 tokens = view.hit(hashes)
                 if tokens:
                     hits[worker_id] = tokens / len(prompt_ids)
-        return cache_aware_fit(uses, hits, lambda worker_id: self._views[worker_id].ratio(candidate))
+        chosen = cache_aware_fit(uses, hits, lambda worker_id: self._views[worker_id].ratio(candidate))
+        self.last_reason = reason(chosen, hits)
+        return chosen
 
     def admit(self, worker_id: str, candidate: Candidate) -> None:
         """The candidate was sent there: the next decision sees it."""

@@ -22,7 +22,7 @@ from router.registry import read_registry
 from shared.keys import ROUTER_GROUP, split_class_tenant_field
 from shared.peak import ReqState
 from shared.redis import group_backlog
-from shared.schemas import WorkerLoad
+from shared.schemas import GenerateRequest, WorkerLoad
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -41,6 +41,14 @@ class RouterMetrics:
             ["router"],
             registry=self.registry,
         ).labels(**labels)
+        self.decisions = Counter(
+            "lightq:router_decisions",
+            "admission decisions by reason (router.admission.Reason): the chosen worker holds a prefix of "
+            "the prompt, others did but load won, nobody held any, or the request waits",
+            ["router", "reason"],
+            registry=self.registry,
+        )
+        self.router_id = router_id
         self.dispatch_step = Histogram(
             "lightq:router_dispatch_step_seconds",
             "duration of a step that dispatched (read, reap, admit, send)",
@@ -56,6 +64,10 @@ class MeteredRouter(Router):
     def __init__(self, *args, metrics: RouterMetrics, **kwargs):
         super().__init__(*args, **kwargs)
         self.metrics = metrics
+
+    def on_decision(self, request: GenerateRequest, worker_id: str | None, seconds: float) -> None:
+        super().on_decision(request, worker_id, seconds)
+        self.metrics.decisions.labels(router=self.metrics.router_id, reason=self.views.last_reason).inc()
 
     def step(self) -> int:
         start = time.perf_counter()

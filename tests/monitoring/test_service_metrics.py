@@ -53,6 +53,8 @@ def test_router_counts_dispatches_and_pauses_and_reports_its_queue(redis_setting
     s, r1 = samples(router.metrics.registry), (("router", "r1"),)
     assert s[("lightq:router_dispatches_total", r1)] == 1
     assert s[("lightq:router_pauses_total", r1)] == 1
+    assert s[("lightq:router_decisions_total", (("reason", "least_loaded"), ("router", "r1")))] == 1
+    assert s[("lightq:router_decisions_total", (("reason", "wait"), ("router", "r1")))] >= 1  # asked each pass
     assert s[("lightq:router_dispatch_step_seconds_count", r1)] == 1
     assert s[("lightq:router_queue_requests", r1)] == 2
     assert s[("lightq:router_queue_tokens", (("kind", "prompt"), ("router", "r1")))] == 45

@@ -49,23 +49,25 @@ def message(rid: str, prompt: list[int], max_new: int = 20) -> GenerateRequest:
     return GenerateRequest(id=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new), created_ms=0)
 
 
-def choose(loads, msg):
+def choose(loads, msg, reason=None):
     views = Views(POLICIES["conservative"](estimator(), 0.05))
     views.refresh({load.worker_id: load for load in loads}, {})
-    return views.choose(Candidate(request_states(msg), views.policy), None, msg.prompt_ids)
+    chosen = views.choose(Candidate(request_states(msg), views.policy), None, msg.prompt_ids)
+    assert reason is None or views.last_reason == reason
+    return chosen
 
 
 def test_the_next_turn_goes_to_the_worker_holding_the_conversation():
     holder = record("holder", held=300, prefixes=summary_after(TURN1, list(range(9000, 9100))))
     idle = record("idle")
-    assert choose([idle, holder], message("t2", TURN2)) == "holder"
-    assert choose([idle, holder], message("other", list(range(2000, 2400)))) == "idle"  # no hit: least loaded
+    assert choose([idle, holder], message("t2", TURN2), "prefix_hit") == "holder"
+    assert choose([idle, holder], message("other", list(range(2000, 2400))), "least_loaded") == "idle"
 
 
 def test_a_loaded_holder_loses_to_an_idle_worker_and_a_full_one_is_skipped():
     prefixes = summary_after(TURN1)
     busy = record("holder", held=1000, prefixes=prefixes)  # 0.71 with the request, less 0.32 for 256 of 400 hit
-    assert choose([record("idle"), busy], message("t2", TURN2)) == "idle"
+    assert choose([record("idle"), busy], message("t2", TURN2), "load_over_hit") == "idle"
     full = record("holder", held=1990, prefixes=prefixes)  # the request does not fit there
     assert choose([record("idle", held=500), full], message("t2", TURN2)) == "idle"
 
