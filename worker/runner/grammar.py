@@ -8,17 +8,19 @@ matcher is always built by replaying ``req.output_ids``: a requeued request
 forked after its emitted tokens all continue exactly where the grammar was.
 
 Each step, ``mask`` fills one row of a host bitmask per constrained sample
-(the batch's other rows are not touched: ``indices``), before the forward is
-launched, so on a GPU the CPU work overlaps the forward; the sampler applies
-it to the logits in one batched call (``apply_token_bitmask_inplace`` on the
-logits' device). After sampling, ``accept`` advances every matcher; a
-matcher that has terminated (the grammar was complete and a stop token was
-taken) ends its request with ``stop``.
+(the batch's other rows are not touched: ``indices``), on xgrammar's thread
+pool (``BatchGrammarMatcher``), after the forward is launched, so on a GPU
+the CPU work overlaps the forward; the sampler applies it to the logits in
+one batched call (``apply_token_bitmask_inplace`` on the logits' device).
+After sampling, ``accept`` advances every matcher; a matcher that has
+terminated (the grammar was complete and a stop token was taken) ends its
+request with ``stop``.
 
 Compiled grammars depend on the tokenizer and the constraint only: they are
 kept in a bounded LRU (``GrammarCache``), so a schema sent with every
-request compiles once per worker. Compilation runs on the model loop (a few
-ms for a typical schema; the producer has already parsed the constraint).
+request compiles once per worker. Compilation runs on the model loop, when
+the service takes the request from its inbox (a few ms for a typical schema;
+the producer has already parsed the constraint).
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ class Grammars:
         self.cache = cache
         self.matchers: dict[Req, xgr.GrammarMatcher] = {}
         self._bitmask = xgr.allocate_token_bitmask(1, cache.vocab_size)
+        self._filler = xgr.BatchGrammarMatcher(max_threads="auto")  # a row per thread, ~50 us a row
 
     def start(self, req: Req) -> None:
         """A matcher for ``req`` (none without a constraint), after its output so far."""
@@ -145,8 +148,7 @@ class Grammars:
             size = max(len(reqs), 2 * self._bitmask.shape[0])
             self._bitmask = xgr.allocate_token_bitmask(size, self.cache.vocab_size)
         bitmask = self._bitmask[: len(reqs)]
-        for i in rows:
-            self.matchers[reqs[i]].fill_next_token_bitmask(bitmask, i)
+        self._filler.batch_fill_next_token_bitmask([self.matchers[reqs[i]] for i in rows], bitmask, rows)
         return GrammarMask(bitmask, rows)
 
     def accept(self, reqs: Sequence[Req], ids: Sequence[int]) -> list[bool]:

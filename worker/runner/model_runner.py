@@ -18,7 +18,7 @@ the leader's last-position logits. No K/V is copied.
 
 Constrained samples (``grammars``, ``worker.runner.grammar``) get their
 matcher with their row (``start``; rebuilt after the emitted tokens on a
-fork); a step's mask is filled before its forward is launched.
+fork); a step's mask is filled while its forward runs (after the launch).
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ class ModelRunner:
             req.slot_ids[req.num_cached] = slot
             req.num_cached += 1
         ones = np.ones(len(reqs), dtype=np.int64)
-        mask = self._mask(reqs)  # before the forward: on a GPU the host work overlaps it
         logits = self.forward(StepInputs(input_ids, positions, slots, rows, positions, ones, True))
+        mask = self._mask(reqs)  # after the launch: on a GPU the host work overlaps the forward
         return self._sample(logits, reqs, mask)
 
     @torch.inference_mode()
@@ -181,7 +181,6 @@ class ModelRunner:
             self.slots.share(req)
         copies = [c for leader, members in forks.items() for c in self._fork(leader, members)]
         pairs = sampling_after_prefill(completing, forks)  # after the fork, which sets num_uncached
-        mask = self._mask([r for _, r in pairs])
         index, last_rows = prompt_logprobs.logit_index(reqs, num_new)
         logits = self.forward(
             StepInputs(
@@ -197,6 +196,7 @@ class ModelRunner:
                 index,
             )
         )
+        mask = self._mask([r for _, r in pairs])  # after the launch, before anything waits on the GPU
         if index is not None:  # every token's logits of the requests that asked: their prompt's logprobs
             prompt_logprobs.gather(reqs, num_new, cached, logits)
             logits = logits[torch.from_numpy(last_rows).to(logits.device)]
