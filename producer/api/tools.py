@@ -126,7 +126,7 @@ class ToolPlan:
                 return None
             arguments = item.get("arguments", item.get("parameters", {}))
             calls.append(ToolCall(call_id(), item["name"], json.dumps(arguments, ensure_ascii=False)))
-        return calls or None
+        return (calls if self.parallel else calls[:1]) or None  # auto may write several: one if not parallel
 
     def system_prompt(self) -> str:
         """The tools and the call format, for a chat template that does not render tools itself."""
