@@ -64,6 +64,9 @@ class GenerateParameters(_Request):
     guided_json: dict[str, Any] | str | None = Field(None, description="a JSON schema the output follows")
     regular_constraint: str | None = Field(None, description="a regular expression the output matches")
     guided_grammar: str | None = Field(None, description="an EBNF grammar (xgrammar's dialect) the output follows")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="/generate: each prompt token's logprob and this many alternatives"
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -123,6 +126,12 @@ class TokenDetail(BaseModel):
     logprob: float | None
 
 
+class PromptTokenDetail(BaseModel):
+    id: int
+    logprob: float | None = Field(description="null for the first token (nothing predicts it)")
+    top_logprobs: list[tuple[int, float]] = Field(default_factory=list, description="(id, logprob), likeliest first")
+
+
 class GenerateResult(BaseModel):
     """``/generate``'s answer in LightLLM's shape: ``generated_text`` is always a list (one
     text per sample); the siblings are scalars for n=1 and lists (per sample) for n>1."""
@@ -135,13 +144,14 @@ class GenerateResult(BaseModel):
         None, description="with return_details only (per sample for n>1)"
     )
     error: str | None = Field(None, description="set only when the request did not end normally")
+    prompt_logprobs: list[PromptTokenDetail] | None = Field(None, description="with parameters.prompt_logprobs only")
 
 
 def dump_without_empty_error(model: BaseModel) -> str:
     """JSON of a native-route body; LightLLM has no ``error`` key (nor ``tokens`` without
     return_details), so they appear only when set."""
     data = model.model_dump(mode="json")
-    for key in ("error", "tokens"):
+    for key in ("error", "tokens", "prompt_logprobs"):
         if data.get(key) is None:
             data.pop(key, None)
     return json.dumps(data, ensure_ascii=False)

@@ -125,4 +125,5 @@ def native_sampling(p: GenerateParameters, default_max_new_tokens: int, tokenize
         repetition_penalty=p.repetition_penalty,
         stop_sequences=stop_strings(p.stop_sequences, tokenizer, "parameters.stop_sequences"),
         constraint=native_constraint(p.guided_json, p.regular_constraint, p.guided_grammar),
+        prompt_logprobs=p.prompt_logprobs,
     )

@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 from producer.api.api_types import (
     BODY_DOC,
     GenerateResult,
+    PromptTokenDetail,
     TokenDetail,
     dump_without_empty_error,
     special_ids,
@@ -47,6 +48,8 @@ async def generate(request: Request, body: GenerateBodyDep, services: ServicesDe
     if chunks is None:
         return Response(status_code=499)  # nobody is listening any more
     result = generate_result(chunks, queued.num_prompt_tokens, body.params.return_details, queued.n)
+    if queued.params.prompt_logprobs is not None:
+        result = result.model_copy(update={"prompt_logprobs": prompt_details(queued.prompt_ids, chunks)})
     if failed(result):
         raise ApiError(500, result.error or "generation failed", code="generation_failed", kind="server_error")
     return Response(dump_without_empty_error(result), media_type="application/json")
@@ -75,6 +78,16 @@ def generate_result(chunks: list[TokenChunk], prompt_tokens: int, details: bool 
         tokens=shaped(detail) if details else None,
         error=next((c.error for c in last if c.error), None),
     )
+
+
+def prompt_details(prompt_ids: list[int], chunks: list[TokenChunk]) -> list[PromptTokenDetail] | None:
+    """Each prompt token's logprob and alternatives (the worker sends them with the first token)."""
+    scored = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
+    if scored is None:  # the request ended without a token (an error is reported instead)
+        return None
+    first = PromptTokenDetail(id=prompt_ids[0], logprob=None)
+    rest = [PromptTokenDetail(id=i, logprob=lp, top_logprobs=top) for i, (lp, top) in zip(prompt_ids[1:], scored)]
+    return [first, *rest]
 
 
 @router.post("/generate_stream", openapi_extra=BODY_DOC, response_class=EventStream)

@@ -76,3 +76,17 @@ async def test_not_streamed(client, aredis, keys, extra):
     response = await client.post("/v1/completions", content=json.dumps(body))
     assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
     assert await aredis.xlen(keys.requests()) == 0
+
+
+async def test_generate_returns_the_prompts_logprobs(client, worker, tokenizer):
+    answering = asyncio.create_task(answer_with_prompt_logprobs(worker, ["X"]))
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 1, "prompt_logprobs": 1}}
+    response = await client.post("/generate", content=json.dumps(body))
+    request = await answering
+    assert response.status_code == 200, response.text
+    assert request.params.prompt_logprobs == 1
+    ids = tokenizer.encode(PROMPT)
+    details = response.json()["prompt_logprobs"]
+    assert [d["id"] for d in details] == ids and details[0]["logprob"] is None
+    assert [d["logprob"] for d in details[1:]] == [-0.5 - p for p in range(len(ids) - 1)]
+    assert details[1]["top_logprobs"] == [[ids[1], -0.5], [200, -9.0]]
