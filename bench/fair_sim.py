@@ -160,7 +160,11 @@ def run(args, load) -> Books:
     keys, books, stop = Keys(prefix), Books(), threading.Event()
     ensure_group(client, keys.requests(), ROUTER_GROUP)
     workers = [TimedWorker(client, keys, f"sim-{i}", args, books=books) for i in range(args.workers)]
-    settings = RouterSettings(redis=RedisSettings(url=args.redis_url, key_prefix=prefix), poll_ms=args.poll_ms)
+    settings = RouterSettings(
+        redis=RedisSettings(url=args.redis_url, key_prefix=prefix),
+        poll_ms=args.poll_ms,
+        priority_reserve_slots=args.reserve_slots,
+    )
     router = Router(settings, redis.Redis.from_url(args.redis_url, decode_responses=True), "fair-sim")
     sender = Sender(redis.Redis.from_url(args.redis_url, decode_responses=True), keys, args, books)
     threads = [
@@ -258,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         help="more than half the pool's slots: 'small' always has work queued",
     )
     p.add_argument("--poll_ms", type=int, default=5)
+    p.add_argument("--reserve_slots", type=int, default=0, help="the router's --priority_reserve_slots")
     p.add_argument("--warmup_s", type=float, default=2.0)
     p.add_argument("--window_s", type=float, default=8.0)
     p.add_argument("--quick", action="store_true", help="3 s windows")

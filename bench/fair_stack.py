@@ -132,11 +132,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window_s", type=float, default=12.0)
     p.add_argument("--warmup_s", type=float, default=2.0)
     p.add_argument("--poll_ms", type=int, default=10, help="the router's wait when the head fits no worker")
+    p.add_argument("--reserve_slots", type=int, default=0, help="the router's --priority_reserve_slots")
+    p.add_argument("--only", choices=["priority"], help="skip the flood")
     args = p.parse_args(argv)
     redis_server = start_embedded_redis()
     log_path = Path(tempfile.mkdtemp(prefix="lightq-fair-")) / "serve.log"
     keys = ",".join(f"{tenant}:{key}" for tenant, key in KEYS.items())
     flags = ["--running_max_req_size", str(args.batch), "--api_keys", keys, "--poll_ms", str(args.poll_ms)]
+    flags += ["--priority_reserve_slots", str(args.reserve_slots)]
     process, http = start_serve(REPO, redis_server.url, log_path, flags)
     try:
         cap = capacity(http, args)
@@ -153,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             lo_before += lo_tokens
             print(f"  class 0 {name:<13} p99 TTFT {ttft[name]:8.1f} ms over {n}; class-1 tokens dispatched {lo_tokens}")
         print(f"  ratio {ttft['with class 1'] / ttft['alone']:.2f} (goal <= 2)")
+        if args.only == "priority":
+            return
         small = args.batch  # more than half the batch: the small tenant always has work waiting
         for name, tenants in [("fair shares", ("lo", "hi")), ("one tenant", ("lo", "lo"))]:
             outstanding = {"flood": (tenants[0], 10 * small), "small": (tenants[1], small)}

@@ -29,7 +29,7 @@ from router import liveness
 from router.admission import Views
 from router.dispatch import Dispatcher, Item
 from router.janitor import reap_dead_worker
-from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_weights
+from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_weights, reserved_slots
 from router.registry import read_registry
 from router.reservations import Reservations
 from shared.admission import AdmissionRule, request_states
@@ -249,7 +249,10 @@ class Router:
         """A worker for the request (a group: all its samples, the prompt once), counted on its
         view at once (the next decision sees it)."""
         candidate = Candidate(request_states(request), self.rule.policy)
-        worker_id = self.views.choose(candidate, request.model, request.prompt_ids)  # cache-aware
+        # A request below the default class is checked with the reserved slots taken (router.ordering).
+        reserve = reserved_slots(self.settings.priority_reserve_slots if request.priority > 0 else 0)
+        checked = Candidate(request_states(request) + reserve, self.rule.policy) if reserve else candidate
+        worker_id = self.views.choose(checked, request.model, request.prompt_ids)  # cache-aware
         if worker_id is not None:
             self.views.admit(worker_id, candidate)
         return worker_id

@@ -42,6 +42,7 @@ from collections.abc import Iterable, Iterator
 import redis
 
 from shared.keys import Keys, class_tenant_field
+from shared.peak import ReqState
 from shared.schemas import GenerateRequest, RequestStatus
 
 log = logging.getLogger("lightq.router")
@@ -71,6 +72,19 @@ for i = 0, (#KEYS - 3) / 2 - 1 do
 end
 return out
 """
+
+
+# A request slot and nothing else: no tokens held, none to come (``ignore_eos``: its length is exact).
+SLOT = ReqState(held=0, generated=0, max_new_tokens=0, ignore_eos=1)
+
+
+def reserved_slots(n: int) -> tuple[ReqState, ...]:
+    """``--priority_reserve_slots``: a request of priority > 0 is checked as if it came with ``n``
+    empty requests, so it fits only where ``n`` request slots stay free after it (the worker's
+    ``running_max_req_size`` counts requests, these take no tokens). Without preemption, a
+    request of priority <= 0 arriving at a full pool waits for a slot to free and for the worker's
+    next heartbeat to say so; the reserve trades the slots' idle time for that wait."""
+    return (SLOT,) * n
 
 
 def parse_weights(text: str) -> dict[str, float]:

@@ -225,6 +225,12 @@ class RouterSettings(BaseSettings):
         pattern=r"^$|^[^=,\s]+=[0-9]*\.?[0-9]+(,[^=,\s]+=[0-9]*\.?[0-9]+)*$",
         description="fair-share weights, 'tenant=weight,...' (others weigh 1): weight 2 gets twice the tokens",
     )
+    priority_reserve_slots: int = Field(
+        0,
+        ge=0,
+        description="request slots of each worker that requests of priority > 0 leave free, so a request "
+        "of priority <= 0 finds room at once (0: none; idle slots are the price)",
+    )
 
 
 def default_publishers() -> int:

@@ -214,3 +214,15 @@ def test_a_dead_routers_entries_keep_their_places_at_the_router_that_takes_them(
         class_tenant_field(0, "a"): "20",
         class_tenant_field(0, "b"): "10",
     }
+
+
+def test_reserved_slots_keep_room_for_the_default_class(redis_settings, rclient, keys):
+    router = make_router(redis_settings, rclient, priority_reserve_slots=2)
+    for i in range(4):
+        submit(rclient, keys, f"low{i}", 5, 5, priority=1)
+    publish_load(rclient, keys, "w1", max_total=BIG, running_max=4)
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == ["low0", "low1"]  # two of the four slots stay free
+    submit(rclient, keys, "high", 5, 5, priority=0)
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == ["low0", "low1", "high"]  # at once, no slot to wait for
