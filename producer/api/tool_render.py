@@ -3,8 +3,9 @@
 A choice whose text is calls (``ToolPlan.calls``) answers ``content: null`` with
 ``tool_calls`` and finish reason ``tool_calls`` (a call cut short by ``max_tokens`` keeps
 ``length``). Streamed, a named function's choice opens with the call (id, name, empty
-arguments) and then streams its arguments as they are generated; an ``auto`` or
-``required`` choice is held until it ends, then sent in one delta, as calls or as content.
+arguments) and then streams its arguments as they are generated; a ``required`` choice is
+held until it ends, then sent in one delta; an ``auto`` choice is held while it may be a call
+(its first non-blank character opens JSON or a ``<tool_call>`` tag), else streamed as content.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 from producer.api.openai_types import ChatMessageOut
 from producer.api.tools import ToolCall, ToolPlan, call_id
+
+CALL_OPENERS = ("[", "{", "<")  # how an auto answer that is a call can begin (JSON, or <tool_call>)
 
 
 def chat_message(plan: ToolPlan | None, text: str, reason: str | None) -> tuple[ChatMessageOut, str | None]:
@@ -45,6 +48,7 @@ class ToolStream:
     def __init__(self, plan: ToolPlan, num_choices: int) -> None:
         self.plan = plan
         self.held = [""] * num_choices  # auto/required: the text so far
+        self.is_content = [False] * num_choices  # auto: the answer is plain text, streamed as it comes
         self.ids = [call_id() for _ in range(num_choices)]  # named: each choice's one call
 
     def opening(self, choice: int) -> dict[str, Any]:
@@ -61,7 +65,14 @@ class ToolStream:
             if reason is None:
                 return (arguments or None), None
             return arguments, _call_reason(reason)
+        if self.is_content[choice]:
+            content = {"content": text} if text else None
+            return (content, None) if reason is None else (content or {}, reason)
         self.held[choice] += text
+        start = self.held[choice].lstrip()
+        if self.plan.mode == "auto" and start and not start.startswith(CALL_OPENERS):
+            self.is_content[choice] = True  # not a call: what was held goes now, the rest as it comes
+            return {"content": self.held[choice]}, reason
         if reason is None:
             return None, None
         calls = _calls(self.plan, self.held[choice], reason)

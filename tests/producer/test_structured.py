@@ -161,3 +161,13 @@ async def test_a_tool_round_trip_goes_through_the_chat_template(oai, worker, tok
     prompt = tokenizer.decode(seen[0].prompt_ids)
     assert "21 C, sunny" in prompt and '"get_weather"' in prompt  # the call as text, the result as a tool turn
     assert "You can call these functions" not in prompt  # none: the tools are not offered
+
+
+async def test_an_auto_answer_that_is_not_a_call_streams_as_content(oai, worker):
+    async with worker.answering(reply_with([" It", " is", " sunny."])):
+        stream = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], stream=True)
+        events = [e async for e in stream]
+    contents = [e.choices[0].delta.content for e in events if e.choices and e.choices[0].delta.content]
+    assert contents == [" It", " is", " sunny."]  # as they come, not held to the end
+    assert events[-1].choices[0].finish_reason == "stop"
+    assert not any(e.choices and e.choices[0].delta.tool_calls for e in events)
