@@ -10,8 +10,7 @@ What the model is asked to write, per ``tool_choice``:
 - ``auto`` (the default with tools): unconstrained. The model is told to answer with such an
   array (or one such object) when it calls; an output that parses as calls of known tools
   (optionally inside ``<tool_call>`` tags, as Hermes-style templates write them) becomes
-  ``tool_calls``, anything else is ``content``. Streamed, an ``auto`` or ``required`` choice
-  is held until it ends, then sent as calls or as content in one delta.
+  ``tool_calls``, anything else is ``content``. Streamed: ``producer.api.tool_render``.
 
 Tools reach the prompt through the chat template when it knows them (its source mentions
 ``tools``); otherwise a system message describes them and the format above.
