@@ -227,6 +227,9 @@ class RequestView(BaseModel):
     queue_position: int | None = Field(
         None, description="while queued and read by a router: requests served before it as things stand (0: next)"
     )
+    estimated_wait_s: float | None = Field(
+        None, description="with a position: (position + 1) / the pool's dispatches per second over the last minute"
+    )
 
 
 class ErrorDetail(BaseModel):

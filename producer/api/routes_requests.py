@@ -77,7 +77,17 @@ async def request_view(services: Services, request_id: str, meta: RequestMeta) -
         finished_ms=meta.finished_ms,
         priority=priority,
         queue_position=position,
+        estimated_wait_s=estimated_wait(services, position),
     )
+
+
+def estimated_wait(services: Services, position: int | None) -> float | None:
+    """A queued request's wait at the pool's recent drain rate (the producer's last cluster view):
+    a guide, as the rate counts every class and the position moves as better requests arrive."""
+    snap = services.metrics.snapshot
+    if position is None or snap is None or snap.drain_rate <= 0:
+        return None
+    return round((position + 1) / snap.drain_rate, 3)
 
 
 @router.get("/{request_id}", responses={404: {"description": "unknown id"}})

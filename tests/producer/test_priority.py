@@ -103,3 +103,15 @@ async def test_status_shows_class_and_position_once_a_router_ordered_it(client, 
     Tagger(rclient, keys, {}).tags(queued(rclient, keys))  # what a router does as it reads
     places = [(await client.get(f"/v1/requests/{i}")).json() for i in ids]
     assert [(v["priority"], v["queue_position"]) for v in places] == [(1, 1), (0, 0), (1, 2)]
+
+
+def test_estimated_wait_is_the_position_over_the_pools_drain_rate():
+    from types import SimpleNamespace
+
+    from producer.api.routes_requests import estimated_wait
+
+    services = SimpleNamespace(metrics=SimpleNamespace(snapshot=SimpleNamespace(drain_rate=4.0)))
+    assert estimated_wait(services, 3) == 1.0  # three ahead and itself, four a second
+    assert estimated_wait(services, None) is None
+    services.metrics.snapshot = SimpleNamespace(drain_rate=0.0)  # nothing dispatched lately: no guess
+    assert estimated_wait(services, 3) is None

@@ -28,6 +28,7 @@ VIEW_KEYS = {
     "finished_ms",
     "priority",
     "queue_position",
+    "estimated_wait_s",
 }
 
 
