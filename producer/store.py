@@ -130,16 +130,19 @@ async def read_meta(redis: aioredis.Redis, keys: Keys, request_id: str) -> Reque
     return meta_or_none(await redis.hgetall(keys.meta(request_id)))
 
 
-async def queue_place(redis: aioredis.Redis, keys: Keys, request_id: str) -> tuple[int | None, int | None]:
-    """A queued request's (priority, position) in the routers' order (``router.ordering``): requests of
-    better classes waiting, plus those before it in its class. (None, None) until a router has read it
-    (it waits in the stream's lag) or once it left the queue. Two reads, not one snapshot: a guide."""
-    priority = await redis.zscore(keys.waiting(), request_id)
+async def queue_place(
+    redis: aioredis.Redis, keys: Keys, request_id: str, model: str | None
+) -> tuple[int | None, int | None]:
+    """A queued request's (priority, position) in the routers' order (``router.ordering``): requests
+    of better classes waiting for its model, plus those before it in its class (of any model).
+    (None, None) until a router has read it (it waits in the stream's lag) or once it left the
+    queue. Two reads, not one snapshot: a guide."""
+    priority = await redis.zscore(keys.waiting(model), request_id)
     if priority is None:
         return None, None
     p = int(priority)
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.zcount(keys.waiting(), "-inf", f"({p}")
+        pipe.zcount(keys.waiting(model), "-inf", f"({p}")
         pipe.zrank(keys.order(p), request_id)
         better, rank = await pipe.execute()
     return p, None if rank is None else better + rank

@@ -22,8 +22,8 @@ item to some inbox is not written, the later items to that inbox are not
 tried either, so a worker's requests stay in the router's order.
 
 Priority classes are strict across routers: an item is not written while a
-request of a better class waits in the shared ``waiting`` set (whichever
-router holds it), and nothing after it in the call is tried; the router
+request of a better class for the same model waits in the shared ``waiting``
+set (whichever router holds it), and nothing after it in the call is tried; the router
 waits for that request to go first. A written item leaves the order and
 its tenant is charged its tokens, in the same script (``router.ordering``).
 
@@ -46,8 +46,8 @@ from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, RequestMeta
 
-# KEYS: the ingress stream, waiting, vtime, tenant_queued, tenant_served, then per item:
-#       inbox, load record, status hash, the class's order (router.ordering)
+# KEYS: the ingress stream, vtime, tenant_queued, tenant_served, then per item:
+#       inbox, load record, status hash, the class's order, the model's waiting set (router.ordering)
 # ARGV: group, most newer entries to return, message field, then per item:
 #       tail, ingress entry id, message, request id, priority, "priority:tenant", cost,
 #       number of status args, status field/value pairs
@@ -57,11 +57,12 @@ from shared.schemas import GenerateRequest, RequestMeta
 # and no later item of the call is tried either.
 DISPATCH_LUA = """
 local group, max_newer, field = ARGV[1], ARGV[2], ARGV[3]
-local waiting, vtime, queued, served = KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local vtime, queued, served = KEYS[2], KEYS[3], KEYS[4]
 local tails, blocked, out, stop = {}, {}, {}, false
 local a = 4
-for i = 0, (#KEYS - 5) / 4 - 1 do
-  local inbox, load, meta, order = KEYS[6 + 4 * i], KEYS[7 + 4 * i], KEYS[8 + 4 * i], KEYS[9 + 4 * i]
+for i = 0, (#KEYS - 4) / 5 - 1 do
+  local inbox, load, meta = KEYS[5 + 5 * i], KEYS[6 + 5 * i], KEYS[7 + 5 * i]
+  local order, waiting = KEYS[8 + 5 * i], KEYS[9 + 5 * i]
   local tail, entry, msg, rid = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local prio, member, cost, nstatus = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], tonumber(ARGV[a + 7])
   local status = {unpack(ARGV, a + 8, a + 7 + nstatus)}
@@ -133,12 +134,13 @@ class Dispatcher:
     def send_many(self, items: list[Item]) -> list[Outcome]:
         """Several dispatches in one round trip, each checked as if sent alone, in order."""
         k = self.keys
-        keys = [k.requests(), k.waiting(), k.vtime(), k.tenant_queued(), k.tenant_served()]
+        keys = [k.requests(), k.vtime(), k.tenant_queued(), k.tenant_served()]
         args = [ROUTER_GROUP, MAX_NEWER, FIELD]
         for item in items:
             r = item.request
             status = RequestMeta.fields(worker=item.worker_id, dispatched_ms=now_ms())
-            keys += [k.inbox(item.worker_id), k.load(item.worker_id), k.meta(r.id), k.order(r.priority)]
+            keys += [k.inbox(item.worker_id), k.load(item.worker_id), k.meta(r.id)]
+            keys += [k.order(r.priority), k.waiting(r.model)]
             args += [item.tail, item.entry_id, encode(r), r.id, r.priority, class_tenant_field(r.priority, r.tenant)]
             args += [cost(r), 2 * len(status)]
             args += [x for pair in status.items() for x in pair]

@@ -179,7 +179,7 @@ class Router:
             sent, behind = self._send(run, loads)
             dispatched += sent
             if behind is not None:  # a better class waits (maybe at another router): this one waits too
-                clear_if_gone(self.client, self.keys, behind)
+                clear_if_gone(self.client, self.keys, *behind)
                 break
         return dispatched
 
@@ -204,7 +204,7 @@ class Router:
             self.queue.popleft()
         return run
 
-    def _send(self, run: list[Item], loads: dict) -> tuple[int, str | None]:
+    def _send(self, run: list[Item], loads: dict) -> tuple[int, tuple[str, str | None] | None]:
         """The run in one round trip; what was not written goes back to its place. Also returns the
         request of a better class that blocked the run, if one did."""
         back, rebuild, behind = [], set(), None
@@ -214,7 +214,8 @@ class Router:
                 self._queued_ids.discard(item.entry_id)
                 self.queue.drop(item.entry_id)
                 continue
-            behind = behind or outcome.behind
+            if outcome.behind is not None and behind is None:  # the waiting request, and its model's set
+                behind = (outcome.behind, item.request.model)
             back.append((item.entry_id, item.request))  # another router got there first, or the worker died
             rebuild.add(item.worker_id)
             if outcome.newer is None:

@@ -3,8 +3,10 @@
 The rule. A request's place is ``(priority, tag, ingress id)``, smallest first:
 
 - ``priority`` (lower first, as in vLLM): a class is served only when no
-  better class has a request waiting anywhere, whichever router holds it
-  (the dispatch script checks ``waiting``, a sorted set every router shares).
+  better class has a request for the same model waiting anywhere, whichever
+  router holds it (the dispatch script checks ``waiting``, a sorted set per
+  served model that every router shares; per model, as a request only its
+  model's workers can take must not hold up another model's pool).
 - ``tag``: the request's virtual start in its class, start-time fair queuing
   over token counts. Each tenant has a virtual finish ``F`` per class, each
   class a virtual time ``V`` (the largest tag dispatched in it). A request
@@ -47,25 +49,25 @@ from shared.schemas import GenerateRequest, RequestStatus
 
 log = logging.getLogger("lightq.router")
 
-# KEYS: waiting, vtime, tenant_queued, then per item: order(priority), vtc(priority)
+# KEYS: vtime, tenant_queued, then per item: order(priority), vtc(priority), waiting(model)
 # ARGV: per item: request id, priority, tenant, cost, weight
 # Returns each item's tag as a string (a Lua number would be truncated to an integer reply).
 TAG_LUA = """
 local out = {}
-for i = 0, (#KEYS - 3) / 2 - 1 do
-  local order, vtc = KEYS[4 + 2 * i], KEYS[5 + 2 * i]
+for i = 0, (#KEYS - 2) / 3 - 1 do
+  local order, vtc, waiting = KEYS[3 + 3 * i], KEYS[4 + 3 * i], KEYS[5 + 3 * i]
   local a = 1 + 5 * i
   local rid, prio, tenant = ARGV[a], ARGV[a + 1], ARGV[a + 2]
   local cost, weight = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
   local tag = redis.call('ZSCORE', order, rid)
   if not tag then
-    local v = tonumber(redis.call('HGET', KEYS[2], prio) or '0')
+    local v = tonumber(redis.call('HGET', KEYS[1], prio) or '0')
     local f = tonumber(redis.call('HGET', vtc, tenant) or '0')
     local s = math.max(v, f)
     redis.call('HSET', vtc, tenant, string.format('%.17g', s + cost / weight))
     redis.call('ZADD', order, s, rid)
-    redis.call('ZADD', KEYS[1], prio, rid)
-    redis.call('HINCRBY', KEYS[3], prio .. ':' .. tenant, 1)
+    redis.call('ZADD', waiting, prio, rid)
+    redis.call('HINCRBY', KEYS[2], prio .. ':' .. tenant, 1)
     tag = string.format('%.17g', s)
   end
   out[i + 1] = tag
@@ -113,10 +115,10 @@ class Tagger:
     def tags(self, requests: list[GenerateRequest]) -> list[float]:
         if not requests:
             return []
-        keys = [self.keys.waiting(), self.keys.vtime(), self.keys.tenant_queued()]
+        keys = [self.keys.vtime(), self.keys.tenant_queued()]
         args: list = []
         for r in requests:
-            keys += [self.keys.order(r.priority), self.keys.vtc(r.priority)]
+            keys += [self.keys.order(r.priority), self.keys.vtc(r.priority), self.keys.waiting(r.model)]
             args += [r.id, r.priority, r.tenant, cost(r), self.weights.get(r.tenant, 1.0)]
         return [float(tag) for tag in self.script(keys=keys, args=args)]
 
@@ -136,23 +138,23 @@ def forget(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest) ->
     Goes in the same transaction as the entry's XACK, so the order never keeps a request the
     stream no longer holds. The tenant's count drops only if the request was in the order.
     """
-    order_keys = [keys.order(request.priority), keys.waiting(), keys.tenant_queued()]
+    order_keys = [keys.order(request.priority), keys.waiting(request.model), keys.tenant_queued()]
     field = class_tenant_field(request.priority, request.tenant)
     pipe.eval(FORGET_LUA, len(order_keys), *order_keys, request.id, field)
 
 
-def clear_if_gone(client: redis.Redis, keys: Keys, request_id: str) -> None:
+def clear_if_gone(client: redis.Redis, keys: Keys, request_id: str, model: str | None) -> None:
     """A request in ``waiting`` whose record is gone or ended can never be dispatched: out with it,
     or every lower class would wait on it forever. Only a path that acks an ingress entry without
     ``forget`` could leave one behind; none does, this is the safety net."""
     status = client.hget(keys.meta(request_id), "status")
     if status is not None and not RequestStatus(_text(status)).is_terminal:
         return
-    priority = client.zscore(keys.waiting(), request_id)
+    priority = client.zscore(keys.waiting(model), request_id)
     if priority is not None:
         log.warning("request %s was left in the order after it ended: removed", request_id)
         client.zrem(keys.order(int(priority)), request_id)
-        client.zrem(keys.waiting(), request_id)
+        client.zrem(keys.waiting(model), request_id)
 
 
 def _text(value: str | bytes) -> str:

@@ -26,9 +26,9 @@ land in one slot, so a request's status and chunks can be written together.
 | P:{b:ID}:output             | string + TTL  | rq batch job -> producer (the output JSONL) |
 | P:batches:OWNER             | zset          | producer (an owner's batch ids by creation time; expired ones pruned) |
 | P:housekeeping:cursor       | string        | rq housekeeping (SCAN cursor of the request-record sweep) |
-| P:{q}:waiting               | sorted set    | routers -> routers, producer (request id -> priority, while queued) |
-| P:{q}:order:PRIO            | sorted set    | routers -> routers, producer (request id -> virtual start tag) |
-| P:{q}:vtc:PRIO              | hash          | routers (tenant -> virtual finish tag in the class) |
+| P:{m:MODEL}:waiting         | sorted set    | routers -> routers, producer (request id -> priority, while queued) |
+| P:{p:PRIO}:order            | sorted set    | routers -> routers, producer (request id -> virtual start tag) |
+| P:{p:PRIO}:vtc              | hash          | routers (tenant -> virtual finish tag in the class) |
 | P:{q}:vtime                 | hash          | routers (class -> virtual time: the largest tag dispatched) |
 | P:{q}:tenant_queued         | hash          | routers -> metrics ("PRIO:tenant" -> requests queued) |
 | P:{q}:tenant_served         | hash          | routers -> metrics ("PRIO:tenant" -> tokens dispatched) |
@@ -126,15 +126,17 @@ class Keys:
     def enqueued_tokens(self) -> str:
         return f"{self.prefix}:{{q}}:enqueued_tokens"
 
-    def waiting(self) -> str:
-        """Queued requests (tagged by a router) scored by priority: the class check of every dispatch."""
-        return f"{self.prefix}:{{q}}:waiting"
+    def waiting(self, model: str | None) -> str:
+        """Queued requests for one served model (tagged by a router) scored by priority: the class
+        check of every dispatch. Per model: a request only its model's workers take never holds
+        up another model's lower classes. (``{m}``: requests for any worker, ``model`` None.)"""
+        return f"{self.prefix}:{{m:{model}}}:waiting" if model else f"{self.prefix}:{{m}}:waiting"
 
     def order(self, priority: int) -> str:
-        return f"{self.prefix}:{{q}}:order:{priority}"
+        return f"{self.prefix}:{{p:{priority}}}:order"
 
     def vtc(self, priority: int) -> str:
-        return f"{self.prefix}:{{q}}:vtc:{priority}"
+        return f"{self.prefix}:{{p:{priority}}}:vtc"
 
     def vtime(self) -> str:
         return f"{self.prefix}:{{q}}:vtime"

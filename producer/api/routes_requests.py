@@ -59,7 +59,7 @@ async def request_view(services: Services, request_id: str, meta: RequestMeta) -
         for accepted in reader.accept(chunk)
     ]
     tokens = [chunk for chunk in delivered if chunk.token_id is not None]
-    priority, position = await store.queue_place(services.redis, services.keys, request_id)
+    priority, position = await store.queue_place(services.redis, services.keys, request_id, services.model_id)
     return RequestView(
         id=request_id,
         status=meta.status,

@@ -54,7 +54,7 @@ def test_classes_are_served_strictly_lower_first(redis_settings, rclient, keys):
     router.step()
     assert inbox_ids(rclient, keys, "w1") == ["q4", "q2", "q5", "q0", "q1", "q3"]
     # Everything dispatched: the order keeps nothing behind.
-    assert not rclient.exists(keys.waiting(), keys.order(0), keys.order(1), keys.tenant_queued())
+    assert not rclient.exists(keys.waiting(None), keys.order(0), keys.order(1), keys.tenant_queued())
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -156,11 +156,11 @@ def test_a_cancelled_queued_request_leaves_the_order(redis_settings, rclient, ke
     publish_load(rclient, keys, "w1", max_total=BIG)
     router.step()
     assert inbox_ids(rclient, keys, "w1") == ["low"]
-    assert not rclient.exists(keys.waiting(), keys.order(0), keys.tenant_queued())
+    assert not rclient.exists(keys.waiting(None), keys.order(0), keys.tenant_queued())
 
 
 def test_a_request_left_in_the_order_after_it_ended_does_not_block_lower_classes(redis_settings, rclient, keys):
-    rclient.zadd(keys.waiting(), {"ghost": 0})  # no status record: nothing will ever dispatch it
+    rclient.zadd(keys.waiting(None), {"ghost": 0})  # no status record: nothing will ever dispatch it
     rclient.zadd(keys.order(0), {"ghost": 0})
     router = make_router(redis_settings, rclient)
     submit(rclient, keys, "low", priority=1)
@@ -226,3 +226,23 @@ def test_reserved_slots_keep_room_for_the_default_class(redis_settings, rclient,
     submit(rclient, keys, "high", 5, 5, priority=0)
     router.step()
     assert inbox_ids(rclient, keys, "w1") == ["low0", "low1", "high"]  # at once, no slot to wait for
+
+
+def test_a_class_waits_only_for_better_classes_of_its_own_model(redis_settings, rclient, keys):
+    first = make_router(redis_settings, rclient, "r1")
+    second = make_router(redis_settings, rclient, "r2")
+    submit(rclient, keys, "a-high", 5, 5, priority=0, model="a")
+    first.step()  # r1 holds it; model a's worker is full
+    submit(rclient, keys, "b-low", 5, 5, priority=1, model="b")
+    submit(rclient, keys, "a-low", 5, 5, priority=1, model="a")
+    second.step()  # r2 holds both low ones
+    publish_load(rclient, keys, "wa", max_total=BIG, running_max=1, requests=[(1, 0, 1, 1)], model="a")
+    publish_load(rclient, keys, "wb", max_total=BIG, model="b")
+    second.step()
+    assert inbox_ids(rclient, keys, "wb") == ["b-low"]  # b's pool is not held up by a's class 0
+    publish_load(rclient, keys, "wa", max_total=BIG, model="a")  # room on a's worker
+    second.step()  # a-low waits behind a-high, which r1 holds
+    assert inbox_ids(rclient, keys, "wa") == []
+    first.step()
+    second.step()
+    assert inbox_ids(rclient, keys, "wa") == ["a-high", "a-low"]

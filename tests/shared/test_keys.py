@@ -20,6 +20,11 @@ def test_every_key_has_one_prefix_and_valid_hash_tags():
         keys.output_lengths(),
         keys.reap_lock("w-1"),
         keys.router_alive("r-1"),
+        keys.waiting("model-1"),
+        keys.waiting(None),
+        keys.order(-1),
+        keys.vtc(3),
+        keys.vtime(),
     ]
     for key in built:
         assert KEY.match(key), key
