@@ -25,18 +25,22 @@ cache-aware (``cache_aware_fit``): the workers holding the longest prefix of
 the request's prompt are asked too, and a hit is traded against load. The
 check itself still counts the whole prompt: the record does not say which
 cached tokens running requests already hold, and the worker's own check,
-which knows, counts only what the request adds.
+which knows, counts only what the request adds. A prompt this router just
+sent somewhere counts as held there for ``SENT_TTL_S`` (``Views._sent``):
+its worker's record shows it only after its prefill and the next summary,
+and a burst sharing a new prefix should meet it rather than scatter.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 from shared.batch_view import BatchView, Candidate, Policy
 from shared.peak import ReqState
-from shared.prefix_hash import prefix_hashes
+from shared.prefix_hash import PREFIX_BLOCK, prefix_hashes
 from shared.schemas import WorkerLoad
 
 CHOICES = 2
@@ -44,6 +48,11 @@ CHOICES = 2
 # besides the least loaded, and what a whole-prompt hit is worth in use ratio (see there).
 HIT_CHOICES = 2
 HIT_WEIGHT = 0.5
+# A prompt sent to a worker counts as cached there this long: the worker's record says so once it
+# prefilled it and rebuilt its summary (at most a second, plus a heartbeat). Kept per worker, at
+# most SENT_MAX hashes (older ones dropped first).
+SENT_TTL_S = 5.0
+SENT_MAX = 4096
 
 
 def least_loaded_fit(
@@ -150,10 +159,12 @@ class Views:
     were not written (those tentative counts are undone) or whose record changed.
     """
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic):
         self.policy = policy
+        self.clock = clock
         self._views: dict[str, WorkerView] = {}
         self.last_reason: Reason = "wait"  # why the last ``choose`` chose as it did, for the metrics
+        self._sent: dict[str, dict[int, tuple[int, float]]] = {}  # worker -> hash -> (tokens, when sent)
 
     def clear(self) -> None:
         """Every view goes (their draws came from an older history)."""
@@ -177,22 +188,41 @@ class Views:
             )
             views[worker_id] = view if same else WorkerView(load, reserved, self.policy)
         self._views = views
+        self._sent = {worker_id: sent for worker_id, sent in self._sent.items() if worker_id in loads}
 
     def choose(self, candidate: Candidate, model: str | None = None, prompt_ids: Sequence[int] = ()) -> str | None:
         """A worker serving ``model`` that the candidate fits, by load and by what its cache holds
         of ``prompt_ids`` (``cache_aware_fit``), or None: the request waits."""
         views = {worker_id: view for worker_id, view in self._views.items() if view.load.serves(model)}
         uses = {worker_id: view.use_ratio() for worker_id, view in views.items()}
+        hashes = prefix_hashes(prompt_ids) if len(prompt_ids) >= PREFIX_BLOCK else []
         hits: dict[str, float] = {}
-        if prompt_ids and any(view.prefixes for view in views.values()):
-            hashes = prefix_hashes(prompt_ids)
-            for worker_id, view in views.items():
-                tokens = view.hit(hashes)
-                if tokens:
-                    hits[worker_id] = tokens / len(prompt_ids)
+        for worker_id, view in views.items():
+            tokens = max(view.hit(hashes), self._sent_hit(worker_id, hashes)) if hashes else 0
+            if tokens:
+                hits[worker_id] = tokens / len(prompt_ids)
         chosen = cache_aware_fit(uses, hits, lambda worker_id: self._views[worker_id].ratio(candidate))
         self.last_reason = reason(chosen, hits)
+        if chosen is not None and hashes:
+            self._remember(chosen, hashes)
         return chosen
+
+    def _sent_hit(self, worker_id: str, hashes: Sequence[int]) -> int:
+        """Tokens of the longest prefix of ``hashes`` this router sent to the worker lately."""
+        sent, oldest = self._sent.get(worker_id, {}), self.clock() - SENT_TTL_S
+        for h in reversed(hashes):
+            entry = sent.get(h)
+            if entry is not None and entry[1] >= oldest:
+                return entry[0]
+        return 0
+
+    def _remember(self, worker_id: str, hashes: Sequence[int]) -> None:
+        sent, now = self._sent.setdefault(worker_id, {}), self.clock()
+        for k, h in enumerate(hashes):
+            sent.pop(h, None)  # re-inserted last: the dict stays in sending order, oldest first
+            sent[h] = ((k + 1) * PREFIX_BLOCK, now)
+        while len(sent) > SENT_MAX or (sent and next(iter(sent.values()))[1] < now - SENT_TTL_S):
+            del sent[next(iter(sent))]
 
     def admit(self, worker_id: str, candidate: Candidate) -> None:
         """The candidate was sent there: the next decision sees it."""

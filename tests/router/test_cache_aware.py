@@ -105,3 +105,23 @@ def test_the_router_sends_a_conversations_next_turn_to_its_worker(redis_settings
     router.step()
     assert inbox_ids(rclient, keys, "w2") == ["turn2"]
     assert inbox_ids(rclient, keys, "w1") == ["stranger"]
+
+
+def test_a_burst_sharing_a_new_prefix_meets_where_its_first_request_went_until_load_wins():
+    now = [100.0]
+    views = Views(POLICIES["conservative"](estimator(), 0.05), clock=lambda: now[0])
+    views.refresh({w: record(w) for w in ("w1", "w2")}, {})  # neither holds anything yet
+
+    def send(rid):
+        msg = message(rid, TURN1 + [ord(rid)])  # 301 tokens: a 256-token hashed prefix
+        candidate = Candidate(request_states(msg), views.policy)
+        chosen = views.choose(candidate, None, msg.prompt_ids)
+        views.admit(chosen, candidate)
+        return chosen, views.last_reason
+
+    assert send("a") == ("w1", "least_loaded")
+    assert send("b") == ("w1", "prefix_hit") and send("c") == ("w1", "prefix_hit")  # 3 x 321 of 2000
+    assert send("d") == ("w2", "load_over_hit")  # w1 at 0.64 less 0.43 for the hit: w2's 0.16 wins
+    now[0] += 10  # the router's memory of what it sent has expired; the records never showed it
+    views.refresh({w: record(w, seq=2) for w in ("w1", "w2")}, {})
+    assert send("e") == ("w1", "least_loaded")
