@@ -47,6 +47,13 @@ class CacheStats:
     evicted: int = 0  # tokens evicted since start
 
 
+def _matchable(req: Req) -> list[int]:
+    """The ids a request may find cached: all but the last, whose logits it needs; none for one
+    asking for prompt logprobs (a cached position has no logits to score it)."""
+    wants_scores = req.msg.params.prompt_logprobs is not None and not req.output_ids
+    return req.all_ids[: 0 if wants_scores else req.num_tokens - 1]
+
+
 class KVSlots:
     def __init__(self, pool: TokenPool, cache: PrefixCache):
         self.pool = pool
@@ -92,14 +99,12 @@ class KVSlots:
 
     def held_prefix(self, req: Req) -> int:
         """Tokens of ``req``'s cached prefix that running requests hold already (leased)."""
-        return self.cache.peek(req.all_ids[: req.num_tokens - 1])[1]
+        return self.cache.peek(_matchable(req))[1]
 
     def attach_prefix(self, req: Req) -> None:
         """A request starting here takes the longest cached prefix of its ids (all but the last,
         whose logits it needs): those positions are filled before any forward."""
-        # One asking for prompt logprobs takes none: a cached position has no logits to score it.
-        wants_scores = req.msg.params.prompt_logprobs is not None and not req.output_ids
-        slots, lease = self.cache.match(req.all_ids[: 0 if wants_scores else req.num_tokens - 1])
+        slots, lease = self.cache.match(_matchable(req))
         n = len(slots)
         req.slot_ids[:n] = slots
         req.num_cached = req.num_locked = n
