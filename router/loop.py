@@ -30,6 +30,7 @@ from router.admission import Views
 from router.dispatch import Dispatcher, Item
 from router.janitor import reap_dead_worker
 from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_weights, reserved_slots
+from router.preempt import Preempter
 from router.registry import read_registry
 from router.reservations import Reservations
 from shared.admission import AdmissionRule, request_states
@@ -64,6 +65,7 @@ class Router:
         self._cancelled_ids: set[str] = set()  # queued requests found cancelled, until they end here
         self._next_cancel_check = 0.0
         self.views = Views(self.rule.policy)  # admissible workers, prepared for this step's decisions
+        self.preempter = Preempter(client, self.keys) if settings.preempt else None  # router.preempt
 
     def run(self) -> None:
         """Step until stopped; ride out Redis outages with exponential backoff."""
@@ -173,7 +175,7 @@ class Router:
         loads = dict(loads)  # a worker found dead while dispatching leaves this step's choice
         cancelled, dispatched = self._cancelled(), 0
         while self.queue:
-            run = self._decide(cancelled)
+            run = self._decide(cancelled, loads)
             if not run:
                 break
             sent, behind = self._send(run, loads)
@@ -183,8 +185,9 @@ class Router:
                 break
         return dispatched
 
-    def _decide(self, cancelled: set[str]) -> list[Item]:
-        """Decisions for the head of the queue, in order, until one must wait."""
+    def _decide(self, cancelled: set[str], loads: dict) -> list[Item]:
+        """Decisions for the head of the queue, in order, until one must wait (with ``--preempt``,
+        a worker running a worse class is asked to make room for it: ``router.preempt``)."""
         run: list[Item] = []
         while self.queue and len(run) < self.settings.dispatch_batch:
             entry_id, request = self.queue[0]
@@ -199,6 +202,8 @@ class Router:
             worker_id = self._choose(request)
             self.on_decision(request, worker_id, time.perf_counter() - started)
             if worker_id is None:
+                if self.preempter is not None:
+                    self.preempter.ask(request, loads)
                 break
             run.append(Item(worker_id, self.reservations.tail(worker_id), entry_id, request))
             self.queue.popleft()

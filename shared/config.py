@@ -231,6 +231,12 @@ class RouterSettings(BaseSettings):
         description="request slots of each worker that requests of priority > 0 leave free, so a request "
         "of priority <= 0 finds room at once (0: none; idle slots are the price)",
     )
+    preempt: bool = Field(
+        False,
+        description="when the best waiting request fits no worker, ask a worker running requests of a "
+        "worse priority class to pause enough of them (handed back to the queue, resumed later; "
+        "the recompute costs throughput)",
+    )
 
 
 def default_publishers() -> int:
@@ -288,6 +294,9 @@ class WorkerSettings(BaseSettings):
         30.0, ge=0, description="on SIGTERM, seconds running requests get to finish before the rest is handed back"
     )
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it is dead-lettered")
+    max_preemptions: int = Field(
+        2, ge=0, description="times a request may be paused for a better priority class (router --preempt)"
+    )
     seed: int = Field(0, description="seed for dummy weights")
     eos_id: list[int] | None = Field(
         None,

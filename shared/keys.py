@@ -10,6 +10,7 @@ land in one slot, so a request's status and chunks can be written together.
 | P:workers                   | sorted set    | worker -> router (score = last seen ms) |
 | P:{w:ID}:load               | string + TTL  | worker -> router, producer (WorkerLoad JSON) |
 | P:{w:ID}:inbox              | stream        | router -> worker; routers (its entries past the load's last_inbox_id) |
+| P:{w:ID}:preempt            | list + TTL    | router -> worker (PreemptAsk JSON; the worker reads and deletes it) |
 | P:{r:ID}:meta               | hash + TTL    | producer, router, worker -> producer |
 | P:{r:ID}:chunks             | stream + TTL  | worker -> producer (durable chunk log) |
 | P:{r:ID}:tokens             | pub/sub       | worker -> anyone (live chunks) |
@@ -73,6 +74,9 @@ class Keys:
 
     def inbox(self, worker_id: str) -> str:
         return f"{self.prefix}:{{w:{worker_id}}}:inbox"
+
+    def preempt(self, worker_id: str) -> str:
+        return f"{self.prefix}:{{w:{worker_id}}}:preempt"
 
     def meta(self, request_id: str) -> str:
         return f"{self.prefix}:{{r:{request_id}}}:meta"

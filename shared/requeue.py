@@ -85,15 +85,19 @@ def requeue(
     elif attempt >= max_attempts:  # a request that keeps killing workers stops here
         dead_letter(pipe, keys, request, f"its worker died on each of {max_attempts} attempts", len(tokens), ttl_s)
     else:
-        pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, attempt=attempt))
-        pipe.hdel(keys.meta(request.id), "worker")
-        pipe.xadd(
-            keys.requests(), entry(request.model_copy(update={"attempt": attempt, **resume_fields(request, chunks)}))
-        )
+        send_back(pipe, keys, request.model_copy(update={"attempt": attempt, **resume_fields(request, chunks)}))
         pipe.execute()
         return 1
     pipe.execute()
     return 0
+
+
+def send_back(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest) -> None:
+    """``request`` (its resume fields set) queued again as a new ingress entry. Also the path of a
+    preempted request (``worker.service.publisher``), whose resume fields the worker knows exactly."""
+    pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, attempt=request.attempt))
+    pipe.hdel(keys.meta(request.id), "worker")
+    pipe.xadd(keys.requests(), entry(request))
 
 
 def resume_fields(request: GenerateRequest, chunks: list[TokenChunk]) -> dict[str, list[int] | list[list[int]]]:

@@ -4,6 +4,7 @@ producer --GenerateRequest--> {q}:requests --router--> {w:ID}:inbox --> worker
 worker --TokenChunk--> {r:ID}:chunks (durable) and {r:ID}:tokens (pub/sub)
 worker --WorkerLoad--> {w:ID}:load (heartbeat with TTL)
 router, worker --DeadLetter--> {q}:dead (read by ``lightq dead-letters``)
+router --PreemptAsk--> {w:ID}:preempt --> worker
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ class GenerateRequest(_Frozen):
     # already emitted, and the choices that already ended (never run again).
     group_resume: list[list[int]] = Field(default_factory=list)
     finished_choices: list[int] = Field(default_factory=list)
+    # Times a worker paused it for a better class (worker.engine.preempt); at --max_preemptions
+    # it is never paused again, so a request cannot be bounced around forever.
+    preemptions: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _check_group_resume(self) -> GenerateRequest:
@@ -238,9 +242,27 @@ class WorkerLoad(_Frozen):
         "(shared.prefix_hash), the most recently used first",
     )
 
+    preemptible: list[tuple[int, int]] = Field(
+        default_factory=list,
+        description="per priority class with requests this worker would pause for a better class "
+        "(worker.engine.preempt): [priority, tokens they hold], the worst (largest) class first",
+    )
+
     def serves(self, model: str | None) -> bool:
         """Whether a request for ``model`` may come here: one pool per served model name."""
         return model is None or self.model is None or self.model == model
+
+
+class PreemptAsk(_Frozen):
+    """A router's ask to a worker ({w:ID}:preempt): pause enough requests of a class worse than
+    ``priority`` that ``states`` (the waiting request's ``shared.peak.ReqState`` summaries) fit,
+    and hand them back to the queue (worker.engine.preempt)."""
+
+    kind: Literal["preempt"] = "preempt"
+    request_id: str
+    priority: int
+    states: list[tuple[int, int, int, int]]
+    asked_ms: int
 
 
 class DeadLetter(_Frozen):

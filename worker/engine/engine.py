@@ -48,9 +48,10 @@ from shared.admission import AdmissionRule
 from shared.batch_view import BatchView, Candidate
 from shared.peak import ReqState
 from shared.schemas import FinishReason, RequestStatus
-from worker.engine.events import Ended, Event, Released, Started, Tokens
+from worker.engine.events import Ended, Event, Preempted, Released, Started, Tokens
 from worker.engine.kv_slots import KVSlots
 from worker.engine.load import LoadSnapshot, request_states
+from worker.engine.preempt import handed_back
 from worker.engine.request import Phase, Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
 
@@ -89,6 +90,9 @@ class Engine:
         self.eos_ids = eos_ids
         self.rule = rule  # the router's rule, from the same settings (shared.admission)
         self.num_pauses = 0
+        # Pauses for a better class (``preempt``) and the KV tokens they threw away (to recompute).
+        self.num_preempted = 0
+        self.num_preempted_tokens = 0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._lock = threading.Lock()  # guards what the heartbeat thread reads
@@ -144,6 +148,25 @@ class Engine:
         if req.phase is Phase.FINISHED:
             return []
         return self._release(req, "stop")
+
+    def preempt(self, victims: list[Req]) -> list[Event]:
+        """Take ``victims`` (``worker.engine.preempt.plan``) out now, their slots freed; each goes
+        back to the queue with its output as ``resume_ids`` (the publisher writes it after its
+        tokens). Call between steps."""
+        events: list[Event] = []
+        with self._lock:
+            for req in victims:
+                msg, counts = handed_back(req)
+                if req.phase is Phase.RUNNING:
+                    self.num_preempted_tokens += req.num_cached  # its K/V, computed again on resume
+                    self.running.remove(req)
+                    self.runner.finish(req)
+                else:
+                    self.waiting.remove(req)
+                req.phase = Phase.FINISHED
+                self.num_preempted += counts
+                events.append(Preempted(req.id, req.inbox_id, msg))
+        return events
 
     def step(self, early: Callable[[list[Event]], None] | None = None) -> list[Event]:
         """Admit, prefill, decode. The prefill goes first, and ``early`` (if given) gets its events

@@ -79,4 +79,14 @@ class Released:
     inbox_id: str
 
 
-Event = Started | Tokens | Ended | Released
+@dataclass(frozen=True)
+class Preempted:
+    """The request was paused for a better class (``worker.engine.preempt``): after its tokens,
+    ``msg`` (its output so far as ``resume_ids``) goes back to the queue and the inbox entry goes."""
+
+    request_id: str
+    inbox_id: str
+    msg: GenerateRequest
+
+
+Event = Started | Tokens | Ended | Released | Preempted

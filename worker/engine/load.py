@@ -98,10 +98,27 @@ def _counted_before(lease: Lease | None, counted: set[int]) -> int:
     return before
 
 
+def preemptible_classes(reqs: list[Req], max_preemptions: int) -> list[tuple[int, int]]:
+    """[priority, tokens held] per class with requests a better class may pause
+    (``worker.engine.preempt``), the worst class first: what a router picks the worker to ask by."""
+    held: dict[int, int] = {}
+    for req in reqs:
+        if req.can_preempt(max_preemptions):
+            held[req.msg.priority] = held.get(req.msg.priority, 0) + req.num_tokens
+    return sorted(held.items(), reverse=True)
+
+
 def build_load(
-    engine: LoadSource, worker_id: str, seq: int, last_inbox_id: str, draining: bool = False, model: str | None = None
+    engine: LoadSource,
+    worker_id: str,
+    seq: int,
+    last_inbox_id: str,
+    draining: bool = False,
+    model: str | None = None,
+    max_preemptions: int = 0,
 ) -> WorkerLoad:
     snap = engine.snapshot()
+    reqs = engine.requests()
     return WorkerLoad(
         worker_id=worker_id,
         seq=seq,
@@ -115,7 +132,8 @@ def build_load(
         draining=draining,
         model=model,
         running_max_req_size=engine.limits.running_max_req_size,
-        requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in request_states(engine.requests())],
+        requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in request_states(reqs)],
+        preemptible=preemptible_classes(reqs, max_preemptions),
         cached_tokens=snap.cache.cached,
         prefixes=list(snap.prefixes),
     )

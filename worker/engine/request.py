@@ -162,6 +162,18 @@ class Req:
     def is_done_generating(self) -> bool:
         return len(self.output_ids) >= self.msg.params.max_new_tokens
 
+    def can_preempt(self, max_preemptions: int) -> bool:
+        """Whether a better class may pause it (``worker.engine.preempt``): not a group's sample
+        (they share the prompt's slots and go back whole), not one whose prompt logprobs go out
+        with its first token (a resume would send them again), and not one paused for a better
+        class ``max_preemptions`` times already."""
+        return (
+            self.group is None
+            and self.phase is not Phase.FINISHED
+            and self.msg.params.prompt_logprobs is None
+            and self.msg.preemptions < max_preemptions
+        )
+
 
 def sampling_after_prefill(completing: list[Req], forks: dict[Req, list[Req]]) -> list[tuple[Req, Req]]:
     """(whose last logits, sample) for every sample that samples after a prefill step, in order:

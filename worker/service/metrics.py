@@ -134,6 +134,18 @@ class WorkerCollector(Collector):
             w,
             self.engine.num_pauses,
         )
+        yield _counter(
+            "lightq:worker_priority_preemptions",
+            "started requests paused for a better priority class (router --preempt) and handed back to the queue",
+            w,
+            self.engine.num_preempted,
+        )
+        yield _counter(
+            "lightq:worker_preempted_kv_tokens",
+            "K/V tokens those pauses threw away: prefilled again where the requests resume (their cost)",
+            w,
+            self.engine.num_preempted_tokens,
+        )
         yield from _prefix_cache(snap.cache, w)
         yield from self._inbox()
 

@@ -37,8 +37,9 @@ from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP
 from shared.redis import Backoff
 from shared.request_log import append_chunk, mark_ended, now_ms
+from shared.requeue import send_back
 from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
-from worker.engine.events import Ended, Event, Released, Started, Token, Tokens
+from worker.engine.events import Ended, Event, Preempted, Released, Started, Token, Tokens
 from worker.service.detokenizer import IncrementalDecoder, resumed_decoder
 from worker.service.stop import StopMatcher
 
@@ -149,12 +150,22 @@ class Publisher:
                     self._sample_ended(
                         pipe, event.request_id, event.status, event.reason, event.num_output, event.error
                     )
+            elif isinstance(event, Preempted):
+                # After its tokens' chunks (this pipeline's order): the next attempt's resume_ids
+                # are exactly what the client got. One a stop string ended here is simply done.
+                self.outputs.pop((event.request_id, 0), None)
+                if (event.request_id, 0) not in self.ended_by_stop:
+                    send_back(pipe, self.keys, event.msg)
+                self._release(pipe, event.request_id, event.inbox_id)
             elif isinstance(event, Released):
-                self.ended_by_stop = {s for s in self.ended_by_stop if s[0] != event.request_id}
-                self.groups.pop(event.request_id, None)
-                pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, event.inbox_id)
-                pipe.xdel(self.keys.inbox(self.worker_id), event.inbox_id)
+                self._release(pipe, event.request_id, event.inbox_id)
         return stopped
+
+    def _release(self, pipe, request_id: str, inbox_id: str) -> None:
+        self.ended_by_stop = {s for s in self.ended_by_stop if s[0] != request_id}
+        self.groups.pop(request_id, None)
+        pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, inbox_id)
+        pipe.xdel(self.keys.inbox(self.worker_id), inbox_id)
 
     def _tokens(self, pipe, tokens: Tokens) -> list[Sample]:
         """This shard's rows of ``tokens``, in order; the samples a stop string ended."""

@@ -15,17 +15,18 @@ import time
 
 import redis
 
-from shared.codec import from_entry
+from shared.codec import decode, from_entry
 from shared.config import CANCEL_CHECK_S, WorkerSettings
 from shared.keys import WORKER_GROUP
 from shared.log_limit import LogLimiter
 from shared.model_files import served_name
 from shared.redis import Backoff, ensure_group
 from shared.requeue import hand_back_inbox, requeue
-from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
+from shared.schemas import GenerateRequest, PreemptAsk, RequestStatus, WorkerLoad
 from worker.engine.engine import Engine
 from worker.engine.events import Ended, Event, Released
 from worker.engine.load import build_load
+from worker.engine.preempt import plan
 from worker.engine.request import Req
 from worker.service.heartbeat import Heartbeat
 from worker.service.publisher_process import PublisherDied, PublisherLink
@@ -57,7 +58,15 @@ class WorkerService:
         self.draining = False
 
     def load(self, seq: int) -> WorkerLoad:
-        return build_load(self.engine, self.worker_id, seq, self.last_inbox_id, self.draining, self.model)
+        return build_load(
+            self.engine,
+            self.worker_id,
+            seq,
+            self.last_inbox_id,
+            self.draining,
+            self.model,
+            self.settings.max_preemptions,
+        )
 
     def run(self) -> None:
         """Serve until SIGTERM, then drain: no new requests, running ones get
@@ -176,13 +185,39 @@ class WorkerService:
         if self._read_id == "0":  # first turn, or after a Redis restart lost the group
             ensure_group(self.client, self.keys.inbox(self.worker_id), WORKER_GROUP)
         block = None if self.engine.has_work or self._read_id == "0" else IDLE_BLOCK_MS
-        reply = self.client.xreadgroup(
-            WORKER_GROUP, self.worker_id, {self.keys.inbox(self.worker_id): self._read_id}, count=1024, block=block
-        )
+        inbox, asks = self.keys.inbox(self.worker_id), self.keys.preempt(self.worker_id)
+        # With work here, the routers' preemption asks come in the same round trip (read and
+        # deleted at once); an idle worker has nothing to pause, and an ask expires on its own.
+        if block is None:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xreadgroup(WORKER_GROUP, self.worker_id, {inbox: self._read_id}, count=1024)
+            pipe.lrange(asks, 0, -1)
+            pipe.delete(asks)
+            reply, raw_asks, _ = pipe.execute()
+        else:
+            reply = self.client.xreadgroup(
+                WORKER_GROUP, self.worker_id, {inbox: self._read_id}, count=1024, block=block
+            )
+            raw_asks = []
         self._read_id = ">"
         for entry_id, fields in reply[0][1] if reply else []:
             self._take(entry_id, from_entry(GenerateRequest, fields))
             self.last_inbox_id = entry_id
+        if raw_asks:
+            self._preempt([decode(PreemptAsk, raw) for raw in raw_asks])
+
+    def _preempt(self, asks: list[PreemptAsk]) -> None:
+        """Pause what the asks need (``worker.engine.preempt``), between two steps; the victims go
+        back to the queue through the publisher, after their tokens."""
+        paused = 0
+        for ask in asks:
+            victims = plan(self.engine, ask, self.settings.max_preemptions)
+            self.publisher.put(self.engine.preempt(victims))
+            paused += len(victims)
+            if victims:
+                log.info("paused %s for %s (priority %d)", [r.id for r in victims], ask.request_id, ask.priority)
+        if paused:
+            self.heartbeat.poke()  # the asking router admits against the record: publish the room now
 
     def _take(self, entry_id: str, msg: GenerateRequest) -> None:
         error = self._refusal(msg)

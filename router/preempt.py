@@ -1,0 +1,94 @@
+"""Preempt and resume (``--preempt``): make room for a request that fits no worker.
+
+When the head of the queue (the best class this router holds) fits no
+worker, waiting for running requests of worse classes to finish is what
+made a better class's time to first token several times its unloaded value
+at overload (bench/RESULTS.md). So the router asks one worker to pause
+enough of them (``shared.schemas.PreemptAsk`` on its ``{w:ID}:preempt``
+list): the one whose record lists the worst class (``WorkerLoad.preemptible``;
+ties: more tokens in classes worse than the request's, then the lesser id).
+The worker decides which requests and how many (``worker.engine.preempt``),
+hands them back to the queue with their emitted tokens, and publishes its
+record at once; the request is then admitted against it as usual.
+
+One ask at a time per router: the next waits until the asked worker has
+published a record after handling it (its ``seq`` two past the one asked
+against, as one beat may have raced the ask) or ``WAIT_S`` passed (the
+worker could not make room, or the ask expired unread). Without that, a
+router polling every few milliseconds would ask again and again before the
+first answer shows, and pause far more than needed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import redis
+
+from shared.admission import request_states
+from shared.codec import encode
+from shared.keys import Keys
+from shared.request_log import now_ms
+from shared.schemas import GenerateRequest, PreemptAsk, WorkerLoad
+
+ASK_TTL_MS = 2000  # an ask its worker never read (it went idle, or died) goes with the key
+WAIT_S = 1.0
+
+
+def victim_worker(request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> str | None:
+    """The worker to ask for ``request``'s room: serving its model, not draining, running a class
+    strictly worse than its priority; the worst class wins, then the most tokens worse than it."""
+    best: tuple[int, int, str] | None = None
+    for worker_id, load in loads.items():
+        if load.draining or not load.serves(request.model):
+            continue
+        worse = [(priority, held) for priority, held in load.preemptible if priority > request.priority]
+        if not worse:
+            continue
+        key = (-max(p for p, _ in worse), -sum(h for _, h in worse), worker_id)
+        best = key if best is None or key < best else best
+    return None if best is None else best[2]
+
+
+@dataclass(frozen=True)
+class _Asked:
+    worker_id: str
+    seq: int  # the record's seq when asked
+    at: float
+
+
+class Preempter:
+    def __init__(self, client: redis.Redis, keys: Keys, clock: Callable[[], float] = time.monotonic):
+        self.client, self.keys, self.clock = client, keys, clock
+        self._asked: _Asked | None = None
+        self.num_asks = 0
+
+    def ask(self, request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> str | None:
+        """Ask a worker to make room for ``request`` (which fits none); the worker asked, or None
+        (an earlier ask is still being answered, or no worker runs a worse class)."""
+        if self._answering(loads):
+            return None
+        worker_id = victim_worker(request, loads)
+        if worker_id is None:
+            return None
+        states = [tuple(s) for s in request_states(request)]
+        ask = PreemptAsk(request_id=request.id, priority=request.priority, states=states, asked_ms=now_ms())
+        pipe = self.client.pipeline(transaction=True)
+        pipe.rpush(self.keys.preempt(worker_id), encode(ask))
+        pipe.pexpire(self.keys.preempt(worker_id), ASK_TTL_MS)
+        pipe.execute()
+        self._asked = _Asked(worker_id, loads[worker_id].seq, self.clock())
+        self.num_asks += 1
+        return worker_id
+
+    def _answering(self, loads: Mapping[str, WorkerLoad]) -> bool:
+        asked = self._asked
+        if asked is None:
+            return False
+        load = loads.get(asked.worker_id)
+        if load is None or load.seq >= asked.seq + 2 or self.clock() - asked.at > WAIT_S:
+            self._asked = None
+            return False
+        return True

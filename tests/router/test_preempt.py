@@ -1,0 +1,104 @@
+"""The router's side of preempt and resume (``--preempt``, router.preempt): it asks a worker to
+make room only when the best waiting request fits no worker and some worker runs a worse class;
+one ask at a time, until the asked worker has answered."""
+
+from __future__ import annotations
+
+from router.loop import Router
+from router.preempt import victim_worker
+from shared.codec import decode, encode
+from shared.config import RouterSettings
+from shared.keys import ROUTER_GROUP
+from shared.redis import ensure_group
+from shared.request_log import now_ms
+from shared.schemas import GenerateRequest, PreemptAsk, SamplingParams, WorkerLoad
+from tests.router.helpers import inbox_ids, submit
+
+
+def load(worker_id: str, held: int, preemptible=(), seq: int = 1, max_total: int = 100, **fields) -> WorkerLoad:
+    """A record of one request holding ``held`` tokens with nothing left to add."""
+    return WorkerLoad(
+        worker_id=worker_id,
+        seq=seq,
+        ts_ms=now_ms(),
+        max_total_tokens=max_total,
+        used_tokens=held,
+        committed_tokens=held,
+        num_running=1,
+        num_waiting=0,
+        requests=[(held, 0, 0, 0)],
+        preemptible=list(preemptible),
+        **fields,
+    )
+
+
+def publish(rclient, keys, record: WorkerLoad) -> None:
+    rclient.set(keys.load(record.worker_id), encode(record), px=5000)
+    rclient.zadd(keys.workers(), {record.worker_id: now_ms()})
+
+
+def make_router(redis_settings, rclient, preempt: bool = True) -> Router:
+    router = Router(RouterSettings(redis=redis_settings, poll_ms=1, preempt=preempt), rclient, "r1")
+    ensure_group(rclient, router.keys.requests(), ROUTER_GROUP)
+    return router
+
+
+def asks(rclient, keys, worker_id: str) -> list[PreemptAsk]:
+    return [decode(PreemptAsk, raw) for raw in rclient.lrange(keys.preempt(worker_id), 0, -1)]
+
+
+def request(priority: int, model: str | None = None) -> GenerateRequest:
+    return GenerateRequest(
+        id="x", prompt_ids=[1], params=SamplingParams(), created_ms=0, priority=priority, model=model
+    )
+
+
+def test_the_worker_with_the_worst_class_is_asked():
+    loads = {
+        "a": load("a", 90, [(1, 50)]),
+        "b": load("b", 90, [(3, 10), (1, 80)]),  # the worst class wins over more tokens
+        "c": load("c", 90, [(5, 90)], draining=True),
+        "d": load("d", 90, [(9, 90)], model="other"),
+    }
+    assert victim_worker(request(0, model="main"), loads) == "b"  # "d" serves another model
+    assert victim_worker(request(3, model="main"), loads) is None  # only worse classes count, never equal ones
+    assert victim_worker(request(0, model="other"), loads) == "d"
+    assert victim_worker(request(0), {"a": load("a", 90, [(1, 50)]), "e": load("e", 90, [(1, 60)])}) == "e"
+
+
+def test_an_ask_only_when_the_best_request_fits_nowhere_and_a_worse_class_runs(redis_settings, rclient, keys):
+    router = make_router(redis_settings, rclient)
+    publish(rclient, keys, load("w1", 95, [(0, 95)]))  # full, of the request's own class
+    submit(rclient, keys, "urgent", 5, 5, priority=0)
+    router.step()
+    assert asks(rclient, keys, "w1") == []  # nothing worse to pause: it waits
+
+    publish(rclient, keys, load("w1", 95, [(1, 95)], seq=2))  # now a worse class runs there
+    router.step()
+    (sent,) = asks(rclient, keys, "w1")
+    assert (sent.request_id, sent.priority, sent.states) == ("urgent", 0, [(5, 0, 5, 0)])
+    assert 0 < rclient.pttl(keys.preempt("w1")) <= 2000
+    router.step()
+    publish(rclient, keys, load("w1", 95, [(1, 95)], seq=3))  # a beat that may have raced the ask
+    router.step()
+    assert len(asks(rclient, keys, "w1")) == 1  # one ask until the worker has answered
+
+    publish(rclient, keys, load("w1", 0, [], seq=4))  # answered: the room is there
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == ["urgent"] and len(asks(rclient, keys, "w1")) == 1
+
+
+def test_no_ask_when_the_request_fits_somewhere_or_preemption_is_off(redis_settings, rclient, keys):
+    router = make_router(redis_settings, rclient)
+    publish(rclient, keys, load("w1", 95, [(1, 95)]))
+    publish(rclient, keys, load("w2", 0, []))
+    submit(rclient, keys, "fits", 5, 5, priority=0)
+    router.step()
+    assert inbox_ids(rclient, keys, "w2") == ["fits"] and asks(rclient, keys, "w1") == []
+
+    rclient.delete(keys.load("w2"))
+    rclient.zrem(keys.workers(), "w2")
+    off = make_router(redis_settings, rclient, preempt=False)
+    submit(rclient, keys, "waits", 5, 5, priority=0)
+    off.step()
+    assert asks(rclient, keys, "w1") == [] and inbox_ids(rclient, keys, "w1") == []

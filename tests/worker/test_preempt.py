@@ -1,0 +1,142 @@
+"""Preempt and resume on the worker (issue 19, real Redis, counting model, publisher in-process):
+asked by a router, a worker pauses the newest request of the worst class, hands it back to the
+queue after its tokens, and the worker that resumes it ends with each index once, token-identical
+to an uninterrupted run; the bound on preemptions holds; the load record lists what may be paused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.admission import AdmissionRule, request_states
+from shared.codec import encode, entry, from_entry
+from shared.config import AdmissionSettings, ModelSettings, WorkerSettings
+from shared.keys import ROUTER_GROUP, WORKER_GROUP
+from shared.model_files import load_tokenizer, resolve
+from shared.redis import ensure_group
+from shared.request_log import now_ms
+from shared.schemas import GenerateRequest, PreemptAsk, RequestMeta, RequestStatus, SamplingParams, TokenChunk
+from worker.engine.engine import Engine, EngineLimits
+from worker.engine.token_pool import TokenPool
+from worker.model.counting_model import CountingModel
+from worker.runner.model_runner import ModelRunner
+from worker.runner.req_table import ReqTable
+from worker.service.publisher import Publisher
+from worker.service.serve import WorkerService
+
+POOL = 100  # two requests of 8 + 30 tokens fit (conservative), a third does not
+MAX_NEW = 30
+
+
+class InlineLink:
+    """The part of ``PublisherLink`` the service uses, publishing in this process."""
+
+    def __init__(self, publisher: Publisher):
+        self.publisher = publisher
+
+    def put(self, events) -> None:
+        if events:
+            self.publisher.publish([(now_ms(), events)])
+
+    def take_stopped(self) -> list:
+        return []
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve("counting"))
+
+
+def make_worker(redis_settings, rclient, tokenizer, worker_id: str, max_preemptions: int = 2) -> WorkerService:
+    cpu = torch.device("cpu")
+    runner = ModelRunner(CountingModel(256, cpu), TokenPool(POOL), ReqTable(4, 64, POOL, cpu), 256, cpu, set(), None)
+    rule = AdmissionRule(AdmissionSettings(admission="conservative"))
+    engine = Engine(runner, EngineLimits(POOL, 64, 4), set(), rule)
+    settings = WorkerSettings(
+        redis=redis_settings, model=ModelSettings(model_dir="counting"), max_preemptions=max_preemptions
+    )
+    publisher = Publisher(settings, rclient, tokenizer, worker_id)
+    ensure_group(rclient, settings.redis.keys.inbox(worker_id), WORKER_GROUP)
+    return WorkerService(settings, rclient, engine, worker_id, InlineLink(publisher))  # type: ignore[arg-type]
+
+
+def message(request_id: str, priority: int, preemptions: int = 0) -> GenerateRequest:
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    return GenerateRequest(
+        id=request_id, prompt_ids=[3] * 8, params=params, created_ms=0, priority=priority, preemptions=preemptions
+    )
+
+
+def dispatch(rclient, keys, worker_id: str, msg: GenerateRequest) -> None:
+    rclient.hset(keys.meta(msg.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=0))
+    rclient.xadd(keys.inbox(worker_id), entry(msg))
+
+
+def ask(rclient, keys, worker_id: str, msg: GenerateRequest) -> None:
+    states = [tuple(s) for s in request_states(msg)]
+    rclient.rpush(
+        keys.preempt(worker_id), encode(PreemptAsk(request_id=msg.id, priority=msg.priority, states=states, asked_ms=0))
+    )
+
+
+def requeued(rclient, keys) -> list[GenerateRequest]:
+    return [from_entry(GenerateRequest, f) for _, f in rclient.xrange(keys.requests())]
+
+
+def chunks(rclient, keys, request_id: str) -> list[TokenChunk]:
+    return [from_entry(TokenChunk, f) for _, f in rclient.xrange(keys.chunks(request_id))]
+
+
+def test_a_paused_request_resumes_elsewhere_token_identical(redis_settings, rclient, keys, tokenizer):
+    ensure_group(rclient, keys.requests(), ROUTER_GROUP)
+    first = make_worker(redis_settings, rclient, tokenizer, "w-a")
+    dispatch(rclient, keys, "w-a", message("old", priority=1))
+    dispatch(rclient, keys, "w-a", message("new", priority=1))
+    for _ in range(6):  # reads both, prefills, decodes a few tokens
+        first._serve_once()
+    assert first.load(1).preemptible == [(1, 2 * 8 + 2 * len(first.engine.running[0].output_ids))]
+    emitted = len(first.engine.running[1].output_ids)
+    assert emitted > 0
+
+    ask(rclient, keys, "w-a", message("urgent", priority=0))
+    first._serve_once()  # reads the ask between steps: the newest of the worst class goes
+    assert [r.id for r in first.engine.running] == ["old"]
+    (back,) = requeued(rclient, keys)
+    assert (back.id, back.preemptions, len(back.resume_ids)) == ("new", 1, emitted)
+    assert [from_entry(GenerateRequest, f).id for _, f in rclient.xrange(keys.inbox("w-a"))] == ["old"]
+    assert rclient.hget(keys.meta("new"), "status") == "queued"
+    assert first.engine.num_preempted == 1 and first.engine.num_preempted_tokens >= 8 + emitted - 1
+
+    second = make_worker(redis_settings, rclient, tokenizer, "w-b")
+    dispatch(rclient, keys, "w-b", back)
+    while first.engine.has_work or second.engine.has_work or rclient.xlen(keys.inbox("w-b")):
+        first._serve_once()
+        second._serve_once()
+    resumed, reference = chunks(rclient, keys, "new"), chunks(rclient, keys, "old")
+    assert [c.index for c in resumed] == list(range(MAX_NEW))  # each index once: none lost, none repeated
+    assert [c.token_id for c in resumed] == [c.token_id for c in reference]
+    assert rclient.hget(keys.meta("new"), "status") == "finished"
+
+
+def test_the_bound_and_the_fit_decide_what_is_paused(redis_settings, rclient, keys, tokenizer):
+    ensure_group(rclient, keys.requests(), ROUTER_GROUP)
+    worker = make_worker(redis_settings, rclient, tokenizer, "w-k", max_preemptions=1)
+    dispatch(rclient, keys, "w-k", message("once", priority=2, preemptions=1))  # paused once already: K = 1
+    dispatch(rclient, keys, "w-k", message("same", priority=0))
+    for _ in range(3):
+        worker._serve_once()
+    assert [p for p, _ in worker.load(1).preemptible] == [0]  # "once" is at the bound: not listed
+    ask(rclient, keys, "w-k", message("urgent", priority=0))
+    worker._serve_once()
+    assert requeued(rclient, keys) == [] and len(worker.engine.running) == 2  # nothing paused in vain
+
+    ask(rclient, keys, "w-k", message("best", priority=-1))  # "same" may go, "once" may not: it is enough
+    worker._serve_once()
+    assert [r.id for r in requeued(rclient, keys)] == ["same"]
+    assert [r.id for r in worker.engine.running] == ["once"]
