@@ -168,3 +168,19 @@ def test_the_load_record_says_what_the_cache_holds(tiny):  # noqa: F811
     assert dict(load.prefixes)[prefix_hashes(prompt)[1]] == 128  # both 64-token boundaries, as the router hashes
     assert dict(load.prefixes)[prefix_hashes(prompt)[0]] == 64
     assert load.cached_tokens == 133 and load.used_tokens == 0 and load.requests == []
+
+
+def test_paused_group_samples_resume_from_the_cache_and_match(tiny):  # noqa: F811
+    """Groups sharing a prefix overflow a small pool: samples are paused (their prompt leased by the
+    group, or by the tree once the group let go) and resume from the cache, as with it off."""
+    _, folder = tiny
+    outputs, engines = [], []
+    for cache in (False, True):
+        engine = make_engine(folder, cache, pool=200, admission="past_future")
+        engine.rule.learn([5] * 10)
+        tokens, _ = run(engine, *[group(f"g{i}", SYSTEM[:16] + [3 + i, 7], 40, n=3) for i in range(4)])
+        outputs.append(tokens)
+        engines.append(engine)
+    assert outputs[0] == outputs[1]
+    assert engines[1].num_pauses > 0 and engines[1].runner.slots.num_hit > 0
+    assert_idle(engines[1], 200)
