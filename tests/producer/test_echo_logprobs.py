@@ -25,20 +25,22 @@ async def answer_with_prompt_logprobs(worker, texts: list[str]):
     request = await worker.take()
     prompt = request.prompt_ids
     scored = [(-0.5 - p, [(prompt[p + 1], -0.5 - p), (200, -9.0)]) for p in range(len(prompt) - 1)]
-    for index, text in enumerate(texts):
-        last = index == len(texts) - 1
-        await worker.append(
-            TokenChunk(
-                request_id=request.id,
-                index=index,
-                token_id=300 + index,
-                text=text,
-                logprob=-0.25,
-                prompt_logprobs=scored if index == 0 else None,
-                finished=last,
-                finish_reason="length" if last else None,
+    for choice in range(request.n):  # a group: its leader (choice 0) carries them
+        for index, text in enumerate(texts):
+            last = index == len(texts) - 1
+            await worker.append(
+                TokenChunk(
+                    request_id=request.id,
+                    index=index,
+                    choice=choice,
+                    token_id=300 + index,
+                    text=text,
+                    logprob=-0.25,
+                    prompt_logprobs=scored if index == choice == 0 else None,
+                    finished=last,
+                    finish_reason="length" if last else None,
+                )
             )
-        )
     return request
 
 
@@ -68,6 +70,16 @@ async def test_echo_logprobs_then_the_generated_tokens(oai, worker, tokenizer):
     assert out.choices[0].text == PROMPT + " It is" and out.usage.completion_tokens == 2
     assert len(logprobs.tokens) == n + 2 and logprobs.token_logprobs[n:] == [-0.25, -0.25]
     assert logprobs.text_offset[n:] == [len(PROMPT), len(PROMPT) + 3]
+
+
+async def test_every_sample_of_a_group_echoes_the_prompts_logprobs(oai, worker, tokenizer):
+    answering = asyncio.create_task(answer_with_prompt_logprobs(worker, ["X"]))
+    out = await oai.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0, n=2)
+    await answering
+    n = len(tokenizer.encode(PROMPT))
+    assert [len(c.logprobs.tokens) for c in out.choices] == [n, n]
+    assert out.choices[0].logprobs.token_logprobs == out.choices[1].logprobs.token_logprobs
+    assert out.usage.completion_tokens == 0
 
 
 @pytest.mark.parametrize("extra", [dict(max_tokens=0), dict(echo=True, logprobs=1)])

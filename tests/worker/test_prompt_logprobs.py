@@ -17,9 +17,10 @@ from worker.engine.request import Req
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14]
 
 
-def scoring(rid: str, k: int) -> Req:
-    params = SamplingParams(max_new_tokens=1, prompt_logprobs=k)
-    return Req(msg=GenerateRequest(id=rid, prompt_ids=PROMPT, params=params, created_ms=0), inbox_id=f"{rid}-0")
+def scoring(rid: str, k: int, n: int = 1) -> Req:
+    params = SamplingParams(max_new_tokens=2, prompt_logprobs=k)
+    msg = GenerateRequest(id=rid, prompt_ids=PROMPT, params=params, created_ms=0, n=n)
+    return Req(msg=msg, inbox_id=f"{rid}-0")
 
 
 def plain(rid: str, prompt: list[int]) -> Req:
@@ -63,6 +64,9 @@ def test_prompt_logprobs_match_a_reference_forward(tiny, cache):  # noqa: F811 (
     engine = make_engine(folder, cache=cache, batch_max_tokens=4)  # the prompt in chunks of at most 4
     if cache:  # the same prompt already cached: the scoring request must not start after it
         prompts_of(engine, plain("warm", PROMPT))
-    found = prompts_of(engine, plain("other", [7, 8, 9]), scoring("s", 3), plain("late", [40, 41]))
-    assert set(found) == {"s"}
+    found = prompts_of(
+        engine, plain("other", [7, 8, 9]), scoring("s", 3), scoring("group", 3, n=3), plain("late", [40, 41])
+    )
+    assert set(found) == {"s", "group"}  # once per request: a group's leader carries them
     assert_close(found["s"], reference(ref, 3))
+    assert_close(found["group"], reference(ref, 3))
