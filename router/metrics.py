@@ -106,6 +106,13 @@ class RouterCollector(Collector):
         workers.add_metric([rid, "dead"], len(registry.dead))
         yield workers
         yield self._peaks(registry.live.values())
+        asks = CounterMetricFamily(
+            "lightq:router_preempt_asks",
+            "asks to a worker to pause worse-class requests for a request that fit nowhere (--preempt)",
+            labels=["router"],
+        )
+        asks.add_metric([rid], router.preempter.num_asks if router.preempter is not None else 0)
+        yield asks
         yield from self._ingress(router)
         yield from _shares(router)
 

@@ -12,11 +12,13 @@ hands them back to the queue with their emitted tokens, and publishes its
 record at once; the request is then admitted against it as usual.
 
 One ask at a time per router: the next waits until the asked worker has
-published a record after handling it (its ``seq`` two past the one asked
-against, as one beat may have raced the ask) or ``WAIT_S`` passed (the
-worker could not make room, or the ask expired unread). Without that, a
-router polling every few milliseconds would ask again and again before the
-first answer shows, and pause far more than needed.
+published a record after answering it (its ``preempt_asks_read`` past the
+count when asked; the worker reads and deletes its whole list at once, so
+with several routers another's ask read just before ours was pushed can
+end the wait early, at worst one superfluous ask) or ``WAIT_S`` passed
+(the ask expired unread). Without that, a router polling every few
+milliseconds would ask again and again before the first answer shows, and
+pause far more than needed.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from shared.schemas import GenerateRequest, PreemptAsk, WorkerLoad
 
 ASK_TTL_MS = 2000  # an ask its worker never read (it went idle, or died) goes with the key
 WAIT_S = 1.0
+REASK_S = 0.25
 
 
 def victim_worker(request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> str | None:
@@ -55,7 +58,8 @@ def victim_worker(request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> 
 @dataclass(frozen=True)
 class _Asked:
     worker_id: str
-    seq: int  # the record's seq when asked
+    request_id: str
+    answered: int  # the record's preempt_asks_read when asked
     at: float
 
 
@@ -68,7 +72,7 @@ class Preempter:
     def ask(self, request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> str | None:
         """Ask a worker to make room for ``request`` (which fits none); the worker asked, or None
         (an earlier ask is still being answered, or no worker runs a worse class)."""
-        if self._answering(loads):
+        if self._holds(request, loads):
             return None
         worker_id = victim_worker(request, loads)
         if worker_id is None:
@@ -79,16 +83,21 @@ class Preempter:
         pipe.rpush(self.keys.preempt(worker_id), encode(ask))
         pipe.pexpire(self.keys.preempt(worker_id), ASK_TTL_MS)
         pipe.execute()
-        self._asked = _Asked(worker_id, loads[worker_id].seq, self.clock())
+        self._asked = _Asked(worker_id, request.id, loads[worker_id].preempt_asks_read, self.clock())
         self.num_asks += 1
         return worker_id
 
-    def _answering(self, loads: Mapping[str, WorkerLoad]) -> bool:
-        asked = self._asked
+    def _holds(self, request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> bool:
+        """Whether the last ask holds this one back: not answered yet (for at most ``WAIT_S``), or
+        answered for this same request less than ``REASK_S`` ago (its worker could not make room,
+        or the room went to a request it had taken in before: ask again, not at once)."""
+        asked, now = self._asked, self.clock()
         if asked is None:
             return False
         load = loads.get(asked.worker_id)
-        if load is None or load.seq >= asked.seq + 2 or self.clock() - asked.at > WAIT_S:
+        if load is None or now - asked.at > WAIT_S:
             self._asked = None
             return False
-        return True
+        if load.preempt_asks_read <= asked.answered:
+            return True
+        return asked.request_id == request.id and now - asked.at < REASK_S

@@ -247,6 +247,9 @@ class WorkerLoad(_Frozen):
         description="per priority class with requests this worker would pause for a better class "
         "(worker.engine.preempt): [priority, tokens they hold], the worst (largest) class first",
     )
+    preempt_asks_read: int = Field(
+        0, description="preemption asks the worker has read and answered (a router waits for its own)"
+    )
 
     def serves(self, model: str | None) -> bool:
         """Whether a request for ``model`` may come here: one pool per served model name."""

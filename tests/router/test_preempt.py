@@ -4,8 +4,10 @@ one ask at a time, until the asked worker has answered."""
 
 from __future__ import annotations
 
+import time
+
 from router.loop import Router
-from router.preempt import victim_worker
+from router.preempt import REASK_S, victim_worker
 from shared.codec import decode, encode
 from shared.config import RouterSettings
 from shared.keys import ROUTER_GROUP
@@ -79,11 +81,19 @@ def test_an_ask_only_when_the_best_request_fits_nowhere_and_a_worse_class_runs(r
     assert (sent.request_id, sent.priority, sent.states) == ("urgent", 0, [(5, 0, 5, 0)])
     assert 0 < rclient.pttl(keys.preempt("w1")) <= 2000
     router.step()
-    publish(rclient, keys, load("w1", 95, [(1, 95)], seq=3))  # a beat that may have raced the ask
+    publish(rclient, keys, load("w1", 95, [(1, 95)], seq=3))  # a beat before the worker read the ask
     router.step()
     assert len(asks(rclient, keys, "w1")) == 1  # one ask until the worker has answered
 
-    publish(rclient, keys, load("w1", 0, [], seq=4))  # answered: the room is there
+    rclient.delete(keys.preempt("w1"))  # read by the worker, which could not make room
+    publish(rclient, keys, load("w1", 95, [(1, 95)], seq=4, preempt_asks_read=1))
+    router.step()
+    assert asks(rclient, keys, "w1") == []  # the same request is not asked for again at once...
+    router.preempter.clock = lambda: time.monotonic() + REASK_S
+    router.step()
+    assert len(asks(rclient, keys, "w1")) == 1  # ...but after a while
+
+    publish(rclient, keys, load("w1", 0, [], seq=5, preempt_asks_read=2))  # answered: the room is there
     router.step()
     assert inbox_ids(rclient, keys, "w1") == ["urgent"] and len(asks(rclient, keys, "w1")) == 1
 

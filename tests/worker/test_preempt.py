@@ -107,6 +107,7 @@ def test_a_paused_request_resumes_elsewhere_token_identical(redis_settings, rcli
     ask(rclient, keys, "w-a", message("urgent", priority=0))
     first._serve_once()  # reads the ask between steps: the newest of the worst class goes
     assert [r.id for r in first.engine.running] == ["old"]
+    assert first.load(2).preempt_asks_read == 1  # the asking router's cue that the record shows it
     (back,) = requeued(rclient, keys)
     assert (back.id, back.preemptions, len(back.resume_ids)) == ("new", 1, emitted)
     assert [from_entry(GenerateRequest, f).id for _, f in rclient.xrange(keys.inbox("w-a"))] == ["old"]

@@ -116,6 +116,7 @@ def build_load(
     draining: bool = False,
     model: str | None = None,
     max_preemptions: int = 0,
+    preempt_asks_read: int = 0,
 ) -> WorkerLoad:
     snap = engine.snapshot()
     reqs = engine.requests()
@@ -134,6 +135,7 @@ def build_load(
         running_max_req_size=engine.limits.running_max_req_size,
         requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in request_states(reqs)],
         preemptible=preemptible_classes(reqs, max_preemptions),
+        preempt_asks_read=preempt_asks_read,
         cached_tokens=snap.cache.cached,
         prefixes=list(snap.prefixes),
     )

@@ -59,14 +59,15 @@ def plan(pool: Pool, ask: PreemptAsk, max_preemptions: int) -> list[Req]:
         view = BatchView(request_states(stay), pool.limits.max_total_tokens, pool.limits.running_max_req_size, policy)
         return view.ratio(wanted) is not None
 
-    if not candidates or fits([]):
+    if not candidates or fits([]) or not fits(candidates):
         return []
-    victims: list[Req] = []
-    for req in candidates:
-        victims.append(req)
-        if fits(victims):
-            return victims
-    return []
+    # The fewest that make room, by bisection (pausing more never makes room scarcer): O(log n)
+    # checks of O(n log n) each, not one per candidate, for a batch of a thousand requests.
+    low, high = 0, len(candidates)  # invariant: the first ``low`` do not make room, the first ``high`` do
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(candidates[:mid]) else (mid, high)
+    return candidates[:high]
 
 
 def handed_back(req: Req) -> tuple[GenerateRequest, bool]:

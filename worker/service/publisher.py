@@ -22,6 +22,10 @@ says finished (with the samples' total output tokens) when the last one
 ends. Each sample's length joins the output-length history. A requeued
 group's samples that had finished are not run again: its count starts
 with their tokens and waits only for the others.
+
+A request paused for a better class (``Preempted``, ``worker.engine.preempt``)
+goes back to the ingress stream in the same pipeline as its tokens, after
+them, so its ``resume_ids`` are exactly the chunks written.
 """
 
 from __future__ import annotations

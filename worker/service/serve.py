@@ -56,6 +56,7 @@ class WorkerService:
         self._backoff = Backoff()
         self._outage_log = LogLimiter(log)
         self.draining = False
+        self.num_asks_read = 0  # preemption asks answered (the load record's preempt_asks_read)
 
     def load(self, seq: int) -> WorkerLoad:
         return build_load(
@@ -66,6 +67,7 @@ class WorkerService:
             self.draining,
             self.model,
             self.settings.max_preemptions,
+            self.num_asks_read,  # read before the engine is: a record with the count shows the pauses
         )
 
     def run(self) -> None:
@@ -209,15 +211,13 @@ class WorkerService:
     def _preempt(self, asks: list[PreemptAsk]) -> None:
         """Pause what the asks need (``worker.engine.preempt``), between two steps; the victims go
         back to the queue through the publisher, after their tokens."""
-        paused = 0
         for ask in asks:
             victims = plan(self.engine, ask, self.settings.max_preemptions)
             self.publisher.put(self.engine.preempt(victims))
-            paused += len(victims)
             if victims:
                 log.info("paused %s for %s (priority %d)", [r.id for r in victims], ask.request_id, ask.priority)
-        if paused:
-            self.heartbeat.poke()  # the asking router admits against the record: publish the room now
+        self.num_asks_read += len(asks)  # after the pauses: a record showing the count shows them
+        self.heartbeat.poke()  # the asking router waits for the answer and admits against the record
 
     def _take(self, entry_id: str, msg: GenerateRequest) -> None:
         error = self._refusal(msg)
