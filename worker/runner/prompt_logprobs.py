@@ -22,6 +22,8 @@ import torch
 from worker.engine.request import Req
 from worker.runner.sampler import FLOOR_LOGPROB
 
+SCORE_BLOCK = 256  # rows of logits turned into logprobs at a time
+
 
 def wants_prompt_logprobs(req: Req) -> bool:
     return req.msg.params.prompt_logprobs is not None and not req.output_ids
@@ -59,7 +61,16 @@ def gather(reqs: Sequence[Req], num_new: Sequence[int], cached: Sequence[int], l
 
 
 def _score(logits: torch.Tensor, targets: list[int], req: Req) -> list[tuple[float, list[tuple[int, float]]]]:
-    """(logprob of each target, its ``prompt_logprobs`` most likely alternatives), one host copy."""
+    """(logprob of each target, its ``prompt_logprobs`` most likely alternatives), in blocks of rows:
+    the forward already holds [chunk, V] logits (bounded by ``batch_max_tokens``); the log-softmax
+    temporaries stay at [SCORE_BLOCK, V]."""
+    out: list[tuple[float, list[tuple[int, float]]]] = []
+    for start in range(0, len(targets), SCORE_BLOCK):
+        out += _score_block(logits[start : start + SCORE_BLOCK], targets[start : start + SCORE_BLOCK], req)
+    return out
+
+
+def _score_block(logits: torch.Tensor, targets: list[int], req: Req) -> list[tuple[float, list[tuple[int, float]]]]:
     logp = torch.log_softmax(logits.float(), dim=-1)  # [m, V]
     ids = torch.tensor(targets, device=logits.device)[:, None]
     parts = [logp.gather(1, ids).double().clamp_min(FLOOR_LOGPROB)]
