@@ -178,7 +178,7 @@ def test_paused_group_samples_resume_from_the_cache_and_match(tiny):  # noqa: F8
     for cache in (False, True):
         engine = make_engine(folder, cache, pool=200, admission="past_future")
         engine.rule.learn([5] * 10)
-        tokens, _ = run(engine, *[group(f"g{i}", SYSTEM[:16] + [3 + i, 7], 40, n=3) for i in range(4)])
+        tokens, _ = run(engine, *[group(f"g{i}", SYSTEM[:16] + [3 + i, 7], 30, n=3) for i in range(4)])
         outputs.append(tokens)
         engines.append(engine)
     assert outputs[0] == outputs[1]
