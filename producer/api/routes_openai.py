@@ -24,7 +24,7 @@ from producer.api.errors import ApiError, bad_request
 from producer.api.openai_render import Call, StreamRenderer, response
 from producer.api.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from producer.api.params import check_prompt_length
-from producer.api.structured import check_constraint
+from producer.api.structured import check_constraint, check_no_min_tokens
 from producer.api.submit import abandon_all, enqueue, new_request, prompt_ids
 from producer.api.tools import output_constraint, plan_tools
 from producer.deps import Services, ServicesDep, parse_body
@@ -100,6 +100,7 @@ async def prepare_completions(body: CompletionRequest, services: Services) -> tu
     max_new = body.max_tokens or (1 if body.max_tokens == 0 else services.settings.default_max_new_tokens)
     constraint = body.response_format.constraint() if body.response_format is not None else None
     await check_constraint(constraint, "response_format")
+    check_no_min_tokens(constraint, body.min_tokens, "min_tokens")
     extra = {"constraint": constraint, "prompt_logprobs": body.prompt_logprobs}
     params = body.sampling(max_new, services.tokenizer).model_copy(update=extra)
     queued: list[GenerateRequest] = []
@@ -167,6 +168,7 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, legacy)
     formatted = body.response_format.constraint() if body.response_format is not None else None
     constraint = await output_constraint(formatted, plan)
+    check_no_min_tokens(constraint, body.min_tokens, "min_tokens")
     ids = await chat_prompt_ids(body.messages, services.tokenizer, plan)
     check_prompt_length(len(ids), services.settings.model.max_req_input_len, "messages")
     limit = services.settings.model.max_req_total_len

@@ -92,6 +92,17 @@ def _parse(constraint: Constraint) -> None:
         xgr.Grammar.from_ebnf(constraint.spec)
 
 
+def check_no_min_tokens(constraint: Constraint | None, min_tokens: int, param: str) -> None:
+    """A minimum length holds the stop token back, which a complete grammar needs: refused together."""
+    if constraint is not None and min_tokens:
+        raise bad_request(
+            f"{param} cannot be combined with a constrained output (response_format, a forced tool call, "
+            f"or a grammar parameter): a complete answer must be able to end",
+            param=param,
+            code="unsupported_parameter",
+        )
+
+
 async def check_constraint(constraint: Constraint | None, param: str) -> None:
     """A 400 unless the worker will be able to compile ``constraint``."""
     if constraint is None or constraint.kind == "json":

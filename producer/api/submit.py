@@ -12,7 +12,7 @@ from producer import store
 from producer.api.api_types import GenerateBody
 from producer.api.errors import bad_request
 from producer.api.params import check_group, check_prompt_length, native_sampling
-from producer.api.structured import NATIVE_NAMES, check_constraint
+from producer.api.structured import NATIVE_NAMES, check_constraint, check_no_min_tokens
 from producer.deps import Services
 from producer.edge.backlog import Gate
 from shared.config import ProducerSettings
@@ -101,6 +101,7 @@ async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings
     params = native_sampling(body.params, settings.default_max_new_tokens, tokenizer)
     if params.constraint is not None:
         await check_constraint(params.constraint, f"parameters.{NATIVE_NAMES[params.constraint.kind]}")
+        check_no_min_tokens(params.constraint, params.min_new_tokens, "parameters.min_new_tokens")
     ids = await prompt_ids(body.inputs, tokenizer)
     check_prompt_length(len(ids), settings.model.max_req_input_len, "inputs")
     check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)

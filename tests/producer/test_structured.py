@@ -52,6 +52,10 @@ BAD = [
     (GEN, native(guided_json={"type": "foo"}), "parameters.guided_json", "invalid_json_schema"),
     (GEN, native(guided_grammar="root ::= nothing"), "parameters.guided_grammar", "invalid_ebnf"),
     (GEN, native(guided_json={}, regular_constraint="a"), "parameters.regular_constraint", None),
+    (GEN, native(regular_constraint="a+", min_new_tokens=3), "parameters.min_new_tokens", "unsupported_parameter"),
+    (CHAT, chat(response_format={"type": "json_object"}, min_tokens=2), "min_tokens", "unsupported_parameter"),
+    (CHAT, chat(tools=[WEATHER], tool_choice="required", min_tokens=2), "min_tokens", "unsupported_parameter"),
+    (CMPL, {"model": MODEL, "prompt": "a", "response_format": {"type": "json_object"}, "min_tokens": 1}, "min_tokens", "unsupported_parameter"),  # noqa: E501
 ]  # fmt: skip
 
 
