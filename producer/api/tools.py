@@ -189,26 +189,25 @@ class ToolCallIn(_Request):
     function: CalledFunction
 
 
+def _arguments(call: ToolCallIn) -> Any:
+    """A call's arguments as an object where they parse (transformers' form), else the text as sent."""
+    try:
+        return json.loads(call.function.arguments or "{}")
+    except ValueError:
+        return call.function.arguments
+
+
 def template_calls(calls: list[ToolCallIn]) -> list[dict[str, Any]]:
-    """Calls as chat templates take them: arguments as an object where they parse (transformers' form)."""
-    out = []
-    for call in calls:
-        try:
-            arguments: Any = json.loads(call.function.arguments)
-        except ValueError:
-            arguments = call.function.arguments
-        out.append(
-            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
-        )
-    return out
+    """Calls as chat templates take them."""
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c)}}
+        for c in calls
+    ]
 
 
 def calls_text(calls: list[ToolCallIn]) -> str:
     """Calls as the text the model was asked to write (templates that cannot render calls)."""
-    return json.dumps(
-        [{"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")} for c in calls],
-        ensure_ascii=False,
-    )
+    return json.dumps([{"name": c.function.name, "arguments": _arguments(c)} for c in calls], ensure_ascii=False)
 
 
 async def output_constraint(response_format: Constraint | None, plan: ToolPlan | None) -> Constraint | None:
