@@ -159,11 +159,12 @@ def run(args, load) -> Books:
     client = redis.Redis.from_url(args.redis_url, decode_responses=True)
     keys, books, stop = Keys(prefix), Books(), threading.Event()
     ensure_group(client, keys.requests(), ROUTER_GROUP)
-    workers = [TimedWorker(client, keys, f"sim-{i}", args, books=books) for i in range(args.workers)]
+    workers = [args.worker_class(client, keys, f"sim-{i}", args, books=books) for i in range(args.workers)]
     settings = RouterSettings(
         redis=RedisSettings(url=args.redis_url, key_prefix=prefix),
         poll_ms=args.poll_ms,
         priority_reserve_slots=args.reserve_slots,
+        preempt=args.preempt,
     )
     router = Router(settings, redis.Redis.from_url(args.redis_url, decode_responses=True), "fair-sim")
     sender = Sender(redis.Redis.from_url(args.redis_url, decode_responses=True), keys, args, books)
@@ -244,7 +245,8 @@ def fairness_figure(args) -> None:
         print(f"  {name:<14} tokens served flood {served[0]:>7} small {served[1]:>7}  Jain's index {jain(served):.3f}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, worker_class: type = TimedWorker, preempt: bool = False) -> None:
+    """``bench.preempt_sim`` passes workers that pause on the router's asks, and ``preempt``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--redis_url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--workers", type=int, default=2)
@@ -268,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="3 s windows")
     p.add_argument("--only", choices=["priority", "fairness"])
     args = p.parse_args(argv)
+    args.worker_class, args.preempt = worker_class, preempt
     if args.quick:
         args.warmup_s, args.window_s = 1.0, 3.0
     if args.only != "fairness":

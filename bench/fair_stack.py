@@ -1,6 +1,7 @@
 """Priorities and fair shares (issue 19) on the real stack: ``lightq serve`` on the counting model.
 
     .venv/bin/python -m bench.fair_stack            # about 1.5 minutes on 2 cores
+    .venv/bin/python -m bench.fair_stack --preempt --only priority   # class 1 paused for class 0
 
 One CPU worker (``--running_max_req_size`` small, so the pool is what limits), an embedded
 Redis, API keys naming two tenants (``hi:`` and ``lo:``). Requests go through
@@ -33,8 +34,10 @@ import redis
 
 from bench.fair_sim import jain
 from bench.path_bench import REPO, start_serve
+from shared.codec import from_entry
 from shared.embedded_redis import start_embedded_redis
 from shared.keys import Keys
+from shared.schemas import TokenChunk
 
 KEYS = {"hi": "k-hi-0123456789", "lo": "k-lo-0123456789"}
 
@@ -118,6 +121,32 @@ def dispatched_tokens(redis_url: str, http: str) -> dict[str, int]:
     return {k: int(v) for k, v in client.hgetall(Keys(prefix).tenant_served()).items()}
 
 
+def check_outputs(redis_url: str, http: str) -> tuple[int, int]:
+    """(requests, those whose chunk stream is not exact): each index once (a copy written twice by a
+    retry must carry the same token) and, the counting model's rule, each token the one before plus
+    one. A preempted request resumed after the wrong index would break either."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    prefix = f"lightq-path-{http.rsplit(':', 1)[1]}"
+    checked = bad = 0
+    for key in client.scan_iter(match=f"{prefix}:*:chunks", count=1000):
+        tokens: dict[int, int] = {}
+        ok = True
+        for _, fields in client.xrange(key):
+            chunk = from_entry(TokenChunk, fields)
+            if chunk.token_id is not None:
+                ok &= tokens.setdefault(chunk.index, chunk.token_id) == chunk.token_id
+        ids = [tokens[i] for i in sorted(tokens)]
+        ok &= sorted(tokens) == list(range(len(tokens))) and all(b == a + 1 for a, b in zip(ids, ids[1:]))
+        checked, bad = checked + 1, bad + (not ok)
+    return checked, bad
+
+
+def preemptions(log_path: Path) -> int:
+    """Requests the workers paused for a better class (their log lines: 'paused [ids] for ...')."""
+    lines = [line for line in log_path.read_text().splitlines() if "paused [" in line]
+    return sum(line.split("paused [", 1)[1].split("]", 1)[0].count("'") // 2 for line in lines)
+
+
 def p99_ttft(log: list, priority: int, start: float) -> tuple[float, int]:
     waits = [(first - sent) * 1000 for _, p, sent, first, _ in log if p == priority and sent >= start and first]
     return float(np.percentile(waits, 99)), len(waits)
@@ -133,13 +162,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup_s", type=float, default=2.0)
     p.add_argument("--poll_ms", type=int, default=10, help="the router's wait when the head fits no worker")
     p.add_argument("--reserve_slots", type=int, default=0, help="the router's --priority_reserve_slots")
+    p.add_argument("--preempt", action="store_true", help="the router's --preempt (pause class 1 for class 0)")
     p.add_argument("--only", choices=["priority"], help="skip the flood")
     args = p.parse_args(argv)
     redis_server = start_embedded_redis()
     log_path = Path(tempfile.mkdtemp(prefix="lightq-fair-")) / "serve.log"
     keys = ",".join(f"{tenant}:{key}" for tenant, key in KEYS.items())
     flags = ["--running_max_req_size", str(args.batch), "--api_keys", keys, "--poll_ms", str(args.poll_ms)]
-    flags += ["--priority_reserve_slots", str(args.reserve_slots)]
+    flags += ["--priority_reserve_slots", str(args.reserve_slots)] + (["--preempt"] if args.preempt else [])
     process, http = start_serve(REPO, redis_server.url, log_path, flags)
     try:
         cap = capacity(http, args)
@@ -156,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
             lo_before += lo_tokens
             print(f"  class 0 {name:<13} p99 TTFT {ttft[name]:8.1f} ms over {n}; class-1 tokens dispatched {lo_tokens}")
         print(f"  ratio {ttft['with class 1'] / ttft['alone']:.2f} (goal <= 2)")
+        checked, bad = check_outputs(redis_server.url, http)
+        print(f"  preempted {preemptions(log_path)} times; {bad} of {checked} outputs with a lost or repeated token")
         if args.only == "priority":
             return
         small = args.batch  # more than half the batch: the small tenant always has work waiting

@@ -30,7 +30,7 @@ from router.admission import Views
 from router.dispatch import Dispatcher, Item
 from router.janitor import reap_dead_worker
 from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_weights, reserved_slots
-from router.preempt import Preempter
+from router.preempt import Preempter, heads
 from router.registry import read_registry
 from router.reservations import Reservations
 from shared.admission import AdmissionRule, request_states
@@ -202,12 +202,26 @@ class Router:
             worker_id = self._choose(request)
             self.on_decision(request, worker_id, time.perf_counter() - started)
             if worker_id is None:
-                if self.preempter is not None:
-                    self.preempter.ask(request, loads)
+                run += self._preempt_for(loads)
                 break
             run.append(Item(worker_id, self.reservations.tail(worker_id), entry_id, request))
             self.queue.popleft()
         return run
+
+    def _preempt_for(self, loads: dict) -> list[Item]:
+        """``--preempt``: the head fits no worker; ask one running a worse class to make room for
+        it and those like it right behind (``router.preempt``), and send them there now, so the
+        worker pauses and admits them in one turn instead of waiting for its record to say so."""
+        waiting = heads(self.queue) if self.preempter is not None else []
+        target = self.preempter.ask(waiting, loads) if self.preempter is not None else None
+        if target is None:
+            return []
+        items = []
+        for request in waiting:
+            entry_id, _ = self.queue.popleft()
+            self.views.admit(target, Candidate(request_states(request), self.rule.policy))
+            items.append(Item(target, self.reservations.tail(target), entry_id, request))
+        return items
 
     def _send(self, run: list[Item], loads: dict) -> tuple[int, tuple[str, str | None] | None]:
         """The run in one round trip; what was not written goes back to its place. Also returns the

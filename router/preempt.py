@@ -7,7 +7,9 @@ at overload (bench/RESULTS.md). So the router asks one worker to pause
 enough of them (``shared.schemas.PreemptAsk`` on its ``{w:ID}:preempt``
 list): the one whose record lists the worst class (``WorkerLoad.preemptible``;
 ties: more tokens in classes worse than the request's, then the lesser id).
-The worker decides which requests and how many (``worker.engine.preempt``),
+An ask makes room for the head and up to ``ASK_MOST - 1`` requests of its
+class right behind it (``heads``): a burst should not wait one round trip
+per request. The worker decides which requests and how many (``worker.engine.preempt``),
 hands them back to the queue with their emitted tokens, and publishes its
 record at once; the request is then admitted against it as usual.
 
@@ -24,7 +26,7 @@ pause far more than needed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -38,6 +40,7 @@ from shared.schemas import GenerateRequest, PreemptAsk, WorkerLoad
 ASK_TTL_MS = 2000  # an ask its worker never read (it went idle, or died) goes with the key
 WAIT_S = 1.0
 REASK_S = 0.25
+ASK_MOST = 8  # requests one ask makes room for
 
 
 def victim_worker(request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> str | None:
@@ -55,6 +58,20 @@ def victim_worker(request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> 
     return None if best is None else best[2]
 
 
+def heads(queue: Sequence[tuple[str, GenerateRequest]], most: int = ASK_MOST) -> list[GenerateRequest]:
+    """The head of the queue and the requests right behind it of its class and model, at most
+    ``most``: one ask makes room for a burst of them (one at a time, a burst of a better class
+    would wait an ask's round trip per request)."""
+    head = queue[0][1]
+    waiting = [head]
+    for i in range(1, min(most, len(queue))):
+        request = queue[i][1]
+        if request.priority != head.priority or request.model != head.model:
+            break
+        waiting.append(request)
+    return waiting
+
+
 @dataclass(frozen=True)
 class _Asked:
     worker_id: str
@@ -69,16 +86,24 @@ class Preempter:
         self._asked: _Asked | None = None
         self.num_asks = 0
 
-    def ask(self, request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> str | None:
-        """Ask a worker to make room for ``request`` (which fits none); the worker asked, or None
-        (an earlier ask is still being answered, or no worker runs a worse class)."""
+    def ask(self, waiting: Sequence[GenerateRequest], loads: Mapping[str, WorkerLoad]) -> str | None:
+        """Ask a worker to make room for ``waiting`` (the head of the queue, which fits no worker,
+        and those right behind it: ``heads``); the worker asked, or None (an earlier ask is still
+        being answered, or no worker runs a worse class)."""
+        request = waiting[0]
         if self._holds(request, loads):
             return None
         worker_id = victim_worker(request, loads)
         if worker_id is None:
             return None
-        states = [tuple(s) for s in request_states(request)]
-        ask = PreemptAsk(request_id=request.id, priority=request.priority, states=states, asked_ms=now_ms())
+        states = [[tuple(s) for s in request_states(r)] for r in waiting]
+        ask = PreemptAsk(
+            request_ids=[r.id for r in waiting],
+            priority=request.priority,
+            states=[s for each in states for s in each],
+            sizes=[len(each) for each in states],
+            asked_ms=now_ms(),
+        )
         pipe = self.client.pipeline(transaction=True)
         pipe.rpush(self.keys.preempt(worker_id), encode(ask))
         pipe.pexpire(self.keys.preempt(worker_id), ASK_TTL_MS)

@@ -258,14 +258,23 @@ class WorkerLoad(_Frozen):
 
 class PreemptAsk(_Frozen):
     """A router's ask to a worker ({w:ID}:preempt): pause enough requests of a class worse than
-    ``priority`` that ``states`` (the waiting request's ``shared.peak.ReqState`` summaries) fit,
-    and hand them back to the queue (worker.engine.preempt)."""
+    ``priority`` that the requests ``request_ids`` fit, as many of them as can, the first first,
+    and hand them back to the queue (worker.engine.preempt). ``states``: their
+    ``shared.peak.ReqState`` summaries, ``sizes[i]`` of them for the i-th request. The router
+    dispatches them to the worker with the ask, so they may be in its queue already."""
 
     kind: Literal["preempt"] = "preempt"
-    request_id: str
+    request_ids: list[str] = Field(min_length=1)
     priority: int
     states: list[tuple[int, int, int, int]]
+    sizes: list[int]
     asked_ms: int
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> PreemptAsk:
+        if len(self.sizes) != len(self.request_ids) or sum(self.sizes) != len(self.states):
+            raise ValueError("sizes: one per request, adding up to the states")
+        return self
 
 
 class DeadLetter(_Frozen):

@@ -4,10 +4,8 @@ one ask at a time, until the asked worker has answered."""
 
 from __future__ import annotations
 
-import time
-
 from router.loop import Router
-from router.preempt import REASK_S, victim_worker
+from router.preempt import victim_worker
 from shared.codec import decode, encode
 from shared.config import RouterSettings
 from shared.keys import ROUTER_GROUP
@@ -73,29 +71,26 @@ def test_an_ask_only_when_the_best_request_fits_nowhere_and_a_worse_class_runs(r
     publish(rclient, keys, load("w1", 95, [(0, 95)]))  # full, of the request's own class
     submit(rclient, keys, "urgent", 5, 5, priority=0)
     router.step()
-    assert asks(rclient, keys, "w1") == []  # nothing worse to pause: it waits
+    assert asks(rclient, keys, "w1") == [] and inbox_ids(rclient, keys, "w1") == []  # nothing worse: it waits
 
     publish(rclient, keys, load("w1", 95, [(1, 95)], seq=2))  # now a worse class runs there
+    submit(rclient, keys, "next", 5, 5, priority=0)
+    submit(rclient, keys, "later", 5, 5, priority=1)
     router.step()
     (sent,) = asks(rclient, keys, "w1")
-    assert (sent.request_id, sent.priority, sent.states) == ("urgent", 0, [(5, 0, 5, 0)])
+    assert (sent.request_ids, sent.priority, sent.sizes) == (["urgent", "next"], 0, [1, 1])
+    assert sent.states == [(5, 0, 5, 0)] * 2
     assert 0 < rclient.pttl(keys.preempt("w1")) <= 2000
-    router.step()
-    publish(rclient, keys, load("w1", 95, [(1, 95)], seq=3))  # a beat before the worker read the ask
-    router.step()
-    assert len(asks(rclient, keys, "w1")) == 1  # one ask until the worker has answered
+    # Sent with the ask (the worker pauses, then admits them in one turn); class 1 waits.
+    assert inbox_ids(rclient, keys, "w1") == ["urgent", "next"]
 
-    rclient.delete(keys.preempt("w1"))  # read by the worker, which could not make room
-    publish(rclient, keys, load("w1", 95, [(1, 95)], seq=4, preempt_asks_read=1))
+    submit(rclient, keys, "third", 5, 5, priority=0)
     router.step()
-    assert asks(rclient, keys, "w1") == []  # the same request is not asked for again at once...
-    router.preempter.clock = lambda: time.monotonic() + REASK_S
+    assert len(asks(rclient, keys, "w1")) == 1 and "third" not in inbox_ids(rclient, keys, "w1")  # until answered
+    publish(rclient, keys, load("w1", 95, [(1, 95)], seq=3, preempt_asks_read=1))
     router.step()
-    assert len(asks(rclient, keys, "w1")) == 1  # ...but after a while
-
-    publish(rclient, keys, load("w1", 0, [], seq=5, preempt_asks_read=2))  # answered: the room is there
-    router.step()
-    assert inbox_ids(rclient, keys, "w1") == ["urgent"] and len(asks(rclient, keys, "w1")) == 1
+    assert [a.request_ids for a in asks(rclient, keys, "w1")] == [["urgent", "next"], ["third"]]
+    assert inbox_ids(rclient, keys, "w1") == ["urgent", "next", "third"]
 
 
 def test_no_ask_when_the_request_fits_somewhere_or_preemption_is_off(redis_settings, rclient, keys):

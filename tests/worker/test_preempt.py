@@ -78,11 +78,16 @@ def dispatch(rclient, keys, worker_id: str, msg: GenerateRequest) -> None:
     rclient.xadd(keys.inbox(worker_id), entry(msg))
 
 
-def ask(rclient, keys, worker_id: str, msg: GenerateRequest) -> None:
-    states = [tuple(s) for s in request_states(msg)]
-    rclient.rpush(
-        keys.preempt(worker_id), encode(PreemptAsk(request_id=msg.id, priority=msg.priority, states=states, asked_ms=0))
+def ask(rclient, keys, worker_id: str, *msgs: GenerateRequest) -> None:
+    states = [[tuple(s) for s in request_states(m)] for m in msgs]
+    one = PreemptAsk(
+        request_ids=[m.id for m in msgs],
+        priority=msgs[0].priority,
+        states=[s for each in states for s in each],
+        sizes=[len(each) for each in states],
+        asked_ms=0,
     )
+    rclient.rpush(keys.preempt(worker_id), encode(one))
 
 
 def requeued(rclient, keys) -> list[GenerateRequest]:
@@ -141,3 +146,19 @@ def test_the_bound_and_the_fit_decide_what_is_paused(redis_settings, rclient, ke
     worker._serve_once()
     assert [r.id for r in requeued(rclient, keys)] == ["same"]
     assert [r.id for r in worker.engine.running] == ["once"]
+
+
+def test_requests_sent_with_the_ask_are_admitted_in_the_same_turn(redis_settings, rclient, keys, tokenizer):
+    ensure_group(rclient, keys.requests(), ROUTER_GROUP)
+    worker = make_worker(redis_settings, rclient, tokenizer, "w-s")
+    for request_id in ("a", "b"):
+        dispatch(rclient, keys, "w-s", message(request_id, priority=1))
+    for _ in range(3):
+        worker._serve_once()
+    urgent = [message("u1", priority=0), message("u2", priority=0)]
+    for msg in urgent:  # the router sends them with the ask: read in the same round trip
+        dispatch(rclient, keys, "w-s", msg)
+    ask(rclient, keys, "w-s", *urgent)
+    worker._serve_once()  # counted once each (not as queued here and asked for): both class-1 requests go
+    assert sorted(r.id for r in requeued(rclient, keys)) == ["a", "b"]
+    assert [r.id for r in worker.engine.running] == ["u1", "u2"]  # admitted in this very step

@@ -6,10 +6,11 @@ to make room (``shared.schemas.PreemptAsk``). The worker answers between
 two steps: the victims are requests of classes strictly worse than the
 ask's, the worst class first and inside it the newest first (the least
 work lost; a waiting one that never started loses none), and only those
-``Req.can_preempt`` allows. Just enough are taken for the asked-for states
-to fit by the worker's own admission check over what stays; when even all
-of them would not make room, none is taken: a pause that admits nothing is
-pure loss.
+``Req.can_preempt`` allows. An ask names the requests at the head of the
+router's queue, which it sends here with the ask: just enough victims are
+taken for as many of them as can be made to fit (the first ones first) to
+fit by the worker's own admission check over what stays; when not even the
+first can, none is taken: a pause that admits nothing is pure loss.
 
 A victim leaves the engine at once (its slots freed) and goes back to the
 ingress stream with the tokens it emitted as ``resume_ids``, written by the
@@ -22,6 +23,7 @@ chosen again, so a low class cannot be bounced around forever.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from shared.admission import AdmissionRule
@@ -44,30 +46,41 @@ class Pool(Protocol):
 
 
 def plan(pool: Pool, ask: PreemptAsk, max_preemptions: int) -> list[Req]:
-    """The requests to pause so that ``ask.states`` fit here; empty when they fit already or
-    cannot be made to fit."""
+    """The fewest requests to pause so that as many of the asked-for requests as can be made to
+    fit here (a prefix of them) fit, whether they are in this worker's queue already or still on
+    their way; empty when none can, or they fit already."""
     reqs = pool.requests()  # running in admission order, then waiting: reversed, newest first
     candidates = sorted(
         (r for r in reversed(reqs) if r.can_preempt(max_preemptions) and r.msg.priority > ask.priority),
         key=lambda r: -r.msg.priority,  # stable: newest first inside a class
     )
-    policy = pool.rule.policy
-    wanted = Candidate([ReqState(*s) for s in ask.states], policy)
+    if not candidates:
+        return []
+    policy, sizes = pool.rule.policy, ask.sizes
+    ends = [sum(sizes[: j + 1]) for j in range(len(sizes))]  # states of the first j + 1 requests
+    asked = set(ask.request_ids)  # those already here (sent with the ask) count as asked, not twice
 
-    def fits(victims: list[Req]) -> bool:
-        stay = [r for r in reqs if r not in victims]  # Req compares by identity
+    def fits(num_paused: int, num_asked: int) -> bool:
+        paused = candidates[:num_paused]
+        stay = [r for r in reqs if r not in paused and r.id not in asked]  # Req compares by identity
         view = BatchView(request_states(stay), pool.limits.max_total_tokens, pool.limits.running_max_req_size, policy)
+        wanted = Candidate([ReqState(*s) for s in ask.states[: ends[num_asked - 1]]], policy)
         return view.ratio(wanted) is not None
 
-    if not candidates or fits([]) or not fits(candidates):
+    # Bisections (pausing more, or asking for fewer, never makes room scarcer): O(log n) checks
+    # of O(n log n) each, not one per candidate, for a batch of a thousand requests.
+    num_asked = _first(1, len(sizes) + 1, lambda j: not fits(len(candidates), j)) - 1
+    if num_asked == 0:
         return []
-    # The fewest that make room, by bisection (pausing more never makes room scarcer): O(log n)
-    # checks of O(n log n) each, not one per candidate, for a batch of a thousand requests.
-    low, high = 0, len(candidates)  # invariant: the first ``low`` do not make room, the first ``high`` do
-    while high - low > 1:
+    return candidates[: _first(0, len(candidates), lambda k: fits(k, num_asked))]
+
+
+def _first(low: int, high: int, holds: Callable[[int], bool]) -> int:
+    """The least ``k`` in [low, high) for which ``holds`` (monotone: false, then true), else ``high``."""
+    while low < high:
         mid = (low + high) // 2
-        low, high = (low, mid) if fits(candidates[:mid]) else (mid, high)
-    return candidates[:high]
+        low, high = (low, mid) if holds(mid) else (mid + 1, high)
+    return low
 
 
 def handed_back(req: Req) -> tuple[GenerateRequest, bool]:

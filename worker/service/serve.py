@@ -215,7 +215,7 @@ class WorkerService:
             victims = plan(self.engine, ask, self.settings.max_preemptions)
             self.publisher.put(self.engine.preempt(victims))
             if victims:
-                log.info("paused %s for %s (priority %d)", [r.id for r in victims], ask.request_id, ask.priority)
+                log.info("paused %s for %s (priority %d)", [r.id for r in victims], ask.request_ids, ask.priority)
         self.num_asks_read += len(asks)  # after the pauses: a record showing the count shows them
         self.heartbeat.poke()  # the asking router waits for the answer and admits against the record
 

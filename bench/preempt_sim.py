@@ -1,0 +1,125 @@
+"""``bench.fair_sim``'s priority figure with preempt and resume: router ``--preempt``, and simulated
+workers that answer its asks as ``worker.engine.preempt`` does (issue 19).
+
+    .venv/bin/python -m bench.preempt_sim --only priority
+
+A ``PreemptingWorker`` reads its ``{w:ID}:preempt`` list before each step and, per ask,
+pauses the newest running requests of classes worse than the ask's (never one paused
+``MAX_PREEMPTIONS`` times) until there is a request slot for each asked-for request, or as
+many as it can (the simulated pool is sized so that slots, not tokens, bound it). Each goes
+back to the ingress stream with its generated count as ``resume_ids``
+(``shared.requeue.send_back``), and a worker that takes one continues from that count. Its
+record carries ``preemptible`` and ``preempt_asks_read`` as a worker's does. The time model
+charges nothing for the recompute (a real worker prefills prompt + output again): the figure
+shows the scheduling; the recompute is counted (``recomputed`` tokens), not timed.
+"""
+
+from __future__ import annotations
+
+import time
+
+from bench import fair_sim
+from bench.fair_sim import TimedWorker
+from shared.codec import decode, encode, from_entry
+from shared.keys import WORKER_GROUP
+from shared.request_log import now_ms
+from shared.requeue import send_back
+from shared.schemas import GenerateRequest, PreemptAsk, WorkerLoad
+
+MAX_PREEMPTIONS = 2
+RESUMED: dict[str, int] = {}  # request id -> tokens it generated before its pause (shared by the sim's workers)
+COUNTS = {"preemptions": 0, "recomputed": 0}
+
+
+class PreemptingWorker(TimedWorker):
+    asks_read = 0
+
+    def messages(self) -> dict[str, GenerateRequest]:
+        """The running requests' messages, from the inbox (an entry stays there until it ends)."""
+        msgs = (from_entry(GenerateRequest, f) for _, f in self.client.xrange(self.keys.inbox(self.worker_id)))
+        return {m.id: m for m in msgs}
+
+    def step(self, done) -> None:
+        self._answer_asks()
+        before = {r[0] for r in self.running}
+        first = {rid: self.books.first[rid] for rid in RESUMED if rid in self.books.first}
+        super().step(done)
+        for req in self.running:
+            if req[0] not in before and req[0] in RESUMED:  # resumed here: after its tokens
+                req[2] += RESUMED.pop(req[0])
+        self.books.first.update(first)  # its first token came in the first attempt
+
+    def _answer_asks(self) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.lrange(self.keys.preempt(self.worker_id), 0, -1)
+        pipe.delete(self.keys.preempt(self.worker_id))
+        raw, _ = pipe.execute()
+        if not raw:
+            return
+        msgs = self.messages()
+        for ask in (decode(PreemptAsk, r) for r in raw):
+            need = len(self.running) + len(ask.sizes or [1]) - self.args.batch  # slots to free
+            worse = [
+                r
+                for r in reversed(self.running)
+                if r[0] in msgs and msgs[r[0]].priority > ask.priority and msgs[r[0]].preemptions < MAX_PREEMPTIONS
+            ]
+            worse.sort(key=lambda r: -msgs[r[0]].priority)  # stable: newest first inside a class
+            if need > 0 and worse:  # room for as many of the asked-for requests as can be made
+                self._pause(worse[:need], msgs)
+        self.asks_read += len(raw)
+        self.beat()
+
+    def _pause(self, victims: list[list], msgs: dict[str, GenerateRequest]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for rid, prompt, generated, _, inbox_id in victims:
+            msg = msgs[rid]
+            # ``generated`` counts earlier attempts' tokens too (``step`` adds them on resume)
+            update = {"resume_ids": [1] * generated, "preemptions": msg.preemptions + 1}
+            send_back(pipe, self.keys, msg.model_copy(update=update))
+            pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, inbox_id)
+            pipe.xdel(self.keys.inbox(self.worker_id), inbox_id)
+            RESUMED[rid] = generated
+            COUNTS["preemptions"] += 1
+            COUNTS["recomputed"] += prompt + generated
+        pipe.execute()
+        self.running = [r for r in self.running if r not in victims]
+
+    def beat(self) -> None:
+        """scale_sim's record plus what a router needs to pick a worker to ask."""
+        self.seq, self.last_beat = self.seq + 1, time.monotonic()
+        states = [(p + g, g, m, 1) for _, p, g, m, _ in self.running]
+        msgs = self.messages() if self.running else {}
+        held: dict[int, int] = {}
+        for rid, prompt, generated, _, _ in self.running:
+            msg = msgs.get(rid)
+            if msg is not None and msg.preemptions < MAX_PREEMPTIONS:
+                held[msg.priority] = held.get(msg.priority, 0) + prompt + generated
+        load = WorkerLoad(
+            worker_id=self.worker_id,
+            seq=self.seq,
+            ts_ms=now_ms(),
+            max_total_tokens=self.pool,
+            used_tokens=sum(s[0] for s in states),
+            committed_tokens=sum(p + m for _, p, _, m, _ in self.running),
+            num_running=len(states),
+            num_waiting=0,
+            last_inbox_id=self.last_inbox_id,
+            running_max_req_size=self.args.batch,
+            requests=states,
+            preemptible=sorted(held.items(), reverse=True),
+            preempt_asks_read=self.asks_read,
+        )
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.keys.load(self.worker_id), encode(load), px=3000)
+        pipe.zadd(self.keys.workers(), {self.worker_id: now_ms()})
+        pipe.execute()
+
+
+def main(argv: list[str] | None = None) -> None:
+    fair_sim.main(argv, worker_class=PreemptingWorker, preempt=True)
+    print(f"  preemptions {COUNTS['preemptions']}, recomputed tokens {COUNTS['recomputed']} (not timed)")
+
+
+if __name__ == "__main__":
+    main()
