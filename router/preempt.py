@@ -13,14 +13,14 @@ per request. The worker decides which requests and how many (``worker.engine.pre
 hands them back to the queue with their emitted tokens, and publishes its
 record at once; the request is then admitted against it as usual.
 
-One ask at a time per router: the next waits until the asked worker has
-published a record after answering it (its ``preempt_asks_read`` past the
-count when asked; the worker reads and deletes its whole list at once, so
-with several routers another's ask read just before ours was pushed can
-end the wait early, at worst one superfluous ask) or ``WAIT_S`` passed
-(the ask expired unread). Without that, a router polling every few
-milliseconds would ask again and again before the first answer shows, and
-pause far more than needed.
+Asks are not serialised: a burst of a better class on a full pool needs
+one per request (or per ``ASK_MOST``), and waiting for each answer made the
+burst queue behind it. Instead the router books the tokens it asked each
+worker to free (the requests' held tokens) until the worker's record shows
+an answer (its ``preempt_asks_read`` grew), and a worker whose worse-class
+tokens are all promised is not asked again until then: the record's
+``preemptible`` is stale for a heartbeat, and asking on it would send
+requests to a worker with nothing left to pause.
 """
 
 from __future__ import annotations
@@ -39,21 +39,24 @@ from shared.schemas import GenerateRequest, PreemptAsk, WorkerLoad
 
 ASK_TTL_MS = 2000  # an ask its worker never read (it went idle, or died) goes with the key
 WAIT_S = 1.0
-REASK_S = 0.25
 ASK_MOST = 8  # requests one ask makes room for
 
 
-def victim_worker(request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> str | None:
+def victim_worker(
+    request: GenerateRequest, loads: Mapping[str, WorkerLoad], promised: Mapping[str, int] | None = None
+) -> str | None:
     """The worker to ask for ``request``'s room: serving its model, not draining, running a class
-    strictly worse than its priority; the worst class wins, then the most tokens worse than it."""
+    strictly worse than its priority with tokens not already ``promised`` to earlier asks; the
+    worst class wins, then the most such tokens."""
     best: tuple[int, int, str] | None = None
     for worker_id, load in loads.items():
         if load.draining or not load.serves(request.model):
             continue
         worse = [(priority, held) for priority, held in load.preemptible if priority > request.priority]
-        if not worse:
+        free = sum(h for _, h in worse) - (promised or {}).get(worker_id, 0)
+        if not worse or free <= 0:
             continue
-        key = (-max(p for p, _ in worse), -sum(h for _, h in worse), worker_id)
+        key = (-max(p for p, _ in worse), -free, worker_id)
         best = key if best is None or key < best else best
     return None if best is None else best[2]
 
@@ -73,34 +76,32 @@ def heads(queue: Sequence[tuple[str, GenerateRequest]], most: int = ASK_MOST) ->
 
 
 @dataclass(frozen=True)
-class _Asked:
-    worker_id: str
-    request_id: str
-    answered: int  # the record's preempt_asks_read when asked
+class _Booked:
+    answered: int  # the worker's preempt_asks_read when first asked since its last answer
+    tokens: int  # tokens asked of it since
     at: float
 
 
 class Preempter:
     def __init__(self, client: redis.Redis, keys: Keys, clock: Callable[[], float] = time.monotonic):
         self.client, self.keys, self.clock = client, keys, clock
-        self._asked: _Asked | None = None
+        self._booked: dict[str, _Booked] = {}  # worker -> what this router asked of it, unanswered
         self.num_asks = 0
 
     def ask(self, waiting: Sequence[GenerateRequest], loads: Mapping[str, WorkerLoad]) -> str | None:
         """Ask a worker to make room for ``waiting`` (the head of the queue, which fits no worker,
-        and those right behind it: ``heads``); the worker asked, or None (an earlier ask is still
-        being answered, or no worker runs a worse class)."""
+        and those right behind it: ``heads``); the worker asked, or None (no worker runs a worse
+        class with tokens not promised yet)."""
+        self._settle(loads)
         request = waiting[0]
-        if self._holds(request, loads):
-            return None
-        worker_id = victim_worker(request, loads)
+        worker_id = victim_worker(request, loads, {w: b.tokens for w, b in self._booked.items()})
         if worker_id is None:
             return None
-        states = [[tuple(s) for s in request_states(r)] for r in waiting]
+        states = [request_states(r) for r in waiting]
         ask = PreemptAsk(
             request_ids=[r.id for r in waiting],
             priority=request.priority,
-            states=[s for each in states for s in each],
+            states=[tuple(s) for each in states for s in each],
             sizes=[len(each) for each in states],
             asked_ms=now_ms(),
         )
@@ -108,21 +109,18 @@ class Preempter:
         pipe.rpush(self.keys.preempt(worker_id), encode(ask))
         pipe.pexpire(self.keys.preempt(worker_id), ASK_TTL_MS)
         pipe.execute()
-        self._asked = _Asked(worker_id, request.id, loads[worker_id].preempt_asks_read, self.clock())
+        booked = self._booked.get(worker_id) or _Booked(loads[worker_id].preempt_asks_read, 0, self.clock())
+        tokens = sum(s.held for each in states for s in each)
+        self._booked[worker_id] = _Booked(booked.answered, booked.tokens + tokens, booked.at)
         self.num_asks += 1
         return worker_id
 
-    def _holds(self, request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> bool:
-        """Whether the last ask holds this one back: not answered yet (for at most ``WAIT_S``), or
-        answered for this same request less than ``REASK_S`` ago (its worker could not make room,
-        or the room went to a request it had taken in before: ask again, not at once)."""
-        asked, now = self._asked, self.clock()
-        if asked is None:
-            return False
-        load = loads.get(asked.worker_id)
-        if load is None or now - asked.at > WAIT_S:
-            self._asked = None
-            return False
-        if load.preempt_asks_read <= asked.answered:
-            return True
-        return asked.request_id == request.id and now - asked.at < REASK_S
+    def _settle(self, loads: Mapping[str, WorkerLoad]) -> None:
+        """A worker whose record shows an answer (or that is gone, or silent for ``WAIT_S``: the
+        ask expired unread) leaves the books: its ``preemptible`` is what it has now."""
+        now = self.clock()
+        self._booked = {
+            worker_id: booked
+            for worker_id, booked in self._booked.items()
+            if worker_id in loads and loads[worker_id].preempt_asks_read <= booked.answered and now - booked.at < WAIT_S
+        }

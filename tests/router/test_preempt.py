@@ -63,7 +63,10 @@ def test_the_worker_with_the_worst_class_is_asked():
     assert victim_worker(request(0, model="main"), loads) == "b"  # "d" serves another model
     assert victim_worker(request(3, model="main"), loads) is None  # only worse classes count, never equal ones
     assert victim_worker(request(0, model="other"), loads) == "d"
-    assert victim_worker(request(0), {"a": load("a", 90, [(1, 50)]), "e": load("e", 90, [(1, 60)])}) == "e"
+    two = {"a": load("a", 90, [(1, 50)]), "e": load("e", 90, [(1, 60)])}
+    assert victim_worker(request(0), two) == "e"
+    assert victim_worker(request(0), two, {"e": 20}) == "a"  # tokens promised to earlier asks
+    assert victim_worker(request(0), two, {"a": 50, "e": 60}) is None
 
 
 def test_an_ask_only_when_the_best_request_fits_nowhere_and_a_worse_class_runs(redis_settings, rclient, keys):
@@ -73,7 +76,7 @@ def test_an_ask_only_when_the_best_request_fits_nowhere_and_a_worse_class_runs(r
     router.step()
     assert asks(rclient, keys, "w1") == [] and inbox_ids(rclient, keys, "w1") == []  # nothing worse: it waits
 
-    publish(rclient, keys, load("w1", 95, [(1, 95)], seq=2))  # now a worse class runs there
+    publish(rclient, keys, load("w1", 95, [(1, 10)], seq=2))  # now a worse class runs there (10 tokens of it)
     submit(rclient, keys, "next", 5, 5, priority=0)
     submit(rclient, keys, "later", 5, 5, priority=1)
     router.step()
@@ -86,8 +89,9 @@ def test_an_ask_only_when_the_best_request_fits_nowhere_and_a_worse_class_runs(r
 
     submit(rclient, keys, "third", 5, 5, priority=0)
     router.step()
-    assert len(asks(rclient, keys, "w1")) == 1 and "third" not in inbox_ids(rclient, keys, "w1")  # until answered
-    publish(rclient, keys, load("w1", 95, [(1, 95)], seq=3, preempt_asks_read=1))
+    # The 10 tokens are promised (5 held by each request asked for) until the record shows an answer.
+    assert len(asks(rclient, keys, "w1")) == 1 and "third" not in inbox_ids(rclient, keys, "w1")
+    publish(rclient, keys, load("w1", 95, [(1, 10)], seq=3, preempt_asks_read=1))
     router.step()
     assert [a.request_ids for a in asks(rclient, keys, "w1")] == [["urgent", "next"], ["third"]]
     assert inbox_ids(rclient, keys, "w1") == ["urgent", "next", "third"]
