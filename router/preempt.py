@@ -8,10 +8,12 @@ enough of them (``shared.schemas.PreemptAsk`` on its ``{w:ID}:preempt``
 list): the one whose record lists the worst class (``WorkerLoad.preemptible``;
 ties: more tokens in classes worse than the request's, then the lesser id).
 An ask makes room for the head and up to ``ASK_MOST - 1`` requests of its
-class right behind it (``heads``): a burst should not wait one round trip
-per request. The worker decides which requests and how many (``worker.engine.preempt``),
-hands them back to the queue with their emitted tokens, and publishes its
-record at once; the request is then admitted against it as usual.
+class right behind it (``heads``), and the router sends them to that
+worker's inbox with it (``Router._preempt_for``): the worker reads both in
+one round trip, decides which requests to pause and how many
+(``worker.engine.preempt``), hands those back to the queue with their
+emitted tokens and admits the waiting ones in the same step, instead of
+publishing its record and waiting for the router's next dispatch.
 
 Asks are not serialised: a burst of a better class on a full pool needs
 one per request (or per ``ASK_MOST``), and waiting for each answer made the
