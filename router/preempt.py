@@ -52,8 +52,8 @@ def victim_worker(
     worst class wins, then the most such tokens."""
     best: tuple[int, int, str] | None = None
     for worker_id, load in loads.items():
-        if load.draining or not load.serves(request.model):
-            continue
+        if load.draining or not load.serves(request.model) or request.max_tokens_needed > load.max_total_tokens:
+            continue  # (a request its pool can never hold would be refused there)
         worse = [(priority, held) for priority, held in load.preemptible if priority > request.priority]
         free = sum(h for _, h in worse) - (promised or {}).get(worker_id, 0)
         if not worse or free <= 0:
