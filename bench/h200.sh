@@ -37,7 +37,7 @@ bench_on() {  # bench_on SERVE_ARGS NAME BENCH_ARGS...: lightq serve with SERVE_
   done
   kill $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
 }
-PREFIX_RUNS="--num-prompts 500;--dataset gsp"  # ShareGPT-like lengths (no shared prefixes), then SGLang's gsp
+PREFIX_RUNS=${PREFIX_RUNS:-"--num-prompts 500;--dataset gsp"}  # ShareGPT-like lengths (no shared prefixes), then SGLang's gsp
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
@@ -60,8 +60,8 @@ for part in "$@"; do
     whole)  timeout 540 python3 -m bench.whole_path --model-shape llama3-8b 2>&1 | tr '\r' '\n' \
                | tee "$OUT/whole.log" | grep -E "^(lightq|/generate|path|engine|lightq serve|whole_path|Median|Output|.*publisher wrote)" ;;
     prefix)  # issue 17: one worker, prefix cache on, then off, on the same two workloads
-      bench_on "--workers 1 --metrics_port 9300" cache-on "$PREFIX_RUNS"
-      bench_on "--workers 1 --metrics_port 9300 --no-prefix_cache" cache-off "$PREFIX_RUNS" ;;
+      bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300" cache-on "$PREFIX_RUNS"
+      bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300 --no-prefix_cache" cache-off "$PREFIX_RUNS" ;;
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
     serve-tp2) serve "--workers 1 --tp 2" 150 ;;
     scale)  # the router against 32 simulated workers, on a host with cores to spare (no GPU used)
