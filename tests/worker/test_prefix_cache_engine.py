@@ -184,3 +184,31 @@ def test_paused_group_samples_resume_from_the_cache_and_match(tiny):  # noqa: F8
     assert outputs[0] == outputs[1]
     assert engines[1].num_pauses > 0 and engines[1].runner.slots.num_hit > 0
     assert_idle(engines[1], 200)
+
+
+def test_a_burst_sharing_a_prefix_waits_for_its_first_prefill(tiny):  # noqa: F811
+    """Five requests sharing a 42-token prefix arrive at once: one prefills it, the others wait a
+    step and find it cached (without the wait each would prefill it: no hits at all); the tokens
+    equal the cache off's. A request sharing fewer than ``shared_min`` tokens does not wait."""
+    _, folder = tiny
+
+    def arrivals():
+        burst = [req(f"r{i}", SYSTEM + [1, 2, i + 3], 5) for i in range(5)]
+        return {0: [*burst, req("short", SYSTEM[:10] + [8, 9], 5)]}
+
+    off = run_to_end(make_engine(folder, False, batch_max_tokens=256), arrivals())
+    engine = make_engine(folder, True, batch_max_tokens=256)
+    engine.runner.slots.shared_min = 16
+    waiting_after_one_step: list[str] = []
+
+    class Watch(dict):  # run_to_end's arrivals: records who waits after the first step
+        def get(self, step, default=None):
+            if step == 1:
+                waiting_after_one_step.extend(r.id for r in engine.waiting)
+            return super().get(step, default)
+
+    on = run_to_end(engine, Watch(arrivals()))
+    assert waiting_after_one_step == ["r1", "r2", "r3", "r4"]  # "short" shares 10 tokens: it went
+    assert on == off
+    assert engine.runner.slots.num_hit >= 4 * 42  # r1-r4: the 40 shared tokens and [1, 2]
+    assert_idle(engine, 400)

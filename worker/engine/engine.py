@@ -209,7 +209,9 @@ class Engine:
                     self.running.append(member)
 
     def _admit(self) -> list[Req]:
-        """Move waiting requests into the running set, in order, while the rule allows."""
+        """Move waiting requests into the running set, in order, while the rule allows. One whose
+        prompt starts like a prefill still in progress stays waiting, in its place, until that
+        prefill joins the prefix cache (``KVSlots.should_wait``): usually one step."""
         admitted: list[Req] = []
         if not self.waiting:  # most steps: nothing to admit, so no O(batch) summary either
             return admitted  # (read without the lock: one added meanwhile waits a step)
@@ -219,19 +221,29 @@ class Engine:
         view = BatchView(
             request_states(self.running), self.limits.max_total_tokens, self.limits.running_max_req_size, policy
         )
+        slots = self.runner.slots
+        prefilling = {k for r in self.running if not r.is_prefilled and (k := slots.prefill_key(r)) is not None}
+        deferred: list[Req] = []  # wait for a running prefill of their prefix (``KVSlots.should_wait``)
         with self._lock:
             while self.waiting:
                 req = self.waiting[0]
+                key = slots.prefill_key(req)
+                if slots.should_wait(req, key, prefilling):
+                    deferred.append(self.waiting.popleft())
+                    continue
                 candidate = Candidate(self._adds(req), policy)  # a group: all its samples, the prompt once
                 if view.ratio(candidate) is None:
                     break
                 self.waiting.popleft()
                 self.runner.start(req)
-                self.runner.slots.attach_prefix(req)
+                slots.attach_prefix(req)
                 req.phase = Phase.RUNNING
                 self.running.append(req)
                 admitted.append(req)
                 view.admit(candidate)
+                if key is not None:
+                    prefilling.add(key)
+            self.waiting.extendleft(reversed(deferred))  # in their places, ahead of the one that did not fit
         return admitted
 
     def _adds(self, req: Req) -> list[ReqState]:
