@@ -57,7 +57,9 @@ class PreemptingWorker(TimedWorker):
         if not raw:
             return
         msgs = self.messages()
-        for ask in (decode(PreemptAsk, r) for r in raw):
+        asks = [decode(PreemptAsk, r) for r in raw]
+        self._hand_back_unread(msgs, min(a.priority for a in asks))
+        for ask in asks:
             need = len(self.running) + len(ask.sizes or [1]) - self.args.batch  # slots to free
             worse = [
                 r
@@ -69,6 +71,20 @@ class PreemptingWorker(TimedWorker):
                 self._pause(worse[:need], msgs)
         self.asks_read += len(raw)
         self.beat()
+
+    def _hand_back_unread(self, msgs: dict[str, GenerateRequest], priority: int) -> None:
+        """Entries of a worse class this worker has not read yet go back as they came: a real worker
+        has them in its queue, where the plan pauses them first (newest, nothing lost); here, read
+        oldest first, they would take the room before the requests sent with the ask."""
+        read = {r[0] for r in self.running}
+        unread = [(m.id, m) for m in msgs.values() if m.id not in read and m.priority > priority]
+        entries = {from_entry(GenerateRequest, f).id: i for i, f in self.client.xrange(self.keys.inbox(self.worker_id))}
+        pipe = self.client.pipeline(transaction=False)
+        for rid, msg in unread:
+            send_back(pipe, self.keys, msg)
+            pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, entries[rid])
+            pipe.xdel(self.keys.inbox(self.worker_id), entries[rid])
+        pipe.execute()
 
     def _pause(self, victims: list[list], msgs: dict[str, GenerateRequest]) -> None:
         pipe = self.client.pipeline(transaction=False)

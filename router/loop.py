@@ -179,6 +179,8 @@ class Router:
             if not run:
                 break
             sent, behind = self._send(run, loads)
+            if self.preempter is not None:
+                self.preempter.flush()  # asks after the requests they make room for (router.preempt)
             dispatched += sent
             if behind is not None:  # a better class waits (maybe at another router): this one waits too
                 clear_if_gone(self.client, self.keys, *behind)

@@ -89,11 +89,25 @@ class Preempter:
         self.client, self.keys, self.clock = client, keys, clock
         self._booked: dict[str, _Booked] = {}  # worker -> what this router asked of it, unanswered
         self.num_asks = 0
+        self._outbox: list[tuple[str, PreemptAsk]] = []  # sent by ``flush``, after the requests' dispatch
+
+    def flush(self) -> None:
+        """Send the asks made since the last call. After the dispatch of their requests: the worker
+        reads its inbox and its asks in one round trip, and an ask read before its requests are
+        in the inbox frees room that something else may take first."""
+        if not self._outbox:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        for worker_id, ask in self._outbox:
+            pipe.rpush(self.keys.preempt(worker_id), encode(ask))
+            pipe.pexpire(self.keys.preempt(worker_id), ASK_TTL_MS)
+        pipe.execute()
+        self._outbox.clear()
 
     def ask(self, waiting: Sequence[GenerateRequest], loads: Mapping[str, WorkerLoad]) -> str | None:
         """Ask a worker to make room for ``waiting`` (the head of the queue, which fits no worker,
-        and those right behind it: ``heads``); the worker asked, or None (no worker runs a worse
-        class with tokens not promised yet)."""
+        and those right behind it: ``heads``; the ask leaves with ``flush``); the worker asked, or
+        None (no worker runs a worse class with tokens not promised yet)."""
         self._settle(loads)
         request = waiting[0]
         worker_id = victim_worker(request, loads, {w: b.tokens for w, b in self._booked.items()})
@@ -107,10 +121,7 @@ class Preempter:
             sizes=[len(each) for each in states],
             asked_ms=now_ms(),
         )
-        pipe = self.client.pipeline(transaction=True)
-        pipe.rpush(self.keys.preempt(worker_id), encode(ask))
-        pipe.pexpire(self.keys.preempt(worker_id), ASK_TTL_MS)
-        pipe.execute()
+        self._outbox.append((worker_id, ask))
         booked = self._booked.get(worker_id) or _Booked(loads[worker_id].preempt_asks_read, 0, self.clock())
         tokens = sum(s.held for each in states for s in each)
         self._booked[worker_id] = _Booked(booked.answered, booked.tokens + tokens, booked.at)
