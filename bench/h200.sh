@@ -62,6 +62,7 @@ for part in "$@"; do
     prefix)  # issue 17: one worker, prefix cache on, then off, on the same two workloads
       bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300" cache-on "$PREFIX_RUNS"
       bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300 --no-prefix_cache" cache-off "$PREFIX_RUNS" ;;
+    prefix-on) bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300" cache-on "$PREFIX_RUNS" ;;
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
     serve-tp2) serve "--workers 1 --tp 2" 150 ;;
     scale)  # the router against 32 simulated workers, on a host with cores to spare (no GPU used)
