@@ -159,9 +159,10 @@ class Views:
     were not written (those tentative counts are undone) or whose record changed.
     """
 
-    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic, cache_aware: bool = True):
         self.policy = policy
         self.clock = clock
+        self.cache_aware = cache_aware  # off: no hits are looked up, so the choice is by load alone
         self._views: dict[str, WorkerView] = {}
         self.last_reason: Reason = "wait"  # why the last ``choose`` chose as it did, for the metrics
         self._sent: dict[str, dict[int, tuple[int, float]]] = {}  # worker -> hash -> (tokens, when sent)
@@ -195,7 +196,7 @@ class Views:
         of ``prompt_ids`` (``cache_aware_fit``), or None: the request waits."""
         views = {worker_id: view for worker_id, view in self._views.items() if view.load.serves(model)}
         uses = {worker_id: view.use_ratio() for worker_id, view in views.items()}
-        hashes = prefix_hashes(prompt_ids) if len(prompt_ids) >= PREFIX_BLOCK else []
+        hashes = prefix_hashes(prompt_ids) if self.cache_aware and len(prompt_ids) >= PREFIX_BLOCK else []
         hits: dict[str, float] = {}
         for worker_id, view in views.items():
             tokens = max(view.hit(hashes), self._sent_hit(worker_id, hashes)) if hashes else 0

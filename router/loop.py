@@ -64,7 +64,8 @@ class Router:
         self._queued_ids: set[str] = set()
         self._cancelled_ids: set[str] = set()  # queued requests found cancelled, until they end here
         self._next_cancel_check = 0.0
-        self.views = Views(self.rule.policy)  # admissible workers, prepared for this step's decisions
+        # admissible workers, prepared for this step's decisions
+        self.views = Views(self.rule.policy, cache_aware=settings.cache_aware)
         self.preempter = Preempter(client, self.keys) if settings.preempt else None  # router.preempt
 
     def run(self) -> None:

@@ -225,6 +225,11 @@ class RouterSettings(BaseSettings):
         pattern=r"^$|^[^=,\s]+=[0-9]*\.?[0-9]+(,[^=,\s]+=[0-9]*\.?[0-9]+)*$",
         description="fair-share weights, 'tenant=weight,...' (others weigh 1): weight 2 gets twice the tokens",
     )
+    cache_aware: bool = Field(
+        True,
+        description="prefer workers whose prefix cache holds the prompt's prefix, traded against load "
+        "(off: by load alone, as before the cache; for comparisons)",
+    )
     priority_reserve_slots: int = Field(
         0,
         ge=0,

@@ -49,8 +49,8 @@ def message(rid: str, prompt: list[int], max_new: int = 20) -> GenerateRequest:
     return GenerateRequest(id=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new), created_ms=0)
 
 
-def choose(loads, msg, reason=None):
-    views = Views(POLICIES["conservative"](estimator(), 0.05))
+def choose(loads, msg, reason=None, cache_aware=True):
+    views = Views(POLICIES["conservative"](estimator(), 0.05), cache_aware=cache_aware)
     views.refresh({load.worker_id: load for load in loads}, {})
     chosen = views.choose(Candidate(request_states(msg), views.policy), None, msg.prompt_ids)
     assert reason is None or views.last_reason == reason
@@ -62,6 +62,12 @@ def test_the_next_turn_goes_to_the_worker_holding_the_conversation():
     idle = record("idle")
     assert choose([idle, holder], message("t2", TURN2), "prefix_hit") == "holder"
     assert choose([idle, holder], message("other", list(range(2000, 2400))), "least_loaded") == "idle"
+
+
+def test_with_cache_aware_off_the_holder_is_not_preferred():
+    """--no-cache_aware: the choice by load alone (the baseline routing is measured against)."""
+    holder = record("holder", held=300, prefixes=summary_after(TURN1))
+    assert choose([record("idle"), holder], message("t2", TURN2), "least_loaded", cache_aware=False) == "idle"
 
 
 def test_a_loaded_holder_loses_to_an_idle_worker_and_a_full_one_is_skipped():
