@@ -58,17 +58,22 @@ class PreemptingWorker(TimedWorker):
             return
         msgs = self.messages()
         asks = [decode(PreemptAsk, r) for r in raw]
-        self._hand_back_unread(msgs, min(a.priority for a in asks))
-        for ask in asks:
-            need = len(self.running) + len(ask.sizes or [1]) - self.args.batch  # slots to free
-            worse = [
-                r
-                for r in reversed(self.running)
-                if r[0] in msgs and msgs[r[0]].priority > ask.priority and msgs[r[0]].preemptions < MAX_PREEMPTIONS
-            ]
-            worse.sort(key=lambda r: -msgs[r[0]].priority)  # stable: newest first inside a class
-            if need > 0 and worse:  # room for as many of the asked-for requests as can be made
-                self._pause(worse[:need], msgs)
+        priority = max(a.priority for a in asks)  # a victim is worse than every ask (one class here)
+        self._hand_back_unread(msgs, priority)
+        read = {r[0] for r in self.running}
+        # What will want a slot: the running, the unread entries kept, and the asked-for requests
+        # (in the inbox already, or on their way), as a real worker counts its queue.
+        queued = {rid for rid, m in msgs.items() if rid not in read and m.priority <= priority}
+        queued |= {rid for a in asks for rid in a.request_ids}
+        need = len(self.running) + len(queued) - self.args.batch  # slots to free
+        worse = [
+            r
+            for r in reversed(self.running)
+            if r[0] in msgs and msgs[r[0]].priority > priority and msgs[r[0]].preemptions < MAX_PREEMPTIONS
+        ]
+        worse.sort(key=lambda r: -msgs[r[0]].priority)  # stable: newest first inside a class
+        if need > 0 and worse:  # room for as many of the asked-for requests as can be made
+            self._pause(worse[:need], msgs)
         self.asks_read += len(raw)
         self.beat()
 
