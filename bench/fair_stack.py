@@ -52,6 +52,7 @@ async def one(client: httpx.AsyncClient, http: str, tenant: str, priority: int, 
     sent, first, times = time.monotonic(), None, []
     async with client.stream("POST", f"{http}/generate_stream", json=body, headers=headers) as reply:
         reply.raise_for_status()
+        args.followed.append((sent, reply.headers.get("x-request-id")))
         async for line in reply.aiter_lines():
             if line.startswith("data:"):
                 now = time.monotonic()
@@ -141,6 +142,19 @@ def check_outputs(redis_url: str, http: str) -> tuple[int, int]:
     return checked, bad
 
 
+def hops(redis_url: str, http: str, followed: list, start: float) -> str:
+    """p50 / p99 of the followed requests' hops from their status hashes (sent from ``start``): queued
+    -> dispatched (the router), dispatched -> stepped (the worker: inbox read, pause, admission,
+    prefill)."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    prefix = f"lightq-path-{http.rsplit(':', 1)[1]}"
+    metas = [client.hgetall(Keys(prefix).meta(rid)) for sent, rid in followed if sent >= start and rid]
+    router = [int(m["dispatched_ms"]) - int(m["created_ms"]) for m in metas if m.get("dispatched_ms")]
+    worker = [int(m["stepped_ms"]) - int(m["dispatched_ms"]) for m in metas if m.get("stepped_ms")]
+    pct = lambda xs: "/".join(f"{np.percentile(xs, q):.0f}" for q in (50, 99)) if xs else "-"  # noqa: E731
+    return f"hops p50/p99 ms: queued->dispatched {pct(router)}, dispatched->stepped {pct(worker)}"
+
+
 def preemptions(log_path: Path) -> int:
     """Requests the workers paused for a better class (their log lines: 'paused [ids] for ...')."""
     lines = [line for line in log_path.read_text().splitlines() if "paused [" in line]
@@ -165,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preempt", action="store_true", help="the router's --preempt (pause class 1 for class 0)")
     p.add_argument("--only", choices=["priority"], help="skip the flood")
     args = p.parse_args(argv)
+    args.followed = []  # (sent, request id) of the streamed requests, for their hops
     redis_server = start_embedded_redis()
     log_path = Path(tempfile.mkdtemp(prefix="lightq-fair-")) / "serve.log"
     keys = ",".join(f"{tenant}:{key}" for tenant, key in KEYS.items())
@@ -179,9 +194,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         ttft, lo_before = {}, 0
         for name, streams in [("alone", [("hi", 0, hi)]), ("with class 1", [("hi", 0, hi), ("lo", 1, lo)])]:
-            t0 = time.monotonic()
+            t0, args.followed = time.monotonic(), []
             log = asyncio.run(open_loop(http, streams, args.warmup_s + args.window_s, args))
             ttft[name], n = p99_ttft(log, 0, t0 + args.warmup_s)
+            print(f"  {hops(redis_server.url, http, args.followed, t0 + args.warmup_s)}")
             lo_tokens = dispatched_tokens(redis_server.url, http).get("1:lo", 0) - lo_before
             lo_before += lo_tokens
             print(f"  class 0 {name:<13} p99 TTFT {ttft[name]:8.1f} ms over {n}; class-1 tokens dispatched {lo_tokens}")
