@@ -74,6 +74,7 @@ class StubEngine:
     has_work = True
     running = [object()] * 3  # the batch after the step
     num_pauses = 2
+    num_preempted, num_preempted_tokens = 1, 57  # paused for a better class (router --preempt)
 
     def __init__(self, events):
         self.events = events
@@ -134,6 +135,8 @@ def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys
     assert s[("lightq:worker_batch_requests_sum", w1)] == 3
     assert s[("lightq:worker_batch_requests_bucket", (("le", "2.0"), ("worker", "w1")))] == 0
     assert s[("lightq:worker_preemptions_total", w1)] == 2
+    assert s[("lightq:worker_priority_preemptions_total", w1)] == 1
+    assert s[("lightq:worker_preempted_kv_tokens_total", w1)] == 57
     assert s[("lightq:worker_kv_usage_ratio", w1)] == 0.4
     assert (s[("lightq:worker_prefix_cached_tokens", w1)], s[("lightq:worker_prefix_evictable_tokens", w1)]) == (
         300,
