@@ -30,7 +30,11 @@ WEATHER = {
     "function": {
         "name": "get_weather",
         "description": "The weather now in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+        },
     },
 }
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
