@@ -16,15 +16,12 @@ shows the scheduling; the recompute is counted (``recomputed`` tokens), not time
 
 from __future__ import annotations
 
-import time
-
 from bench import fair_sim
 from bench.fair_sim import TimedWorker
-from shared.codec import decode, encode, from_entry
+from shared.codec import decode, from_entry
 from shared.keys import WORKER_GROUP
-from shared.request_log import now_ms
 from shared.requeue import send_back
-from shared.schemas import GenerateRequest, PreemptAsk, WorkerLoad
+from shared.schemas import GenerateRequest, PreemptAsk
 
 MAX_PREEMPTIONS = 2
 RESUMED: dict[str, int] = {}  # request id -> tokens it generated before its pause (shared by the sim's workers)
@@ -106,35 +103,15 @@ class PreemptingWorker(TimedWorker):
         pipe.execute()
         self.running = [r for r in self.running if r not in victims]
 
-    def beat(self) -> None:
-        """scale_sim's record plus what a router needs to pick a worker to ask."""
-        self.seq, self.last_beat = self.seq + 1, time.monotonic()
-        states = [(p + g, g, m, 1) for _, p, g, m, _ in self.running]
+    def record_extras(self) -> dict:
+        """What a router needs to pick a worker to ask, beside scale_sim's record."""
         msgs = self.messages() if self.running else {}
         held: dict[int, int] = {}
         for rid, prompt, generated, _, _ in self.running:
             msg = msgs.get(rid)
             if msg is not None and msg.preemptions < MAX_PREEMPTIONS:
                 held[msg.priority] = held.get(msg.priority, 0) + prompt + generated
-        load = WorkerLoad(
-            worker_id=self.worker_id,
-            seq=self.seq,
-            ts_ms=now_ms(),
-            max_total_tokens=self.pool,
-            used_tokens=sum(s[0] for s in states),
-            committed_tokens=sum(p + m for _, p, _, m, _ in self.running),
-            num_running=len(states),
-            num_waiting=0,
-            last_inbox_id=self.last_inbox_id,
-            running_max_req_size=self.args.batch,
-            requests=states,
-            preemptible=sorted(held.items(), reverse=True),
-            preempt_asks_read=self.asks_read,
-        )
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.keys.load(self.worker_id), encode(load), px=3000)
-        pipe.zadd(self.keys.workers(), {self.worker_id: now_ms()})
-        pipe.execute()
+        return {"preemptible": sorted(held.items(), reverse=True), "preempt_asks_read": self.asks_read}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -64,11 +64,16 @@ class SimWorker:
             last_inbox_id=self.last_inbox_id,
             running_max_req_size=self.args.batch,
             requests=states,
+            **self.record_extras(),
         )
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.keys.load(self.worker_id), encode(load), px=3000)
         pipe.zadd(self.keys.workers(), {self.worker_id: now_ms()})
         pipe.execute()
+
+    def record_extras(self) -> dict:
+        """More fields of the load record (``bench.preempt_sim``'s workers add theirs)."""
+        return {}
 
     def step(self, done: mp.Value) -> None:
         room = self.args.batch - len(self.running)

@@ -4,7 +4,6 @@ cached prefix, decode graphs; greedy tokens with the cache on equal those with i
 
 import pytest
 import torch
-import transformers
 
 from shared.config import ModelSettings, WorkerSettings
 from shared.schemas import GenerateRequest, SamplingParams
@@ -17,27 +16,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+# The GPU backend tests' tiny Llama (peaked logits: no near-ties for batch shapes to break differently)
+from tests.worker.test_gpu_backend import tiny_dir  # noqa: E402, F401 (fixture)
+
 SYSTEM = list(range(100, 400))  # 300 shared tokens
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-gpu-prefix")
-    config = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=1000,
-        max_position_embeddings=1024,
-        eos_token_id=0,
-        initializer_range=0.15,  # peaked logits: no near-ties for batch shapes to break differently
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    return str(folder)
 
 
 def message(rid: str, prompt: list[int], n: int = 1) -> Req:
