@@ -1,11 +1,22 @@
 """Offline throughput: 1,000 ShareGPT-like requests submitted at once to one engine.
 
-    python bench/offline.py --model-shape llama3-8b [--peer hf]
+    python bench/offline.py --model-shape llama3-8b [--peer hf] [--json-schema FILE]
 
 Dummy bf16 weights (N(0, 0.02), never zeros), token-id prompts, ignore_eos
 so each request emits exactly its drawn length. The engine is driven
 directly (no Redis, no HTTP): this measures kernels, batching and the step
 loop. Prints one comparable line per system, and the ratio with ``--peer``.
+
+``--json-schema FILE`` puts that schema on every request (constrained
+decoding, ``worker.runner.grammar``), for the cost of the masks. xgrammar
+needs token texts, so the engine gets ``--tokenizer`` (the embedded
+SmolLM2's by default: a real 49,152-token BPE vocabulary; the shape's must be
+at least as large, the ids past it are never allowed). ignore_eos still
+holds outside the grammar's end, but a grammar-complete output ends
+(``stop``) before its drawn length, so the line counts the tokens actually
+emitted and says how the requests ended. ``bench/offline_schema.json`` has
+no bound on its length: each request then runs its drawn length, and the two
+runs emit the same tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +24,8 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,7 +34,8 @@ from tqdm import tqdm
 from bench.shapes import SHAPES, config_dir
 from bench.sharegpt import describe, sharegpt_lengths
 from shared.config import ModelSettings, WorkerSettings
-from shared.schemas import GenerateRequest, SamplingParams
+from shared.model_files import load_tokenizer, resolve
+from shared.schemas import Constraint, GenerateRequest, SamplingParams
 from worker.engine.events import Tokens
 from worker.engine.request import Req
 from worker.main import build_engine, follower, rank_device
@@ -34,7 +48,37 @@ def workload(args) -> list[tuple[list[int], int]]:
     return [(rng.integers(3, vocab, size=i).tolist(), o) for i, o in sharegpt_lengths(args.num_requests, args.seed)]
 
 
-def run_lightq(args, work) -> float:
+@dataclass
+class Tally:
+    """What a run emitted: output tokens, how the requests ended, and (``keep_ids``) each output."""
+
+    tokens: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+    keep_ids: bool = False
+    output_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, events) -> int:
+        """Count one step's events; the number of tokens they carry."""
+        count = 0
+        for event in events:
+            if isinstance(event, Tokens):
+                count += len(event)
+                self.reasons.update(event.reasons.values())
+                if self.keep_ids:
+                    for request_id, token_id in zip(event.request_ids, event.token_ids):
+                        self.output_ids.setdefault(request_id, []).append(token_id)
+        self.tokens += count
+        return count
+
+
+def constraint_from(args) -> Constraint | None:
+    if args.json_schema is None:
+        return None
+    with open(args.json_schema) as f:
+        return Constraint(kind="json_schema", spec=f.read())
+
+
+def run_lightq(args, work, tally: Tally) -> float:
     settings = WorkerSettings(
         model=ModelSettings(model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048),
         device=args.device,
@@ -47,16 +91,20 @@ def run_lightq(args, work) -> float:
     )
     # --tp N: N - 1 follower processes, as `lightq worker --tp N` starts them (worker.main.run)
     group = tensor_parallel.launch(args.tp, rank_device(settings, 0), follower, settings) if args.tp > 1 else None
+    constraint = constraint_from(args)
+    tokenizer = load_tokenizer(resolve(args.tokenizer)) if constraint is not None else None  # for the grammar
     try:
-        engine = build_engine(settings, group=group)
+        engine = build_engine(settings, tokenizer, group=group)
+        if constraint is not None and engine.runner.grammars is None:
+            raise SystemExit(f"--tokenizer {args.tokenizer}: more tokens than the shape's vocabulary")
         print(
             f"lightq: KV pool {engine.limits.max_total_tokens} tokens, graphs {engine.runner.graphs is not None},"
-            f" tp {args.tp}"
+            f" tp {args.tp}, constraint {args.json_schema}"
         )
         warm = [(ids[:16], 4) for ids, _ in work[:8]]
-        drive(engine, warm, progress=False)
+        drive(engine, warm, progress=False, constraint=constraint)  # the grammar compiles here, once
         timeline: list[tuple[float, int, bool]] | None = [] if args.timeline else None
-        seconds = drive(engine, work, progress=True, timeline=timeline)
+        seconds = drive(engine, work, progress=True, timeline=timeline, constraint=constraint, tally=tally)
     finally:
         if group is not None:
             group.close()
@@ -65,13 +113,20 @@ def run_lightq(args, work) -> float:
     return seconds
 
 
-def drive(engine, work, progress: bool, timeline: list | None = None) -> float:
-    """Run ``work`` to the end; ``timeline`` gets (seconds, decoding requests, prefilled too) per step."""
+def drive(
+    engine,
+    work,
+    progress: bool,
+    timeline: list | None = None,
+    constraint: Constraint | None = None,
+    tally: Tally | None = None,
+) -> float:
+    """Run ``work`` to the end, every request under ``constraint``; ``timeline`` gets (seconds,
+    decoding requests, prefilled too) per step, ``tally`` what was emitted."""
+    tally = tally if tally is not None else Tally()
     for i, (ids, out) in enumerate(work):
-        msg = GenerateRequest(
-            id=f"r{i}", prompt_ids=ids, created_ms=0, params=SamplingParams(max_new_tokens=out, ignore_eos=True)
-        )
-        engine.add(Req(msg=msg, inbox_id=f"{i}-0"))
+        params = SamplingParams(max_new_tokens=out, ignore_eos=True, constraint=constraint)
+        engine.add(Req(msg=GenerateRequest(id=f"r{i}", prompt_ids=ids, created_ms=0, params=params), inbox_id=f"{i}-0"))
     bar = tqdm(total=sum(o for _, o in work), unit="tok", disable=not progress, mininterval=2)
     sync()
     start = time.perf_counter()
@@ -80,7 +135,7 @@ def drive(engine, work, progress: bool, timeline: list | None = None) -> float:
             decoding = sum(r.is_prefilled for r in engine.running)
             prefilling = bool(engine.waiting) or decoding < len(engine.running)
             began = time.perf_counter()
-        bar.update(sum(len(e) for e in engine.step() if isinstance(e, Tokens)))
+        bar.update(tally.add(engine.step()))
         if timeline is not None:
             timeline.append((time.perf_counter() - began, decoding, prefilling))
     sync()
@@ -129,17 +184,19 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def report(name: str, work, seconds: float) -> float:
-    out = sum(o for _, o in work)
+def report(name: str, work, seconds: float, tally: Tally | None = None) -> float:
+    """The one line; output tokens as counted (``tally``), else the drawn lengths (the peer's)."""
+    out = tally.tokens if tally is not None else sum(o for _, o in work)
     total = out + sum(len(i) for i, _ in work)
+    ended = f", ended {dict(sorted(tally.reasons.items()))}" if tally is not None else ""
     print(
         f"{name}: {len(work)} requests in {seconds:.2f} s: {len(work) / seconds:.2f} req/s, "
-        f"{out / seconds:,.0f} output tok/s, {total / seconds:,.0f} total tok/s"
+        f"{out / seconds:,.0f} output tok/s, {total / seconds:,.0f} total tok/s{ended}"
     )
     return out / seconds
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--num-requests", type=int, default=1000)
@@ -153,10 +210,16 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (one process each)")
     parser.add_argument("--timeline", action="store_true", help="print where the wall time went, by step kind")
     parser.add_argument("--peer", choices=["hf"], default=None)
-    args = parser.parse_args()
+    parser.add_argument("--json-schema", default=None, metavar="FILE", help="every request follows this schema")
+    parser.add_argument("--tokenizer", default="default", help="--json-schema's tokenizer (a lightq --model_dir)")
+    args = parser.parse_args(argv)
+    if args.json_schema is not None and args.peer is not None:
+        parser.error("--peer runs without a constraint: compare --json-schema with a run of lightq alone")
     work = workload(args)
     print(f"workload: input {describe([len(i) for i, _ in work])}; output {describe([o for _, o in work])}")
-    ours = report(f"lightq {args.model_shape}", work, run_lightq(args, work))
+    tally = Tally()
+    seconds = run_lightq(args, work, tally)
+    ours = report(f"lightq {args.model_shape}" + (" json-schema" if args.json_schema else ""), work, seconds, tally)
     if args.peer == "hf":
         gc.collect()  # the engine (weights, KV pool, graphs) must be gone before the peer loads
         torch.cuda.empty_cache()

@@ -1,8 +1,9 @@
 """Tool calls in chat answers: the message of a whole answer, and the deltas of a streamed one.
 
 A choice whose text is calls (``ToolPlan.calls``) answers ``content: null`` with
-``tool_calls`` and finish reason ``tool_calls`` (a call cut short by ``max_tokens`` keeps
-``length``). Streamed, a named function's choice opens with the call (id, name, empty
+``tool_calls`` and finish reason ``tool_calls``. One cut short by ``max_tokens`` keeps
+``length``: a named call with its arguments as far as they got (as OpenAI answers), an array
+with the calls it completed (content, as before, when it completed none). Streamed, a named function's choice opens with the call (id, name, empty
 arguments) and then streams its arguments as they are generated; a ``required`` choice is
 held until it ends, then sent in one delta; an ``auto`` choice is held while it may be a call
 (its first non-blank character opens JSON or a ``<tool_call>`` tag), else streamed as content.
@@ -29,9 +30,9 @@ def chat_message(plan: ToolPlan | None, text: str, reason: str | None) -> tuple[
 def _calls(plan: ToolPlan | None, text: str, reason: str | None) -> list[ToolCall] | None:
     if plan is None:
         return None
-    if plan.mode != "named" and reason != "stop":  # cut short or failed: not a whole call
+    if plan.mode != "named" and reason not in ("stop", "length"):  # failed, cancelled: no answer to read
         return None
-    return plan.calls(text)
+    return plan.calls(text, is_cut=reason == "length")
 
 
 def _call_reason(reason: str | None) -> str | None:

@@ -1,10 +1,13 @@
-"""Structured output and tool calls with the official ``openai`` client against ``lightq serve``
-(producer, router, one worker on the embedded SmolLM2): sampled JSON-schema answers all parse and
-validate, a forced tool call round trip, and a named call's arguments streamed as deltas."""
+"""Structured output, tool calls and prompt logprobs with real clients against one ``lightq serve``
+(producer, router, one worker on the embedded SmolLM2): the official ``openai`` client (sampled
+JSON-schema answers all parse and validate, tool call round trips, a named call's arguments
+streamed as deltas, echo logprobs against a reference forward), LangChain's ``bind_tools``, and
+lm-eval's ``local-completions`` against its own ``hf`` backend on the same weights."""
 
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,6 +42,24 @@ WEATHER = {
 }
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    """The embedded GGUF as a Hugging Face directory (float32 safetensors and the tokenizer lightq
+    uses): the reference forward and lm-eval's hf backend load it in a second, where every load of
+    the GGUF itself takes tens of seconds on a CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_files import load_tokenizer, resolve
+
+    source = resolve("default")
+    folder, name = os.path.split(source.path)
+    out = str(tmp_path_factory.mktemp("smollm2-hf"))
+    AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).save_pretrained(out)
+    load_tokenizer(source).save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +116,6 @@ def test_a_forced_tool_call_round_trip(oai):
     answer = oai.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=30)
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
-    # One call, greedy: with parallel calls allowed, or sampled at temperature 1, SmolLM2's array of
-    # calls sometimes ran past max_tokens (CI: "length")
     required = oai.chat.completions.create(
         model=model,
         messages=ASK,
@@ -108,6 +127,26 @@ def test_a_forced_tool_call_round_trip(oai):
     )
     assert required.choices[0].finish_reason == "tool_calls", required.choices[0].message
     assert all(c.function.name == "get_weather" for c in required.choices[0].message.tool_calls)
+
+
+def test_required_with_parallel_calls_ends_and_keeps_its_calls(oai):
+    """Greedy SmolLM2 writes its one call again: the array's cap (CALLS_PER_TOOL per
+    tool) closes it, the repeats are one call; cut short by max_tokens, the answer keeps the
+    calls it completed."""
+    model = oai.models.list().data[0].id
+
+    def required(max_tokens: int):
+        return oai.chat.completions.create(
+            model=model, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=max_tokens, temperature=0
+        ).choices[0]
+
+    whole = required(150)
+    assert whole.finish_reason == "tool_calls", whole.message
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    cut = required(25)  # a call is 20 tokens: one complete, the next cut short
+    assert cut.finish_reason == "length" and cut.message.content is None
+    assert [c.function.arguments for c in cut.message.tool_calls] == [call.function.arguments]
 
 
 def test_a_named_calls_arguments_stream_as_deltas(oai):
@@ -123,28 +162,62 @@ def test_a_named_calls_arguments_stream_as_deltas(oai):
     assert events[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_echo_logprobs_equal_a_reference_forward(oai):
+def test_echo_logprobs_equal_a_reference_forward(oai, hf_dir):
     """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) against transformers' forward of
     the same GGUF: every prompt token's logprob within 1e-3."""
-    import os
-
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shared.model_files import load_tokenizer, resolve
-
-    source = resolve("default")
-    ids = load_tokenizer(source).encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    ids = AutoTokenizer.from_pretrained(hf_dir).encode("The capital of France is Paris, and the capital of Italy is Rome.")
     model = oai.models.list().data[0].id
     out = oai.completions.create(model=model, prompt=ids, echo=True, logprobs=2, max_tokens=0)
     logprobs = out.choices[0].logprobs
     assert out.usage.completion_tokens == 0 and len(logprobs.token_logprobs) == len(ids)
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
-    folder, name = os.path.split(source.path)
-    ref = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logp = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), dim=-1)
     want = [float(logp[p, ids[p + 1]]) for p in range(len(ids) - 1)]
     assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-3)
     best = [float(logp[p].max()) for p in range(len(ids) - 1)]
     assert [max(top.values()) for top in logprobs.top_logprobs[1:]] == pytest.approx(best, abs=1e-3)
+
+
+def test_langchain_bind_tools_round_trip(oai):
+    """LangChain's ChatOpenAI on lightq: bind_tools, the call, its result as a ToolMessage, the answer."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather now in a city."""
+        return f"21 C and sunny in {city}"
+
+    model = oai.models.list().data[0].id
+    llm = ChatOpenAI(base_url=str(oai.base_url), api_key="unused", model=model, temperature=0, max_tokens=150)
+    messages = [HumanMessage("What is the weather in Paris?")]
+    called = llm.bind_tools([get_weather], tool_choice="any").invoke(messages)  # "any" is OpenAI's required
+    assert called.response_metadata["finish_reason"] == "tool_calls" and not called.invalid_tool_calls
+    assert [(c["name"], c["args"]) for c in called.tool_calls] == [("get_weather", {"city": "Paris"})]
+    messages += [called, *(get_weather.invoke(call) for call in called.tool_calls)]
+    assert messages[-1].tool_call_id == called.tool_calls[0]["id"]
+    final = llm.bind_tools([get_weather], tool_choice="none").invoke(messages)
+    assert isinstance(final, AIMessage) and final.content and not final.tool_calls
+
+
+def test_lm_eval_local_completions_equals_its_hf_backend(oai, hf_dir, tmp_path, monkeypatch):
+    """lm-eval's multiple-choice task from a local file (tests/integration/lm_eval_task), scored by
+    lightq through local-completions (echo + logprobs) and by lm-eval's own hf backend on the same
+    weights: the same accuracy, every choice's loglikelihood within 1e-3."""
+    pytest.importorskip("lm_eval")
+    from tests.integration import lm_eval_runs
+
+    lm_eval_runs.offline(monkeypatch, str(tmp_path / "datasets"))
+    served = lm_eval_runs.local_completions(str(oai.base_url), oai.models.list().data[0].id, hf_dir)
+    reference = lm_eval_runs.hf(hf_dir)
+    assert served.accuracy == reference.accuracy
+    assert len(served.loglikelihoods) == 16 and all(len(c) == 4 for c in served.loglikelihoods)
+    for got, want in zip(served.loglikelihoods, reference.loglikelihoods):
+        assert got == pytest.approx(want, abs=1e-3)

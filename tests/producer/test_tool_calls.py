@@ -1,0 +1,83 @@
+"""Reading tool calls off a model's output (``ToolPlan.calls``, ``tool_render.chat_message``): the
+cap on ``required``'s array, checked with xgrammar's own matcher; verbatim repeats kept once; an
+array cut short by max_tokens keeping the calls it completed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+
+from producer.api.tool_render import ToolStream, chat_message
+from producer.api.tools import CALLS_PER_TOOL, FunctionDef, ToolPlan, complete_items
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = FunctionDef(name="get_weather", parameters=CITY)
+CLOCK = FunctionDef(name="get_time", parameters={"type": "object"})
+PARIS = json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})
+ROME = json.dumps({"name": "get_weather", "arguments": {"city": "Rome"}})
+
+
+def accepts(plan: ToolPlan, text: str) -> bool:
+    """Whether ``text`` is a complete answer under the plan's grammar (a character vocabulary)."""
+    info = xgr.TokenizerInfo(["<eos>", *(chr(c) for c in range(32, 127))], stop_token_ids=[0])
+    constraint = plan.constraint()
+    assert constraint is not None
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(constraint.spec, any_whitespace=False)
+    matcher = xgr.GrammarMatcher(grammar)
+    return matcher.accept_string(text) and matcher.accept_token(0) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize("tools", [(WEATHER,), (WEATHER, CLOCK)])
+def test_required_parallel_calls_are_capped_per_tool(tools):
+    plan = ToolPlan("required", tools)
+    cap = CALLS_PER_TOOL * len(tools)
+    assert accepts(plan, "[" + ", ".join([PARIS] * cap) + "]")
+    assert not accepts(plan, "[" + ", ".join([PARIS] * (cap + 1)) + "]")
+    assert not accepts(ToolPlan("required", tools, parallel=False), f"[{PARIS}, {ROME}]")
+    assert not accepts(plan, "[]")
+
+
+def test_a_call_repeated_verbatim_is_kept_once():
+    calls = ToolPlan("required", (WEATHER,)).calls(f"[{PARIS}, {ROME}, {PARIS}]")
+    assert calls is not None
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome"]
+    assert len({c.id for c in calls}) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "cities"),
+    [
+        (f'[{PARIS}, {ROME}, {{"name": "get_wea', ["Paris", "Rome"]),
+        (f"[{PARIS}, ", ["Paris"]),
+        (f"<tool_call>\n[{ROME}, {ROME}", ["Rome"]),
+        ('[{"name": "get_weather", "arguments": {"ci', None),  # no call completed
+        (PARIS[:-3], None),  # a lone object cut short
+        (f'[{PARIS}, {{"name": "get_weather"}}, {{"name": "no_such_tool"}}, {{"na', None),  # not all calls
+    ],
+)
+def test_an_array_cut_short_keeps_its_complete_calls(text, cities):
+    calls = ToolPlan("required", (WEATHER,)).calls(text, is_cut=True)
+    assert (None if calls is None else [json.loads(c.arguments)["city"] for c in calls]) == cities
+
+
+def test_complete_items_reads_up_to_the_first_incomplete_one():
+    assert complete_items('[1, {"a": [2, 3]}, "x", tr') == [1, {"a": [2, 3]}, "x"]
+    assert complete_items(" [] trailing") == []
+    assert complete_items('{"a": 1}') is None
+
+
+@pytest.mark.parametrize("mode", ["required", "auto"])
+def test_a_cut_answer_is_its_calls_with_finish_reason_length(mode):
+    plan = ToolPlan(mode, (WEATHER,))
+    text = f"[{PARIS}, {PARIS}, {{"
+    message, reason = chat_message(plan, text, "length")
+    assert reason == "length" and message.content is None
+    assert [c["function"]["arguments"] for c in message.tool_calls] == [json.dumps({"city": "Paris"})]
+    stream = ToolStream(plan, 1)
+    assert stream.delta(0, text[:10], None) == (None, None)  # held while it may be a call
+    delta, reason = stream.delta(0, text[10:], "length")
+    assert reason == "length" and [c["function"]["name"] for c in delta["tool_calls"]] == ["get_weather"]
+    message, reason = chat_message(plan, '[{"name": "get_wea', "length")
+    assert (message.content, reason) == ('[{"name": "get_wea', "length")  # no call completed: content
