@@ -2,6 +2,7 @@
 # The GPU runs behind bench/RESULTS.md's H200 rows, as sent through the device tool:
 #   bash bench/h200.sh setup gpu-tests profile arrival offline offline-16k serve scale   (one H200)
 #   bash bench/h200.sh setup whole serve        (issue 13: engine vs the whole path, then 16 req/s)
+#   bash bench/h200.sh setup gpu-tests overlap profile   (issue 16: overlap off vs on, the step split)
 #   bash bench/h200.sh setup prefix             (issue 17: the prefix cache on and off, ShareGPT-like and gsp)
 #   bash bench/h200.sh setup tp2 bloom serve serve-tp2 scale           (two: tp2 needs both)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
@@ -51,6 +52,9 @@ for part in "$@"; do
                | grep -E -A34 "host time|^batch" | grep -v "^ *[0-9]* *0.000 *0.000" | head -60 ;;  # a serving step's prefill
     offline) timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline 2>&1 \
                | tr '\r' '\n' | tee "$OUT/offline.log" | grep -v "tok/s\]" | tail -9 ;;
+    overlap)  # issue 16, item 1: the same offline run with the overlapped scheduler off, then on (the default)
+      for o in off on; do timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline --overlap $o 2>&1 \
+               | tr '\r' '\n' | tee "$OUT/offline_overlap_$o.log" | grep -v "tok/s\]" | tail -9; done ;;
     offline-16k) timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline --batch-max-tokens 16384 2>&1 \
                | tr '\r' '\n' | tee "$OUT/offline16k.log" | grep -v "tok/s\]" | tail -9 ;;
     tp2)    timeout 300 python3 -m bench.offline --model-shape llama3-8b --tp 2 --timeline 2>&1 \
@@ -75,6 +79,7 @@ for part in "$@"; do
     gpu-tests)  # the kernels whole (their slow marks are for Triton's CPU interpreter), the rest without SmolLM2
       { timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels
         timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/worker/test_gpu_backend.py \
-               tests/worker/test_prefill_graphs.py -m "not slow"; } 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|error" ;;
+               tests/worker/test_prefill_graphs.py tests/worker/test_overlap_gpu.py -m "not slow"; } 2>&1 \
+               | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|error|Error" ;;
   esac
 done

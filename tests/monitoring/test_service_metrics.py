@@ -75,6 +75,7 @@ class StubEngine:
     running = [object()] * 3  # the batch after the step
     num_pauses = 2
     num_preempted, num_preempted_tokens = 1, 57  # paused for a better class (router --preempt)
+    num_discarded = 4  # --overlap: sampled for requests already ended
 
     def __init__(self, events):
         self.events = events
@@ -137,6 +138,7 @@ def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys
     assert s[("lightq:worker_preemptions_total", w1)] == 2
     assert s[("lightq:worker_priority_preemptions_total", w1)] == 1
     assert s[("lightq:worker_preempted_kv_tokens_total", w1)] == 57
+    assert s[("lightq:worker_overlap_discarded_tokens_total", w1)] == 4
     assert s[("lightq:worker_kv_usage_ratio", w1)] == 0.4
     assert (s[("lightq:worker_prefix_cached_tokens", w1)], s[("lightq:worker_prefix_evictable_tokens", w1)]) == (
         300,
