@@ -9,16 +9,17 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-serve() {  # serve ARGS N: lightq serve with ARGS, then N requests at 16/s through /generate_stream
+serve() {  # serve ARGS N [NAME]: lightq serve with ARGS, then N requests at 16/s through /generate_stream
+  local name=${3:-$2}
   python3 -m bench.shapes llama3-8b /tmp/l3 --tokenizer
-  python3 -m lightq.cli serve --port 8200 $1 --data_dir "$(mktemp -d)" --model_dir dummy:/tmp/l3 >"$OUT/serve$2.log" 2>&1 & local pid=$!
-  for i in $(seq 120); do grep -q "lightq ready" "$OUT/serve$2.log" && break; sleep 2; done; echo "worker up after ~$((i * 2)) s"
+  python3 -m lightq.cli serve --port 8200 $1 --data_dir "$(mktemp -d)" --model_dir dummy:/tmp/l3 >"$OUT/serve$name.log" 2>&1 & local pid=$!
+  for i in $(seq 120); do grep -q "lightq ready" "$OUT/serve$name.log" && break; sleep 2; done; echo "$name: worker up after ~$((i * 2)) s"
   timeout 240 python3 -m bench.serve_bench --base-url http://127.0.0.1:8200 --num-prompts $2 --request-rate 16 \
-    --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 --hops 2>&1 | tee "$OUT/serve_bench$2.log" \
+    --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 --hops 2>&1 | tee "$OUT/serve_bench$name.log" \
     | grep -E "Successful|Failed|duration|Request|Output token|(Median|P99) (TTFT|TPOT|ITL)|hop|ms  |->|client"
   # the services' own histograms (queue wait, time to first token, ...) break TTFT down by hop
   python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8200/metrics').read().decode())" \
-    >"$OUT/metrics$2.txt" 2>&1
+    >"$OUT/metrics$name.txt" 2>&1
   kill $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   kill -0 $pid 2>/dev/null && echo "serve still running 60 s after SIGTERM" || { wait $pid; echo "serve exit code $?"; }
 }
@@ -68,6 +69,8 @@ for part in "$@"; do
       bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300 --no-prefix_cache" cache-off "$PREFIX_RUNS" ;;
     prefix-on) bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300" cache-on "$PREFIX_RUNS" ;;
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
+    serve-overlap)  # issue 16: the same 16 req/s run with the overlapped scheduler off, then on
+      serve "--workers 1 --overlap off" 600 overlap-off; serve "--workers 1 --overlap on" 600 overlap-on ;;
     serve-tp2) serve "--workers 1 --tp 2" 150 ;;
     scale)  # the router against 32 simulated workers, on a host with cores to spare (no GPU used)
       bin=$(python3 -c "from shared.embedded_redis import redis_server_binary; print(redis_server_binary())")
