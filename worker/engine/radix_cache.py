@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -71,6 +71,21 @@ def lease_path(lease: Lease | None) -> list[tuple[int, int]]:
         path.append((id(lease), len(lease.ids)))
         lease = lease.parent
     return path
+
+
+def held_hashes(leases: Iterable[Lease | None]) -> set[int]:
+    """The prefix hashes (``Node.hashes``) of every boundary on the leases' paths: prefixes whose
+    tokens the holders count in their load-record states (``worker.engine.load``), so a request
+    starting with one adds only the rest there (the router's discount, ``router.admission``)."""
+    held: set[int] = set()
+    seen: set[int] = set()
+    for lease in leases:
+        node = lease
+        while node is not None and node.parent is not None and id(node) not in seen:
+            seen.add(id(node))
+            held.update(h for _, h in node.hashes)
+            node = node.parent
+    return held
 
 
 class PrefixCache(Protocol):
