@@ -4,6 +4,7 @@
 #   bash bench/h200.sh setup whole serve        (issue 13: engine vs the whole path, then 16 req/s)
 #   bash bench/h200.sh setup gpu-tests overlap profile   (issue 16: overlap off vs on, the step split)
 #   bash bench/h200.sh setup prefix             (issue 17: the prefix cache on and off, ShareGPT-like and gsp)
+#   bash bench/h200.sh setup route4             (issue 17: four workers on one H200, cache-aware vs least-loaded)
 #   bash bench/h200.sh setup tp2 bloom serve serve-tp2 scale           (two: tp2 needs both)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
@@ -40,6 +41,16 @@ bench_on() {  # bench_on SERVE_ARGS NAME BENCH_ARGS...: lightq serve with SERVE_
   kill $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
 }
 PREFIX_RUNS=${PREFIX_RUNS:-"--num-prompts 500;--dataset gsp"}  # ShareGPT-like lengths (no shared prefixes), then SGLang's gsp
+route() {  # route ARMS: bench/route_bench.py on a dummy shape (llama3-8b), multiturn chats; ROUTE_* override
+  # (on a CPU, the same logic: ROUTE_SHAPE=tiny ROUTE_EXTRA="--max_total_token_num 20000" ROUTE_MULTITURN=8,3,256,64,16)
+  local shape=${ROUTE_SHAPE:-llama3-8b} dir=/tmp/route_${ROUTE_SHAPE:-llama3-8b}
+  python3 -m bench.shapes "$shape" "$dir" --tokenizer
+  local vocab; vocab=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$dir/config.json")
+  timeout 480 python3 -m bench.route_bench --out "$OUT/route_$1" --workers 4 --arms "$1" --deadline-s 460 \
+    --serve-args "--model_dir dummy:$dir --max_req_total_len 8192 --graph_max_batch_size 256 --running_max_req_size 256 ${ROUTE_EXTRA:-}" \
+    --multiturn "${ROUTE_MULTITURN:-96,6,1024,256,128}" --request-rate "${ROUTE_RATE:-4}" --vocab-size "$vocab" 2>&1 \
+    | tee "$OUT/route_$1.log"
+}
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
@@ -68,6 +79,12 @@ for part in "$@"; do
       bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300" cache-on "$PREFIX_RUNS"
       bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300 --no-prefix_cache" cache-off "$PREFIX_RUNS" ;;
     prefix-on) bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300" cache-on "$PREFIX_RUNS" ;;
+    # issue 17: `lightq serve --workers 4` on one GPU (--gpu_share 0.25 each, ~30 GB), the default routing
+    # then --no-cache_aware, both under serve_bench --dataset multiturn; prints each cluster's hit rate and
+    # median TTFT and the goals (hit rate within 10% of one worker's: the workload's no-eviction bound here;
+    # median TTFT least-loaded / cache-aware >= 1.5). About 2 x (start-up + ~1 min), 8 min at most.
+    route4) route "${ROUTE_ARMS:-aware,least}" ;;
+    route1) route one ;;  # one worker with the whole GPU, measured, on the same chats (a call of its own)
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
     serve-overlap)  # issue 16: the same 16 req/s run with the overlapped scheduler off, then on
       serve "--workers 1 --overlap off" 600 overlap-off; serve "--workers 1 --overlap on" 600 overlap-on ;;
