@@ -35,7 +35,7 @@ import redis
 from bench.fair_sim import jain
 from bench.path_bench import REPO, start_serve
 from shared.codec import from_entry
-from shared.embedded_redis import start_embedded_redis
+from shared.embedded_redis import free_port, start_embedded_redis
 from shared.keys import Keys
 from shared.schemas import TokenChunk
 
@@ -161,6 +161,20 @@ def preemptions(log_path: Path) -> int:
     return sum(line.split("paused [", 1)[1].split("]", 1)[0].count("'") // 2 for line in lines)
 
 
+def worker_counter(metrics_port: int, name: str) -> float:
+    """A worker counter off the metrics ports from ``metrics_port`` up (the router and the worker
+    each take the next free one, in whichever order they start)."""
+    for port in range(metrics_port, metrics_port + 4):
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(f"{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
 def p99_ttft(log: list, priority: int, start: float) -> tuple[float, int]:
     waits = [(first - sent) * 1000 for _, p, sent, first, _ in log if p == priority and sent >= start and first]
     return float(np.percentile(waits, 99)), len(waits)
@@ -183,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     redis_server = start_embedded_redis()
     log_path = Path(tempfile.mkdtemp(prefix="lightq-fair-")) / "serve.log"
     keys = ",".join(f"{tenant}:{key}" for tenant, key in KEYS.items())
+    metrics_port = free_port()
     flags = ["--running_max_req_size", str(args.batch), "--api_keys", keys, "--poll_ms", str(args.poll_ms)]
+    flags += ["--metrics_port", str(metrics_port)]
     flags += ["--priority_reserve_slots", str(args.reserve_slots)] + (["--preempt"] if args.preempt else [])
     process, http = start_serve(REPO, redis_server.url, log_path, flags)
     try:
@@ -204,6 +220,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  ratio {ttft['with class 1'] / ttft['alone']:.2f} (goal <= 2)")
         checked, bad = check_outputs(redis_server.url, http)
         print(f"  preempted {preemptions(log_path)} times; {bad} of {checked} outputs with a lost or repeated token")
+        # The cost of the pauses: K/V they threw away, prefilled again on resume, against the tokens served.
+        recomputed = worker_counter(metrics_port, "lightq:worker_preempted_kv_tokens_total")
+        served = sum(dispatched_tokens(redis_server.url, http).values())
+        print(f"  recomputed {recomputed:.0f} K/V tokens for {served} tokens dispatched ({recomputed / served:.1%})")
         if args.only == "priority":
             return
         small = args.batch  # more than half the batch: the small tenant always has work waiting

@@ -2,22 +2,25 @@
 # The GPU runs behind bench/RESULTS.md's H200 rows, as sent through the device tool:
 #   bash bench/h200.sh setup gpu-tests profile arrival offline offline-16k serve scale   (one H200)
 #   bash bench/h200.sh setup whole serve        (issue 13: engine vs the whole path, then 16 req/s)
+#   bash bench/h200.sh setup gpu-tests overlap profile   (issue 16: overlap off vs on, the step split)
 #   bash bench/h200.sh setup prefix             (issue 17: the prefix cache on and off, ShareGPT-like and gsp)
+#   bash bench/h200.sh setup route4             (issue 17: four workers on one H200, cache-aware vs least-loaded)
 #   bash bench/h200.sh setup tp2 bloom serve serve-tp2 scale           (two: tp2 needs both)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-serve() {  # serve ARGS N: lightq serve with ARGS, then N requests at 16/s through /generate_stream
+serve() {  # serve ARGS N [NAME]: lightq serve with ARGS, then N requests at 16/s through /generate_stream
+  local name=${3:-$2}
   python3 -m bench.shapes llama3-8b /tmp/l3 --tokenizer
-  python3 -m lightq.cli serve --port 8200 $1 --data_dir "$(mktemp -d)" --model_dir dummy:/tmp/l3 >"$OUT/serve$2.log" 2>&1 & local pid=$!
-  for i in $(seq 120); do grep -q "lightq ready" "$OUT/serve$2.log" && break; sleep 2; done; echo "worker up after ~$((i * 2)) s"
+  python3 -m lightq.cli serve --port 8200 $1 --data_dir "$(mktemp -d)" --model_dir dummy:/tmp/l3 >"$OUT/serve$name.log" 2>&1 & local pid=$!
+  for i in $(seq 120); do grep -q "lightq ready" "$OUT/serve$name.log" && break; sleep 2; done; echo "$name: worker up after ~$((i * 2)) s"
   timeout 240 python3 -m bench.serve_bench --base-url http://127.0.0.1:8200 --num-prompts $2 --request-rate 16 \
-    --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 --hops 2>&1 | tee "$OUT/serve_bench$2.log" \
+    --vocab-size 128256 --goodput ttft:50 tpot:12 --percentiles 50,90,99 --hops 2>&1 | tee "$OUT/serve_bench$name.log" \
     | grep -E "Successful|Failed|duration|Request|Output token|(Median|P99) (TTFT|TPOT|ITL)|hop|ms  |->|client"
   # the services' own histograms (queue wait, time to first token, ...) break TTFT down by hop
   python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8200/metrics').read().decode())" \
-    >"$OUT/metrics$2.txt" 2>&1
+    >"$OUT/metrics$name.txt" 2>&1
   kill $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   kill -0 $pid 2>/dev/null && echo "serve still running 60 s after SIGTERM" || { wait $pid; echo "serve exit code $?"; }
 }
@@ -38,6 +41,16 @@ bench_on() {  # bench_on SERVE_ARGS NAME BENCH_ARGS...: lightq serve with SERVE_
   kill $pid; for i in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
 }
 PREFIX_RUNS=${PREFIX_RUNS:-"--num-prompts 500;--dataset gsp"}  # ShareGPT-like lengths (no shared prefixes), then SGLang's gsp
+route() {  # route ARMS: bench/route_bench.py on a dummy shape (llama3-8b), multiturn chats; ROUTE_* override
+  # (on a CPU, the same logic: ROUTE_SHAPE=tiny ROUTE_EXTRA="--max_total_token_num 20000" ROUTE_MULTITURN=8,3,256,64,16)
+  local shape=${ROUTE_SHAPE:-llama3-8b} dir=/tmp/route_${ROUTE_SHAPE:-llama3-8b}
+  python3 -m bench.shapes "$shape" "$dir" --tokenizer
+  local vocab; vocab=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$dir/config.json")
+  timeout 480 python3 -m bench.route_bench --out "$OUT/route_$1" --workers 4 --arms "$1" --deadline-s 460 \
+    --serve-args "--model_dir dummy:$dir --max_req_total_len 8192 --graph_max_batch_size 256 --running_max_req_size 256 ${ROUTE_EXTRA:-}" \
+    --multiturn "${ROUTE_MULTITURN:-96,6,1024,256,128}" --request-rate "${ROUTE_RATE:-4}" --vocab-size "$vocab" 2>&1 \
+    | tee "$OUT/route_$1.log"
+}
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
@@ -51,6 +64,9 @@ for part in "$@"; do
                | grep -E -A34 "host time|^batch" | grep -v "^ *[0-9]* *0.000 *0.000" | head -60 ;;  # a serving step's prefill
     offline) timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline 2>&1 \
                | tr '\r' '\n' | tee "$OUT/offline.log" | grep -v "tok/s\]" | tail -9 ;;
+    overlap)  # issue 16, item 1: the same offline run with the overlapped scheduler off, then on (the default)
+      for o in off on; do timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline --overlap $o 2>&1 \
+               | tr '\r' '\n' | tee "$OUT/offline_overlap_$o.log" | grep -v "tok/s\]" | tail -9; done ;;
     offline-16k) timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline --batch-max-tokens 16384 2>&1 \
                | tr '\r' '\n' | tee "$OUT/offline16k.log" | grep -v "tok/s\]" | tail -9 ;;
     tp2)    timeout 300 python3 -m bench.offline --model-shape llama3-8b --tp 2 --timeline 2>&1 \
@@ -63,7 +79,15 @@ for part in "$@"; do
       bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300" cache-on "$PREFIX_RUNS"
       bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300 --no-prefix_cache" cache-off "$PREFIX_RUNS" ;;
     prefix-on) bench_on "--workers 1 --max_req_total_len 4096 --metrics_port 9300" cache-on "$PREFIX_RUNS" ;;
+    # issue 17: `lightq serve --workers 4` on one GPU (--gpu_share 0.25 each, ~30 GB), the default routing
+    # then --no-cache_aware, both under serve_bench --dataset multiturn; prints each cluster's hit rate and
+    # median TTFT and the goals (hit rate within 10% of one worker's: the workload's no-eviction bound here;
+    # median TTFT least-loaded / cache-aware >= 1.5). About 2 x (start-up + ~1 min), 8 min at most.
+    route4) route "${ROUTE_ARMS:-aware,least}" ;;
+    route1) route one ;;  # one worker with the whole GPU, measured, on the same chats (a call of its own)
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
+    serve-overlap)  # issue 16: the same 16 req/s run with the overlapped scheduler off, then on
+      serve "--workers 1 --overlap off" 600 overlap-off; serve "--workers 1 --overlap on" 600 overlap-on ;;
     serve-tp2) serve "--workers 1 --tp 2" 150 ;;
     scale)  # the router against 32 simulated workers, on a host with cores to spare (no GPU used)
       bin=$(python3 -c "from shared.embedded_redis import redis_server_binary; print(redis_server_binary())")
@@ -75,6 +99,7 @@ for part in "$@"; do
     gpu-tests)  # the kernels whole (their slow marks are for Triton's CPU interpreter), the rest without SmolLM2
       { timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels
         timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/worker/test_gpu_backend.py \
-               tests/worker/test_prefill_graphs.py -m "not slow"; } 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|error" ;;
+               tests/worker/test_prefill_graphs.py tests/worker/test_overlap_gpu.py -m "not slow"; } 2>&1 \
+               | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|error|Error" ;;
   esac
 done

@@ -88,6 +88,7 @@ def run_lightq(args, work, tally: Tally) -> float:
         graph_max_batch_size=args.graph_max_bs,
         cuda_graphs=not args.no_graphs,
         tp=args.tp,
+        overlap=args.overlap,
     )
     # --tp N: N - 1 follower processes, as `lightq worker --tp N` starts them (worker.main.run)
     group = tensor_parallel.launch(args.tp, rank_device(settings, 0), follower, settings) if args.tp > 1 else None
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (one process each)")
     parser.add_argument("--timeline", action="store_true", help="print where the wall time went, by step kind")
+    parser.add_argument(
+        "--overlap", choices=["auto", "on", "off"], default="auto", help="the worker's --overlap (auto: on a GPU)"
+    )
     parser.add_argument("--peer", choices=["hf"], default=None)
     parser.add_argument("--json-schema", default=None, metavar="FILE", help="every request follows this schema")
     parser.add_argument("--tokenizer", default="default", help="--json-schema's tokenizer (a lightq --model_dir)")

@@ -8,8 +8,11 @@ the host clock (the step ends with the sampled ids on the host, so its wall
 time is the real cost of a token for the whole batch). CUDA events split the
 step into the model's forward (the CUDA graph), sampling, and the host's own
 work between them (engine bookkeeping, batch building: nothing on the GPU).
-With ``--arrival N``, steps that each take in a new request of N prompt
-tokens are timed too (a prefill forward, then the decode one); "prefill" is
+Those split steps run without overlap (``Engine.overlap`` off: each step waits for its tokens);
+the "overlapped" column is the mean of ``--steps`` back-to-back steps with it on, where the host
+prepares a step while the GPU runs the last (only the end is waited for): the step time a
+serving worker gets (``--overlap auto`` on a GPU). With ``--arrival N``, steps that each take in
+a new request of N prompt tokens are timed too (a prefill forward, then the decode one); "prefill" is
 the prefill forward's time. With ``--trace B`` a torch profiler table of the kernels of one eager
 forward at batch B follows (kernel times are the graph's; eager only adds
 launch gaps), grouped by kernel name, so the largest costs read off the top.
@@ -119,6 +122,21 @@ def measure(engine, steps: int, arrival: list[int] | None = None) -> dict[str, f
     return {"wall": wall, "forward": f, "prefill": p, "sample": s, "host": wall - f - p - s}
 
 
+def measure_overlapped(engine, steps: int) -> float:
+    """Mean ms of ``steps`` back-to-back overlapped decode steps (the last one's tokens landed too)."""
+    engine.overlap = True
+    try:
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        engine.flush()
+        sync()
+    finally:
+        engine.overlap = False
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
 def trace(engine, batch: int) -> None:
     """Kernel table of one eager decode forward at ``batch`` (the requests are running)."""
     from torch.profiler import ProfilerActivity, profile
@@ -187,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         model=ModelSettings(model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048),
         device=args.device,
         batch_max_tokens=8192,
+        overlap="off",  # the split steps; measure_overlapped turns it on for its own
         running_max_req_size=max(batches) + room,
         graph_max_batch_size=max(batches) + room,
     )
@@ -194,8 +213,11 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     vocab, rng = SHAPES[args.model_shape]["vocab_size"], np.random.default_rng(0)
     rows = []
     for b in batches:
-        reqs = fill(engine, b, args.context, vocab, rng, 2 * args.steps + 10)
+        # Enough tokens that none ends while timed: the first admitted decode through the fill's prefill steps too.
+        fill_steps = b * args.context // settings.batch_max_tokens + 1
+        reqs = fill(engine, b, args.context, vocab, rng, fill_steps + 3 * args.steps + 10)
         rows.append((b, 0, measure(engine, args.steps)))
+        rows[-1][2]["overlapped"] = measure_overlapped(engine, args.steps)
         if args.arrival:  # steps that each take in a new request: its prefill, then the decode
             prompt = rng.integers(3, vocab, size=args.arrival).tolist()
             rows.append((b, str(args.arrival), measure(engine, args.steps, prompt)))
@@ -208,11 +230,13 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     print(f"\n{args.model_shape}, context {args.context}, median of {args.steps} engine steps (ms)")
     print(
         f"{'batch':>5} {'arrival':>11} {'step':>8} {'decode':>8} {'prefill':>8} {'sample':>8} {'host':>8} {'tok/s':>9}"
+        f" {'overlapped':>10} {'tok/s':>9}"
     )
     for b, arrival, m in rows:
+        overlapped = f" {m['overlapped']:>10.2f} {b / m['overlapped'] * 1e3:>9,.0f}" if "overlapped" in m else ""
         print(
             f"{b:>5} {arrival:>11} {m['wall']:>8.2f} {m['forward']:>8.2f} {m['prefill']:>8.2f} {m['sample']:>8.2f} "
-            f"{m['host']:>8.2f} {b / m['wall'] * 1e3:>9,.0f}"
+            f"{m['host']:>8.2f} {b / m['wall'] * 1e3:>9,.0f}{overlapped}"
         )
     return {b: m for b, arrival, m in rows if not arrival}
 

@@ -95,6 +95,9 @@ def start_serve(args, log_path: Path, redis_url: str) -> tuple[subprocess.Popen,
         "8192",
         "--max_queue_tokens",
         "0",
+        # Both runs send the same burst to this one server: with the prefix cache the second would find
+        # every prompt cached (it ran 1.20x the engine alone on 2026-12-02), which the engine alone never does.
+        "--no-prefix_cache",
         *args.serve_args.split(),
     ]
     process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT)

@@ -22,13 +22,26 @@ walk goes on, so a request waits only if no worker can take it.
 Workers publish what their prefix caches hold (``WorkerLoad.prefixes``,
 hashes of prefixes at ``shared.prefix_hash`` boundaries), so the choice is
 cache-aware (``cache_aware_fit``): the workers holding the longest prefix of
-the request's prompt are asked too, and a hit is traded against load. The
-check itself still counts the whole prompt: the record does not say which
-cached tokens running requests already hold, and the worker's own check,
-which knows, counts only what the request adds. A prompt this router just
-sent somewhere counts as held there for ``SENT_TTL_S`` (``Views._sent``):
-its worker's record shows it only after its prefill and the next summary,
-and a burst sharing a new prefix should meet it rather than scatter.
+the request's prompt are asked too, and a hit is traded against load. A
+prompt this router just sent somewhere counts as held there for
+``SENT_TTL_S`` (``Views._sent``): its worker's record shows it only after
+its prefill and the next summary, and a burst sharing a new prefix should
+meet it rather than scatter.
+
+The check counts only what a request adds to a worker, as the worker's own
+check does (``Engine._adds``): a cached prefix that the record's running
+requests hold (``WorkerLoad.held_prefixes``) is in their states already, so
+at that worker the candidate counts its tokens less that prefix
+(``Candidate.less``; the same draws, so still O(K log n)). A prefix that is
+only evictable is counted in full: the worker counts it as free, and the
+request would hold it again. The discount is never more than the worker's
+own at the record's instant: held boundaries are multiples of the hash
+block within the ids a worker may match (``cacheable_prompt``), and the
+worker lists them after the states, from the same requests. A record can
+be stale: if every holder of that prefix ends before the request arrives,
+the worker counts it in full and the request may wait there until room
+frees (the record then lists it). It never waits there for ever: a
+candidate is discounted only where it would fit the pool alone, undiscounted.
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ from typing import Literal
 from shared.batch_view import BatchView, Candidate, Policy
 from shared.peak import ReqState
 from shared.prefix_hash import PREFIX_BLOCK, prefix_hashes
-from shared.schemas import WorkerLoad
+from shared.schemas import GenerateRequest, WorkerLoad
 
 CHOICES = 2
 # Cache-aware choice (``cache_aware_fit``): how many of the workers with the longest hits are asked
@@ -132,17 +145,27 @@ class WorkerView(BatchView):
         super().__init__(states, load.max_total_tokens, load.running_max_req_size, policy)
         self.load = load
         self.prefixes = dict(load.prefixes)  # prefix hash -> tokens it covers
+        # of those, the ones the record's requests hold (counted in their states)
+        self.held = {load.prefixes[i][0]: load.prefixes[i][1] for i in load.held_prefixes if i < len(load.prefixes)}
         self.add(reserved)
 
-    def hit(self, hashes: Sequence[int]) -> int:
-        """Tokens of the longest prefix (``hashes``: the prompt's) this worker's cache holds."""
+    def hit(self, hashes: Sequence[int], within: Mapping[int, int] | None = None) -> int:
+        """Tokens of the longest prefix (``hashes``: the prompt's) this worker's cache holds (of
+        ``within``: those of its prefixes, by default all)."""
+        prefixes = self.prefixes if within is None else within
         for h in reversed(hashes):
-            if h in self.prefixes:
-                return self.prefixes[h]
+            if h in prefixes:
+                return prefixes[h]
         return 0
 
-    def ratio(self, candidate: Candidate) -> float | None:
-        return None if self.load.draining else super().ratio(candidate)
+    def ratio(self, candidate: Candidate, held: int = 0) -> float | None:
+        """Use / pool with the candidate, ``held`` of whose tokens running requests here hold."""
+        return None if self.load.draining else super().ratio(self.adds(candidate, held))
+
+    def adds(self, candidate: Candidate, held: int) -> Candidate:
+        """What the candidate adds here: less ``held`` (``Candidate.less``), unless it would not fit
+        this pool alone in full (then a stale record could leave it waiting here for ever)."""
+        return candidate.less(held) if held and self.fits_alone(candidate) else candidate
 
     def use_ratio(self) -> float:
         """Use now / pool (a draining worker sorts last)."""
@@ -166,6 +189,7 @@ class Views:
         self._views: dict[str, WorkerView] = {}
         self.last_reason: Reason = "wait"  # why the last ``choose`` chose as it did, for the metrics
         self._sent: dict[str, dict[int, tuple[int, float]]] = {}  # worker -> hash -> (tokens, when sent)
+        self._held_at_chosen: tuple[str | None, int] = (None, 0)  # the last choice and its discount (``admit``)
 
     def clear(self) -> None:
         """Every view goes (their draws came from an older history)."""
@@ -193,18 +217,26 @@ class Views:
 
     def choose(self, candidate: Candidate, model: str | None = None, prompt_ids: Sequence[int] = ()) -> str | None:
         """A worker serving ``model`` that the candidate fits, by load and by what its cache holds
-        of ``prompt_ids`` (``cache_aware_fit``), or None: the request waits."""
+        of ``prompt_ids`` (the ids it may find cached: ``cacheable_prompt``; ``cache_aware_fit``),
+        or None: the request waits. Where running requests hold a prefix of them, the candidate
+        counts only the rest. ``admit`` the chosen worker's candidate next."""
         views = {worker_id: view for worker_id, view in self._views.items() if view.load.serves(model)}
         uses = {worker_id: view.use_ratio() for worker_id, view in views.items()}
-        hashes = prefix_hashes(prompt_ids) if self.cache_aware and len(prompt_ids) >= PREFIX_BLOCK else []
-        hits: dict[str, float] = {}
-        for worker_id, view in views.items():
-            tokens = max(view.hit(hashes), self._sent_hit(worker_id, hashes)) if hashes else 0
+        # Hashed for the choice, or for a discount (with --no-cache_aware too: that is admission).
+        hashed = len(prompt_ids) >= PREFIX_BLOCK and (self.cache_aware or any(v.held for v in views.values()))
+        hashes = prefix_hashes(prompt_ids) if hashed else []
+        hits: dict[str, float] = {}  # worker -> cached share of the prompt
+        held: dict[str, int] = {}  # worker -> tokens of the prompt its running requests hold
+        for worker_id, view in views.items() if hashes else ():
+            if view.held and (tokens := view.hit(hashes, view.held)):
+                held[worker_id] = tokens
+            tokens = max(view.hit(hashes), self._sent_hit(worker_id, hashes)) if self.cache_aware else 0
             if tokens:
                 hits[worker_id] = tokens / len(prompt_ids)
-        chosen = cache_aware_fit(uses, hits, lambda worker_id: self._views[worker_id].ratio(candidate))
+        chosen = cache_aware_fit(uses, hits, lambda w: self._views[w].ratio(candidate, held.get(w, 0)))
         self.last_reason = reason(chosen, hits)
-        if chosen is not None and hashes:
+        self._held_at_chosen = (chosen, held.get(chosen, 0) if chosen is not None else 0)
+        if chosen is not None and hashes and self.cache_aware:
             self._remember(chosen, hashes)
         return chosen
 
@@ -226,7 +258,20 @@ class Views:
             del sent[next(iter(sent))]
 
     def admit(self, worker_id: str, candidate: Candidate) -> None:
-        """The candidate was sent there: the next decision sees it."""
+        """The candidate was sent there: the next decision sees it. Right after ``choose`` chose
+        that worker, what it counted there (less the prefix running requests hold)."""
+        chosen, held = self._held_at_chosen
+        self._held_at_chosen = (None, 0)
         view = self._views.get(worker_id)
         if view is not None:
-            view.admit(candidate)
+            view.admit(view.adds(candidate, held if chosen == worker_id else 0))
+
+
+def cacheable_prompt(request: GenerateRequest) -> Sequence[int]:
+    """The prompt ids a worker may find cached for ``request`` (``worker.engine.kv_slots``'s
+    ``_matchable`` on the message): all but the last, whose logits it needs, and none when it asks
+    for the prompt's logprobs before any output (a cached position has no logits to score). What
+    the router hashes, so neither a hit nor a discount counts a token the worker would prefill."""
+    if request.params.prompt_logprobs is not None and not request.resume_ids:
+        return ()
+    return request.prompt_ids[:-1]

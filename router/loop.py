@@ -26,7 +26,7 @@ import time
 import redis
 
 from router import liveness
-from router.admission import Views
+from router.admission import Views, cacheable_prompt
 from router.dispatch import Dispatcher, Item
 from router.janitor import reap_dead_worker
 from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_weights, reserved_slots
@@ -275,7 +275,7 @@ class Router:
         # A request below the default class is checked with the reserved slots taken (router.ordering).
         reserve = reserved_slots(self.settings.priority_reserve_slots if request.priority > 0 else 0)
         checked = Candidate(request_states(request) + reserve, self.rule.policy) if reserve else candidate
-        worker_id = self.views.choose(checked, request.model, request.prompt_ids)  # cache-aware
+        worker_id = self.views.choose(checked, request.model, cacheable_prompt(request))  # cache-aware
         if worker_id is not None:
             self.views.admit(worker_id, candidate)
         return worker_id

@@ -24,6 +24,7 @@ from shared.peak import ReqState
 from shared.redis import group_backlog
 from shared.schemas import GenerateRequest, WorkerLoad
 
+DECISIONS_FLUSH_S = 1.0
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -59,15 +60,21 @@ class RouterMetrics:
 
 
 class MeteredRouter(Router):
-    """The router with its steps counted; behaviour unchanged."""
+    """The router with its steps counted; behaviour unchanged. Its decisions by reason also go
+    to Redis (``Keys.router_decisions``, every router's summed), at most every ``DECISIONS_FLUSH_S``,
+    for the producer's dashboard, which reads Redis and not this endpoint."""
 
     def __init__(self, *args, metrics: RouterMetrics, **kwargs):
         super().__init__(*args, **kwargs)
         self.metrics = metrics
+        self._unflushed: dict[str, int] = {}  # reason -> decisions not yet added in Redis
+        self._next_flush = 0.0
 
     def on_decision(self, request: GenerateRequest, worker_id: str | None, seconds: float) -> None:
         super().on_decision(request, worker_id, seconds)
-        self.metrics.decisions.labels(router=self.metrics.router_id, reason=self.views.last_reason).inc()
+        reason = self.views.last_reason
+        self.metrics.decisions.labels(router=self.metrics.router_id, reason=reason).inc()
+        self._unflushed[reason] = self._unflushed.get(reason, 0) + 1
 
     def step(self) -> int:
         start = time.perf_counter()
@@ -77,7 +84,20 @@ class MeteredRouter(Router):
             self.metrics.dispatch_step.observe(time.perf_counter() - start)
         elif self.queue:
             self.metrics.pauses.inc()
+        self._flush_decisions()
         return dispatched
+
+    def _flush_decisions(self) -> None:
+        """One round trip; on a Redis error (the loop backs off) the counts wait for the next."""
+        now = time.monotonic()
+        if not self._unflushed or now < self._next_flush:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for reason, n in self._unflushed.items():
+            pipe.hincrby(self.keys.router_decisions(), reason, n)
+        pipe.execute()
+        self._unflushed.clear()
+        self._next_flush = now + DECISIONS_FLUSH_S
 
 
 def _copy(items: Iterable, tries: int = 5) -> list:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from shared.peak import Projection, ReqState, SortedPeak, num_draws
+from shared.peak import Projection, ReqState, SortedPeak, num_draws, peak_tokens
 
 MAX_DRAWS = num_draws(0)  # K for an empty batch: the most a check ever takes
 
@@ -38,12 +38,28 @@ class Candidate:
     """A request about to be placed: its states and, per draw, each state's remaining length,
     drawn once for every view it is asked of (``lengths[k][j]``: draw k, state j)."""
 
-    def __init__(self, states: Sequence[ReqState], policy: Policy):
+    def __init__(self, states: Sequence[ReqState], policy: Policy, lengths: list[list[int]] | None = None):
         self.states = tuple(states)
-        self.lengths = policy.lengths(self.states)
+        self.lengths = policy.lengths(self.states) if lengths is None else lengths  # given: ``less``'s
+        self.policy = policy
+        self._less: dict[int, Candidate] = {}  # held -> the candidate less that (``less``)
 
     def __len__(self) -> int:
         return len(self.states)
+
+    def less(self, held: int) -> Candidate:
+        """The candidate with ``held`` of its first state's tokens (a group's: its prompt's) already
+        counted on the pool, by the running requests that hold a cached prefix it starts with: what
+        it adds there (the worker's own ``Engine._adds``). The same draws: a remaining length never
+        depends on the tokens held. One object per ``held``, so a view that was just asked about it
+        takes its answer on ``admit``."""
+        if held <= 0:
+            return self
+        if held not in self._less:
+            first = self.states[0]
+            states = (first._replace(held=max(0, first.held - held)), *self.states[1:])
+            self._less[held] = Candidate(states, self.policy, self.lengths)
+        return self._less[held]
 
 
 class Tally(Protocol):
@@ -147,6 +163,7 @@ class BatchView:
     def __init__(self, states: Sequence[ReqState], max_total_tokens: int, max_requests: int | None, policy: Policy):
         self.max_total_tokens = max_total_tokens
         self.max_requests = max_requests
+        self.policy = policy
         self.limit = policy.limit(max_total_tokens)
         self.tally = policy.tally(states)
         self.count = len(states)
@@ -168,6 +185,15 @@ class BatchView:
         self.count += len(candidate)
         self.added += len(candidate)
         self.tally.admit(candidate)
+
+    def fits_alone(self, candidate: Candidate) -> bool:
+        """Whether the candidate would fit this pool with nothing else on it (its own draws; O(K))."""
+        if not candidate.lengths:  # a sum: no draws, and the policy's use needs none
+            return self.policy.use(candidate.states) <= self.limit
+        return all(
+            peak_tokens(zip((s.held for s in candidate.states), lengths)) <= self.limit
+            for lengths in candidate.lengths[: num_draws(len(candidate) - 1)]
+        )
 
     def ratio(self, candidate: Candidate) -> float | None:
         """Use / pool with the candidate, or None if it does not fit (``check``'s answer)."""

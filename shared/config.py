@@ -281,6 +281,12 @@ class WorkerSettings(BaseSettings):
     graph_max_batch_size: int = Field(
         1000, gt=0, description="largest decode batch captured as a graph (capped by --running_max_req_size)"
     )
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="prepare each decode step on the host while the device runs the last one: its tokens "
+        "land a step later, and an end found then costs one token of compute; auto: on a GPU with --tp 1 "
+        "('on' also runs it on a CPU, where nothing overlaps: for tests)",
+    )
     tp: int = Field(1, ge=1, description="tensor parallel degree: processes (GPUs) per worker")
     publishers: int = Field(
         default_publishers(),

@@ -33,6 +33,7 @@ land in one slot, so a request's status and chunks can be written together.
 | P:{q}:vtime                 | hash          | routers (class -> virtual time: the largest tag dispatched) |
 | P:{q}:tenant_queued         | hash          | routers -> metrics ("PRIO:tenant" -> requests queued) |
 | P:{q}:tenant_served         | hash          | routers -> metrics ("PRIO:tenant" -> tokens dispatched) |
+| P:{q}:router_decisions      | hash          | routers -> producer (reason -> admission decisions, every router's) |
 
 Routers read a worker's inbox past its load's ``last_inbox_id``: dispatches the load does not show yet.
 Expired batch ids leave an owner's zset when the owner's batches are listed.
@@ -150,6 +151,9 @@ class Keys:
 
     def tenant_served(self) -> str:
         return f"{self.prefix}:{{q}}:tenant_served"
+
+    def router_decisions(self) -> str:
+        return f"{self.prefix}:{{q}}:router_decisions"
 
     def rate_limit(self, key_hash: str, minute: int) -> str:
         return f"{self.prefix}:{{k:{key_hash}}}:rpm:{minute}"

@@ -241,6 +241,15 @@ class WorkerLoad(_Frozen):
         description="what the prefix cache holds, bounded: [prefix hash, tokens it covers] "
         "(shared.prefix_hash), the most recently used first",
     )
+    held_prefixes: list[int] = Field(
+        default_factory=list,
+        description="indexes into prefixes of the entries whose tokens running requests hold (counted "
+        "in requests): a request starting with one adds only the rest here (router.admission); the "
+        "other entries are evictable, and a request that hits them holds them again",
+    )
+    prefix_asked_tokens: int = Field(0, description="tokens of admitted requests looked up in the cache, since start")
+    prefix_hit_tokens: int = Field(0, description="of those, tokens found cached (not prefilled)")
+    prefix_evicted_tokens: int = Field(0, description="cached tokens evicted to make room, since start")
 
     preemptible: list[tuple[int, int]] = Field(
         default_factory=list,

@@ -179,7 +179,11 @@ def build_engine(settings: WorkerSettings, tokenizer=None, group=None) -> Engine
     """The engine on rank 0's runner (see ``build_runner``)."""
     runner, eos = build_runner(settings, tokenizer, group)
     limits = EngineLimits(runner.pool.num_slots, settings.batch_max_tokens, settings.running_max_req_size)
-    return Engine(runner, limits, eos, AdmissionRule(settings.admission_rule))
+    # On a CPU a forward is done when its call returns: nothing to overlap. Tensor-parallel followers
+    # take each decode's input ids from rank 0's host, which must have landed them.
+    on_gpu = runner.device.type == "cuda"
+    overlap = settings.tp == 1 and (settings.overlap == "on" or (settings.overlap == "auto" and on_gpu))
+    return Engine(runner, limits, eos, AdmissionRule(settings.admission_rule), overlap=overlap)
 
 
 def follower(rank: int, size: int, port: int, settings: WorkerSettings) -> None:

@@ -11,6 +11,8 @@ so every producer replica and every terminal computes the same numbers:
 | queued tokens           | the queued entries: prompt + estimated output (see below)       |
 | per-worker load         | the heartbeat records ``{w:ID}:load``                          |
 | inbox lag / pending     | XINFO GROUPS of ``{w:ID}:inbox`` (group ``worker``)             |
+| prefix cache per worker | the heartbeat records: cached tokens, hits / tokens asked, evicted |
+| routing decisions       | ``{q}:router_decisions``: every router's, by reason             |
 | recent requests         | ingress entries as they arrive (``RequestTracker``), then their status hashes |
 | throughput, drain rate  | recent requests finished / dispatched in the last ``window_s`` |
 | backlog GPU-seconds     | queued tokens / throughput (both prompt + output tokens)       |
@@ -66,6 +68,7 @@ class ClusterSnapshot:
     # router.ordering's counters: (priority, tenant) -> requests queued, tokens dispatched
     tenant_queued: dict[tuple[int, str], int] = field(default_factory=dict)
     tenant_served: dict[tuple[int, str], int] = field(default_factory=dict)
+    decisions: dict[str, int] = field(default_factory=dict)  # reason -> router decisions (router.admission.Reason)
     recent: list[RecentRequest] = field(default_factory=list)
     window_s: float = WINDOW_S
 
@@ -116,6 +119,8 @@ class ClusterSnapshot:
                 "waiting": load.num_waiting,
                 "used_tokens": load.used_tokens,
                 "cached_tokens": load.cached_tokens,  # the prefix cache (worker.engine.radix_cache)
+                "prefix_hit_ratio": prefix_hit_ratio(load),
+                "prefix_evicted_tokens": load.prefix_evicted_tokens,
                 "committed_tokens": load.committed_tokens,
                 "max_total_tokens": load.max_total_tokens,
                 "kv_usage": kv_usage(load),
@@ -128,6 +133,11 @@ class ClusterSnapshot:
 
 def kv_usage(load: WorkerLoad) -> float:
     return load.used_tokens / load.max_total_tokens if load.max_total_tokens else 0.0
+
+
+def prefix_hit_ratio(load: WorkerLoad) -> float:
+    """Prompt tokens served from the worker's prefix cache / tokens it looked up, since it started."""
+    return load.prefix_hit_tokens / load.prefix_asked_tokens if load.prefix_asked_tokens else 0.0
 
 
 async def read_cluster(
@@ -145,6 +155,7 @@ async def read_cluster(
     snap.dead_letters = int(await redis.xlen(keys.dead_letters()))
     snap.tenant_queued = _by_class_tenant(await redis.hgetall(keys.tenant_queued()))
     snap.tenant_served = _by_class_tenant(await redis.hgetall(keys.tenant_served()))
+    snap.decisions = {reason: int(n) for reason, n in (await redis.hgetall(keys.router_decisions())).items()}
     snap.recent = await (tracker or RequestTracker(window_s)).refresh(redis, keys, snap.ts_ms)
     return snap
 

@@ -3,7 +3,8 @@
 ``/dashboard/data`` serves the same last cluster view that ``/metrics``
 renders (refreshed off the request path, ``ProducerMetrics.run``), so the
 page shows the numbers a scrape would: queue depth and tokens, drain and
-arrival rates, throughput, the backlog signal, each worker's load, and the
+arrival rates, throughput, the backlog signal, each worker's load and prefix
+cache (cached tokens, hit rate, evictions), the routers' decisions by reason, and the
 newest requests with their status and latencies (these from the request
 records' own times: a display, not the histograms). The page keeps nothing
 but the last answer; its plots draw the producer's own history (one point
@@ -66,6 +67,7 @@ def snapshot_json(snap: ClusterSnapshot, metrics: ProducerMetrics) -> dict:
         "dead_letters": snap.dead_letters,
         "live_workers": len(snap.loads),
         "workers": snap.worker_summary(),
+        "router_decisions": dict(sorted(snap.decisions.items())),
         "totals": totals(metrics),
         "history": list(metrics.history),
         "recent": recent_rows(snap),

@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from producer.monitoring.cluster import ClusterSnapshot, kv_usage, read_cluster
+from producer.monitoring.cluster import ClusterSnapshot, kv_usage, prefix_hit_ratio, read_cluster
 from producer.monitoring.recent import RequestTracker
 from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
 
@@ -38,6 +38,7 @@ WORKER_FIELDS = {
     "max_total_tokens": ("lightq:worker_max_total_tokens", "WorkerLoad.max_total_tokens from the heartbeat"),
     "num_running": ("lightq:worker_running_requests", "WorkerLoad.num_running from the heartbeat"),
     "num_waiting": ("lightq:worker_waiting_requests", "WorkerLoad.num_waiting from the heartbeat"),
+    "cached_tokens": ("lightq:worker_prefix_cached_tokens", "WorkerLoad.cached_tokens: tokens its prefix cache holds"),
 }
 TTFT_BUCKETS = (
     0.005,
@@ -245,6 +246,15 @@ def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:
     pending.add_metric([keys.requests(), ROUTER_GROUP], snap.ingress.pending)
     inbox = gauge("lightq:worker_inbox_depth", "dispatched, not finished (lag + pending)", labels=("worker",))
     kv = gauge("lightq:worker_kv_usage_ratio", "KV pool tokens in use / pool size", labels=("worker",))
+    hits = gauge(
+        "lightq:worker_prefix_hit_ratio",
+        "prompt tokens found in the worker's prefix cache / tokens it looked up, since it started",
+        labels=("worker",),
+    )
+    evicted = CounterMetricFamily(
+        "lightq:worker_prefix_evicted_tokens", "cached tokens the worker evicted to make room", labels=("worker",)
+    )
+    out.append(evicted)
     fields = {name: gauge(metric, doc, labels=("worker",)) for name, (metric, doc) in WORKER_FIELDS.items()}
     for load in snap.loads:
         worker, backlog = load.worker_id, snap.inboxes[load.worker_id]
@@ -252,11 +262,21 @@ def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:
         lag.add_metric([keys.inbox(worker), WORKER_GROUP], backlog.lag)
         pending.add_metric([keys.inbox(worker), WORKER_GROUP], backlog.pending)
         kv.add_metric([worker], kv_usage(load))
+        hits.add_metric([worker], prefix_hit_ratio(load))
+        evicted.add_metric([worker], load.prefix_evicted_tokens)
         for name, family in fields.items():
             family.add_metric([worker], getattr(load, name))
     gauge("lightq:live_workers", "workers with a current heartbeat", len(snap.loads))
     gauge("lightq:dead_letters", "entries in the dead-letter stream", snap.dead_letters)
     _ordering_families(snap, gauge, out)
+    decisions = CounterMetricFamily(
+        "lightq:router_decisions",
+        "admission decisions of every router by reason (router.admission.Reason; from Redis)",
+        labels=("reason",),
+    )
+    for reason, n in sorted(snap.decisions.items()):
+        decisions.add_metric([reason], n)
+    out.append(decisions)
     gauge(
         "lightq:throughput_tokens_per_second",
         "prompt + output tokens of requests finished in the last minute, per second",

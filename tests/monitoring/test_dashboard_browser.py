@@ -58,12 +58,18 @@ def scrape(url: str) -> dict:
     return parse(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
+def decided(samples: dict) -> float:
+    return sum(v for (name, _), v in samples.items() if name == "lightq:router_decisions_total")
+
+
 def wait_idle(stack, num_requests: int) -> dict:
+    """Until every request finished and the routers' decisions of all of them reached Redis."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         samples = scrape(stack.http)
         ended = samples.get(("lightq:requests_ended_total", (("status", "finished"),)), 0)
-        if ended == num_requests and samples[("lightq:ingress_queue_depth", ())] == 0:
+        idle = ended == num_requests and samples[("lightq:ingress_queue_depth", ())] == 0
+        if idle and decided(samples) >= num_requests:
             return samples
         time.sleep(0.3)
     raise AssertionError("requests did not finish")
@@ -86,6 +92,11 @@ def test_page_shows_what_metrics_says(stack, tmp_path):
     for n in lengths:
         body = {"inputs": [11, 12, 13], "parameters": {"max_new_tokens": n, "ignore_eos": True}}
         assert httpx.post(f"{stack.http}/generate", json=body, timeout=60).status_code == 200
+    shared = list(range(100, 230))  # 130 tokens: a hashed prefix, so the second meets the first's cache
+    for n, tail in ((4, [7]), (5, [8])):
+        body = {"inputs": shared + tail, "parameters": {"max_new_tokens": n, "ignore_eos": True}}
+        assert httpx.post(f"{stack.http}/generate", json=body, timeout=60).status_code == 200
+    lengths += [4, 5]
     client = stack.client()
     client.xadd(stack.keys.dead_letters(), {"msg": "{}", "reason": "test"})
     client.close()
@@ -97,8 +108,10 @@ def test_page_shows_what_metrics_says(stack, tmp_path):
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             page.goto(f"{stack.http}/dashboard")
             page.wait_for_function(
-                "document.querySelectorAll('#recent tr').length >= 6 && "
-                "document.querySelectorAll('#workers tr').length == 2",
+                "document.querySelectorAll('#recent tr').length >= 8 && "
+                "document.querySelectorAll('#workers tr').length == 2 && "
+                "[...document.querySelectorAll('#decisions .decisions-n')]"
+                f".reduce((a, c) => a + +c.textContent, 0) >= {len(lengths)}",
                 timeout=20_000,
             )
             shown = {
@@ -117,7 +130,13 @@ def test_page_shows_what_metrics_says(stack, tmp_path):
             workers = page.eval_on_selector_all(
                 "#workers tr",
                 "rows => rows.map(r => [r.dataset.worker, "
-                "r.querySelector('.pct').textContent, r.querySelector('.tokens').textContent])",
+                "r.querySelector('.pct').textContent, r.querySelector('.tokens').textContent, "
+                "r.querySelector('.cached-n').textContent, r.querySelector('.hit-rate').textContent, "
+                "r.querySelector('.evicted-n').textContent])",
+            )
+            decisions = page.eval_on_selector_all(
+                "#decisions tr",
+                "rows => rows.map(r => [r.dataset.reason, r.querySelector('.decisions-n').textContent])",
             )
             statuses = page.eval_on_selector_all("#recent tr", "rows => rows.map(r => r.cells[1].textContent)")
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
@@ -134,11 +153,19 @@ def test_page_shows_what_metrics_says(stack, tmp_path):
     assert shown["backlog"] == f"{samples[('lightq:backlog_gpu_seconds', ())]:.2f}"
     queued = sum(samples[("lightq:queue_tokens", (("kind", kind),))] for kind in ("prompt", "predicted_output"))
     assert shown["queue-tokens"] == f"{queued:.0f}"
-    for worker, pct, tokens in workers:
+    for worker, pct, tokens, cached, hit_rate, evicted in workers:
         label = (("worker", worker),)
         assert pct == f"{100 * samples[('lightq:worker_kv_usage_ratio', label)]:.1f}%"
         assert tokens == (
             f"{samples[('lightq:worker_used_tokens', label)]:.0f} / "
             f"{samples[('lightq:worker_max_total_tokens', label)]:.0f}"
         )
+        assert cached == f"{samples[('lightq:worker_prefix_cached_tokens', label)]:.0f}"
+        assert hit_rate == f"{100 * samples[('lightq:worker_prefix_hit_ratio', label)]:.1f}%"
+        assert evicted == f"{samples[('lightq:worker_prefix_evicted_tokens_total', label)]:.0f}"
+    assert any(hit_rate != "0.0%" for *_, hit_rate, _ in workers), "the shared prompt was found cached"
+    assert {reason: int(n) for reason, n in decisions} == {
+        labels[0][1]: value for (name, labels), value in samples.items() if name == "lightq:router_decisions_total"
+    }
+    assert dict(decisions).get("prefix_hit") == "1", "the second shared prompt went to the first's worker"
     assert statuses.count("finished") == samples[("lightq:requests_ended_total", (("status", "finished"),))]

@@ -32,10 +32,15 @@ async def test_data_equals_metrics(app, client, worker, aredis, keys):
         num_running=3,
         num_waiting=1,
         requests=[],
+        cached_tokens=300,
+        prefix_asked_tokens=400,
+        prefix_hit_tokens=100,
+        prefix_evicted_tokens=64,
     )
     await aredis.zadd(keys.workers(), {"w1": 1})
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await aredis.xadd(keys.dead_letters(), {"msg": "x", "reason": "test"})
+    await aredis.hset(keys.router_decisions(), mapping={"prefix_hit": 5, "least_loaded": 2})  # as routers write it
     request, _ = await generate_with(client, worker, ["a", "b"])
     await client.post("/v1/requests", json={"inputs": [4, 5], "parameters": {"max_new_tokens": 7}})
 
@@ -56,6 +61,13 @@ async def test_data_equals_metrics(app, client, worker, aredis, keys):
     [w1] = data["workers"]
     assert w1["kv_usage"] == samples[("lightq:worker_kv_usage_ratio", (("worker", "w1"),))] == 0.25
     assert (w1["running"], w1["waiting"], w1["max_total_tokens"]) == (3, 1, 2000)
+    label = (("worker", "w1"),)
+    assert w1["cached_tokens"] == samples[("lightq:worker_prefix_cached_tokens", label)] == 300
+    assert w1["prefix_hit_ratio"] == samples[("lightq:worker_prefix_hit_ratio", label)] == 0.25
+    assert w1["prefix_evicted_tokens"] == samples[("lightq:worker_prefix_evicted_tokens_total", label)] == 64
+    assert data["router_decisions"] == {"least_loaded": 2, "prefix_hit": 5}
+    for reason, n in data["router_decisions"].items():
+        assert samples[("lightq:router_decisions_total", (("reason", reason),))] == n
     statuses = {row["id"]: row for row in data["recent"]}
     assert statuses[request.id]["status"] == "finished" and statuses[request.id]["output_tokens"] == 2
     assert statuses[request.id]["ttft_s"] is not None

@@ -67,6 +67,25 @@ def test_router_counts_dispatches_and_pauses_and_reports_its_queue(redis_setting
     assert s[("lightq:dead_letters", ())] == 0
 
 
+def test_router_adds_its_decisions_in_redis_for_the_dashboard(redis_settings, rclient, keys):
+    """At most a flush a second: the first step's decisions at once, the next ones a second later."""
+    publish_load(rclient, keys, "w1", max_total=100)
+    router = metered_router(redis_settings, rclient)
+    submit(rclient, keys, "q0", 10, 10)
+    router.step()
+    assert rclient.hgetall(keys.router_decisions()) == {"least_loaded": "1"}
+    submit(rclient, keys, "q1", 10, 10)
+    router.step()
+    assert rclient.hgetall(keys.router_decisions()) == {"least_loaded": "1"}  # kept until the next flush
+    router._next_flush = 0.0  # a second later
+    router.step()
+    assert rclient.hgetall(keys.router_decisions()) == {"least_loaded": "2"}
+    counted = samples(router.metrics.registry)[
+        ("lightq:router_decisions_total", (("reason", "least_loaded"), ("router", "r1")))
+    ]
+    assert counted == 2
+
+
 class StubEngine:
     """What the collector and the service loop read of ``worker.engine.engine.Engine``."""
 
@@ -75,6 +94,7 @@ class StubEngine:
     running = [object()] * 3  # the batch after the step
     num_pauses = 2
     num_preempted, num_preempted_tokens = 1, 57  # paused for a better class (router --preempt)
+    num_discarded = 4  # --overlap: sampled for requests already ended
 
     def __init__(self, events):
         self.events = events
@@ -137,6 +157,7 @@ def test_worker_counts_tokens_and_reads_its_engine(redis_settings, rclient, keys
     assert s[("lightq:worker_preemptions_total", w1)] == 2
     assert s[("lightq:worker_priority_preemptions_total", w1)] == 1
     assert s[("lightq:worker_preempted_kv_tokens_total", w1)] == 57
+    assert s[("lightq:worker_overlap_discarded_tokens_total", w1)] == 4
     assert s[("lightq:worker_kv_usage_ratio", w1)] == 0.4
     assert (s[("lightq:worker_prefix_cached_tokens", w1)], s[("lightq:worker_prefix_evictable_tokens", w1)]) == (
         300,

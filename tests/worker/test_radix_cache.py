@@ -36,9 +36,55 @@ class Active:
         return self.lease.end if self.lease is not None else 0
 
 
+def nodes(cache: RadixCache) -> list:
+    out, todo = [], list(cache.root.children.values())
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        todo += node.children.values()
+    return out
+
+
+def lru_evictions(cache: RadixCache, n: int) -> set[tuple[int, ...]]:
+    """What evicting ``n`` tokens should take, by brute force over the whole tree: the
+    unreferenced leaf used least recently, again and again (a parent whose children all went is
+    a leaf); the prefixes those nodes held."""
+    prefix = {}
+    todo = [(cache.root, ())]
+    while todo:
+        node, path = todo.pop()
+        for child in node.children.values():
+            prefix[id(child)] = path + tuple(child.ids.tolist())
+            todo.append((child, prefix[id(child)]))
+    gone: set[int] = set()
+    freed = 0
+    while freed < n:
+        leaves = [
+            x
+            for x in nodes(cache)
+            if id(x) not in gone and x.ref == 0 and all(id(c) in gone for c in x.children.values())
+        ]
+        if not leaves:
+            break
+        oldest = min(leaves, key=lambda x: x.last_used)
+        gone.add(id(oldest))
+        freed += len(oldest.ids)
+    taken = [x for x in nodes(cache) if id(x) in gone]
+    return {prefix[id(x)][:k] for x in taken for k in range(x.start + 1, x.end + 1)}
+
+
+def walked_summary(cache: RadixCache, limit: int) -> list[tuple[int, int]]:
+    """The summary by brute force: every boundary of every node, newest first, longer first."""
+    ranked = sorted((-x.last_used, -tokens, h) for x in nodes(cache) for tokens, h in x.hashes)
+    return [(h, -tokens) for _, tokens, h in ranked[:limit]]
+
+
 def check(cache: RadixCache, pool: TokenPool, model: dict, active: list[Active]) -> None:
     tree = contents(cache)
     assert tree == model
+    assert cache.num_nodes == len(nodes(cache)) == len(list(cache._recency.newest_first()))
+    for limit in (1, 5, 1000):
+        assert cache.summary(limit) == walked_summary(cache, limit)
     assert cache.num_cached == len(tree)
     held = {a.ids[:k] for a in active for k in range(1, a.held + 1)}
     assert cache.num_evictable == sum(p not in held for p in tree)
@@ -55,7 +101,7 @@ def allocate(cache: RadixCache, pool: TokenPool, n: int) -> np.ndarray:
     return pool.allocate(n)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 def test_random_operations_agree_with_a_brute_force_model(seed):
     rng = random.Random(seed)
     pool = TokenPool(POOL)
@@ -91,11 +137,12 @@ def test_random_operations_agree_with_a_brute_force_model(seed):
             cache.release(a.ids, a.slots, a.lease)
         else:
             before, n = dict(model), rng.randrange(1, 60)
-            unheld = cache.num_evictable
+            unheld, expected = cache.num_evictable, lru_evictions(cache, n)
             freed = cache.evict(n)
             model = contents(cache)
             removed = set(before) - set(model)
             assert len(removed) == freed >= min(n, unheld)
+            assert removed == expected, "least recently used leaves first, as a walk of the whole tree finds"
             held = {a.ids[:k] for a in active for k in range(1, a.held + 1)}
             assert not removed & held, "a leased prefix was evicted"
             assert all(p[:-1] not in removed for p in model), "only leaves go"
@@ -150,3 +197,19 @@ def test_no_cache_frees_everything_at_release():
     assert cache.match([1, 2, 3])[1] is None and cache.peek([1, 2]) == (0, 0)
     cache.release([1, 2, 3, 4, 5], slots, None)
     assert pool.num_free == 8
+
+
+def test_leases_taken_and_given_back_over_and_over_keep_the_leaf_heap_bounded():
+    """Each lease given back pushes its leaf again (the old entry goes stale); with nothing ever
+    evicted (the pool never fills) the stale entries are still dropped, so the heap does not grow
+    with the traffic."""
+    pool = TokenPool(64)
+    cache = RadixCache(pool)
+    prompts = [[1, 2, 3, 4], [1, 2, 7, 8], [9, 9]]
+    for ids in prompts:
+        cache.release(ids, pool.allocate(len(ids)), None)
+    for i in range(1000):
+        slots, lease = cache.match(prompts[i % 3])
+        cache.release(prompts[i % 3], slots, lease)
+        assert len(cache._leaves) <= 2 * cache.num_nodes + 65
+    assert cache.evict(1) == 2 and cache.peek([1, 2, 3, 4]) == (4, 0)  # [1 2 3 4] was used last but one

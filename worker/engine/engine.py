@@ -33,6 +33,22 @@ room a step has is the free slots plus the evictable cached ones, and
 admission counts only what a request adds: not the part of its prefix that
 running requests already hold (``_adds``). A paused request is resumed
 from whatever of its tokens the tree still holds.
+
+With ``overlap`` (on a GPU by default, ``--overlap``) the host prepares a step
+while the device runs the one before: a decode step is launched (its forward
+reads each request's last sampled id where the sampler left it, on the
+device), then the previous decode's tokens land (the host waits for them, the
+device having the new forward queued), then the new step's sampling is queued
+(after the landing, so grammar masks and sampling parameters see every token
+so far). So the host learns a token one step after it was sampled, and
+finds an end by EOS, grammar or stop string one step late: the request fed
+one more token, whose K/V and sample are thrown away (``num_discarded``),
+never published. Ends known in advance (``max_new_tokens``) cost nothing.
+Cancels, stop strings and preemptions between steps simply mark the request
+finished; its token in flight is dropped when it lands. A pause needs every
+token landed first (``step`` lands the step in flight before pausing), since
+the paused request is prefilled again from its output. Invariant: at most
+one decode is in flight, and it lands in the next ``step`` or ``flush``.
 """
 
 from __future__ import annotations
@@ -56,7 +72,8 @@ from worker.engine.request import Phase, Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
 
 if TYPE_CHECKING:  # the engine itself stays free of torch
-    from worker.runner.sampler import Sampled
+    from worker.runner.model_runner import DecodeForward
+    from worker.runner.sampler import PendingSampled, Sampled
 
 log = logging.getLogger("lightq.worker")
 
@@ -70,7 +87,8 @@ class EngineLimits:
 
 class Runner(Protocol):
     """What the engine asks of ``worker.runner.model_runner.ModelRunner``: the pool's slots, a table
-    row per request, and the forwards."""
+    row per request, and the forwards, each queued on the device (nothing waits until the engine
+    lands its ``PendingSampled``)."""
 
     pool: TokenPool
     slots: KVSlots
@@ -79,16 +97,33 @@ class Runner(Protocol):
     def finish(self, req: Req) -> None: ...
     def prefill(
         self, reqs: list[Req], num_new: list[int], completing: list[Req], forks: dict[Req, list[Req]] | None = None
-    ) -> Sampled: ...
-    def decode(self, reqs: list[Req]) -> Sampled: ...
+    ) -> PendingSampled: ...
+    def forward_decode(self, reqs: list[Req], ids_known: bool = True) -> DecodeForward: ...
+    def sample_decode(self, launched: DecodeForward) -> PendingSampled: ...
+    def accept(self, reqs: list[Req], ids: list[int]) -> list[bool]: ...
+
+
+@dataclass(frozen=True)
+class Launched:
+    """Samples whose tokens are on their way from the device, in the order they were sampled."""
+
+    reqs: list[Req]
+    pending: PendingSampled
 
 
 class Engine:
-    def __init__(self, runner: Runner, limits: EngineLimits, eos_ids: set[int], rule: AdmissionRule):
+    def __init__(
+        self, runner: Runner, limits: EngineLimits, eos_ids: set[int], rule: AdmissionRule, overlap: bool = False
+    ):
         self.runner = runner
         self.limits = limits
         self.eos_ids = eos_ids
         self.rule = rule  # the router's rule, from the same settings (shared.admission)
+        # Land each decode's tokens in the next step, after its forward is launched (module docstring).
+        self.overlap = overlap
+        self._in_flight: Launched | None = None  # the decode whose tokens have not landed
+        # Tokens sampled for requests that had ended before they landed (overlap: found a step late).
+        self.num_discarded = 0
         self.num_pauses = 0
         # Pauses for a better class (``preempt``) and the KV tokens they threw away (to recompute).
         self.num_preempted = 0
@@ -99,7 +134,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
 
     def take_unstarted(self) -> list[Req]:
         """Remove and return the waiting requests that never started here (no events were sent
@@ -169,34 +204,68 @@ class Engine:
         return events
 
     def step(self, early: Callable[[list[Event]], None] | None = None) -> list[Event]:
-        """Admit, prefill, decode. The prefill goes first, and ``early`` (if given) gets its events
-        (admissions, first tokens) before the decode runs: a new request's first token does not wait
-        for the decode forward. The other events are returned."""
+        """Admit, prefill, decode, and land what the device sampled; the events are returned.
+
+        The prefill goes first. Without overlap, ``early`` (if given) gets its events (admissions,
+        first tokens) before the decode runs, so a new request's first token does not wait for the
+        decode forward, and the decode's tokens land before this returns. With overlap the decode's
+        tokens land in the next call, between its forward's launch and its sampling: the host
+        prepares a step while the device runs the last one (the module docstring says what that
+        costs). A prefill's tokens land in the call that launched them either way."""
         events: list[Event] = [Started(r.msg, r.taken_ms) for r in self._admit() if not r.is_paused]
         for req in self.running:
             req.is_paused = False
-        self._pause_overflow()
-        decoding = [r for r in self.running if r.is_prefilled]  # before the prefill: it samples its own
-        chunks = self._prefill_chunks()
-        if chunks:
-            events += self._prefill(chunks)
-        if decoding:
-            if early is not None and events:
+        decoding = self._decoding()  # before the prefill: it samples its own
+        if self.runner.slots.available < self._slots_needed(decoding):
+            events += self.flush()  # the requests its tokens end free slots: maybe no pause is needed
+            self._pause_overflow()
+            decoding = self._decoding()
+        chunks = self._prefill_chunks(len(decoding))
+        prefill = self._launch_prefill(chunks) if chunks else None
+        if prefill is not None and not self.overlap:
+            events += self._land(prefill)
+            prefill = None
+            if decoding and early is not None and events:
                 early(events)
                 events = []
-            events += self._sample_and_finish(decoding, self.runner.decode(decoding))
+        if decoding:
+            launched = self.runner.forward_decode(decoding, ids_known=self._in_flight is None)
+            events += self.flush()  # before the sampling: grammars advance on these tokens
+            self._in_flight = Launched(decoding, self.runner.sample_decode(launched))
+        else:
+            events += self.flush()
+        if prefill is not None:
+            events += self._land(prefill)
+        if not self.overlap:
+            events += self.flush()
         self.runner.slots.refresh_summary(idle=not self.has_work)  # on this thread: the tree is not thread-safe
         return events
 
-    def _prefill(self, chunks: list[tuple[Req, int]]) -> list[Event]:
+    def flush(self) -> list[Event]:
+        """Land the decode in flight, if any: its tokens, and the ends they make."""
+        launched, self._in_flight = self._in_flight, None
+        return self._land(launched) if launched is not None else []
+
+    def _decoding(self) -> list[Req]:
+        """The prefilled requests that feed a token this step: all but those whose token in flight
+        is their last (their length is known without it)."""
+        if self._in_flight is None:
+            return [r for r in self.running if r.is_prefilled]
+        flying = set(self._in_flight.reqs)
+        return [
+            r
+            for r in self.running
+            if r.is_prefilled and not (r in flying and len(r.output_ids) + 1 >= r.msg.params.max_new_tokens)
+        ]
+
+    def _launch_prefill(self, chunks: list[tuple[Req, int]]) -> Launched:
         """One prefill forward over (request, tokens) chunks; those that complete sample."""
         reqs = [r for r, _ in chunks]
         completing = [r for r, n in chunks if n == r.num_uncached]
         forks = {r: r.fork_members() for r in completing if r.is_unforked_leader}
-        sampled = self.runner.prefill(reqs, [n for _, n in chunks], completing, forks)
+        pending = self.runner.prefill(reqs, [n for _, n in chunks], completing, forks)
         self._join_forks(forks)
-        sampling = [r for _, r in sampling_after_prefill(completing, forks)]
-        return self._sample_and_finish(sampling, sampled)
+        return Launched([r for _, r in sampling_after_prefill(completing, forks)], pending)
 
     def _join_forks(self, forks: dict[Req, list[Req]]) -> None:
         """A forked group's new samples run from now on (the runner gave them rows and the prompt)."""
@@ -257,8 +326,9 @@ class Engine:
         return states
 
     def _pause_overflow(self) -> None:
-        """Free slots for this step's tokens by pausing the newest requests (an estimate was wrong)."""
-        while self.runner.slots.available < self._slots_needed() and len(self.running) > 1:
+        """Free slots for this step's tokens by pausing the newest requests (an estimate was wrong).
+        Nothing is in flight (the caller landed it), so a paused request has no token on its way."""
+        while self.runner.slots.available < self._slots_needed(self._decoding()) and len(self.running) > 1:
             victim = self.running[-1]
             with self._lock:
                 self.running.pop()
@@ -270,15 +340,15 @@ class Engine:
                 "paused %s (%d tokens out) to free KV slots: an estimate was short", victim.id, len(victim.output_ids)
             )
 
-    def _slots_needed(self) -> int:
+    def _slots_needed(self, decoding: list[Req]) -> int:
         """Slots this step must have: one per decoding request, one for any prefill to progress."""
-        return sum(r.is_prefilled for r in self.running) + any(not r.is_prefilled for r in self.running)
+        return len(decoding) + any(not r.is_prefilled for r in self.running)
 
-    def _prefill_chunks(self) -> list[tuple[Req, int]]:
+    def _prefill_chunks(self, num_decoding: int) -> list[tuple[Req, int]]:
         """(request, tokens to prefill now), oldest first, within ``batch_max_tokens`` and the
         pool's room less this step's decode tokens."""
         budget = self.limits.batch_max_tokens
-        free = self.runner.slots.available - sum(r.is_prefilled for r in self.running)
+        free = self.runner.slots.available - num_decoding
         chunks: list[tuple[Req, int]] = []
         for req in self.running:
             if budget <= 0:
@@ -290,6 +360,25 @@ class Engine:
                 chunks.append((req, n))
                 budget, free = budget - n, free - n
         return chunks
+
+    def _land(self, launched: Launched) -> list[Event]:
+        """Wait for ``launched``'s tokens; those of requests that ended meanwhile (found a step late,
+        cancelled, stopped, preempted) are dropped: nothing was published for them."""
+        if not launched.reqs:
+            return []
+        reqs, sampled = launched.reqs, launched.pending.result()
+        if any(r.phase is Phase.FINISHED for r in reqs):
+            live = [row for row, r in enumerate(reqs) if r.phase is not Phase.FINISHED]
+            self.num_discarded += len(reqs) - len(live)
+            reqs = [reqs[row] for row in live]
+            sampled = sampled._replace(
+                ids=[sampled.ids[row] for row in live],
+                logprobs=[sampled.logprobs[row] for row in live],
+                top=[sampled.top[row] for row in live],
+            )
+        for req, ended in zip(reqs, self.runner.accept(reqs, sampled.ids)):
+            req.is_grammar_complete = ended
+        return self._sample_and_finish(reqs, sampled)
 
     def _sample_and_finish(self, reqs: list[Req], sampled: Sampled) -> list[Event]:
         """The forward's tokens as one ``Tokens`` record (columns, no object per token), then

@@ -29,11 +29,11 @@ from worker.engine.radix_cache import NoCache, PrefixCache
 from worker.engine.request import Req
 from worker.engine.token_pool import TokenPool
 
-EVICT_SHARE = 100  # an eviction frees at least 1 / EVICT_SHARE of the pool (see ``allocate``)
 # The cache summary in each load record: at most this many (hash, tokens) pairs (about 40 bytes
-# each as JSON), rebuilt at most this often while busy (each rebuild walks the tree).
+# each as JSON), rebuilt at most this often while busy (a rebuild reads about SUMMARY_LIMIT
+# entries, ``RadixCache.summary``; when it walked the whole tree, at most once a second).
 SUMMARY_LIMIT = 256
-SUMMARY_PERIOD_S = 1.0
+SUMMARY_PERIOD_S = 0.25
 # A waiting request whose first SHARED_MIN ids equal those of a prefill in progress waits for it
 # (``prefill_key``): shorter common prefixes (a chat template's few dozen tokens) are not worth a step.
 SHARED_MIN = 256
@@ -84,12 +84,12 @@ class KVSlots:
         return self.pool.num_used - self.cache.num_evictable
 
     def allocate(self, n: int) -> np.ndarray:
-        """``n`` slots; when the pool is short, cached ones are evicted, at least 1% of the pool at
-        a time: eviction walks the whole tree, and a pool full of cache would otherwise walk it
-        on every decode step."""
+        """``n`` slots; when the pool is short, cached ones are evicted, just enough (an eviction
+        costs O(log n) per node it frees; when it walked the whole tree it freed at least 1% of
+        the pool at a time, so that a full pool did not walk it on every decode step)."""
         short = n - self.pool.num_free
         if short > 0:
-            self.cache.evict(max(short, self.pool.num_slots // EVICT_SHARE))
+            self.cache.evict(short)
         return self.pool.allocate(n)
 
     def refresh_summary(self, idle: bool) -> None:

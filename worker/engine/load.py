@@ -18,7 +18,9 @@ counted once too, with the first of them, node by node of its path (a
 request admitted with a hit adds only the rest: ``Engine._adds``); a split
 on the model loop can make one record count a few tokens twice, never lose
 them. The record also carries what the cache holds (``prefixes``) for the
-router's cache-aware choice.
+router's cache-aware choice, which of those prefixes the listed requests hold
+(``held_prefixes``: a request starting with one adds only the rest, as
+``Engine._adds`` counts it), and the cache's counters for the dashboard.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import WorkerLoad
 from worker.engine.kv_slots import CacheStats
-from worker.engine.radix_cache import Lease, lease_path
+from worker.engine.radix_cache import Lease, held_hashes, lease_path
 from worker.engine.request import Phase, Req
 
 
@@ -120,6 +122,11 @@ def build_load(
 ) -> WorkerLoad:
     snap = engine.snapshot()
     reqs = engine.requests()
+    states = request_states(reqs)
+    # After the states, from the same requests: a lease let go of since is missing (the router
+    # counts that prefix again), never one the states do not count.
+    live = [req for req in reqs if req.phase is not Phase.FINISHED]  # as request_states counts them
+    held = held_hashes(lease for req in live for lease in (req.lease, req.group.lease if req.group else None))
     return WorkerLoad(
         worker_id=worker_id,
         seq=seq,
@@ -133,9 +140,13 @@ def build_load(
         draining=draining,
         model=model,
         running_max_req_size=engine.limits.running_max_req_size,
-        requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in request_states(reqs)],
+        requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in states],
         preemptible=preemptible_classes(reqs, max_preemptions),
         preempt_asks_read=preempt_asks_read,
         cached_tokens=snap.cache.cached,
         prefixes=list(snap.prefixes),
+        held_prefixes=[i for i, (h, _) in enumerate(snap.prefixes) if h in held],
+        prefix_asked_tokens=snap.cache.asked,
+        prefix_hit_tokens=snap.cache.hit,
+        prefix_evicted_tokens=snap.cache.evicted,
     )

@@ -28,14 +28,14 @@ pool, the rest joins the tree.
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from shared.prefix_hash import PREFIX_BLOCK, prefix_hashes
+from worker.engine.cache_order import LeafHeap, Recency
 from worker.engine.token_pool import TokenPool
 
 Ids = Sequence[int]
@@ -43,7 +43,7 @@ NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
 class Node:
-    __slots__ = ("children", "parent", "ids", "slots", "ref", "last_used", "end", "hashes")
+    __slots__ = ("children", "parent", "ids", "slots", "ref", "last_used", "end", "hashes", "newer", "older")
 
     def __init__(self, parent: Node | None, ids: np.ndarray, slots: np.ndarray, end: int):
         self.children: dict[int, Node] = {}
@@ -54,6 +54,8 @@ class Node:
         self.last_used = 0
         self.end = end  # tokens from the root to this node's last, inclusive
         self.hashes: list[tuple[int, int]] = []  # (tokens covered, prefix hash) of boundaries ending here
+        self.newer: Node | None = None  # neighbours in the cache's ``Recency`` order
+        self.older: Node | None = None
 
     @property
     def start(self) -> int:
@@ -71,6 +73,21 @@ def lease_path(lease: Lease | None) -> list[tuple[int, int]]:
         path.append((id(lease), len(lease.ids)))
         lease = lease.parent
     return path
+
+
+def held_hashes(leases: Iterable[Lease | None]) -> set[int]:
+    """The prefix hashes (``Node.hashes``) of every boundary on the leases' paths: prefixes whose
+    tokens the holders count in their load-record states (``worker.engine.load``), so a request
+    starting with one adds only the rest there (the router's discount, ``router.admission``)."""
+    held: set[int] = set()
+    seen: set[int] = set()
+    for lease in leases:
+        node = lease
+        while node is not None and node.parent is not None and id(node) not in seen:
+            seen.add(id(node))
+            held.update(h for _, h in node.hashes)
+            node = node.parent
+    return held
 
 
 class PrefixCache(Protocol):
@@ -131,7 +148,10 @@ class RadixCache:
         self.num_cached = 0  # tokens in the tree
         self.num_evictable = 0  # tokens in nodes no lease holds
         self.num_evicted = 0  # tokens evicted so far (a counter)
+        self.num_nodes = 0  # nodes in the tree, the root left out
         self._clock = itertools.count(1)
+        self._recency: Recency[Node] = Recency()  # every node, by last use (``summary``)
+        self._leaves: LeafHeap[Node] = LeafHeap()  # unreferenced leaves, by last use (``evict``)
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -194,6 +214,7 @@ class RadixCache:
                 self.num_evictable -= len(node.ids)
             node.ref += 1
             node.last_used = stamp
+            self._recency.touch(node)
             assert node.parent is not None
             node = node.parent
 
@@ -202,8 +223,11 @@ class RadixCache:
         while node is not self.root:
             node.ref -= 1
             node.last_used = stamp
+            self._recency.touch(node)
             if node.ref == 0:
                 self.num_evictable += len(node.ids)
+                if not node.children:
+                    self._leaves.push(node)
             assert node.parent is not None
             node = node.parent
 
@@ -241,6 +265,8 @@ class RadixCache:
         assert node.parent is not None
         upper = Node(node.parent, node.ids[:at], node.slots[:at], node.start + at)
         upper.ref, upper.last_used = node.ref, node.last_used
+        self._recency.add_before(upper, node)  # the same stamp, so next to it
+        self.num_nodes += 1
         upper.hashes = [h for h in node.hashes if h[0] <= upper.end]
         node.hashes = [h for h in node.hashes if h[0] > upper.end]
         upper.children[int(node.ids[at])] = node
@@ -266,42 +292,46 @@ class RadixCache:
                 hashes = prefix_hashes(listed, self.block)
                 leaf.hashes = [((k + 1) * self.block, h) for k, h in enumerate(hashes) if k + 1 >= first]
             node.children[int(key[present])] = leaf
+            self._recency.add(leaf)
+            self._leaves.push(leaf)
+            self.num_nodes += 1
             self.num_cached += len(leaf.ids)
             self.num_evictable += len(leaf.ids)
         return present
 
     def evict(self, num_tokens: int) -> int:
         """Give at least ``num_tokens`` slots back to the pool from unreferenced leaves, least
-        recently used first (fewer if the rest is held); returns how many."""
-        if self.num_evictable == 0:  # all held: no walk
-            return 0
-        leaves = [(n.last_used, id(n), n) for n in self._nodes() if not n.children and n.ref == 0]
-        heapq.heapify(leaves)
+        recently used first (fewer if the rest is held); returns how many. O(log n) per node
+        evicted (``LeafHeap``), not a walk of the tree."""
         freed = 0
-        while freed < num_tokens and leaves:
-            _, _, node = heapq.heappop(leaves)
+        while freed < num_tokens and self.num_evictable > freed:
+            node = self._leaves.pop()
+            if node is None:
+                break
             parent = node.parent
             assert parent is not None
             self.pool.free(node.slots)
             del parent.children[int(node.ids[0])]
+            self._recency.remove(node)
+            node.parent = None  # out of the tree: its heap entries are stale
+            self.num_nodes -= 1
             freed += len(node.ids)
             if parent is not self.root and not parent.children and parent.ref == 0:
-                heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+                self._leaves.push(parent)
         self.num_cached -= freed
         self.num_evictable -= freed
         self.num_evicted += freed
         return freed
 
-    def _nodes(self) -> list[Node]:
-        out, todo = [], list(self.root.children.values())
-        while todo:
-            node = todo.pop()
-            out.append(node)
-            todo.extend(node.children.values())
-        return out
-
     def summary(self, limit: int) -> list[tuple[int, int]]:
         """At most ``limit`` (prefix hash, tokens it covers) pairs of what the tree holds, the most
-        recently used paths first, longer before shorter (``shared.prefix_hash``)."""
-        ranked = [(-n.last_used, -tokens, h) for n in self._nodes() for tokens, h in n.hashes]
-        return [(h, -tokens) for _, tokens, h in heapq.nsmallest(limit, ranked)]
+        recently used paths first, longer before shorter (``shared.prefix_hash``). Reads the
+        newest nodes only (``Recency``): once ``limit`` pairs are in hand, a node stamped before
+        the last of them cannot rank among them."""
+        ranked: list[tuple[int, int, int]] = []  # (stamp, tokens, hash)
+        for node in self._recency.newest_first() if limit > 0 else ():
+            if len(ranked) >= limit and node.last_used < ranked[-1][0]:
+                break
+            ranked.extend((node.last_used, tokens, h) for tokens, h in node.hashes)
+        ranked.sort(key=lambda entry: (-entry[0], -entry[1]))  # one path per stamp: no ties
+        return [(h, tokens) for _, tokens, h in ranked[:limit]]

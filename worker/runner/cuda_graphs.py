@@ -70,7 +70,11 @@ class DecodeGraphs:
         self.buckets = sorted(buckets)
         self.max_bs = self.buckets[-1]
         self.inputs = torch.zeros((4, self.max_bs), dtype=torch.int64, device=device)
-        self.host = torch.zeros((4, self.max_bs), dtype=torch.int64).pin_memory()
+        # Two pinned staging buffers, used in turn: an overlapped engine fills step n + 1's while
+        # step n's copy may still be queued. Buffer reuse two steps later is safe because the engine
+        # has landed step n's sampling (queued after that copy) before it plans step n + 2.
+        self.hosts = [torch.zeros((4, self.max_bs), dtype=torch.int64).pin_memory() for _ in range(2)]
+        self._turn = 0
         self.logits = torch.empty((self.max_bs, vocab_size), dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all()
@@ -78,14 +82,28 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> torch.Tensor:
-        """Logits [B, vocab] of one decode step; also records the new slots in the table."""
-        n = len(input_ids)
+    def run(
+        self,
+        input_ids: np.ndarray | None,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        rows: np.ndarray,
+        last_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, vocab] of one decode step; also records the new slots in the table.
+        ``input_ids`` None: each row's input is ``last_ids[row]``, read on the device."""
+        n = len(positions)
         bs = next(b for b in self.buckets if b >= n)
-        host = self.host.numpy()
-        host[0, :n], host[1, :n], host[2, :n], host[3, :n] = input_ids, positions, slots, rows
+        staging = self.hosts[self._turn]
+        self._turn ^= 1
+        host = staging.numpy()
+        host[0, :n] = 0 if input_ids is None else input_ids
+        host[1, :n], host[2, :n], host[3, :n] = positions, slots, rows
         host[:, n:bs] = np.array([[0], [0], [self.hold_slot], [self.table.hold_row]])
-        self.inputs[:, :bs].copy_(self.host[:, :bs], non_blocking=True)
+        self.inputs[:, :bs].copy_(staging[:, :bs], non_blocking=True)
+        if input_ids is None:
+            assert last_ids is not None, "a decode with its ids on the device needs them"
+            self.inputs[0, :n] = last_ids[self.inputs[3, :n]]
         self.graphs[bs].replay()
         return self.logits[:n]
 
@@ -117,6 +135,6 @@ class DecodeGraphs:
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def _pad_all(self) -> None:
-        host = self.host.numpy()
+        host = self.hosts[0].numpy()
         host[:] = np.array([[0], [0], [self.hold_slot], [self.table.hold_row]])
-        self.inputs.copy_(self.host)
+        self.inputs.copy_(self.hosts[0])

@@ -18,7 +18,15 @@ the leader's last-position logits. No K/V is copied.
 
 Constrained samples (``grammars``, ``worker.runner.grammar``) get their
 matcher with their row (``start``; rebuilt after the emitted tokens on a
-fork); a step's mask is filled while its forward runs (after the launch).
+fork); a step's mask is filled while its forward runs (after the launch),
+and the engine advances the matchers (``accept``) when it lands the tokens.
+
+Nothing here waits for the device: a forward and its sampling are queued,
+and the sampled ids come back as a ``PendingSampled`` the engine lands when
+it needs them (``worker.engine.engine``). A decode is two calls so that the
+engine can land the previous step between them (``forward_decode``, then
+``sample_decode``): its input ids are the last sampled ids of each row,
+read on the device (``last_ids``) when the host has not seen them yet.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from worker.runner import prompt_logprobs
 from worker.runner.grammar import GrammarMask, Grammars
 from worker.runner.penalties import TokenCounts
 from worker.runner.req_table import ReqTable
-from worker.runner.sampler import RowParams, Sampled, SamplingBatch, sample
+from worker.runner.sampler import PendingSampled, RowParams, SamplingBatch, launch_sample
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,18 @@ class StepInputs:
     prefix: np.ndarray = field(default_factory=lambda: np.empty((0, 3), dtype=np.int64))
     # [N] packed tokens to return logits for (None: each request's last); prompt logprobs, --tp 1 only.
     logit_index: np.ndarray | None = None
+    # A decode whose input ids are its rows' last sampled ids, still on the device (``last_ids``;
+    # ``input_ids`` is then empty): the overlapped engine launched it before landing them. --tp 1 only.
+    ids_on_device: bool = False
+
+
+@dataclass(frozen=True)
+class DecodeForward:
+    """A launched decode forward, waiting for its sampling (``ModelRunner.sample_decode``)."""
+
+    reqs: list[Req]
+    rows: np.ndarray  # their table rows at launch (a request released since no longer has its own)
+    logits: torch.Tensor
 
 
 class ModelRunner:
@@ -91,6 +111,8 @@ class ModelRunner:
         # The last step's parameter tensors, keyed by its samples in order: decode steps of an
         # unchanged batch reuse them (a sample's parameters never change while it runs).
         self._row_params: tuple[tuple, RowParams | None] = ((), None)
+        # Per table row, the id its last sampling drew: the next decode's input (see ``StepInputs.ids_on_device``).
+        self.last_ids = torch.zeros(table.hold_row + 1, dtype=torch.int64, device=device)
 
     def start(self, req: Req) -> None:
         req.row = self.table.allocate_row()
@@ -142,24 +164,39 @@ class ModelRunner:
         return [(m.row, leader.row, n) for m in members]
 
     @torch.inference_mode()
-    def decode(self, reqs: list[Req]) -> Sampled:
-        """One token for each request (all prefilled): feed its last token, sample the next."""
+    def forward_decode(self, reqs: list[Req], ids_known: bool = True) -> DecodeForward:
+        """Launch one decode forward (all prefilled): each request feeds its last token. With
+        ``ids_known`` False some of those are not on the host yet: they are read on the device."""
         slots = self.slots.allocate(len(reqs))
         rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
         positions = np.fromiter((r.num_cached for r in reqs), dtype=np.int64, count=len(reqs))
-        input_ids = np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int64, count=len(reqs))
+        if ids_known:
+            input_ids = np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int64, count=len(reqs))
+        else:
+            input_ids = np.empty(0, dtype=np.int64)
         for req, slot in zip(reqs, slots):
             req.slot_ids[req.num_cached] = slot
             req.num_cached += 1
         ones = np.ones(len(reqs), dtype=np.int64)
-        logits = self.forward(StepInputs(input_ids, positions, slots, rows, positions, ones, True))
-        mask = self._mask(reqs)  # after the launch: on a GPU the host work overlaps the forward
-        return self._sample(logits, reqs, mask)
+        step = StepInputs(input_ids, positions, slots, rows, positions, ones, True, ids_on_device=not ids_known)
+        return DecodeForward(reqs, rows, self.forward(step))
+
+    @torch.inference_mode()
+    def sample_decode(self, launched: DecodeForward) -> PendingSampled:
+        """Queue the sampling of a launched decode (its grammar masks from the matchers as they are now)."""
+        mask = self._mask(launched.reqs)  # on a GPU, this host work overlaps the forward
+        return self._sample(launched.logits, launched.reqs, launched.rows, mask)
+
+    def accept(self, reqs: list[Req], ids: list[int]) -> list[bool]:
+        """Landed tokens advance their samples' grammars; per row, whether the grammar ended it."""
+        if self.grammars is None:
+            return [False] * len(reqs)
+        return self.grammars.accept(reqs, ids)
 
     @torch.inference_mode()
     def prefill(
         self, reqs: list[Req], num_new: list[int], completing: list[Req], forks: dict[Req, list[Req]] | None = None
-    ) -> Sampled:
+    ) -> PendingSampled:
         """Feed ``num_new[i]`` uncached tokens of each request; sample for those in ``completing``
         and, right after each leader in ``forks`` (which must complete), for its new members."""
         forks = forks or {}
@@ -201,11 +238,13 @@ class ModelRunner:
             prompt_logprobs.gather(reqs, num_new, cached, logits)
             logits = logits[torch.from_numpy(last_rows).to(logits.device)]
         if not pairs:  # nothing completed, or only samples that resume after emitted tokens
-            return Sampled([], [], [])
+            return PendingSampled.none()
         # Each completing request samples from its own last logits, a fork's members from their leader's
         # (those that resume after emitted tokens do not sample yet: see sampling_after_prefill).
         position = {r: i for i, r in enumerate(reqs)}
-        return self._sample(logits[[position[source] for source, _ in pairs]], [r for _, r in pairs], mask)
+        sampling = [r for _, r in pairs]
+        sample_rows = np.array([r.row for r in sampling], dtype=np.int64)
+        return self._sample(logits[[position[source] for source, _ in pairs]], sampling, sample_rows, mask)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
@@ -213,7 +252,8 @@ class ModelRunner:
         if self.on_forward is not None:
             self.on_forward(step)
         if step.is_decode and self.graphs is not None and self.graphs.can_run(len(step.rows)):
-            return self.graphs.run(step.input_ids, step.positions, step.slots, step.rows)
+            ids = None if step.ids_on_device else step.input_ids
+            return self.graphs.run(ids, step.positions, step.slots, step.rows, self.last_ids)
         if step.is_decode:
             self.table.write_scattered(step.rows, step.positions, step.slots)
         else:  # every new token's slot in one indexed write (a mixed step has a row per decoding request)
@@ -241,13 +281,18 @@ class ModelRunner:
                 step.q_lens,
                 step.is_decode,
                 step.logit_index,
+                step.ids_on_device,
             )
         )
 
     def _mask(self, reqs: list[Req]) -> GrammarMask | None:
         return self.grammars.mask(reqs) if self.grammars is not None and reqs else None
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req], mask: GrammarMask | None = None) -> Sampled:
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[Req], rows: np.ndarray, mask: GrammarMask | None = None
+    ) -> PendingSampled:
+        """Queue the sampling of ``reqs`` (table ``rows`` as at the launch); the ids also go to
+        ``last_ids``, where the next decode reads them."""
         params = [r.msg.params for r in reqs]
         key = tuple((r.id, r.choice) for r in reqs)
         if key != self._row_params[0]:
@@ -256,30 +301,31 @@ class ModelRunner:
             params,
             self.vocab_size,
             self.device,
-            rows=[r.row for r in reqs],
+            rows=rows.tolist(),
             output_lens=[len(r.output_ids) for r in reqs],
             fixed=self._row_params[1],
             grammar=mask,
         )
-        sampled = sample(logits, batch, self.counts)
-        if mask is not None and self.grammars is not None:
-            for req, ended in zip(reqs, self.grammars.accept(reqs, sampled.ids)):
-                req.is_grammar_complete = ended
-        return sampled
+        pending = launch_sample(logits, batch, self.counts)
+        assert batch.rows is not None
+        self.last_ids[batch.rows] = pending.ids
+        return pending
 
     def _batch(
-        self, input_ids, positions, slots, rows, cached, q_lens, is_decode: bool, logit_index=None
+        self, input_ids, positions, slots, rows, cached, q_lens, is_decode: bool, logit_index=None, ids_on_device=False
     ) -> ForwardBatch:
         def dev(values: np.ndarray, dtype=torch.int32) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(values)).to(self.device, dtype=dtype, non_blocking=True)
 
         seq_lens = cached + q_lens
         q_starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+        rows_on_device = dev(rows)
         return ForwardBatch(
-            input_ids=dev(input_ids, torch.int64),
+            # a decode launched before its input ids landed reads them where the sampler left them
+            input_ids=self.last_ids[rows_on_device] if ids_on_device else dev(input_ids, torch.int64),
             positions=dev(positions, torch.int64),
             out_slots=dev(slots, torch.int64),
-            req_rows=dev(rows),
+            req_rows=rows_on_device,
             cached_lens=dev(cached),
             seq_lens=dev(seq_lens),
             q_starts=dev(q_starts),

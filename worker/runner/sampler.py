@@ -43,6 +43,39 @@ class Sampled(NamedTuple):
     top: list[TopLogprobs | None]
 
 
+@dataclass
+class PendingSampled:
+    """A sampling's results on their way to the host: ``packed`` [B, 2 + 2k] float64 (id, logprob,
+    k alternative ids, their logprobs) is a pinned host tensor that a copy queued on the device's
+    stream fills; ``ready`` is recorded after it (None on a CPU, where it is filled already).
+    ``ids`` [B] stay on the device, where the next decode step reads them (an overlapped
+    scheduler launches it before the host has seen them)."""
+
+    packed: torch.Tensor
+    ready: torch.cuda.Event | None
+    num_top: tuple[int, ...]
+    k: int
+    ids: torch.Tensor
+
+    @classmethod
+    def none(cls) -> PendingSampled:
+        """Nothing sampled (a prefill step whose chunks all go on)."""
+        empty = torch.empty((0, 2))
+        return cls(empty, None, (), 0, empty[:, 0].long())
+
+    def result(self) -> Sampled:
+        """Wait for the copy (only this thread waits; the GIL is released meanwhile), then the lists."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        host = self.packed.tolist()
+        wants = self.num_top or (0,) * len(host)
+        return Sampled(
+            [int(row[0]) for row in host],
+            [row[1] for row in host],
+            [_top_of(row, n, self.k) for row, n in zip(host, wants)],
+        )
+
+
 @dataclass(frozen=True)
 class RowParams:
     """The per-row tensors that follow from the requests' parameters alone, not from their
@@ -130,7 +163,13 @@ def _device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCounts | None = None) -> Sampled:
-    """logits: [B, V] fp32 -> token ids, their log-probabilities and the top alternatives.
+    """``launch_sample``, waited for: the step's tokens on the host."""
+    return launch_sample(logits, batch, counts).result()
+
+
+def launch_sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCounts | None = None) -> PendingSampled:
+    """logits: [B, V] fp32 -> token ids, their log-probabilities and the top alternatives,
+    queued on the device; nothing here waits for it (``PendingSampled.result`` does).
 
     Every log-probability (chosen and alternatives) is of the penalised,
     tempered distribution ``log_softmax(penalised logits / temperature)``
@@ -164,11 +203,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCounts | Non
     if k:
         top = scaled.topk(k, dim=-1)  # sorted, most likely first
         parts += [top.indices.to(torch.float64), (top.values - log_z).to(torch.float64).clamp_min(FLOOR_LOGPROB)]
-    host = torch.cat(parts, dim=1).cpu().tolist()  # the one copy
-    wants = batch.fixed.num_top or (0,) * len(host)
-    return Sampled(
-        [int(row[0]) for row in host], [row[1] for row in host], [_top_of(row, n, k) for row, n in zip(host, wants)]
-    )
+    packed = torch.cat(parts, dim=1)
+    if not packed.is_cuda:
+        return PendingSampled(packed, None, batch.fixed.num_top, k, ids)
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)  # the one copy, queued behind the step's kernels
+    ready = torch.cuda.Event()
+    ready.record()
+    return PendingSampled(host, ready, batch.fixed.num_top, k, ids)
 
 
 def _log_normaliser(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,7 @@ class TPGroup:
 
     def send_step(self, step: StepInputs) -> None:
         """Rank 0, before each of its forwards: the followers run the same one."""
+        assert not step.ids_on_device, "followers take their input ids from rank 0: a --tp worker never overlaps"
         kind = FORWARD_DECODE if step.is_decode else FORWARD_PREFILL
         counts = [kind, len(step.rows), len(step.input_ids), len(step.forks), len(step.prefix)]
         self._broadcast(np.array(counts, dtype=np.int64))

@@ -146,6 +146,13 @@ class WorkerCollector(Collector):
             w,
             self.engine.num_preempted_tokens,
         )
+        yield _counter(
+            "lightq:worker_overlap_discarded_tokens",
+            "tokens sampled for requests that had ended by the time they landed (--overlap finds an EOS, "
+            "grammar or stop-string end one step late; each cost one token of compute, none was published)",
+            w,
+            self.engine.num_discarded,
+        )
         yield from _prefix_cache(snap.cache, w)
         yield from self._inbox()
 
