@@ -10,13 +10,15 @@ loop. Prints one comparable line per system, and the ratio with ``--peer``.
 ``--json-schema FILE`` puts that schema on every request (constrained
 decoding, ``worker.runner.grammar``), for the cost of the masks. xgrammar
 needs token texts, so the engine gets ``--tokenizer`` (the embedded
-SmolLM2's by default: a real 49,152-token BPE vocabulary; the shape's must be
-at least as large, the ids past it are never allowed). ignore_eos still
-holds outside the grammar's end, but a grammar-complete output ends
-(``stop``) before its drawn length, so the line counts the tokens actually
-emitted and says how the requests ended. ``bench/offline_schema.json`` has
-no bound on its length: each request then runs its drawn length, and the two
-runs emit the same tokens.
+SmolLM2's by default: a real 49,152-token BPE vocabulary; the ids of a larger
+shape past it are never allowed, and a smaller shape, such as ``tiny``, gets
+its vocabulary widened to the tokenizer's). ignore_eos still holds outside
+the grammar's end, but a grammar-complete output ends (``stop``) before its
+drawn length, so the line counts the tokens actually emitted and says how the
+requests ended. ``bench/offline_schema.json`` is an array of at least 100,000
+objects, which no drawn length completes: every request then runs its drawn
+length (``length``), the constrained run emits as many tokens as the plain
+one, and the two lines compare.
 """
 
 from __future__ import annotations
@@ -79,8 +81,15 @@ def constraint_from(args) -> Constraint | None:
 
 
 def run_lightq(args, work, tally: Tally) -> float:
+    constraint = constraint_from(args)
+    tokenizer = load_tokenizer(resolve(args.tokenizer)) if constraint is not None else None  # for the grammar
+    # the grammar's tokenizer must fit the logits: a smaller shape's vocabulary is widened to it
+    vocab = args.vocab_size or SHAPES[args.model_shape]["vocab_size"]
+    vocab = max(vocab, len(tokenizer)) if tokenizer is not None else vocab
     settings = WorkerSettings(
-        model=ModelSettings(model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048),
+        model=ModelSettings(
+            model_dir=f"dummy:{config_dir(args.model_shape, vocab_size=vocab)}", max_req_total_len=2048
+        ),
         device=args.device,
         max_total_token_num=args.max_total_token_num,
         batch_max_tokens=args.batch_max_tokens,
@@ -92,15 +101,12 @@ def run_lightq(args, work, tally: Tally) -> float:
     )
     # --tp N: N - 1 follower processes, as `lightq worker --tp N` starts them (worker.main.run)
     group = tensor_parallel.launch(args.tp, rank_device(settings, 0), follower, settings) if args.tp > 1 else None
-    constraint = constraint_from(args)
-    tokenizer = load_tokenizer(resolve(args.tokenizer)) if constraint is not None else None  # for the grammar
     try:
         engine = build_engine(settings, tokenizer, group=group)
-        if constraint is not None and engine.runner.grammars is None:
-            raise SystemExit(f"--tokenizer {args.tokenizer}: more tokens than the shape's vocabulary")
+        assert constraint is None or engine.runner.grammars is not None  # the vocabulary fits the tokenizer
         print(
             f"lightq: KV pool {engine.limits.max_total_tokens} tokens, graphs {engine.runner.graphs is not None},"
-            f" tp {args.tp}, constraint {args.json_schema}"
+            f" tp {args.tp}, vocabulary {vocab:,}, constraint {args.json_schema}"
         )
         warm = [(ids[:16], 4) for ids, _ in work[:8]]
         drive(engine, warm, progress=False, constraint=constraint)  # the grammar compiles here, once
@@ -197,7 +203,7 @@ def report(name: str, work, seconds: float, tally: Tally | None = None) -> float
     return out / seconds
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--num-requests", type=int, default=1000)
@@ -216,9 +222,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer", choices=["hf"], default=None)
     parser.add_argument("--json-schema", default=None, metavar="FILE", help="every request follows this schema")
     parser.add_argument("--tokenizer", default="default", help="--json-schema's tokenizer (a lightq --model_dir)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="replaces the shape's (a plain run to compare with a widened one)"
+    )
     args = parser.parse_args(argv)
-    if args.json_schema is not None and args.peer is not None:
-        parser.error("--peer runs without a constraint: compare --json-schema with a run of lightq alone")
+    if args.peer is not None and (args.json_schema is not None or args.vocab_size is not None):
+        parser.error("--peer runs the shape as it is: compare --json-schema with a run of lightq alone")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     work = workload(args)
     print(f"workload: input {describe([len(i) for i, _ in work])}; output {describe([o for _, o in work])}")
     tally = Tally()

@@ -94,10 +94,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 }
 
 
-def config_dir(shape: str, folder: str | None = None, tokenizer: bool = False) -> str:
+def config_dir(shape: str, folder: str | None = None, tokenizer: bool = False, vocab_size: int | None = None) -> str:
     """A directory (``folder``, else a temporary one) holding the shape's config.json, for
     ``dummy:<dir>``; with ``tokenizer``, also a word-level tokenizer over the whole vocabulary
-    (``word_tokenizer``), so the full stack can serve the shape: text in, every id decodable."""
+    (``word_tokenizer``), so the full stack can serve the shape: text in, every id decodable.
+    ``vocab_size`` replaces the shape's (bench/offline.py's grammar needs a real tokenizer's)."""
     folder = folder or tempfile.mkdtemp(prefix=f"lightq-{shape}-")
     os.makedirs(folder, exist_ok=True)
     arch, model_type = ARCHITECTURES.get(shape, ("LlamaForCausalLM", "llama"))
@@ -109,10 +110,12 @@ def config_dir(shape: str, folder: str | None = None, tokenizer: bool = False) -
         "eos_token_id": 2,
         **SHAPES[shape],
     }
+    if vocab_size is not None:
+        config["vocab_size"] = vocab_size
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     if tokenizer:
-        word_tokenizer(SHAPES[shape]["vocab_size"], folder)
+        word_tokenizer(config["vocab_size"], folder)
     return folder
 
 

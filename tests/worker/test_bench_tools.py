@@ -1,13 +1,25 @@
-"""The GPU benchmarks' own parts, on a CPU: the step profiler, the offline timeline, and the
-word-level tokenizer that lets `lightq serve` run a dummy shape."""
+"""The GPU benchmarks' own parts, on a CPU: the step profiler, the offline timeline and its
+JSON-schema runs, and the word-level tokenizer that lets `lightq serve` run a dummy shape."""
 
 import json
+import os
 
 import numpy as np
+import pytest
+import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from bench import offline, step_profile
 from bench.shapes import SHAPES, config_dir
+from shared.model_files import load_tokenizer, resolve
+
+# bench/offline.py --json-schema with a schema answers complete in a few tokens
+SMALL = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
 
 
 def test_word_tokenizer_covers_the_shapes_vocabulary(tmp_path):
@@ -67,3 +79,42 @@ def test_floor_counts_one_decode_step_per_token_of_the_longest_output():
     assert b["decode_overlap_s"] == 31 + 12 + 13
     assert b["decode_sum_s"] == (31 + 2) + (12 + 1) + (13 + 1)
     assert b["prefill_s"] == 30
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    return load_tokenizer(resolve("default"))
+
+
+@pytest.mark.slow  # SmolLM2's tokenizer from the GGUF (7 s)
+@pytest.mark.parametrize("schema", ["bench", "small"])
+def test_offline_json_schema_runs(schema, smollm2_tokenizer, tmp_path, monkeypatch, capsys):
+    """The tiny shape, its vocabulary widened to SmolLM2's tokenizer: bench/offline_schema.json
+    never completes, so every request runs its drawn length and its output is a prefix of an
+    answer; a small schema's answers complete, end ``stop`` and validate."""
+    path = os.path.join(os.path.dirname(offline.__file__), "offline_schema.json")
+    if schema == "small":
+        path = str(tmp_path / "small.json")
+        (tmp_path / "small.json").write_text(json.dumps(SMALL))
+    monkeypatch.setattr(offline, "load_tokenizer", lambda source: smollm2_tokenizer)
+    args = offline.parse_args(["--model-shape", "tiny", "--device", "cpu", "--json-schema", path])
+    rng = np.random.default_rng(0)
+    work = [(rng.integers(3, 500, size=n).tolist(), o) for n, o in [(40, 40), (5, 48), (70, 64)]]
+    tally = offline.Tally(keep_ids=True)
+    offline.report("tiny json-schema", work, offline.run_lightq(args, work, tally), tally)
+    out = capsys.readouterr().out
+    assert "vocabulary 49,152" in out
+    lengths = [len(tally.output_ids[f"r{i}"]) for i in range(len(work))]
+    if schema == "bench":
+        assert "ended {'length': 3}" in out
+        assert lengths == [o for _, o in work] and tally.tokens == sum(lengths)
+        info = xgr.TokenizerInfo.from_huggingface(smollm2_tokenizer, vocab_size=49152, stop_token_ids=[2])
+        grammar = xgr.GrammarCompiler(info).compile_json_schema(open(path).read(), any_whitespace=False)
+        for ids in tally.output_ids.values():
+            matcher = xgr.GrammarMatcher(grammar)
+            assert all(matcher.accept_token(i) for i in ids) and not matcher.is_terminated()
+        return
+    assert "ended {'stop': 3}" in out
+    for (_, drawn), ids in zip(work, tally.output_ids.values()):
+        value = json.loads(smollm2_tokenizer.decode(ids, skip_special_tokens=True))
+        assert len(ids) < drawn and set(value) == {"ok", "n"} and type(value["ok"]) is bool and 0 <= value["n"] <= 99
