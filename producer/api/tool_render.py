@@ -1,9 +1,14 @@
-"""Tool calls in chat answers: the message of a whole answer, and the deltas of a streamed one.
+"""Tool calls in chat answers: read off the output, the message of a whole answer, the deltas of a
+streamed one.
 
-A choice whose text is calls (``ToolPlan.calls``) answers ``content: null`` with
+Calls are read as written (``read_calls``): a JSON call or an array of calls of known tools,
+optionally inside ``<tool_call>`` tags; the same call twice is two calls. A choice whose text is
+calls answers ``content: null`` with
 ``tool_calls`` and finish reason ``tool_calls``. One cut short by ``max_tokens`` keeps
 ``length``: a named call with its arguments as far as they got (as OpenAI answers), an array
-with the calls it completed (content, as before, when it completed none). Streamed, a named function's choice opens with the call (id, name, empty
+with the calls it completed (its text as content when it completed none).
+
+Streamed, a named function's choice opens with the call (id, name, empty
 arguments) and then streams its arguments as they are generated; a ``required`` choice is
 held until it ends, then sent in one delta; an ``auto`` choice is held while it may be a call
 (its first non-blank character opens JSON or a ``<tool_call>`` tag), else streamed as content.
@@ -11,12 +16,62 @@ held until it ends, then sent in one delta; an ``auto`` choice is held while it 
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from producer.api.openai_types import ChatMessageOut
 from producer.api.tools import ToolCall, ToolPlan, call_id
 
 CALL_OPENERS = ("[", "{", "<")  # how an auto answer that is a call can begin (JSON, or <tool_call>)
+TOOL_CALL_TAGS = re.compile(r"^\s*<tool_call>\s*(.*?)\s*(</tool_call>)?\s*$", re.DOTALL)
+
+
+def read_calls(plan: ToolPlan, text: str, is_cut: bool = False) -> list[ToolCall] | None:
+    """The calls ``text`` makes, as written (None: it is not a call, so it is content); ``is_cut``:
+    the output ended at max_tokens, and an array's complete calls are read (a named call's
+    arguments are returned as they are, cut short, as OpenAI does)."""
+    if plan.mode == "named":
+        assert plan.named is not None
+        return [ToolCall(call_id(), plan.named, text.strip())]
+    match = TOOL_CALL_TAGS.match(text)
+    body = match.group(1) if match else text
+    items = complete_items(body) if is_cut else _whole_items(body)
+    if not items:
+        return None
+    names = {t.name for t in plan.tools}
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        calls.append(ToolCall(call_id(), item["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls if plan.parallel else calls[:1]  # auto may write several: one if not parallel
+
+
+def _whole_items(text: str) -> list[Any] | None:
+    """A whole output's calls: one JSON value, an array of calls or one call."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, list) else [value]
+
+
+def complete_items(text: str) -> list[Any] | None:
+    """The items an array cut short completed (``[{..}, {..}, {"na`` -> the first two); None
+    when ``text`` does not open an array (a lone object cut short is no call)."""
+    start = text.lstrip()
+    if not start.startswith("["):
+        return None
+    decoder, items, at = json.JSONDecoder(), [], 1
+    while True:
+        at = len(start) - len(start[at:].lstrip(" \t\n\r,"))  # separators; the grammar puts them right
+        try:
+            item, at = decoder.raw_decode(start, at)
+        except ValueError:
+            return items
+        items.append(item)
 
 
 def chat_message(plan: ToolPlan | None, text: str, reason: str | None) -> tuple[ChatMessageOut, str | None]:
@@ -32,7 +87,7 @@ def _calls(plan: ToolPlan | None, text: str, reason: str | None) -> list[ToolCal
         return None
     if plan.mode != "named" and reason not in ("stop", "length"):  # failed, cancelled: no answer to read
         return None
-    return plan.calls(text, is_cut=reason == "length")
+    return read_calls(plan, text, is_cut=reason == "length")
 
 
 def _call_reason(reason: str | None) -> str | None:

@@ -4,19 +4,20 @@ What the model is asked to write, per ``tool_choice``:
 - ``none`` (or no tools): plain text; the tools are not shown to the model.
 - a named function: the call's arguments only, constrained to its ``parameters`` schema; the
   answer is one call of that function (streamed: the arguments as they are generated).
-- ``required``: a JSON array of ``{"name", "arguments"}`` calls, constrained to a schema whose
-  items are one object per tool (``const`` name, its parameters); one item only when
-  ``parallel_tool_calls`` is false, else at most ``CALLS_PER_TOOL`` per tool.
+- ``required``: one ``{"name", "arguments"}`` call or a JSON array of them, constrained to a
+  schema whose calls are one object per tool (``const`` name, its parameters); an array of one
+  only when ``parallel_tool_calls`` is false, else of at most ``CALLS_PER_TOOL`` per tool.
 - ``auto`` (the default with tools): unconstrained. The model is told to answer with such an
   array (or one such object) when it calls; an output that parses as calls of known tools
   (optionally inside ``<tool_call>`` tags, as Hermes-style templates write them) becomes
-  ``tool_calls``, anything else is ``content``. Streamed: ``producer.api.tool_render``.
+  ``tool_calls``, anything else is ``content`` (``producer.api.tool_render`` reads and renders them).
 
-Reading calls off an output: a call repeated verbatim (same name, same arguments) is kept
-once, and an array cut short by ``max_tokens`` still gives the calls it completed (the
-answer keeps finish reason ``length``). A small greedy model asked for an array of calls
-tends to write its one call again and again: the cap makes the grammar close the array,
-and the two rules keep what it meant.
+A small greedy model forced into an array tends to write its one call again and again
+(SmolLM2 did, until ``max_tokens``): so ``required`` lets it write its one call as an object
+and stop, and the array's cap makes the grammar close an array that repeats. An array cut
+short by ``max_tokens`` still gives the calls it completed (the answer keeps finish reason
+``length``). Calls are never merged: the same call twice (two dice rolled, two files made)
+is two calls, as the model wrote them.
 
 Tools reach the prompt through the chat template when it knows them (its source mentions
 ``tools``); otherwise a system message describes them and the format above.
@@ -25,7 +26,6 @@ Tools reach the prompt through the chat template when it knows them (its source 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,11 +35,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from producer.api.errors import bad_request
 from shared.schemas import Constraint
 
-TOOL_CALL_TAGS = re.compile(r"^\s*<tool_call>\s*(.*?)\s*(</tool_call>)?\s*$", re.DOTALL)
 # ``required`` with parallel calls: the array's maxItems is this times the number of tools. Enough
-# for a call per city, file or query of a real request; few enough that a model repeating its one
-# call ends the array (and its answer) in a few calls instead of at max_tokens.
-CALLS_PER_TOOL = 4
+# for a call per city, file or query of a real request (a call past it cannot be written: the
+# README says so); few enough that a model repeating its one call ends the array (and its
+# answer) after a few hundred tokens instead of at max_tokens.
+CALLS_PER_TOOL = 8
 
 
 class _Request(BaseModel):
@@ -112,30 +112,9 @@ class ToolPlan:
             }
             for t in self.tools
         ]
+        call = {"anyOf": items}
         max_items = CALLS_PER_TOOL * len(self.tools) if self.parallel else 1
-        return {"type": "array", "items": {"anyOf": items}, "minItems": 1, "maxItems": max_items}
-
-    def calls(self, text: str, is_cut: bool = False) -> list[ToolCall] | None:
-        """The calls ``text`` makes (None: it is not a call, so it is content); ``is_cut``: the
-        output ended at max_tokens, and an array's complete calls are read (a named call's
-        arguments are returned as they are, cut short, as OpenAI does)."""
-        if self.mode == "named":
-            assert self.named is not None
-            return [ToolCall(call_id(), self.named, text.strip())]
-        match = TOOL_CALL_TAGS.match(text)
-        body = match.group(1) if match else text
-        items = complete_items(body) if is_cut else _whole_items(body)
-        if not items:
-            return None
-        names = {t.name for t in self.tools}
-        calls: dict[tuple[str, str], ToolCall] = {}  # a call repeated verbatim is kept once
-        for item in items:
-            if not isinstance(item, dict) or item.get("name") not in names:
-                return None
-            arguments = json.dumps(item.get("arguments", item.get("parameters", {})), ensure_ascii=False)
-            calls.setdefault((item["name"], arguments), ToolCall(call_id(), item["name"], arguments))
-        kept = list(calls.values())
-        return kept if self.parallel else kept[:1]  # auto may write several: one if not parallel
+        return {"anyOf": [call, {"type": "array", "items": call, "minItems": 1, "maxItems": max_items}]}
 
     def system_prompt(self) -> str:
         """The tools and the call format, for a chat template that does not render tools itself."""
@@ -153,31 +132,6 @@ class ToolPlan:
             if self.mode == "auto":
                 ask += " If no function is needed, answer normally."
         return f"You can call these functions:\n{listed}\n{ask}"
-
-
-def _whole_items(text: str) -> list[Any] | None:
-    """A whole output's calls: one JSON value, an array of calls or one call."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, list) else [value]
-
-
-def complete_items(text: str) -> list[Any] | None:
-    """The items an array cut short completed (``[{..}, {..}, {"na`` -> the first two); None
-    when ``text`` does not open an array (a lone object cut short is no call)."""
-    start = text.lstrip()
-    if not start.startswith("["):
-        return None
-    decoder, items, at = json.JSONDecoder(), [], 1
-    while True:
-        at = len(start) - len(start[at:].lstrip(" \t\n\r,"))  # separators; the grammar puts them right
-        try:
-            item, at = decoder.raw_decode(start, at)
-        except ValueError:
-            return items
-        items.append(item)
 
 
 def plan_tools(

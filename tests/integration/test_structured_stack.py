@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from producer.api.tools import CALLS_PER_TOOL
 from tests.integration.stack import start_stack
 
 openai = pytest.importorskip("openai")
@@ -57,7 +58,13 @@ def hf_dir(tmp_path_factory) -> str:
     source = resolve("default")
     folder, name = os.path.split(source.path)
     out = str(tmp_path_factory.mktemp("smollm2-hf"))
-    AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).save_pretrained(out)
+    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers refuses to save a model loaded from GGUF ("not serializable"): its dequantised
+    # weights go into a plain model of the same config, which saves
+    del gguf.config.quantization_config
+    plain = AutoModelForCausalLM.from_config(gguf.config, dtype=torch.float32)
+    plain.load_state_dict(gguf.state_dict(), strict=True)
+    plain.save_pretrained(out)
     load_tokenizer(source).save_pretrained(out)
     return out
 
@@ -130,23 +137,38 @@ def test_a_forced_tool_call_round_trip(oai):
 
 
 def test_required_with_parallel_calls_ends_and_keeps_its_calls(oai):
-    """Greedy SmolLM2 writes its one call again: the array's cap (CALLS_PER_TOOL per
-    tool) closes it, the repeats are one call; cut short by max_tokens, the answer keeps the
-    calls it completed."""
+    """With parallel calls allowed, greedy SmolLM2 forced into an array wrote its call again and again
+    until max_tokens ("length", the raw array as content). Now ``required`` takes one call alone or
+    an array of at most CALLS_PER_TOOL per tool: the answer ends ("tool_calls"), its calls as
+    written. The same answer again, cut short inside its last call by max_tokens, keeps the calls
+    it completed (finish reason length; its text as content when it completed none)."""
     model = oai.models.list().data[0].id
 
     def required(max_tokens: int):
         return oai.chat.completions.create(
-            model=model, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=max_tokens, temperature=0
+            model=model,
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=True,
         ).choices[0]
 
-    whole = required(150)
-    assert whole.finish_reason == "tool_calls", whole.message
-    (call,) = whole.message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-    cut = required(25)  # a call is 20 tokens: one complete, the next cut short
-    assert cut.finish_reason == "length" and cut.message.content is None
-    assert [c.function.arguments for c in cut.message.tool_calls] == [call.function.arguments]
+    def called(message) -> list:
+        return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+    whole = required(200)
+    tokens = [t.token for t in whole.logprobs.content]
+    value, _ = json.JSONDecoder().raw_decode("".join(tokens))  # as written (the stop token after it)
+    written = value if isinstance(value, list) else [value]
+    assert whole.finish_reason == "tool_calls" and len(written) <= CALLS_PER_TOOL, tokens
+    assert called(whole.message) == [(c["name"], c["arguments"]) for c in written]
+    cut = required(len(tokens) - 3)  # greedy again: the same tokens, ending before the last call's braces close
+    completed = written[:-1] if isinstance(value, list) else []
+    assert cut.finish_reason == "length"
+    assert called(cut.message) == [(c["name"], c["arguments"]) for c in completed]
+    assert (cut.message.content is None) == bool(completed), cut.message
 
 
 def test_a_named_calls_arguments_stream_as_deltas(oai):
@@ -168,7 +190,9 @@ def test_echo_logprobs_equal_a_reference_forward(oai, hf_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(hf_dir).encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    ids = AutoTokenizer.from_pretrained(hf_dir).encode(
+        "The capital of France is Paris, and the capital of Italy is Rome."
+    )
     model = oai.models.list().data[0].id
     out = oai.completions.create(model=model, prompt=ids, echo=True, logprobs=2, max_tokens=0)
     logprobs = out.choices[0].logprobs
@@ -196,14 +220,22 @@ def test_langchain_bind_tools_round_trip(oai):
         return f"21 C and sunny in {city}"
 
     model = oai.models.list().data[0].id
-    llm = ChatOpenAI(base_url=str(oai.base_url), api_key="unused", model=model, temperature=0, max_tokens=150)
+    llm = ChatOpenAI(
+        base_url=str(oai.base_url),
+        api_key="unused",
+        model=model,
+        temperature=0,
+        max_tokens=150,
+        max_retries=0,
+        timeout=120,
+    )
     messages = [HumanMessage("What is the weather in Paris?")]
     called = llm.bind_tools([get_weather], tool_choice="any").invoke(messages)  # "any" is OpenAI's required
     assert called.response_metadata["finish_reason"] == "tool_calls" and not called.invalid_tool_calls
     assert [(c["name"], c["args"]) for c in called.tool_calls] == [("get_weather", {"city": "Paris"})]
     messages += [called, *(get_weather.invoke(call) for call in called.tool_calls)]
     assert messages[-1].tool_call_id == called.tool_calls[0]["id"]
-    final = llm.bind_tools([get_weather], tool_choice="none").invoke(messages)
+    final = llm.bind_tools([get_weather], tool_choice="none").invoke(messages, max_tokens=40)
     assert isinstance(final, AIMessage) and final.content and not final.tool_calls
 
 

@@ -1,6 +1,7 @@
-"""Reading tool calls off a model's output (``ToolPlan.calls``, ``tool_render.chat_message``): the
-cap on ``required``'s array, checked with xgrammar's own matcher; verbatim repeats kept once; an
-array cut short by max_tokens keeping the calls it completed."""
+"""``required``'s grammar (one call, or an array of them up to the cap), checked with xgrammar's own
+matcher, and reading calls off a model's output (``tool_render.read_calls``, ``chat_message``):
+calls kept as written, repeats included; an array cut short by max_tokens keeping the calls it
+completed."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import json
 import pytest
 import xgrammar as xgr
 
-from producer.api.tool_render import ToolStream, chat_message
-from producer.api.tools import CALLS_PER_TOOL, FunctionDef, ToolPlan, complete_items
+from producer.api.tool_render import ToolStream, chat_message, complete_items, read_calls
+from producer.api.tools import CALLS_PER_TOOL, FunctionDef, ToolPlan
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = FunctionDef(name="get_weather", parameters=CITY)
@@ -35,15 +36,22 @@ def test_required_parallel_calls_are_capped_per_tool(tools):
     cap = CALLS_PER_TOOL * len(tools)
     assert accepts(plan, "[" + ", ".join([PARIS] * cap) + "]")
     assert not accepts(plan, "[" + ", ".join([PARIS] * (cap + 1)) + "]")
-    assert not accepts(ToolPlan("required", tools, parallel=False), f"[{PARIS}, {ROME}]")
+    assert accepts(plan, PARIS)  # one call may stand alone, and then the answer ends
+    single = ToolPlan("required", tools, parallel=False)
+    assert accepts(single, PARIS) and accepts(single, f"[{PARIS}]")
+    assert not accepts(single, f"[{PARIS}, {ROME}]")
     assert not accepts(plan, "[]")
 
 
-def test_a_call_repeated_verbatim_is_kept_once():
-    calls = ToolPlan("required", (WEATHER,)).calls(f"[{PARIS}, {ROME}, {PARIS}]")
+def test_calls_are_kept_as_written_repeats_included():
+    """Two dice rolled are two calls: nothing is merged."""
+    plan = ToolPlan("required", (WEATHER,))
+    calls = read_calls(plan, f"[{PARIS}, {ROME}, {PARIS}]")
     assert calls is not None
-    assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome"]
-    assert len({c.id for c in calls}) == 2
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome", "Paris"]
+    assert len({c.id for c in calls}) == 3
+    (one,) = read_calls(plan, PARIS) or []
+    assert one.name == "get_weather" and json.loads(one.arguments) == {"city": "Paris"}
 
 
 @pytest.mark.parametrize(
@@ -51,14 +59,14 @@ def test_a_call_repeated_verbatim_is_kept_once():
     [
         (f'[{PARIS}, {ROME}, {{"name": "get_wea', ["Paris", "Rome"]),
         (f"[{PARIS}, ", ["Paris"]),
-        (f"<tool_call>\n[{ROME}, {ROME}", ["Rome"]),
+        (f"<tool_call>\n[{ROME}, {ROME}, ", ["Rome", "Rome"]),
         ('[{"name": "get_weather", "arguments": {"ci', None),  # no call completed
         (PARIS[:-3], None),  # a lone object cut short
         (f'[{PARIS}, {{"name": "get_weather"}}, {{"name": "no_such_tool"}}, {{"na', None),  # not all calls
     ],
 )
 def test_an_array_cut_short_keeps_its_complete_calls(text, cities):
-    calls = ToolPlan("required", (WEATHER,)).calls(text, is_cut=True)
+    calls = read_calls(ToolPlan("required", (WEATHER,)), text, is_cut=True)
     assert (None if calls is None else [json.loads(c.arguments)["city"] for c in calls]) == cities
 
 
@@ -71,13 +79,14 @@ def test_complete_items_reads_up_to_the_first_incomplete_one():
 @pytest.mark.parametrize("mode", ["required", "auto"])
 def test_a_cut_answer_is_its_calls_with_finish_reason_length(mode):
     plan = ToolPlan(mode, (WEATHER,))
-    text = f"[{PARIS}, {PARIS}, {{"
+    text = f"[{PARIS}, {ROME}, {{"
     message, reason = chat_message(plan, text, "length")
     assert reason == "length" and message.content is None
-    assert [c["function"]["arguments"] for c in message.tool_calls] == [json.dumps({"city": "Paris"})]
+    cities = [json.dumps({"city": "Paris"}), json.dumps({"city": "Rome"})]
+    assert [c["function"]["arguments"] for c in message.tool_calls] == cities
     stream = ToolStream(plan, 1)
     assert stream.delta(0, text[:10], None) == (None, None)  # held while it may be a call
     delta, reason = stream.delta(0, text[10:], "length")
-    assert reason == "length" and [c["function"]["name"] for c in delta["tool_calls"]] == ["get_weather"]
+    assert reason == "length" and [c["index"] for c in delta["tool_calls"]] == [0, 1]
     message, reason = chat_message(plan, '[{"name": "get_wea', "length")
     assert (message.content, reason) == ('[{"name": "get_wea', "length")  # no call completed: content
