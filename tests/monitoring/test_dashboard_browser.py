@@ -75,6 +75,29 @@ def wait_idle(stack, num_requests: int) -> dict:
     raise AssertionError("requests did not finish")
 
 
+PAGE_COUNTS = (
+    "[document.querySelectorAll('#recent tr').length, document.querySelectorAll('#workers tr').length, "
+    "[...document.querySelectorAll('#decisions .decisions-n')].reduce((a, c) => a + +c.textContent, 0), "
+    "document.getElementById('error').textContent]"
+)
+
+
+def wait_for_page(page, stack, num_requests: int) -> None:
+    """Until the page lists every request, both workers and every decision. A loaded CI
+    machine polls slowly, so the wait is long, and a timeout says what the page showed
+    against what the producer serves (a CI run once timed out at 20 s with no clue why)."""
+    condition = f"(c => c[0] >= {num_requests} && c[1] == 2 && c[2] >= {num_requests})({PAGE_COUNTS})"
+    try:
+        page.wait_for_function(condition, timeout=60_000)
+    except Exception as err:  # playwright's TimeoutError
+        data = httpx.get(f"{stack.http}/dashboard/data", timeout=10).json()
+        served = [len(data["recent"]), len(data["workers"]), sum(data["router_decisions"].values())]
+        raise AssertionError(
+            f"page shows [recent, workers, decisions, error] = {page.evaluate(PAGE_COUNTS)}; "
+            f"/dashboard/data has {served}; expected >= {num_requests}, 2, >= {num_requests}"
+        ) from err
+
+
 def test_router_and_workers_serve_their_own_metrics(stack):
     bodies = []
     for port in range(stack.metrics_port, stack.metrics_port + 16):
@@ -107,13 +130,7 @@ def test_page_shows_what_metrics_says(stack, tmp_path):
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             page.goto(f"{stack.http}/dashboard")
-            page.wait_for_function(
-                "document.querySelectorAll('#recent tr').length >= 8 && "
-                "document.querySelectorAll('#workers tr').length == 2 && "
-                "[...document.querySelectorAll('#decisions .decisions-n')]"
-                f".reduce((a, c) => a + +c.textContent, 0) >= {len(lengths)}",
-                timeout=20_000,
-            )
+            wait_for_page(page, stack, len(lengths))
             shown = {
                 name: page.inner_text(f"#{name}")
                 for name in (
