@@ -86,10 +86,12 @@ def wait_for_page(page, stack, num_requests: int) -> None:
     """Until the page lists every request, both workers and every decision. A loaded CI
     machine polls slowly, so the wait is long, and a timeout says what the page showed
     against what the producer serves (a CI run once timed out at 20 s with no clue why)."""
+    from playwright.sync_api import TimeoutError as PageTimeout
+
     condition = f"(c => c[0] >= {num_requests} && c[1] == 2 && c[2] >= {num_requests})({PAGE_COUNTS})"
     try:
         page.wait_for_function(condition, timeout=60_000)
-    except Exception as err:  # playwright's TimeoutError
+    except PageTimeout as err:
         data = httpx.get(f"{stack.http}/dashboard/data", timeout=10).json()
         served = [len(data["recent"]), len(data["workers"]), sum(data["router_decisions"].values())]
         raise AssertionError(
