@@ -51,7 +51,7 @@ route() {  # route ARMS: bench/route_bench.py on a dummy shape (llama3-8b), mult
   local shape=${ROUTE_SHAPE:-llama3-8b} dir=/tmp/route_${ROUTE_SHAPE:-llama3-8b}
   python3 -m bench.shapes "$shape" "$dir" --tokenizer
   local vocab; vocab=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$dir/config.json")
-  timeout 480 python3 -m bench.route_bench --out "$OUT/route_$1" --workers 4 --arms "$1" --deadline-s 460 \
+  timeout $((${ROUTE_DEADLINE:-460} + 20)) python3 -m bench.route_bench --out "$OUT/route_$1" --workers 4 --arms "$1" --deadline-s ${ROUTE_DEADLINE:-460} \
     --serve-args "--model_dir dummy:$dir --max_req_total_len 8192 --graph_max_batch_size 256 --running_max_req_size 256 ${ROUTE_EXTRA:-}" \
     --multiturn "${ROUTE_MULTITURN:-96,6,1024,256,128}" --request-rate "${ROUTE_RATE:-4}" --vocab-size "$vocab" 2>&1 \
     | tee "$OUT/route_$1.log"
@@ -119,6 +119,8 @@ for part in "$@"; do
       { timeout 200 python3 -m bench.fair_stack --preempt --only priority
         timeout 200 python3 -m bench.fair_stack --only priority
         timeout 150 python3 -m bench.fair_stack --window_s 6; } 2>&1 | tee "$OUT/fair.log" | grep -v "^  " | tail -40 ;;
+    fair-preempt)  # the priority figure alone, with --preempt (a minute and a half)
+      CUDA_VISIBLE_DEVICES= timeout 110 python3 -m bench.fair_stack --preempt --only priority 2>&1 | tee "$OUT/fair.log" ;;
     gemv)   timeout 400 python3 -m bench.gemv --model-shape llama3-8b --batches 1,4,8,16,64 2>&1 | tee "$OUT/gemv.log" ;;
     graph-tests) timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/worker/test_prefill_graphs.py \
                tests/worker/test_gpu_backend.py -m "not slow" 2>&1 | tee "$OUT/graph-tests.log" | tail -8 ;;

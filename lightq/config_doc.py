@@ -32,6 +32,7 @@ COMMAND = ".venv/bin/python -m lightq.config_doc > docs/configuration.md"
 # Settings whose default is computed from the machine at import: (class, field) -> the rule.
 MACHINE_DEFAULTS = {
     ("WorkerSettings", "publishers"): "1; 2 on hosts with 16 cores or more (`shared.config.default_publishers`)",
+    ("WorkerSettings", "weights_cache"): "`$XDG_CACHE_HOME/lightq/weights`, `~/.cache/lightq/weights` without it",
 }
 
 

@@ -244,6 +244,12 @@ class RouterSettings(BaseSettings):
     )
 
 
+def default_weights_cache() -> str:
+    """``$XDG_CACHE_HOME/lightq/weights``, or under ``~/.cache`` (the XDG default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lightq", "weights")
+
+
 def default_publishers() -> int:
     """Publisher processes per worker: one keeps up with ~25,000 tokens/s on average, but an H200
     at batch 1,000 makes 1,000 tokens per ~25 ms step, more than one process writes in that time
@@ -307,6 +313,11 @@ class WorkerSettings(BaseSettings):
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it is dead-lettered")
     max_preemptions: int = Field(
         2, ge=0, description="times a request may be paused for a better priority class (router --preempt)"
+    )
+    weights_cache: str = Field(
+        default_weights_cache(),
+        description="folder where a .gguf's dequantised weights are kept (fp32 safetensors, one file per "
+        "GGUF), so later starts skip the dequantisation ('': never kept)",
     )
     seed: int = Field(0, description="seed for dummy weights")
     eos_id: list[int] | None = Field(

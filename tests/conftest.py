@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import uuid
 
 import torch
@@ -54,6 +56,18 @@ LONG = (  # in-process, but long: marked slow
     "tests/kernels/test_position_rules.py::test_context_attention_rules",
     "tests/kernels/test_position_rules.py::test_decode_attention_rules",
 )
+
+
+def pytest_configure(config):
+    """One dequantisation of the embedded GGUF a session: every stack's workers read it back
+    (``worker.model.gguf_cache``) from a folder of the session's, removed at its end."""
+    if "LIGHTQ_WEIGHTS_CACHE" not in os.environ:
+        config.lightq_weights = os.environ["LIGHTQ_WEIGHTS_CACHE"] = tempfile.mkdtemp(prefix="lightq-test-weights-")
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "lightq_weights", None):
+        shutil.rmtree(config.lightq_weights, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

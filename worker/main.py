@@ -125,7 +125,7 @@ def load_model_or_stand_in(
     """The model (this rank's slice) and its config; ``counting`` gives the deterministic test stand-in."""
     source = resolve(settings.model.model_dir)
     if source.kind != "counting":
-        return load_model(source, dtype, device, seed=settings.seed, tp=tp)
+        return load_model(source, dtype, device, seed=settings.seed, tp=tp, weights_cache=settings.weights_cache)
     vocab = min(len(tokenizer), COUNTING_VOCAB) if tokenizer is not None else COUNTING_VOCAB
     return CountingModel(vocab, device), SimpleNamespace(vocab_size=vocab, eos_token_id=None)
 

@@ -16,7 +16,8 @@ transformers' config, tokenizer and GGUF reading are used, never its models
 
 Sources (``shared.model_files.ModelSource``):
 - ``hf``: config.json + one or many ``*.safetensors`` in a directory;
-- ``gguf``: a .gguf file, dequantised by transformers/gguf (on CPU, fp32);
+- ``gguf``: a .gguf file, dequantised by transformers/gguf (on CPU, fp32), once:
+  later starts read the result back (``worker.model.gguf_cache``);
 - ``dummy``: config.json of a directory, random N(0, 0.02) weights (norms 1)
   drawn on the device in the target dtype, for benchmarks at real shapes.
 """
@@ -34,6 +35,7 @@ from tqdm import tqdm
 
 from shared.model_files import ModelSource, load_config
 from worker.model.attention import make_backend
+from worker.model.gguf_cache import cached_weights
 from worker.model.kv_cache import KVCache
 from worker.model.layers import SINGLE, LayerNorm, RMSNorm, TensorParallel, pack_for_small_batches
 from worker.model.models import model_class
@@ -45,18 +47,26 @@ log = logging.getLogger("lightq.worker")
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device | str, seed: int = 0, tp: TensorParallel = SINGLE
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+    tp: TensorParallel = SINGLE,
+    weights_cache: str = "",
 ) -> tuple[nn.Module, object]:
     """(model with weights on ``device``, no attention backend yet; its transformers config).
 
-    ``seed`` only matters for dummy weights. ``tp``: this process's rank in a
-    tensor-parallel group (initialised by the caller); the model keeps its
+    ``seed`` only matters for dummy weights; ``weights_cache`` only for a GGUF: the folder where
+    its dequantised tensors are kept for the next start (``worker.model.gguf_cache``; '': none).
+    ``tp``: this process's rank in a tensor-parallel group (initialised by the caller); the model keeps its
     shard of every split weight and ``model.num_kv_heads`` is its share.
     """
     config = load_config(source)
     model = model_class(config)(config, dtype=dtype, device=device, tp=tp)
     if source.kind == "hf":
         model.load_weights(safetensors_weights(source.path))
+    elif source.kind == "gguf" and weights_cache:
+        model.load_weights(cached_weights(source.path, weights_cache, lambda: gguf_weights(source.path, config)))
     elif source.kind == "gguf":
         model.load_weights(gguf_weights(source.path, config))
     elif source.kind == "dummy":
