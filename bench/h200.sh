@@ -53,7 +53,7 @@ route() {  # route ARMS: bench/route_bench.py on a dummy shape (llama3-8b), mult
   local vocab; vocab=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$dir/config.json")
   timeout $((${ROUTE_DEADLINE:-460} + 20)) python3 -m bench.route_bench --out "$OUT/route_$1" --workers 4 --arms "$1" --deadline-s ${ROUTE_DEADLINE:-460} \
     --serve-args "--model_dir dummy:$dir --max_req_total_len 8192 --graph_max_batch_size 256 --running_max_req_size 256 ${ROUTE_EXTRA:-}" \
-    --multiturn "${ROUTE_MULTITURN:-96,6,1024,256,128}" --request-rate "${ROUTE_RATE:-4}" --vocab-size "$vocab" 2>&1 \
+    --multiturn "${ROUTE_MULTITURN:-96,6,1024,256,128}" --request-rate "${ROUTE_RATE:-4}" --think-s "${ROUTE_THINK_S:-0}" --vocab-size "$vocab" 2>&1 \
     | tee "$OUT/route_$1.log"
 }
 for part in "$@"; do
@@ -98,6 +98,10 @@ for part in "$@"; do
     route4-long)  # the same two arms on long chats (a 3,072-token first message, 8 turns) under memory
       # pressure (100,000 tokens a worker, the chats' ~360,000 in all): a miss re-prefills thousands of tokens
       ROUTE_MULTITURN=64,8,3072,256,64 ROUTE_RATE=1.5 ROUTE_EXTRA="--max_total_token_num 100000" route aware,least ;;
+    route4-think)  # the long chats with users who read and type (2 s between a reply and the next turn, on
+      # average): a turn no longer follows at once onto the worker its previous turn just left
+      ROUTE_MULTITURN=64,6,3072,256,64 ROUTE_RATE=2 ROUTE_THINK_S=2 ROUTE_EXTRA="--max_total_token_num 100000" \
+        route aware,least ;;
     route1) route one ;;  # one worker with the whole GPU, measured, on the same chats (a call of its own)
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
     serve-overlap)  # issue 16: the same 16 req/s run with the overlapped scheduler off, then on

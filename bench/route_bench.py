@@ -117,7 +117,8 @@ def bench(args, arm: str, out: str, clock: Clock) -> dict | None:
     command = [
         sys.executable, "-m", "bench.serve_bench", "--base-url", f"http://127.0.0.1:{args.port}",
         "--dataset", "multiturn", "--multiturn", args.multiturn, "--request-rate", str(args.request_rate),
-        "--vocab-size", str(args.vocab_size), "--percentiles", "50,99", "--result-json", result_path,
+        "--think-s", str(args.think_s), "--vocab-size", str(args.vocab_size), "--percentiles", "50,99",
+        "--result-json", result_path,
     ]  # fmt: skip
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=clock.left(args.bench_timeout_s))
@@ -208,6 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--multiturn", default="32,4,512,128,128", help="serve_bench's: chats,turns,system,user,output")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="conversations started per second")
+    p.add_argument(
+        "--think-s", type=float, default=0.0, help="serve_bench's: mean seconds between a reply and the next turn"
+    )
     p.add_argument("--vocab-size", type=int, default=4096, help="synthetic ids below this (the model's vocabulary)")
     p.add_argument("--port", type=int, default=8200)
     p.add_argument("--metrics-port", type=int, default=9300)

@@ -158,10 +158,12 @@ async def run_conversations(args, chats: list[Conversation]) -> tuple[list[Outco
         rate = args.request_rate
         starts = np.cumsum(rng.exponential(1.0 / rate, len(chats))) if rate != float("inf") else [0.0] * len(chats)
 
-        async def chat(conv: Conversation, delay: float) -> list[Outcome]:
+        async def chat(index: int, conv: Conversation, delay: float) -> list[Outcome]:
             await asyncio.sleep(delay)
-            outcomes = []
-            for _ in conv.user_turns:
+            outcomes, think = [], np.random.default_rng([args.seed, index])
+            for turn in range(len(conv.user_turns)):
+                if turn and args.think_s > 0:  # the user reads the reply and types the next message
+                    await asyncio.sleep(think.exponential(args.think_s))
                 prompt = conv.next_prompt()
                 outcome = await send(client, args.endpoint, (prompt, len(prompt), conv.output_len), args.ignore_eos)
                 outcomes.append(outcome)
@@ -171,7 +173,9 @@ async def run_conversations(args, chats: list[Conversation]) -> tuple[list[Outco
             return outcomes
 
         start = time.perf_counter()
-        parts = await asyncio.gather(*(chat(c, float(d)) for c, d in zip(chats, starts, strict=True)))
+        parts = await asyncio.gather(
+            *(chat(i, c, float(d)) for i, (c, d) in enumerate(zip(chats, starts, strict=True)))
+        )
         return [o for part in parts for o in part], time.perf_counter() - start
 
 
@@ -247,6 +251,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--gsp", default="64,16,2048,128,256", help="gsp: groups,prompts per group,system,question,output")
     p.add_argument("--multiturn", default="32,4,512,128,128", help="multiturn: chats,turns,system,user,output")
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=0.0,
+        help="multiturn: mean seconds (exponential) between a reply and the next turn, as a user reads and types; "
+        "without it a turn follows at once, and its worker is the one the previous turn just left",
+    )
     p.add_argument("--tokenizer", default="default", help="--model_dir whose tokenizer measures dataset prompts")
     p.add_argument("--vocab-size", type=int, default=49152, help="token ids of synthetic prompts are below this")
     p.add_argument("--num-prompts", type=int, default=200)
