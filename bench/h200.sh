@@ -98,10 +98,10 @@ for part in "$@"; do
     route4-long)  # the same two arms on long chats (a 3,072-token first message, 8 turns) under memory
       # pressure (100,000 tokens a worker, the chats' ~360,000 in all): a miss re-prefills thousands of tokens
       ROUTE_MULTITURN=64,8,3072,256,64 ROUTE_RATE=1.5 ROUTE_EXTRA="--max_total_token_num 100000" route aware,least ;;
-    route4-think)  # the long chats with users who read and type (2 s between a reply and the next turn, on
-      # average): a turn no longer follows at once onto the worker its previous turn just left
-      ROUTE_MULTITURN=64,6,3072,256,64 ROUTE_RATE=2 ROUTE_THINK_S=2 ROUTE_EXTRA="--max_total_token_num 100000" \
-        route aware,least ;;
+    route4-think)  # long chats with users who read and type (1.5 s between a reply and the next turn, on
+      # average): a turn no longer follows at once onto the worker its previous turn just left (~2.5 min)
+      ROUTE_MULTITURN=32,5,3072,256,64 ROUTE_RATE=2 ROUTE_THINK_S=1.5 ROUTE_EXTRA="--max_total_token_num 40000" \
+        ROUTE_DEADLINE=${ROUTE_DEADLINE:-150} route aware,least ;;
     route1) route one ;;  # one worker with the whole GPU, measured, on the same chats (a call of its own)
     serve)  serve "--workers 1" 1000 ;;  # the whole stack: embedded Redis, producer, router, one GPU worker
     serve-overlap)  # issue 16: the same 16 req/s run with the overlapped scheduler off, then on
