@@ -6,11 +6,12 @@
 #   bash bench/h200.sh setup gpu-tests overlap profile   (issue 16: overlap off vs on, the step split)
 #   bash bench/h200.sh setup prefix             (issue 17: the prefix cache on and off, ShareGPT-like and gsp)
 #   bash bench/h200.sh setup route4             (issue 17: four workers on one H200, cache-aware vs least-loaded)
+#   bash bench/h200.sh setup route4-think       (the same on long chats whose users think between turns: the goal's run)
 #   bash bench/h200.sh setup tp2 bloom serve serve-tp2 scale           (two: tp2 needs both)
 #   bash bench/h200.sh setup json-schema      (issue 18: the offline run plain, then a JSON schema on every request)
 #   bash bench/h200.sh setup smol-a; bash bench/h200.sh smol-a; bash bench/h200.sh smol-a smol-b fair
-#       (issue 19 on the host's 16 cores; back-to-back calls carrying .whl and .smol/gguf.part.aa, then
-#       .smol/gguf.part.ab and .ac, then .ad and __init__.py: see smol-a)
+#       (issue 19 on the host's 16 cores, fair-preempt for the priority run alone; back-to-back calls
+#       carrying .whl and .smol/gguf.part.aa, then .ab, then .ac, then .ad and __init__.py: see smol-a)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
