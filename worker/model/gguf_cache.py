@@ -44,7 +44,11 @@ def cache_file(folder: str, gguf_path: str) -> str:
 
 
 def cached_weights(gguf_path: str, folder: str, dequantise: Callable[[], WeightStream]) -> WeightStream:
-    """``dequantise()``'s tensors, from ``folder``'s file when it has one, else dequantised and stored."""
+    """``dequantise()``'s tensors, from ``folder``'s file when it has one, else dequantised and stored
+    (``folder`` '': dequantised, nothing kept)."""
+    if not folder:
+        yield from dequantise()
+        return
     path = cache_file(folder, gguf_path)
     if os.path.exists(path):
         try:

@@ -58,17 +58,15 @@ def load_model(
 
     ``seed`` only matters for dummy weights; ``weights_cache`` only for a GGUF: the folder where
     its dequantised tensors are kept for the next start (``worker.model.gguf_cache``; '': none).
-    ``tp``: this process's rank in a tensor-parallel group (initialised by the caller); the model keeps its
-    shard of every split weight and ``model.num_kv_heads`` is its share.
+    ``tp``: this process's rank in a tensor-parallel group (initialised by the caller); the model
+    keeps its shard of every split weight and ``model.num_kv_heads`` is its share.
     """
     config = load_config(source)
     model = model_class(config)(config, dtype=dtype, device=device, tp=tp)
     if source.kind == "hf":
         model.load_weights(safetensors_weights(source.path))
-    elif source.kind == "gguf" and weights_cache:
-        model.load_weights(cached_weights(source.path, weights_cache, lambda: gguf_weights(source.path, config)))
     elif source.kind == "gguf":
-        model.load_weights(gguf_weights(source.path, config))
+        model.load_weights(cached_weights(source.path, weights_cache, lambda: gguf_weights(source.path, config)))
     elif source.kind == "dummy":
         init_dummy_weights(model, seed)
     else:
