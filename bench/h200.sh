@@ -4,6 +4,7 @@
 #   bash bench/h200.sh setup gpu-tests profile arrival offline offline-16k serve scale   (one H200)
 #   bash bench/h200.sh setup whole serve        (issue 13: engine vs the whole path, then 16 req/s)
 #   bash bench/h200.sh setup gpu-tests overlap profile   (issue 16: overlap off vs on, the step split)
+#   bash bench/h200.sh setup prefill profile-small offline   (issue 16: the prefill step and small decode steps, by kernel)
 #   bash bench/h200.sh setup prefix             (issue 17: the prefix cache on and off, ShareGPT-like and gsp)
 #   bash bench/h200.sh setup route4             (issue 17: four workers on one H200, cache-aware vs least-loaded)
 #   bash bench/h200.sh setup route4-think       (the same on long chats whose users think between turns: the goal's run)
@@ -65,6 +66,12 @@ for part in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader ;;
     profile) timeout 240 python3 -m bench.step_profile --model-shape llama3-8b --batches 1,64,256,1024 \
                --trace 64,1024 2>&1 | grep -v Warning | tee "$OUT/profile.log" | tail -60 ;;
+    prefill)  # issue 16, item 4: one 8,192-token prefill step against its FLOP floor, each linear, the kernels
+      timeout 240 python3 -m bench.prefill_profile --model-shape llama3-8b 2>&1 | grep -v Warning \
+               | tee "$OUT/prefill.log" | tail -45 ;;
+    profile-small)  # issue 16: the small-batch decode step, split, and the kernels of one at batch 8
+      timeout 240 python3 -m bench.step_profile --model-shape llama3-8b --batches 1,8 --trace 8 --steps 20 2>&1 \
+               | grep -v Warning | tee "$OUT/profile_small.log" | tail -32 ;;
     arrival) timeout 240 python3 -m bench.step_profile --model-shape llama3-8b --batches 1,40 --steps 20 \
                --arrival 140 --trace 40 2>&1 | grep -v Warning | tee "$OUT/arrival.log" \
                | grep -E -A34 "host time|^batch" | grep -v "^ *[0-9]* *0.000 *0.000" | head -60 ;;  # a serving step's prefill
