@@ -230,15 +230,21 @@ class Views:
         for worker_id, view in views.items() if hashes else ():
             if view.held and (tokens := view.hit(hashes, view.held)):
                 held[worker_id] = tokens
-            tokens = max(view.hit(hashes), self._sent_hit(worker_id, hashes)) if self.cache_aware else 0
+            tokens = self._hit(worker_id, view, hashes) if self.cache_aware else 0
             if tokens:
                 hits[worker_id] = tokens / len(prompt_ids)
         chosen = cache_aware_fit(uses, hits, lambda w: self._views[w].ratio(candidate, held.get(w, 0)))
         self.last_reason = reason(chosen, hits)
         self._held_at_chosen = (chosen, held.get(chosen, 0) if chosen is not None else 0)
-        if chosen is not None and hashes and self.cache_aware:
+        if chosen is not None and hashes and self.cache_aware and views[chosen].load.prefix_cache:
             self._remember(chosen, hashes)
         return chosen
+
+    def _hit(self, worker_id: str, view: WorkerView, hashes: Sequence[int]) -> int:
+        """Tokens of the prompt the worker's cache holds, by its record or by what this router sent
+        it lately (not at a worker without a cache: what was sent there was not kept)."""
+        sent = self._sent_hit(worker_id, hashes) if view.load.prefix_cache else 0
+        return max(view.hit(hashes), sent)
 
     def _sent_hit(self, worker_id: str, hashes: Sequence[int]) -> int:
         """Tokens of the longest prefix of ``hashes`` this router sent to the worker lately."""

@@ -235,6 +235,7 @@ class WorkerLoad(_Frozen):
         description="per running or waiting request: [prompt + output tokens, output tokens, "
         "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState), a group's prompt counted once"
     )
+    prefix_cache: bool = Field(False, description="the worker keeps a prefix cache (off: --no-prefix_cache)")
     cached_tokens: int = Field(0, description="tokens the prefix cache holds (0: off)")
     prefixes: list[tuple[int, int]] = Field(
         default_factory=list,

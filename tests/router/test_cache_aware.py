@@ -29,7 +29,7 @@ def summary_after(*prompts: list[int]) -> list[tuple[int, int]]:
     return cache.summary(256)
 
 
-def record(worker_id, held=0, prefixes=(), max_total=2000, seq=1) -> WorkerLoad:
+def record(worker_id, held=0, prefixes=(), max_total=2000, seq=1, prefix_cache=True) -> WorkerLoad:
     requests = [(held, 0, 0, 0)] if held else []
     return WorkerLoad(
         worker_id=worker_id,
@@ -42,6 +42,7 @@ def record(worker_id, held=0, prefixes=(), max_total=2000, seq=1) -> WorkerLoad:
         num_waiting=0,
         requests=requests,
         prefixes=list(prefixes),
+        prefix_cache=prefix_cache,
     )
 
 
@@ -131,3 +132,17 @@ def test_a_burst_sharing_a_new_prefix_meets_where_its_first_request_went_until_l
     now[0] += 10  # the router's memory of what it sent has expired; the records never showed it
     views.refresh({w: record(w, seq=2) for w in ("w1", "w2")}, {})
     assert send("e") == ("w1", "least_loaded")
+
+
+def test_what_was_sent_to_a_worker_without_a_cache_is_no_hit_there():
+    """A --no-prefix_cache worker keeps nothing it served: the router's memory of the prompts it
+    sent there must not draw the next ones (an H200 run counted 689 such 'hits' on a cache-off pool)."""
+    views = Views(POLICIES["conservative"](estimator(), 0.05), clock=lambda: 100.0)
+    views.refresh({w: record(w, prefix_cache=False) for w in ("w1", "w2")}, {})
+    reasons = set()
+    for rid in "abc":
+        msg = message(rid, TURN1 + [ord(rid)])
+        candidate = Candidate(request_states(msg), views.policy)
+        views.admit(views.choose(candidate, None, msg.prompt_ids), candidate)
+        reasons.add(views.last_reason)
+    assert reasons == {"least_loaded"}

@@ -48,6 +48,7 @@ class CacheStats:
     asked: int = 0  # tokens of admitted requests looked up (prompt + resumed output), since start
     hit: int = 0  # of those, tokens found cached (not prefilled)
     evicted: int = 0  # tokens evicted since start
+    enabled: bool = False  # a cache at all (off: --no-prefix_cache)
 
 
 def _matchable(req: Req) -> list[int]:
@@ -76,7 +77,9 @@ class KVSlots:
 
     def stats(self) -> CacheStats:
         cache = self.cache
-        return CacheStats(cache.num_cached, cache.num_evictable, self.num_asked, self.num_hit, cache.num_evicted)
+        return CacheStats(
+            cache.num_cached, cache.num_evictable, self.num_asked, self.num_hit, cache.num_evicted, cache.enabled
+        )
 
     @property
     def num_held(self) -> int:

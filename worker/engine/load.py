@@ -143,6 +143,7 @@ def build_load(
         requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in states],
         preemptible=preemptible_classes(reqs, max_preemptions),
         preempt_asks_read=preempt_asks_read,
+        prefix_cache=snap.cache.enabled,
         cached_tokens=snap.cache.cached,
         prefixes=list(snap.prefixes),
         held_prefixes=[i for i, (h, _) in enumerate(snap.prefixes) if h in held],

@@ -93,6 +93,7 @@ def held_hashes(leases: Iterable[Lease | None]) -> set[int]:
 class PrefixCache(Protocol):
     """What the runner and engine ask of a prefix cache (``RadixCache``, or ``NoCache`` when off)."""
 
+    enabled: bool  # False for ``NoCache``: the load record says so, and routers count no hits here
     num_cached: int
     num_evictable: int
     num_evicted: int
@@ -108,6 +109,7 @@ class PrefixCache(Protocol):
 class NoCache:
     """``--no-prefix_cache``: nothing is matched or kept; a request's slots go back at its end."""
 
+    enabled = False
     num_cached = num_evictable = num_evicted = 0
 
     def __init__(self, pool: TokenPool):
@@ -140,6 +142,8 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class RadixCache:
+    enabled = True
+
     def __init__(self, pool: TokenPool, block: int = PREFIX_BLOCK):
         self.pool = pool
         self.block = block
