@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         kernel_table(engine, lengths, vocab, rng)
     floor_ms = sum(counted.values()) / rate / 1e9
     layers = shape["num_hidden_layers"]
-    print(f"\n{args.model_shape}: a prefill step of {args.tokens} tokens, {len(lengths)} prompts (mean {np.mean(lengths):.0f})")
+    mean = np.mean(lengths)
+    print(f"\n{args.model_shape}: a prefill step of {args.tokens} tokens, {len(lengths)} prompts (mean {mean:.0f})")
     print(f"measured bf16 matmul rate: {rate:.0f} TFLOP/s")
     print(f"forward: median {ms:.2f} ms of {args.repeat} ({', '.join(f'{x:.1f}' for x in each)})")
     print(
