@@ -260,6 +260,8 @@ class WorkerLoad(_Frozen):
     preempt_asks_read: int = Field(
         0, description="preemption asks the worker has read and answered (a router waits for its own)"
     )
+    preempted_requests: int = Field(0, description="started requests paused for a better class, since start")
+    preempted_kv_tokens: int = Field(0, description="their K/V tokens, computed again on resume (the cost)")
 
     def serves(self, model: str | None) -> bool:
         """Whether a request for ``model`` may come here: one pool per served model name."""

@@ -121,6 +121,8 @@ class ClusterSnapshot:
                 "cached_tokens": load.cached_tokens,  # the prefix cache (worker.engine.radix_cache)
                 "prefix_hit_ratio": prefix_hit_ratio(load),
                 "prefix_evicted_tokens": load.prefix_evicted_tokens,
+                "preempted_requests": load.preempted_requests,  # router --preempt (worker.engine.preempt)
+                "preempted_kv_tokens": load.preempted_kv_tokens,
                 "committed_tokens": load.committed_tokens,
                 "max_total_tokens": load.max_total_tokens,
                 "kv_usage": kv_usage(load),

@@ -4,7 +4,8 @@
 renders (refreshed off the request path, ``ProducerMetrics.run``), so the
 page shows the numbers a scrape would: queue depth and tokens, drain and
 arrival rates, throughput, the backlog signal, each worker's load and prefix
-cache (cached tokens, hit rate, evictions), the routers' decisions by reason, and the
+cache (cached tokens, hit rate, evictions) and preemptions, the routers' decisions by reason, the
+queue per priority class and per tenant (queued, tokens dispatched), and the
 newest requests with their status and latencies (these from the request
 records' own times: a display, not the histograms). The page keeps nothing
 but the last answer; its plots draw the producer's own history (one point
@@ -68,10 +69,30 @@ def snapshot_json(snap: ClusterSnapshot, metrics: ProducerMetrics) -> dict:
         "live_workers": len(snap.loads),
         "workers": snap.worker_summary(),
         "router_decisions": dict(sorted(snap.decisions.items())),
+        "priorities": priorities(snap),
         "totals": totals(metrics),
         "history": list(metrics.history),
         "recent": recent_rows(snap),
     }
+
+
+def priorities(snap: ClusterSnapshot) -> dict:
+    """router.ordering's counters: requests queued per class, and per (class, tenant) the requests
+    queued and the tokens dispatched (``lightq:queue_class_depth``, ``queue_tenant_depth``,
+    ``tenant_dispatched_tokens``); classes as strings, the JSON keys they become anyway."""
+    classes: dict[str, int] = {}
+    for (priority, _), n in snap.tenant_queued.items():
+        classes[str(priority)] = classes.get(str(priority), 0) + n
+    tenants = [
+        {
+            "priority": priority,
+            "tenant": tenant,
+            "queued": snap.tenant_queued.get((priority, tenant), 0),
+            "dispatched_tokens": snap.tenant_served.get((priority, tenant), 0),
+        }
+        for priority, tenant in sorted(set(snap.tenant_queued) | set(snap.tenant_served))
+    ]
+    return {"classes": dict(sorted(classes.items(), key=lambda item: int(item[0]))), "tenants": tenants}
 
 
 def totals(metrics: ProducerMetrics) -> dict:

@@ -255,6 +255,17 @@ def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:
         "lightq:worker_prefix_evicted_tokens", "cached tokens the worker evicted to make room", labels=("worker",)
     )
     out.append(evicted)
+    preempted = CounterMetricFamily(
+        "lightq:worker_priority_preemptions",
+        "started requests the worker paused for a better priority class, since it started (router --preempt)",
+        labels=("worker",),
+    )
+    recomputed = CounterMetricFamily(
+        "lightq:worker_preempted_kv_tokens",
+        "K/V tokens of those paused requests, computed again where they resume: preemption's cost",
+        labels=("worker",),
+    )
+    out += [preempted, recomputed]
     fields = {name: gauge(metric, doc, labels=("worker",)) for name, (metric, doc) in WORKER_FIELDS.items()}
     for load in snap.loads:
         worker, backlog = load.worker_id, snap.inboxes[load.worker_id]
@@ -264,6 +275,8 @@ def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:
         kv.add_metric([worker], kv_usage(load))
         hits.add_metric([worker], prefix_hit_ratio(load))
         evicted.add_metric([worker], load.prefix_evicted_tokens)
+        preempted.add_metric([worker], load.preempted_requests)
+        recomputed.add_metric([worker], load.preempted_kv_tokens)
         for name, family in fields.items():
             family.add_metric([worker], getattr(load, name))
     gauge("lightq:live_workers", "workers with a current heartbeat", len(snap.loads))

@@ -151,7 +151,12 @@ def test_page_shows_what_metrics_says(stack, tmp_path):
                 "rows => rows.map(r => [r.dataset.worker, "
                 "r.querySelector('.pct').textContent, r.querySelector('.tokens').textContent, "
                 "r.querySelector('.cached-n').textContent, r.querySelector('.hit-rate').textContent, "
-                "r.querySelector('.evicted-n').textContent])",
+                "r.querySelector('.evicted-n').textContent, r.querySelector('.preempted-n').textContent])",
+            )
+            tenants = page.eval_on_selector_all(
+                "#tenants tr",
+                "rows => rows.map(r => [r.dataset.priority, r.dataset.tenant, "
+                "r.querySelector('.queued-n').textContent, r.querySelector('.dispatched-n').textContent])",
             )
             decisions = page.eval_on_selector_all(
                 "#decisions tr",
@@ -172,7 +177,7 @@ def test_page_shows_what_metrics_says(stack, tmp_path):
     assert shown["backlog"] == f"{samples[('lightq:backlog_gpu_seconds', ())]:.2f}"
     queued = sum(samples[("lightq:queue_tokens", (("kind", kind),))] for kind in ("prompt", "predicted_output"))
     assert shown["queue-tokens"] == f"{queued:.0f}"
-    for worker, pct, tokens, cached, hit_rate, evicted in workers:
+    for worker, pct, tokens, cached, hit_rate, evicted, preempted in workers:
         label = (("worker", worker),)
         assert pct == f"{100 * samples[('lightq:worker_kv_usage_ratio', label)]:.1f}%"
         assert tokens == (
@@ -182,7 +187,18 @@ def test_page_shows_what_metrics_says(stack, tmp_path):
         assert cached == f"{samples[('lightq:worker_prefix_cached_tokens', label)]:.0f}"
         assert hit_rate == f"{100 * samples[('lightq:worker_prefix_hit_ratio', label)]:.1f}%"
         assert evicted == f"{samples[('lightq:worker_prefix_evicted_tokens_total', label)]:.0f}"
-    assert any(hit_rate != "0.0%" for *_, hit_rate, _ in workers), "the shared prompt was found cached"
+        assert preempted == (
+            f"{samples[('lightq:worker_priority_preemptions_total', label)]:.0f} "
+            f"({samples[('lightq:worker_preempted_kv_tokens_total', label)]:.0f})"
+        )
+    assert any(hit_rate != "0.0%" for *_, hit_rate, _, _ in workers), "the shared prompt was found cached"
+    dispatched = {
+        (labels[0][1], labels[1][1]): value
+        for (name, labels), value in samples.items()
+        if name == "lightq:tenant_dispatched_tokens_total"
+    }
+    assert tenants and {(p, t): float(n) for p, t, _, n in tenants} == dispatched
+    assert sum(dispatched.values()) > 0, "the requests' tokens were counted for their tenant"
     assert {reason: int(n) for reason, n in decisions} == {
         labels[0][1]: value for (name, labels), value in samples.items() if name == "lightq:router_decisions_total"
     }

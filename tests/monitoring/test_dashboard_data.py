@@ -36,11 +36,16 @@ async def test_data_equals_metrics(app, client, worker, aredis, keys):
         prefix_asked_tokens=400,
         prefix_hit_tokens=100,
         prefix_evicted_tokens=64,
+        preempted_requests=3,
+        preempted_kv_tokens=420,
     )
     await aredis.zadd(keys.workers(), {"w1": 1})
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await aredis.xadd(keys.dead_letters(), {"msg": "x", "reason": "test"})
     await aredis.hset(keys.router_decisions(), mapping={"prefix_hit": 5, "least_loaded": 2})  # as routers write it
+    # router.ordering's counters, as routers write them: a tenant can have a ':' in its name
+    await aredis.hset(keys.tenant_queued(), mapping={"1:batch:a": 4, "0:chat": 2})
+    await aredis.hset(keys.tenant_served(), mapping={"0:chat": 900, "1:batch:a": 5000, "1:idle": 70})
     request, _ = await generate_with(client, worker, ["a", "b"])
     await client.post("/v1/requests", json={"inputs": [4, 5], "parameters": {"max_new_tokens": 7}})
 
@@ -65,6 +70,21 @@ async def test_data_equals_metrics(app, client, worker, aredis, keys):
     assert w1["cached_tokens"] == samples[("lightq:worker_prefix_cached_tokens", label)] == 300
     assert w1["prefix_hit_ratio"] == samples[("lightq:worker_prefix_hit_ratio", label)] == 0.25
     assert w1["prefix_evicted_tokens"] == samples[("lightq:worker_prefix_evicted_tokens_total", label)] == 64
+    assert w1["preempted_requests"] == samples[("lightq:worker_priority_preemptions_total", label)] == 3
+    assert w1["preempted_kv_tokens"] == samples[("lightq:worker_preempted_kv_tokens_total", label)] == 420
+    priorities = data["priorities"]
+    assert priorities["classes"] == {"0": 2, "1": 4}
+    for c, n in priorities["classes"].items():
+        assert samples[("lightq:queue_class_depth", (("priority", c),))] == n
+    assert [(t["priority"], t["tenant"], t["queued"], t["dispatched_tokens"]) for t in priorities["tenants"]] == [
+        (0, "chat", 2, 900),
+        (1, "batch:a", 4, 5000),
+        (1, "idle", 0, 70),
+    ]
+    for t in priorities["tenants"]:
+        labels = (("priority", str(t["priority"])), ("tenant", t["tenant"]))
+        assert samples[("lightq:tenant_dispatched_tokens_total", labels)] == t["dispatched_tokens"]
+        assert samples.get(("lightq:queue_tenant_depth", labels), 0) == t["queued"]
     assert data["router_decisions"] == {"least_loaded": 2, "prefix_hit": 5}
     for reason, n in data["router_decisions"].items():
         assert samples[("lightq:router_decisions_total", (("reason", reason),))] == n

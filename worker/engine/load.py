@@ -62,6 +62,9 @@ class LoadSource(Protocol):
     def snapshot(self) -> LoadSnapshot: ...
     def requests(self) -> list[Req]: ...
 
+    num_preempted: int  # started requests paused for a better class, since start
+    num_preempted_tokens: int  # their K/V tokens, computed again where they resume
+
 
 def request_states(reqs: list[Req]) -> list[ReqState]:
     """One state per sample; each group's shared prompt counted once."""
@@ -143,6 +146,8 @@ def build_load(
         requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in states],
         preemptible=preemptible_classes(reqs, max_preemptions),
         preempt_asks_read=preempt_asks_read,
+        preempted_requests=engine.num_preempted,
+        preempted_kv_tokens=engine.num_preempted_tokens,
         prefix_cache=snap.cache.enabled,
         cached_tokens=snap.cache.cached,
         prefixes=list(snap.prefixes),
