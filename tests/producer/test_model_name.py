@@ -44,6 +44,8 @@ def test_a_worker_publishes_the_model_it_serves(redis_settings):
 class _Idle:
     """An engine with nothing running (what ``build_load`` reads)."""
 
+    num_preempted = num_preempted_tokens = 0
+
     class limits:
         max_total_tokens, running_max_req_size = 100, 8
 

@@ -27,11 +27,12 @@ def req(rid, prompt, max_new, output=(), resume=(), ignore_eos=False, phase=Phas
 
 
 class FakeEngine:
-    """The three things build_load reads from worker.engine.engine.Engine."""
+    """What build_load reads from worker.engine.engine.Engine."""
 
     def __init__(self, running, waiting, pool=1000, running_max=8):
         self.limits = EngineLimits(max_total_tokens=pool, batch_max_tokens=256, running_max_req_size=running_max)
         self.running, self.waiting = running, waiting
+        self.num_preempted, self.num_preempted_tokens = 2, 90  # pauses for a better class, and their K/V
 
     def requests(self):
         return [*self.running, *self.waiting]
@@ -58,6 +59,7 @@ def test_each_request_is_summarised_as_held_generated_max_new_ignore_eos():
     assert load.running_max_req_size == 8 and load.max_total_tokens == 1000
     assert load.committed_tokens == 60 + 50 + 105  # the conservative need still adds up
     assert (load.seq, load.last_inbox_id, load.num_running, load.num_waiting) == (4, "7-0", 2, 1)
+    assert (load.preempted_requests, load.preempted_kv_tokens) == (2, 90)  # for the dashboard
     assert decode(WorkerLoad, encode(load)) == load
     assert '"requests":[[17,7,50,0],' in encode(load)  # compact: four integers a request
 
