@@ -94,6 +94,7 @@ def workers_table(snap: ClusterSnapshot) -> Table:
         ("running", "right"),
         ("waiting", "right"),
         ("inbox", "right"),
+        ("preempted", "right"),
     ):
         table.add_column(name, justify=justify)
     for w in snap.worker_summary():
@@ -106,6 +107,7 @@ def workers_table(snap: ClusterSnapshot) -> Table:
             str(w["running"]),
             str(w["waiting"]),
             str(w["inbox"]),
+            str(w["preempted_requests"]),  # paused for a better class (router --preempt), since it started
         )
     return table
 

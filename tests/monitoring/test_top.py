@@ -30,6 +30,7 @@ def seed(rclient, keys) -> None:
             num_waiting=1,
             requests=[],
             cached_tokens=4321 if worker_id == "gpu-a" else 0,
+            preempted_requests=987 if worker_id == "gpu-b" else 0,
         )
         rclient.set(keys.load(worker_id), encode(load), ex=60)
         rclient.zadd(keys.workers(), {worker_id: now_ms()})
@@ -57,7 +58,8 @@ def test_once_prints_queue_and_workers(rclient, keys, redis_settings):
     a = next(line for line in text.splitlines() if "gpu-a" in line)
     assert "75.0%" in a and "750 / 1000" in a and "█" * 18 in a
     assert "4321" in a  # the prefix cache's tokens
-    assert "10.0%" in next(line for line in text.splitlines() if "gpu-b" in line)
+    b = next(line for line in text.splitlines() if "gpu-b" in line)
+    assert "10.0%" in b and b.split("│")[-2].strip() == "987"  # its pauses for a better class, last column
 
 
 def test_cli_once(rclient, keys, redis_settings):
