@@ -8,7 +8,8 @@
 - ``dummy:<dir>``: random weights for the config.json in ``<dir>``; the
   tokenizer comes from ``<dir>`` if it has one, else from the default model;
 - ``counting``: a deterministic stand-in model for tests (next token = last + 1)
-  with the default model's tokenizer.
+  with the default model's tokenizer; ``counting:<dir>`` with the tokenizer
+  in ``<dir>`` (a Hugging Face tokenizer folder: no model weights needed).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def resolve(model_dir: str) -> ModelSource:
         return ModelSource("gguf", default_gguf_path())
     if model_dir == "counting":
         return ModelSource("counting", "counting")
+    if model_dir.startswith("counting:"):
+        folder = model_dir.removeprefix("counting:")
+        if not _has_tokenizer(folder):
+            raise FileNotFoundError(f"--model_dir {model_dir}: {folder} has no tokenizer.json or tokenizer.model")
+        return ModelSource("counting", folder)
     if model_dir.startswith("dummy:"):
         folder = model_dir.removeprefix("dummy:")
         _require_config(folder, model_dir)
@@ -112,7 +118,7 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     if source.kind == "gguf":
         folder, name = os.path.split(source.path)
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    if source.kind == "counting" or (source.kind == "dummy" and not _has_tokenizer(source.path)):
+    if source.path == "counting" or (source.kind == "dummy" and not _has_tokenizer(source.path)):
         return load_tokenizer(resolve("default"))
     return AutoTokenizer.from_pretrained(source.path)
 
