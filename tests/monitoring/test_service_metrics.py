@@ -92,7 +92,6 @@ class StubEngine:
     limits = EngineLimits(max_total_tokens=1000, batch_max_tokens=64, running_max_req_size=8)
     runner = None  # no grammars: this worker refuses constrained requests
     has_work = True
-    is_held_back = False
     running = [object()] * 3  # the batch after the step
     num_pauses = 2
     num_preempted, num_preempted_tokens = 1, 57  # paused for a better class (router --preempt)

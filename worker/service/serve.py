@@ -56,8 +56,6 @@ class WorkerService:
         self.worker_id = worker_id
         self.model = served_name(settings.model.model_dir, settings.model.served_model_name)  # its pool
         self.publisher = publisher  # started by the caller (it loads while the model does)
-        # None: this worker refuses constrained requests (a runner built without a tokenizer)
-        self.grammars: Grammars | None = getattr(engine.runner, "grammars", None)
         self.heartbeat = Heartbeat(client, self.keys, worker_id, settings.heartbeat_s, self.load)
         self.stop_event = threading.Event()
         self.last_inbox_id = "0-0"
@@ -68,6 +66,12 @@ class WorkerService:
         self._outage_log = LogLimiter(log)
         self.draining = False
         self.num_asks_read = 0  # preemption asks answered (the load record's preempt_asks_read)
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """The runner's grammars (None: this worker refuses constrained requests, its runner was
+        built without a tokenizer)."""
+        return getattr(self.engine.runner, "grammars", None)
 
     def load(self, seq: int) -> WorkerLoad:
         return build_load(
@@ -117,10 +121,11 @@ class WorkerService:
                 raise
             self._read_id = "0"  # Redis lost our inbox group (restarted empty): recreate it
         self.publisher.check()
-        self._end_failed_grammars()
-        if self.engine.is_held_back:  # nothing to step until a grammar compiles
-            assert self.grammars is not None, "only grammars hold requests back"
-            self.grammars.wait(HELD_WAIT_S)
+        grammars = self.grammars
+        if grammars is not None:
+            self._end_failed_grammars(grammars)
+        if grammars is not None and self.engine.is_held_back:  # nothing to step until a grammar compiles
+            grammars.wait(HELD_WAIT_S)
         elif self.engine.has_work:
             self._step()
 
@@ -147,16 +152,14 @@ class WorkerService:
         """Hook for metrics: compiles that finished (their seconds) and held requests ended since the
         last call (their constraint failed to compile, or timed out)."""
 
-    def _end_failed_grammars(self) -> None:
+    def _end_failed_grammars(self, grammars: Grammars) -> None:
         """End the held requests whose constraint failed to compile or timed out: the error a request
         refused on arrival gets. The others wait on, in their places."""
-        if self.grammars is None:
-            return
-        failed = self.grammars.failures() if self.grammars.held else []
+        failed = grammars.failures() if grammars.held else []
         for req, error in failed:
             log.warning("%s: %s", req.id, error)
             self.publisher.put(self.engine.fail(req, error))
-        compile_seconds = self.grammars.cache.take_compile_times()
+        compile_seconds = grammars.cache.take_compile_times()
         if failed or compile_seconds:
             self.on_grammars(compile_seconds, len(failed))
         if failed:
