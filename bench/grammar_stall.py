@@ -14,7 +14,7 @@ that request arrived and from its arrival to its first token (the hold). Before 
 off the loop (469c2e1 and older) the hold's longest gap was the compile; after, a step's time.
 
 With ``--peer COMMIT`` the same run goes first against that commit's tree (``git archive`` into a
-temporary folder, run with this script and this tree's virtual environment). On a 2-core machine the
+temporary folder, with this script and run in this tree's virtual environment). On a 2-core machine the
 compile thread and the loop share the cores, so a step is slower while it compiles.
 """
 
@@ -35,6 +35,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROPERTIES = 2  # counted patterns in the schema: ~0.25 s of compile each on a small CPU
+POOL = 65_536  # the stream's tokens (the counting model holds no K/V: only slots are counted)
+STREAM_TOKENS = 60_000  # the stream's max_new_tokens: it runs on through the whole measurement
+DEADLINE_S = 300.0
 
 
 def schema(nonce: str) -> dict:
@@ -98,10 +101,10 @@ def build_worker(redis_url: str, prefix: str):
         from worker.runner.grammar import GrammarCache  # type: ignore[attr-defined,no-redef]
 
     tokenizer = load_tokenizer(resolve("default"))
-    vocab, eos, pool, cpu = len(tokenizer), {2}, 8192, torch.device("cpu")
+    vocab, eos, pool, cpu = len(tokenizer), {2}, POOL, torch.device("cpu")
     grammars = Grammars(GrammarCache.for_tokenizer(tokenizer, vocab, eos))
     runner = ModelRunner(
-        CountingModel(vocab, cpu), TokenPool(pool), ReqTable(8, 2048, pool, cpu), vocab, cpu, eos, grammars=grammars
+        CountingModel(vocab, cpu), TokenPool(pool), ReqTable(8, pool, pool, cpu), vocab, cpu, eos, grammars=grammars
     )
     rule = AdmissionRule(AdmissionSettings(admission="conservative"))
     engine = Engine(runner, EngineLimits(pool, 1024, 8), eos, rule)
@@ -145,19 +148,24 @@ def child(redis_url: str, warm_tokens: int) -> dict:
     service, out, client, tokenizer = build_worker(redis_url, prefix)
     try:
         alone = compile_alone(tokenizer, json.dumps(schema(uuid.uuid4().hex[:6])))
-        dispatch(service, client, "free", max_new=100_000)
+        dispatch(service, client, "free", max_new=STREAM_TOKENS)
+        deadline = time.perf_counter() + DEADLINE_S
         while len(out.stamps.get("free", [])) < warm_tokens:
-            service._serve_once()
+            _turn(service, deadline)
         arrived = time.perf_counter()
         dispatch(service, client, "slow", max_new=600, spec=json.dumps(schema(uuid.uuid4().hex[:6])))
         while "slow" not in out.ends:
-            service._serve_once()
+            _turn(service, deadline)
+        assert "free" not in out.ends, "the stream ended before the measurement did: raise STREAM_TOKENS"
         for _ in range(20):  # the stream after it
             service._serve_once()
         first, free = out.stamps["slow"][0], out.stamps["free"]
         earlier = [t for t in free if t <= arrived]
         before = gaps_ms(earlier[-warm_tokens // 2 :])
-        held = gaps_ms([earlier[-1], *(t for t in free if arrived < t <= first)])  # from the last one before
+        # From the stream's last token before the arrival to its first one after the request's first
+        # (compiled on the loop, that step's stall is between the two).
+        after = [t for t in free if t >= first][:1]
+        held = gaps_ms([earlier[-1], *(t for t in free if arrived < t < first), *after])
         text = tokenizer.decode(out.ids["slow"], skip_special_tokens=True)
         return {
             "compile_alone_s": alone,
@@ -174,6 +182,12 @@ def child(redis_url: str, warm_tokens: int) -> dict:
         if keys:
             client.delete(*keys)
         client.close()
+
+
+def _turn(service, deadline: float) -> None:
+    if time.perf_counter() > deadline:
+        raise RuntimeError("the run took too long: a request refused or stuck?")
+    service._serve_once()
 
 
 def _follows(text: str) -> bool:
@@ -194,11 +208,11 @@ def line(name: str, r: dict) -> str:
 
 
 def run_tree(tree: Path, args) -> dict:
-    """This script in a child process with ``tree`` first on its path."""
-    command = [sys.executable, str(Path(__file__)), "--child", "--redis-url", args.redis_url]
+    """This script as ``tree``'s module in a child process run from ``tree`` (its packages first on the path)."""
+    command = [sys.executable, "-m", "bench.grammar_stall", "--child", "--redis-url", args.redis_url]
     command += ["--warm-tokens", str(args.warm_tokens)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the run in {tree} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -209,6 +223,7 @@ def peer_tree(commit: str) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="lightq-grammar-peer-"))
     archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    shutil.copy(Path(__file__), folder / "bench" / "grammar_stall.py")  # the same measurement
     return folder
 
 
