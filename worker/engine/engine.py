@@ -11,7 +11,10 @@ or past-future (the estimated peak fits). When an estimate was wrong and
 the pool cannot hold this step's tokens, the newest running request is
 paused: its slots are freed and it waits at the head of the queue with its
 output kept, to be prefilled again (prompt + output) and continue.
-Finished and cancelled requests free their slots at once.
+Finished and cancelled requests free their slots at once. A waiting request
+the runner cannot start yet (``Runner.prepare`` False: its grammar still
+compiles, off the loop) keeps its place and is passed over until it can; it
+is load all the same (the load record lists every waiting request).
 
 A group (n samples of one prompt, ``worker.engine.request``) is admitted whole,
 its prompt counted once (``worker.engine.load.request_states``); its leader
