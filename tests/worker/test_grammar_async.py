@@ -110,7 +110,7 @@ def make_worker(redis_settings, rclient, gate: GatedCompile, clock: Clock, timeo
     grammars = Grammars(GrammarCache(info, WIDTH, compile_fn=gate), compile_timeout_s=timeout_s, clock=clock)
     cpu = torch.device("cpu")
     runner = ModelRunner(
-        CountingModel(WIDTH, cpu), TokenPool(POOL), ReqTable(8, 512, POOL, cpu), WIDTH, cpu, {STOP}, grammars=grammars
+        CountingModel(WIDTH, cpu), TokenPool(POOL), ReqTable(8, POOL, POOL, cpu), WIDTH, cpu, {STOP}, grammars=grammars
     )
     engine = Engine(
         runner, EngineLimits(POOL, 1024, 8), {STOP}, AdmissionRule(AdmissionSettings(admission="conservative"))
