@@ -306,6 +306,12 @@ class WorkerSettings(BaseSettings):
         "the same prefix skip its prefill (off: --no-prefix_cache or --disable_prefix_cache)",
     )
     heartbeat_s: float = Field(0.5, gt=0, description="seconds between load records")
+    grammar_compile_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a constrained request waits for its grammar to compile (off the model loop, "
+        "while the batch runs) before it ends with an error",
+    )
     admission_rule: AdmissionSettings = Field(default_factory=AdmissionSettings)  # named as the router's
     drain_timeout: float = Field(
         30.0, ge=0, description="on SIGTERM, seconds running requests get to finish before the rest is handed back"

@@ -29,7 +29,8 @@ from worker.model.loader import attach_kv_cache, load_model
 from worker.model.models import model_class
 from worker.runner import tp as tensor_parallel
 from worker.runner.cuda_graphs import DecodeGraphs, default_buckets
-from worker.runner.grammar import GrammarCache, Grammars
+from worker.runner.grammar import Grammars
+from worker.runner.grammar_cache import GrammarCache
 from worker.runner.model_runner import ModelRunner
 from worker.runner.prefill_graphs import PrefillGraphs
 from worker.runner.req_table import ReqTable
@@ -164,7 +165,9 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
     # Constrained decoding needs the tokenizer's token texts (rank 0 samples; followers have none).
     grammars = None
     if tokenizer is not None and len(tokenizer) <= config.vocab_size:
-        grammars = Grammars(GrammarCache.for_tokenizer(tokenizer, config.vocab_size, eos))
+        grammars = Grammars(
+            GrammarCache.for_tokenizer(tokenizer, config.vocab_size, eos), settings.grammar_compile_timeout_s
+        )
     pool = TokenPool(num_slots)
     prefix_cache = RadixCache(pool) if settings.prefix_cache else None  # rank 0's decides; followers' stay empty
     runner = ModelRunner(

@@ -90,6 +90,7 @@ class StubEngine:
     """What the collector and the service loop read of ``worker.engine.engine.Engine``."""
 
     limits = EngineLimits(max_total_tokens=1000, batch_max_tokens=64, running_max_req_size=8)
+    runner = None  # no grammars: this worker refuses constrained requests
     has_work = True
     running = [object()] * 3  # the batch after the step
     num_pauses = 2

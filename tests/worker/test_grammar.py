@@ -23,7 +23,8 @@ from worker.engine.events import Token
 from worker.engine.request import Req
 from worker.engine.token_pool import TokenPool
 from worker.model.loader import attach_kv_cache, load_model
-from worker.runner.grammar import GrammarCache, Grammars
+from worker.runner.grammar import Grammars
+from worker.runner.grammar_cache import GrammarCache
 from worker.runner.model_runner import ModelRunner
 from worker.runner.req_table import ReqTable
 from worker.runner.sampler import SamplingBatch, sample

@@ -11,7 +11,10 @@ or past-future (the estimated peak fits). When an estimate was wrong and
 the pool cannot hold this step's tokens, the newest running request is
 paused: its slots are freed and it waits at the head of the queue with its
 output kept, to be prefilled again (prompt + output) and continue.
-Finished and cancelled requests free their slots at once.
+Finished and cancelled requests free their slots at once. A waiting request
+the runner cannot start yet (``Runner.prepare`` False: its grammar still
+compiles, off the loop) keeps its place and is passed over until it can; it
+is load all the same (the load record lists every waiting request).
 
 A group (n samples of one prompt, ``worker.engine.request``) is admitted whole,
 its prompt counted once (``worker.engine.load.request_states``); its leader
@@ -93,6 +96,7 @@ class Runner(Protocol):
     pool: TokenPool
     slots: KVSlots
 
+    def prepare(self, req: Req) -> bool: ...
     def start(self, req: Req) -> None: ...
     def finish(self, req: Req) -> None: ...
     def prefill(
@@ -136,17 +140,29 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._in_flight)
 
+    @property
+    def is_held_back(self) -> bool:
+        """Nothing runs or is in flight and the runner can start none of the waiting requests (their
+        grammars compile): a step would do nothing until one can."""
+        if self.running or self._in_flight or not self.waiting:
+            return False
+        return not any(self.runner.prepare(r) for r in self.waiting)
+
     def take_unstarted(self) -> list[Req]:
         """Remove and return the waiting requests that never started here (no events were sent
-        for them; a paused one has, and stays)."""
+        for them; a paused one has, and stays). They are finished here (handed back)."""
         with self._lock:
             unstarted = [r for r in self.waiting if not r.is_paused]
             self.waiting = deque(r for r in self.waiting if r.is_paused)
+            for req in unstarted:
+                req.phase = Phase.FINISHED
         return unstarted
 
     def add(self, req: Req) -> None:
+        """Queue ``req``; what it needs to start (its grammar) is prepared from now on, off the loop."""
         with self._lock:
             self.waiting.append(req)
+        self.runner.prepare(req)
 
     def requests(self) -> list[Req]:
         with self._lock:
@@ -177,6 +193,13 @@ class Engine:
             ends = [(req.choice, len(req.output_ids))]
         events: list[Event] = [Ended(req.id, RequestStatus.CANCELLED, "cancelled", num, choice=c) for c, num in ends]
         return events + self._release(req, "cancelled")
+
+    def fail(self, req: Req, error: str) -> list[Event]:
+        """End waiting ``req`` with ``error`` (its grammar could not be compiled here): the events of a
+        request the service refused on arrival."""
+        if req.phase is not Phase.WAITING:
+            return []
+        return [Ended(req.id, RequestStatus.FAILED, "error", req.msg.num_emitted, error), *self._release(req, "error")]
 
     def stop(self, req: Req) -> list[Event]:
         """End ``req``, which the publisher found a stop string in (it wrote the end)."""
@@ -280,26 +303,33 @@ class Engine:
     def _admit(self) -> list[Req]:
         """Move waiting requests into the running set, in order, while the rule allows. One whose
         prompt starts like a prefill still in progress stays waiting, in its place, until that
-        prefill joins the prefix cache (``KVSlots.should_wait``): usually one step."""
+        prefill joins the prefix cache (``KVSlots.should_wait``): usually one step. So does one the
+        runner cannot start yet (``Runner.prepare``: its grammar compiles), for as long as that takes;
+        the requests behind it go ahead meanwhile."""
         admitted: list[Req] = []
         if not self.waiting:  # most steps: nothing to admit, so no O(batch) summary either
             return admitted  # (read without the lock: one added meanwhile waits a step)
-        # Prepared once for the pass: each candidate costs O(K log n), not O(K n log n) from
-        # scratch (a burst of 1,000 requests took 0.6 s of one step that way).
         policy = self.rule.policy
-        view = BatchView(
-            request_states(self.running), self.limits.max_total_tokens, self.limits.running_max_req_size, policy
-        )
+        view: BatchView | None = None  # built for the first request that may start (none: no cost)
         slots = self.runner.slots
         prefilling = {k for r in self.running if not r.is_prefilled and (k := slots.prefill_key(r)) is not None}
-        deferred: list[Req] = []  # wait for a running prefill of their prefix (``KVSlots.should_wait``)
+        deferred: list[Req] = []  # held by the runner, or waiting for a running prefill of their prefix
         with self._lock:
             while self.waiting:
                 req = self.waiting[0]
                 key = slots.prefill_key(req)
-                if slots.should_wait(req, key, prefilling):
+                if not self.runner.prepare(req) or slots.should_wait(req, key, prefilling):
                     deferred.append(self.waiting.popleft())
                     continue
+                if view is None:
+                    # Prepared once for the pass: each candidate costs O(K log n), not O(K n log n)
+                    # from scratch (a burst of 1,000 requests took 0.6 s of one step that way).
+                    view = BatchView(
+                        request_states(self.running),
+                        self.limits.max_total_tokens,
+                        self.limits.running_max_req_size,
+                        policy,
+                    )
                 candidate = Candidate(self._adds(req), policy)  # a group: all its samples, the prompt once
                 if view.ratio(candidate) is None:
                     break

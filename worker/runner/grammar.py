@@ -17,83 +17,35 @@ terminated (the grammar was complete and a stop token was taken) ends its
 request with ``stop``.
 
 Compiled grammars depend on the tokenizer and the constraint only: they are
-kept in a bounded LRU (``GrammarCache``), so a schema sent with every
-request compiles once per worker. Compilation runs on the model loop, when
-the service takes the request from its inbox (a few ms for a typical schema;
-the producer has already parsed the constraint).
+kept in a bounded LRU (``worker.runner.grammar_cache.GrammarCache``), so a
+schema sent with every request compiles once per worker. Compiles run off
+the model loop, on threads of their own, one per constraint however many
+requests send it: the engine asks ``prepare`` before it admits a waiting
+request, and one whose grammar is not compiled yet stays waiting in its
+place (``held``; still load, still cancellable, handed back by a drain)
+while the requests around it run. The service ends a held request whose
+constraint failed to compile, or did not within ``compile_timeout_s``
+(``failures``). A compiled grammar stays while a matcher uses it, whatever
+the LRU drops, so a group's forked samples never compile on the loop.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import xgrammar as xgr
 
 from shared.schemas import Constraint
-from worker.engine.request import Req
+from worker.engine.request import Phase, Req
+from worker.runner.grammar_cache import CompileFailed, GrammarCache
 
 log = logging.getLogger("lightq.worker")
 
-CACHE_ENTRIES = 128  # compiled grammars kept per worker (a JSON schema's is tens of kB to a few MB)
-COMPILE_THREADS = 2
-
-
-def compile_constraint(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xgr.CompiledGrammar:
-    """One constraint against the worker's tokenizer. JSON is compact (no free whitespace): a
-    sampled model could otherwise spend its whole budget on spaces and newlines."""
-    if constraint.kind == "json":
-        return compiler.compile_grammar(xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False))
-    if constraint.kind == "json_schema":
-        return compiler.compile_json_schema(constraint.spec, any_whitespace=False)
-    if constraint.kind == "regex":
-        return compiler.compile_regex(constraint.spec)
-    return compiler.compile_grammar(constraint.spec)
-
-
-class GrammarCache:
-    """Compiled grammars of one tokenizer, least recently used first out."""
-
-    def __init__(self, info: xgr.TokenizerInfo, vocab_size: int, max_entries: int = CACHE_ENTRIES) -> None:
-        self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
-        self.max_entries = max_entries
-        self._compiled: OrderedDict[Constraint, xgr.CompiledGrammar] = OrderedDict()
-
-    @classmethod
-    def for_tokenizer(
-        cls, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], max_entries: int = CACHE_ENTRIES
-    ) -> GrammarCache:
-        """The cache of a Hugging Face tokenizer. The model's vocabulary (logits' width) may exceed
-        the tokenizer's; stop tokens are the engine's EOS ids, so the grammar's end and "stop" agree."""
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
-        return cls(info, vocab_size, max_entries)
-
-    def get(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        compiled = self._compiled.get(constraint)
-        if compiled is None:
-            compiled = compile_constraint(self.compiler, constraint)
-            self._compiled[constraint] = compiled
-            if len(self._compiled) > self.max_entries:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(constraint)
-        return compiled
-
-    def error(self, constraint: Constraint) -> str | None:
-        """Why ``constraint`` cannot be compiled here (None: it can, and it is now cached)."""
-        try:
-            self.get(constraint)
-        except (RuntimeError, ValueError) as exc:  # xgrammar reports bad input as RuntimeError
-            return f"invalid {constraint.kind} constraint: {str(exc).strip().splitlines()[-1]}"
-        return None
-
-    def __len__(self) -> int:
-        return len(self._compiled)
+COMPILE_TIMEOUT_S = 30.0  # the default of --grammar_compile_timeout_s
 
 
 @dataclass(frozen=True)
@@ -113,21 +65,77 @@ class GrammarMask:
 
 
 class Grammars:
-    """The matchers of the samples that hold a table row and have a constraint."""
+    """The matchers of the samples that hold a table row and have a constraint, and the waiting
+    requests held until their constraint compiles."""
 
-    def __init__(self, cache: GrammarCache) -> None:
+    def __init__(
+        self,
+        cache: GrammarCache,
+        compile_timeout_s: float = COMPILE_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cache = cache
+        self.compile_timeout_s = compile_timeout_s
+        self._clock = clock
         self.matchers: dict[Req, xgr.GrammarMatcher] = {}
+        # Per constraint, its compiled grammar and how many matchers use it (kept out of the LRU's reach).
+        self._in_use: dict[Constraint, tuple[xgr.CompiledGrammar, int]] = {}
+        self.held: dict[Req, float] = {}  # waiting for their grammar -> since when (clock)
         self._bitmask = xgr.allocate_token_bitmask(1, cache.vocab_size)
         self._filler = xgr.BatchGrammarMatcher(max_threads="auto")  # a row per thread, ~50 us a row
 
-    def start(self, req: Req) -> None:
-        """A matcher for ``req`` (none without a constraint), after its output so far."""
+    @property
+    def num_held(self) -> int:
+        return len(self.held)
+
+    def prepare(self, req: Req) -> bool:
+        """Whether ``req`` can start now; if not, its grammar is compiling (submitted here) and it is
+        held. Never waits (the engine asks before admitting, on the model loop)."""
         constraint = req.msg.params.constraint
         if constraint is None:
-            self.matchers.pop(req, None)
+            return True
+        if constraint in self._in_use or isinstance(self.cache.status(constraint), xgr.CompiledGrammar):
+            self.held.pop(req, None)
+            return True
+        self.cache.submit(constraint)
+        self.held.setdefault(req, self._clock())
+        return False
+
+    def failures(self) -> list[tuple[Req, str]]:
+        """Held requests to end now, with why: their constraint failed to compile, or took longer
+        than ``compile_timeout_s`` (the compile itself runs on, and is cached if it ends). Held
+        requests that compiled or ended meanwhile (cancelled, handed back) are let go."""
+        now, failed = self._clock(), []
+        for req, since in list(self.held.items()):
+            constraint = req.msg.params.constraint
+            assert constraint is not None, "only constrained requests are held"
+            status = self.cache.status(constraint) if req.phase is Phase.WAITING else None
+            if isinstance(status, CompileFailed):
+                failed.append((req, status.message))
+            elif status is None and req.phase is Phase.WAITING:
+                if now - since <= self.compile_timeout_s:
+                    continue  # still compiling
+                failed.append((req, f"{constraint.kind} constraint not compiled within {self.compile_timeout_s:g} s"))
+            del self.held[req]
+        return failed
+
+    def wait(self, timeout: float) -> None:
+        """Until a compile finishes, at most ``timeout`` seconds: the loop's wait when only held
+        requests are left."""
+        self.cache.wait(timeout)
+
+    def start(self, req: Req) -> None:
+        """A matcher for ``req`` (none without a constraint), after its output so far. Its grammar is
+        compiled (``prepare`` said so) or used by a running sample already (a group's fork)."""
+        self.finish(req)
+        constraint = req.msg.params.constraint
+        if constraint is None:
             return
-        matcher = xgr.GrammarMatcher(self.cache.get(constraint))
+        grammar, users = self._in_use.get(constraint, (None, 0))
+        if grammar is None:
+            grammar = self.cache.get(constraint)  # waits only when nobody asked ``prepare``: tests
+        self._in_use[constraint] = (grammar, users + 1)
+        matcher = xgr.GrammarMatcher(grammar)
         for n, token_id in enumerate(req.output_ids):
             if not matcher.accept_token(token_id):
                 # Cannot happen with the grammar the tokens were sampled under; the rest of the
@@ -137,7 +145,15 @@ class Grammars:
         self.matchers[req] = matcher
 
     def finish(self, req: Req) -> None:
-        self.matchers.pop(req, None)
+        if self.matchers.pop(req, None) is None:
+            return
+        constraint = req.msg.params.constraint
+        assert constraint is not None, "only constrained samples have matchers"
+        grammar, users = self._in_use[constraint]
+        if users > 1:
+            self._in_use[constraint] = (grammar, users - 1)
+        else:
+            del self._in_use[constraint]
 
     def mask(self, reqs: Sequence[Req]) -> GrammarMask | None:
         """The next token's mask for ``reqs`` (a batch's samples in order), None when none is constrained."""

@@ -114,6 +114,10 @@ class ModelRunner:
         # Per table row, the id its last sampling drew: the next decode's input (see ``StepInputs.ids_on_device``).
         self.last_ids = torch.zeros(table.hold_row + 1, dtype=torch.int64, device=device)
 
+    def prepare(self, req: Req) -> bool:
+        """Whether ``req`` can start now: False while its grammar compiles (``Grammars.prepare``)."""
+        return self.grammars is None or self.grammars.prepare(req)
+
     def start(self, req: Req) -> None:
         req.row = self.table.allocate_row()
         req.slot_ids = np.empty(req.max_len, dtype=np.int64)

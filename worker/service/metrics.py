@@ -28,6 +28,7 @@ from worker.service.serve import WorkerService
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class WorkerMetrics:
@@ -69,6 +70,19 @@ class WorkerMetrics:
             buckets=BATCH_BUCKETS,
             registry=reg,
         ).labels(**worker)
+        self.grammar_compile_time = Histogram(
+            "lightq:worker_grammar_compile_seconds",
+            "one constraint's grammar compile (off the model loop; a constraint already cached is not compiled)",
+            ["worker"],
+            buckets=COMPILE_BUCKETS,
+            registry=reg,
+        ).labels(**worker)
+        self.grammar_failures = Counter(
+            "lightq:worker_grammar_failures",
+            "requests ended because their constraint failed to compile or timed out (--grammar_compile_timeout_s)",
+            ["worker"],
+            registry=reg,
+        ).labels(**worker)
         self.worker_id = worker_id
 
     def count(self, events: list[Event], now_ms: int) -> None:
@@ -99,6 +113,11 @@ class MeteredService(WorkerService):
         self.metrics.batch_size.observe(len(self.engine.running))
         self.metrics.count(events, now_ms())
 
+    def on_grammars(self, compile_seconds: list[float], num_failed: int) -> None:
+        for seconds in compile_seconds:
+            self.metrics.grammar_compile_time.observe(seconds)
+        self.metrics.grammar_failures.inc(num_failed)
+
 
 class WorkerCollector(Collector):
     def __init__(self, engine: Engine, client: redis.Redis, keys: Keys, worker_id: str):
@@ -113,6 +132,13 @@ class WorkerCollector(Collector):
         yield _gauge("lightq:worker_running_requests", "requests in the running batch", w, snap.num_running)
         yield _gauge(
             "lightq:worker_waiting_requests", "requests taken in, not yet admitted to the batch", w, snap.num_waiting
+        )
+        grammars = getattr(self.engine.runner, "grammars", None)  # worker.runner.grammar.Grammars or None
+        yield _gauge(
+            "lightq:worker_grammar_waiting_requests",
+            "waiting requests held until their grammar compiles (counted in waiting_requests too)",
+            w,
+            grammars.num_held if grammars is not None else 0,
         )
         yield _gauge("lightq:worker_used_tokens", "KV pool tokens holding a request's K/V", w, snap.used_tokens)
         yield _gauge(

@@ -1,7 +1,11 @@
 """The worker's service loop (rq's ``Worker.work`` shape).
 
-inbox (block only when idle) -> cancels -> engine.step() -> publisher.
-The model loop never touches text or waits on Redis writes: tokens go to
+inbox (block only when idle) -> cancels -> grammars -> engine.step() -> publisher.
+The model loop never touches text, waits on Redis writes or compiles a
+grammar: a constrained request waits in the engine's queue while its
+grammar compiles on other threads (``worker.runner.grammar``), and when
+nothing else is left the loop waits for that compile a little at a time,
+reading its inbox in between. Tokens go to
 the publisher process (``worker.service.publisher_process``), load records to the
 heartbeat thread. If the publisher process dies, the worker hands its inbox
 back and exits with an error (the launcher or the orchestrator restarts it).
@@ -12,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -31,9 +36,13 @@ from worker.engine.request import Req
 from worker.service.heartbeat import Heartbeat
 from worker.service.publisher_process import PublisherDied, PublisherLink
 
+if TYPE_CHECKING:
+    from worker.runner.grammar import Grammars
+
 log = logging.getLogger("lightq.worker")
 
 IDLE_BLOCK_MS = 200
+HELD_WAIT_S = 0.02  # only held requests left: the longest wait for a compile between two inbox reads
 
 
 class WorkerService:
@@ -57,6 +66,12 @@ class WorkerService:
         self._outage_log = LogLimiter(log)
         self.draining = False
         self.num_asks_read = 0  # preemption asks answered (the load record's preempt_asks_read)
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """The runner's grammars (None: this worker refuses constrained requests, its runner was
+        built without a tokenizer)."""
+        return getattr(self.engine.runner, "grammars", None)
 
     def load(self, seq: int) -> WorkerLoad:
         return build_load(
@@ -106,7 +121,12 @@ class WorkerService:
                 raise
             self._read_id = "0"  # Redis lost our inbox group (restarted empty): recreate it
         self.publisher.check()
-        if self.engine.has_work:
+        grammars = self.grammars
+        if grammars is not None:
+            self._end_failed_grammars(grammars)
+        if grammars is not None and self.engine.is_held_back:  # nothing to step until a grammar compiles
+            grammars.wait(HELD_WAIT_S)
+        elif self.engine.has_work:
             self._step()
 
     def _step(self) -> None:
@@ -127,6 +147,23 @@ class WorkerService:
 
     def on_step(self, events: list[Event], seconds: float) -> None:
         """Hook for metrics: one engine step took ``seconds`` and made ``events`` (its early ones too)."""
+
+    def on_grammars(self, compile_seconds: list[float], num_failed: int) -> None:
+        """Hook for metrics: compiles that finished (their seconds) and held requests ended since the
+        last call (their constraint failed to compile, or timed out)."""
+
+    def _end_failed_grammars(self, grammars: Grammars) -> None:
+        """End the held requests whose constraint failed to compile or timed out: the error a request
+        refused on arrival gets. The others wait on, in their places."""
+        failed = grammars.failures() if grammars.held else []
+        for req, error in failed:
+            log.warning("%s: %s", req.id, error)
+            self.publisher.put(self.engine.fail(req, error))
+        compile_seconds = grammars.cache.take_compile_times()
+        if failed or compile_seconds:
+            self.on_grammars(compile_seconds, len(failed))
+        if failed:
+            self.heartbeat.poke()
 
     def _drain(self) -> None:
         self.draining = True
@@ -229,8 +266,8 @@ class WorkerService:
         self.engine.add(Req(msg=msg, inbox_id=entry_id))
 
     def _refusal(self, msg: GenerateRequest) -> str | None:
-        """Why this worker cannot run ``msg`` (None: it can). A constraint is compiled here (then
-        cached), not in the middle of a step."""
+        """Why this worker cannot run ``msg`` (None: it can). A constraint is not compiled here: it
+        compiles off the loop while the request waits (``_end_failed_grammars`` ends it if it fails)."""
         if msg.max_tokens_needed > self.engine.limits.max_total_tokens:
             return (
                 f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds "
@@ -238,10 +275,9 @@ class WorkerService:
             )
         if msg.params.prompt_logprobs is not None and self.settings.tp > 1:
             return "prompt log-probabilities need a worker with --tp 1"
-        if msg.params.constraint is None:
-            return None
-        grammars = getattr(self.engine.runner, "grammars", None)  # worker.runner.grammar.Grammars or None
-        return "this worker cannot apply grammars" if grammars is None else grammars.cache.error(msg.params.constraint)
+        if msg.params.constraint is not None and self.grammars is None:
+            return "this worker cannot apply grammars"
+        return None
 
     def _free_stopped(self) -> None:
         """Requests the publisher ended on a stop string: free their slots now."""
