@@ -255,11 +255,15 @@ def test_an_orphaned_publisher_stops_retrying_a_dead_redis(redis_settings, token
     """Once its worker is gone, a write that cannot reach Redis is given up after ORPHAN_RETRY_S
     (its requests resume elsewhere), instead of retrying forever as an orphan."""
     import redis as redis_lib
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     from worker.service import publisher as publisher_module
 
     monkeypatch.setattr(publisher_module, "ORPHAN_RETRY_S", 0.2)
-    dead = redis_lib.Redis(port=1, socket_connect_timeout=0.05)  # nothing listens on port 1
+    # Nothing listens on port 1. Without retries of the client's own (redis-py's default retries a
+    # refused connection 3 times over ~5 s): each of the publisher's attempts fails at once.
+    dead = redis_lib.Redis(port=1, socket_connect_timeout=0.05, retry=Retry(NoBackoff(), 0))
     alive = [True]
     orphan = Publisher(WorkerSettings(redis=redis_settings), dead, tokenizer, "w1", worker_alive=lambda: alive[0])
     alive[0] = False
