@@ -227,18 +227,29 @@ def smollm2_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def smollm2_weights() -> str:
-    """The session's dequantised-GGUF folder (``pytest_configure``) with the embedded SmolLM2 in it:
-    dequantised here once, before the first stack starts (its workers would otherwise each
-    dequantise it at the same time, ~20 s of CPU apiece); a folder that has it already is only read."""
-    folder = os.environ.get("LIGHTQ_WEIGHTS_CACHE", "")
-    if folder:
-        from shared.model_files import load_config, resolve
-        from worker.model.gguf_cache import cached_weights
-        from worker.model.loader import gguf_weights
+def smollm2_dequantised() -> dict[str, torch.Tensor]:
+    """The embedded GGUF's tensors as a dequantisation (``worker.model.loader.gguf_weights``) gives
+    them, this session (~20 s of CPU, once): what the session's weights folder is filled with
+    (``smollm2_weights``), and what tests/worker/test_gguf_cache.py compares its read-backs with."""
+    from shared.model_files import load_config, resolve
+    from worker.model.loader import gguf_weights
 
-        path = resolve("default").path
-        for _ in cached_weights(path, folder, lambda: gguf_weights(path, load_config(resolve("default")))):
+    source = resolve("default")
+    return dict(gguf_weights(source.path, load_config(source)))
+
+
+@pytest.fixture(scope="session")
+def smollm2_weights(request) -> str:
+    """The session's dequantised-GGUF folder (``pytest_configure``) with the embedded SmolLM2 in it,
+    stored here once before the first stack starts (its workers would otherwise each dequantise it
+    at the same time, ~20 s of CPU apiece); a folder that has it already is left as it is."""
+    from shared.model_files import resolve
+    from worker.model.gguf_cache import cache_file, cached_weights
+
+    folder, path = os.environ.get("LIGHTQ_WEIGHTS_CACHE", ""), resolve("default").path
+    if folder and not os.path.exists(cache_file(folder, path)):
+        tensors = request.getfixturevalue("smollm2_dequantised")
+        for _ in cached_weights(path, folder, lambda: iter(tensors.items())):
             pass
     return folder
 
