@@ -76,6 +76,131 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
         if item.nodeid.startswith(LONG):
             item.add_marker(pytest.mark.slow)
+    for name in SHARED_STACKS:  # each shared stack's tests one after another, where the first of them was
+        users = [item for item in items if name in item.fixturenames]
+        if users:
+            first = items.index(users[0])
+            rest = [item for item in items if name not in item.fixturenames]
+            items[:] = rest[:first] + users + rest[first:]
+
+
+# ``lightq serve`` stacks that tests of several modules share (tests.integration.stack.SharedStack): the
+# session fixture of each (the tests take ``<name>_stack``). Its tests run one after another (above),
+# and it stops after the last of them (``_last_user``), not at the session's end.
+SHARED_STACKS = ("smollm2_pair", "smollm2_single", "counting_trio")
+_LAST_USER: dict[str, str] = {}
+
+
+def pytest_collection_finish(session):
+    """The last test of the run (what -k / -m left) that uses each shared stack."""
+    for item in session.items:
+        for name in SHARED_STACKS:
+            if name in item.fixturenames:
+                _LAST_USER[name] = item.nodeid
+
+
+def _last_user(name: str, request) -> bool:
+    return _LAST_USER.get(name) == request.node.nodeid
+
+
+@pytest.fixture(scope="session")
+def smollm2_pair(tmp_path_factory, smollm2_weights):
+    """``lightq serve`` with 2 workers on the embedded SmolLM2, with the Redis it starts itself (nothing
+    answers at the URL given), which must stop with it (tests/integration/test_e2e.py,
+    test_structured_resume.py, tests/batches/test_e2e_batch.py)."""
+    from shared.embedded_redis import free_port
+    from tests.integration.stack import SharedStack, start_stack
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    log = str(tmp_path_factory.mktemp("smollm2-pair") / "serve.log")
+
+    def start():
+        assert not answers(url)
+        extra = ["--max_total_token_num", "4096", "--max_req_total_len", "1024"]
+        return start_stack(log, redis_url=url, prefix="lightq-e2e", workers=2, extra=extra)
+
+    def close(stack):
+        assert stack.stop() == 0, open(log).read()[-3000:]
+        assert not answers(url), "the embedded Redis must stop with the pool"
+
+    shared = SharedStack(start, close, workers=2)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def smollm2_pair_stack(smollm2_pair, request):
+    yield smollm2_pair.get()
+    if _last_user("smollm2_pair", request):
+        smollm2_pair.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_single(tmp_path_factory, redis_url, smollm2_weights):
+    """``lightq serve`` with 1 worker on the embedded SmolLM2 and the test Redis, for the real clients
+    (tests/integration/test_openai_stack.py, test_structured_stack.py); its keys go afterwards."""
+    from tests.integration.stack import SharedStack, start_stack
+
+    log = str(tmp_path_factory.mktemp("smollm2-single") / "serve.log")
+
+    def start():
+        extra = ["--max_total_token_num", "8192", "--max_req_total_len", "1024"]
+        prefix = f"lightq-oai-{uuid.uuid4().hex[:8]}"
+        return start_stack(log, redis_url=redis_url, prefix=prefix, workers=1, extra=extra)
+
+    def close(stack):
+        try:
+            assert stack.stop() == 0, open(log).read()[-3000:]
+        finally:
+            stack.remove_keys()  # the local Redis outlives the test session
+
+    shared = SharedStack(start, close, workers=1)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def smollm2_single_stack(smollm2_single, request):
+    yield smollm2_single.get()
+    if _last_user("smollm2_single", request):
+        smollm2_single.close()
+
+
+@pytest.fixture(scope="session")
+def counting_trio(tmp_path_factory):
+    """``lightq serve`` with 3 workers on the counting model (every output known in advance) and an
+    append-only embedded Redis of its own (``counting_trio.redis_server``, which a test restarts), for
+    the chaos tests (tests/integration/test_chaos.py, test_publisher_crash.py)."""
+    from tests.integration.stack import SharedStack, start_stack
+
+    log = str(tmp_path_factory.mktemp("counting-trio") / "serve.log")
+
+    def start():
+        shared.redis_server = start_embedded_redis(appendonly=True)
+        extra = ["--model_dir", "counting", "--max_total_token_num", "60000", "--max_req_total_len", "1100"]
+        extra += ["--liveness_ttl_s", "1.5", "--drain_timeout", "0.5"]
+        try:
+            return start_stack(log, redis_url=shared.redis_server.url, prefix="lightq-chaos", workers=3, extra=extra)
+        except BaseException:
+            shared.redis_server.stop()
+            raise
+
+    def close(stack):
+        try:
+            stack.stop()
+        finally:
+            shared.redis_server.stop()
+
+    shared = SharedStack(start, close, workers=3)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def counting_trio_stack(counting_trio, request):
+    yield counting_trio.get()
+    if _last_user("counting_trio", request):
+        counting_trio.close()
 
 
 @pytest.fixture(scope="session")
@@ -89,6 +214,94 @@ def redis_url():
         yield server.url
     finally:
         server.stop()
+
+
+# The embedded SmolLM2, for the tests of several modules: each load costs seconds (the tokenizer is built
+# from the GGUF's vocabulary, the weights dequantised), the same objects every time.
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """Its tokenizer, once a session (nothing changes a tokenizer after it loads)."""
+    from shared.model_files import load_tokenizer, resolve
+
+    return load_tokenizer(resolve("default"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dequantised() -> dict[str, torch.Tensor]:
+    """The embedded GGUF's tensors as a dequantisation (``worker.model.loader.gguf_weights``) gives
+    them, this session (~20 s of CPU, once): what the session's weights folder is filled with
+    (``smollm2_weights``), and what tests/worker/test_gguf_cache.py compares its read-backs with."""
+    from shared.model_files import load_config, resolve
+    from worker.model.loader import gguf_weights
+
+    source = resolve("default")
+    return dict(gguf_weights(source.path, load_config(source)))
+
+
+@pytest.fixture(scope="session")
+def smollm2_weights(request) -> str:
+    """The session's dequantised-GGUF folder (``pytest_configure``) with the embedded SmolLM2 in it,
+    stored here once before the first stack starts (its workers would otherwise each dequantise it
+    at the same time, ~20 s of CPU apiece); a folder that has it already is left as it is."""
+    from shared.model_files import resolve
+    from worker.model.gguf_cache import cache_file, cached_weights
+
+    folder, path = os.environ.get("LIGHTQ_WEIGHTS_CACHE", ""), resolve("default").path
+    if folder and not os.path.exists(cache_file(folder, path)):
+        tensors = request.getfixturevalue("smollm2_dequantised")
+        for _ in cached_weights(path, folder, lambda: iter(tensors.items())):
+            pass
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(smollm2_tokenizer, tmp_path_factory) -> str:
+    """The same tokenizer saved as a model directory (its files, a config.json that names it a Llama
+    of SmolLM2's vocabulary, no weights): ``--model_dir`` for the processes a test starts that only
+    tokenise or detokenise (publishers, producers). Each loads it in a fraction of a second, where
+    building it from the GGUF (what ``default`` and ``counting`` load) costs a process ~5 s of CPU."""
+    import json
+
+    out = tmp_path_factory.mktemp("smollm2-tokenizer")
+    smollm2_tokenizer.save_pretrained(str(out))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152}
+    (out / "config.json").write_text(json.dumps({**config, "bos_token_id": 1, "eos_token_id": 2}))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_weights):
+    """(model, config): lightq's SmolLM2 in fp32 on the CPU, loaded once a session, its weights from the
+    session's dequantised-GGUF folder (``pytest_configure``; the stacks' workers read the same, and
+    tests/worker/test_gguf_cache.py checks that it reads back bit for bit what a dequantisation gives).
+    Each user attaches a KV pool and attention backend of its own."""
+    from shared.model_files import resolve
+    from worker.model.loader import load_model
+
+    return load_model(resolve("default"), torch.float32, "cpu", weights_cache=smollm2_weights)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(tmp_path_factory) -> str:
+    """The embedded GGUF as a Hugging Face directory, through transformers' own GGUF loading (float32
+    safetensors and the tokenizer lightq uses): the reference for lightq's outputs. It loads in a
+    second, where every load of the GGUF itself takes tens of seconds on a CPU."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_files import load_tokenizer, resolve
+
+    source = resolve("default")
+    folder, name = os.path.split(source.path)
+    out = str(tmp_path_factory.mktemp("smollm2-hf"))
+    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers refuses to save a model loaded from GGUF ("not serializable"): its dequantised
+    # weights go into a plain model of the same config, which saves
+    del gguf.config.quantization_config
+    plain = AutoModelForCausalLM.from_config(gguf.config, dtype=torch.float32)
+    plain.load_state_dict(gguf.state_dict(), strict=True)
+    plain.save_pretrained(out)
+    load_tokenizer(source).save_pretrained(out)
+    return out
 
 
 TEST_PREFIX = re.compile(r"lightq-test-[0-9a-f]{10}")  # redis_settings' prefixes (also in rq names)

@@ -32,6 +32,7 @@ import re
 import signal
 import time
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker, Worker
@@ -48,7 +49,35 @@ from shared.service import setup_logging
 log = logging.getLogger("lightq.rq")
 
 
-class BatchWorker(Worker):
+class QuickUnsubscribe:
+    """rq's ``unsubscribe`` (at a worker's teardown), without waiting up to a minute on its pubsub thread.
+
+    rq runs its pubsub listener with ``run_in_thread(sleep_time=60)`` and calls the thread's ``stop()``
+    at teardown; since redis-py 8, ``stop()`` joins the thread until it exits, and a thread that came
+    back from its read before the flag was cleared sits in ``get_message``'s wait for a subscription
+    for the whole 60 s: a stop (serve's, on SIGTERM) hung that long, then ``lightq serve`` killed the
+    process. The thread is a daemon that only listens for rq's commands; here it is told to stop and
+    waited for 1 s at most (rq's own bound after ``stop()``), then the connection closes."""
+
+    pubsub: Any
+    pubsub_thread: Any
+    pubsub_channel_name: str
+    name: str
+    log: logging.Logger
+
+    def unsubscribe(self) -> None:
+        if self.pubsub_thread:
+            self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+            self.pubsub.unsubscribe()
+            try:
+                self.pubsub_thread.stop(timeout=1)  # redis-py >= 8: stop() joins, for as long as it is given
+            except TypeError:  # older redis-py: stop() only clears the flag
+                self.pubsub_thread.stop()
+                self.pubsub_thread.join(timeout=1)
+            self.pubsub.close()
+
+
+class BatchWorker(QuickUnsubscribe, Worker):
     """rq's forking worker, except that the first SIGTERM or SIGINT is a cold shutdown (see above)."""
 
     def request_stop(self, signum, frame):
@@ -56,7 +85,7 @@ class BatchWorker(Worker):
         self.request_force_stop(signum, frame)
 
 
-class JanitorWorker(SimpleWorker):
+class JanitorWorker(QuickUnsubscribe, SimpleWorker):
     """rq's in-process worker whose maintenance also revives a dead scheduler at once.
 
     rq restarts a dead scheduler process only if it can take the scheduler lock, and the lock

@@ -16,7 +16,6 @@ from rq.serializers import JSONSerializer
 from producer.batches import job as batch_job
 from producer.batches.rq_worker import queue
 from shared.config import BatchSettings, HousekeepingSettings, ModelSettings, ProducerSettings, RqWorkerSettings
-from shared.model_files import load_tokenizer, resolve
 from tests.batches.helpers import ThreadWorker
 
 # The producer's app, client, async Redis and fake-worker fixtures, on this folder's settings.
@@ -24,8 +23,8 @@ from tests.producer.conftest import app, aredis, client, worker  # noqa: F401
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    tok = load_tokenizer(resolve("default"))
+def tokenizer(smollm2_tokenizer):
+    tok = smollm2_tokenizer  # loaded once a session (tests/conftest.py)
     batch_job._tokenizers["default"] = tok  # the in-process job uses this one too
     return tok
 

@@ -12,14 +12,17 @@ import httpx
 from rq import SimpleWorker
 from rq.timeouts import TimerDeathPenalty
 
+from producer.batches.rq_worker import QuickUnsubscribe
 from shared.schemas import GenerateRequest, RequestStatus
 from tests.producer.fake_worker import FakeWorker, stop_task
 
 MODEL = "default"  # the served model answers to its --model_dir too
 
 
-class ThreadWorker(SimpleWorker):
-    """rq's in-process worker, runnable off the main thread (no signal handlers, timer timeouts)."""
+class ThreadWorker(QuickUnsubscribe, SimpleWorker):
+    """rq's in-process worker, runnable off the main thread (no signal handlers, timer timeouts).
+    Its teardown waits at most 1 s for rq's pubsub thread, as lightq's own rq workers do
+    (``QuickUnsubscribe``: with redis-py 8 a burst run could otherwise end 60 s after its work)."""
 
     death_penalty_class = TimerDeathPenalty
 

@@ -10,28 +10,17 @@ import sys
 import httpx
 import pytest
 
-from shared.embedded_redis import free_port
-from shared.redis import answers
 from tests.batches.helpers import chat_line, completion_line, generate_line, jsonl
-from tests.integration.stack import start_stack
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    assert not answers(url)
-    log = str(tmp_path_factory.mktemp("e2e-batch") / "serve.log")
-    stack = start_stack(
-        log,
-        redis_url=url,
-        prefix="lightq-e2e-batch",
-        workers=1,
-        extra=["--max_total_token_num", "4096", "--max_req_total_len", "1024"],
-    )
-    yield stack
-    assert stack.stop() == 0, open(log).read()[-3000:]
+@pytest.fixture
+def stack(smollm2_pair_stack):
+    """The embedded SmolLM2 behind the Redis that serve starts, with the rq worker serve starts
+    (tests/conftest.py's ``smollm2_pair``, shared with tests/integration/test_e2e.py: 2 workers where
+    this test had one; the 3 requests run on either)."""
+    return smollm2_pair_stack
 
 
 def test_lightq_batch_submit_wait_through_lightq_serve(stack, tmp_path):

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -24,6 +25,7 @@ class Stack:
     redis_url: str
     keys: Keys
     log_path: str
+    log_from: int = 0  # where the running test's part of the log starts (SharedStack.get)
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.redis_url, decode_responses=True)
@@ -34,6 +36,38 @@ class Stack:
             return read_registry(client, self.keys).live
         finally:
             client.close()
+
+    def test_log(self) -> str:
+        """The log since the running test began: what a stack of its own would have logged since then."""
+        with open(self.log_path) as f:
+            f.seek(self.log_from)
+            return f.read()
+
+    def wait_whole(self, workers: int, timeout_s: float = 300) -> None:
+        """Until the pool is as it was when it started: ``workers`` live workers, every one of them a
+        running process (the record of one a test killed has expired), a live router and a producer
+        that answers (serve starts another of each that died, after a back-off)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"lightq serve exited:\n{open(self.log_path).read()[-3000:]}")
+            if _healthy(self.http) and self._whole(workers):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the pool was not whole again in {timeout_s} s:\n{open(self.log_path).read()[-3000:]}")
+
+    def _whole(self, workers: int) -> bool:
+        try:
+            live = self.live_workers()
+            client = self.client()
+            try:
+                routers = list(client.scan_iter(match=f"{self.keys.prefix}:{{rt:*}}:alive"))
+            finally:
+                client.close()
+        except redis.RedisError:
+            return False
+        pids = [_pid(name) for name in [*live, *(key.split(":")[-2].strip("{}") for key in routers)]]
+        return len(live) == workers and bool(routers) and all(pid is not None and _running(pid) for pid in pids)
 
     def stop(self) -> int:
         self.process.send_signal(signal.SIGTERM)
@@ -56,6 +90,44 @@ class Stack:
                     client.srem("rq:queues", member)
         finally:
             client.close()
+
+
+class SharedStack:
+    """One ``lightq serve`` for the tests of several modules. Each start costs a 2-core machine tens
+    of seconds of CPU (every child imports torch, each worker loads its model) and each stop a few
+    more; a stack per module paid that again and again for pools that differed in nothing the tests
+    look at. Started by the first test that asks (``get``); closed (stopped, and its stop checked)
+    after the session's last test that uses it: tests/conftest.py runs a shared stack's tests one
+    after another and closes it after the last, so it does not idle through the rest of the suite.
+    Before each later test ``get`` waits until the pool is whole again (a test that killed a worker,
+    a router or the producer leaves serve starting another), and starts the test's part of the log
+    (``Stack.test_log``), so a test meets the stack as it would meet a fresh one: every test waits
+    for its own requests to end, so none leaves work behind for the next."""
+
+    def __init__(self, start: Callable[[], Stack], close: Callable[[Stack], None], workers: int):
+        self._start, self._close, self.workers = start, close, workers
+        self.stack: Stack | None = None
+        self._failed: BaseException | None = None
+
+    def get(self) -> Stack:
+        if self._failed is not None:
+            raise RuntimeError(f"the shared stack did not start: {self._failed}")
+        if self.stack is None:
+            try:
+                self.stack = self._start()
+            except BaseException as exc:
+                self._failed = exc
+                raise
+        else:
+            self.stack.wait_whole(self.workers)
+        with open(self.stack.log_path) as f:
+            self.stack.log_from = f.seek(0, os.SEEK_END)
+        return self.stack
+
+    def close(self) -> None:
+        stack, self.stack = self.stack, None
+        if stack is not None:
+            self._close(stack)
 
 
 def start_stack(
@@ -100,6 +172,20 @@ def _healthy(http: str) -> bool:
     try:
         return httpx.get(f"{http}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
+        return False
+
+
+def _pid(service_id: str) -> int | None:
+    """A worker's or router's pid, from its default id (host-pid)."""
+    tail = service_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return False
 
 

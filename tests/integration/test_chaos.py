@@ -31,27 +31,10 @@ def redis_server():
 
 
 @pytest.fixture
-def stack(redis_server, tmp_path):
-    stack = start_stack(
-        str(tmp_path / "serve.log"),
-        redis_url=redis_server.url,
-        prefix="lightq-chaos",
-        workers=3,
-        extra=[
-            "--model_dir",
-            "counting",
-            "--max_total_token_num",
-            "60000",
-            "--max_req_total_len",
-            "1100",
-            "--liveness_ttl_s",
-            "1.5",
-            "--drain_timeout",
-            "0.5",
-        ],
-    )
-    yield stack
-    stack.stop()
+def stack(counting_trio_stack):
+    """3 workers on the counting model (tests/conftest.py's ``counting_trio``): one ``lightq serve``
+    for the four tests below that use it and test_publisher_crash.py, each meeting a whole pool."""
+    return counting_trio_stack
 
 
 async def stream_one(client: httpx.AsyncClient, http: str, prompt: list[int]) -> list[int]:
@@ -98,11 +81,12 @@ def test_killing_a_worker_and_the_router_mid_stream_loses_and_repeats_nothing(st
     results = asyncio.run(run())
     for prompt, tokens in zip(prompts, results):
         assert tokens == expected_tokens(prompt[-1], NEW_TOKENS, VOCAB)
-    log = open(stack.log_path).read()
+    log = stack.test_log()
     assert "worker" in log and "starting another" in log  # the kills happened mid-run
 
 
-def test_redis_restart_mid_load_leaves_no_request_hanging(stack, redis_server):
+def test_redis_restart_mid_load_leaves_no_request_hanging(stack, counting_trio):
+    redis_server = counting_trio.redis_server
     ids = []
     for i in range(60):
         body = {"inputs": [300 + i], "parameters": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
@@ -155,7 +139,7 @@ def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
         finals.append(status)
     assert all(f["status"] == "finished" and f["output_tokens"] == new_tokens for f in finals)
     deadline = time.monotonic() + 20
-    while f"(pid {pid_of(victim)}) exited with 0" not in (log := open(stack.log_path).read()):
+    while f"(pid {pid_of(victim)}) exited with 0" not in (log := stack.test_log()):
         assert time.monotonic() < deadline, "a drained worker must exit with 0"
         time.sleep(0.5)
     assert f"worker {victim} draining" in log
@@ -201,7 +185,7 @@ def test_killing_the_producer_loses_no_request(stack):
     with httpx.stream("GET", f"{stack.http}/v1/requests/{ids[0]}/stream", timeout=30) as response:
         indexes = [json.loads(line[5:])["index"] for line in response.iter_lines() if line.startswith("data:")]
     assert indexes == list(range(NEW_TOKENS))
-    assert "producer (pid" in open(stack.log_path).read()
+    assert "producer (pid" in stack.test_log()
 
 
 @pytest.fixture

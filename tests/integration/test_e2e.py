@@ -14,31 +14,19 @@ import httpx
 import pytest
 
 from shared.codec import decode
-from shared.embedded_redis import free_port
-from shared.redis import answers
 from shared.schemas import TokenChunk
-from tests.integration.stack import start_stack
 
 pytestmark = pytest.mark.slow
 
 README_BODY = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 17, "frequency_penalty": 1}}
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    assert not answers(url)
-    log = str(tmp_path_factory.mktemp("e2e") / "serve.log")
-    stack = start_stack(
-        log,
-        redis_url=url,
-        prefix="lightq-e2e",
-        workers=2,
-        extra=["--max_total_token_num", "4096", "--max_req_total_len", "1024"],
-    )
-    yield stack
-    assert stack.stop() == 0, open(log).read()[-3000:]
-    assert not answers(url), "the embedded Redis must stop with the pool"
+@pytest.fixture
+def stack(smollm2_pair_stack):
+    """2 workers on the embedded SmolLM2 behind the Redis that serve starts (tests/conftest.py's
+    ``smollm2_pair``, shared with test_structured_resume.py and tests/batches/test_e2e_batch.py); its
+    stop is checked after the last of them: exit code 0, and the embedded Redis gone with the pool."""
+    return smollm2_pair_stack
 
 
 def sse_events(response) -> list[tuple[str | None, dict]]:

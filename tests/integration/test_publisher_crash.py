@@ -13,8 +13,6 @@ import time
 import httpx
 import pytest
 
-from shared.embedded_redis import start_embedded_redis
-from tests.integration.stack import start_stack
 from tests.integration.test_chaos import pid_of
 from worker.model.counting_model import COUNTING_VOCAB, expected_tokens
 
@@ -24,18 +22,11 @@ NEW_TOKENS = 600
 
 
 @pytest.fixture
-def stack(tmp_path):
-    server = start_embedded_redis()
-    stack = start_stack(
-        str(tmp_path / "serve.log"),
-        redis_url=server.url,
-        prefix="lightq-pubcrash",
-        workers=2,
-        extra=["--model_dir", "counting", "--max_total_token_num", "60000", "--max_req_total_len", "1100"],
-    )
-    yield stack
-    stack.stop()
-    server.stop()
+def stack(counting_trio_stack):
+    """3 workers on the counting model, the chaos tests' stack (tests/conftest.py's ``counting_trio``:
+    a pool of its own cost one more start and stop of every process; a third worker changes nothing
+    here: the victim is whichever worker is busy, and the rest resume its requests)."""
+    return counting_trio_stack
 
 
 def publisher_pids(worker_pid: int) -> list[int]:
@@ -95,9 +86,9 @@ def test_a_killed_publisher_loses_and_repeats_no_token(stack):
     streams, victim = asyncio.run(run(stack))
     for prompt, seen in streams:
         assert seen == expected_tokens(prompt[-1], NEW_TOKENS, COUNTING_VOCAB)
-    log = open(stack.log_path).read()
+    log = stack.test_log()
     assert "publisher process" in log and "handing its requests back" in log
     deadline = time.monotonic() + 30
-    while f"(pid {victim}) exited with 1" not in (log := open(stack.log_path).read()):
+    while f"(pid {victim}) exited with 1" not in (log := stack.test_log()):
         assert time.monotonic() < deadline, "the worker of a dead publisher must exit with an error"
         time.sleep(0.5)

@@ -8,12 +8,9 @@ import json
 import os
 import signal
 import time
-import uuid
 
 import httpx
 import pytest
-
-from tests.integration.stack import start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +38,11 @@ BODY = {
 }
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, redis_url):
-    log = str(tmp_path_factory.mktemp("structured-resume") / "serve.log")
-    extra = ["--max_total_token_num", "4096", "--max_req_total_len", "1024"]
-    stack = start_stack(log, redis_url=redis_url, prefix=f"lightq-sres-{uuid.uuid4().hex[:8]}", workers=2, extra=extra)
-    try:
-        yield stack
-        assert stack.stop() == 0, open(log).read()[-3000:]
-    finally:
-        stack.remove_keys()
+@pytest.fixture
+def stack(smollm2_pair_stack):
+    """2 workers on the embedded SmolLM2 (tests/conftest.py's ``smollm2_pair``, test_e2e.py's stack:
+    the same pool sizes; its Redis the one serve starts instead of the test Redis)."""
+    return smollm2_pair_stack
 
 
 def valid(text: str) -> bool:

@@ -7,14 +7,11 @@ lm-eval's ``local-completions`` against its own ``hf`` backend on the same weigh
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from producer.api.tools import CALLS_PER_TOOL
-from tests.integration.stack import start_stack
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -45,42 +42,21 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> str:
-    """The embedded GGUF as a Hugging Face directory (float32 safetensors and the tokenizer lightq
-    uses): the reference forward and lm-eval's hf backend load it in a second, where every load of
-    the GGUF itself takes tens of seconds on a CPU."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from shared.model_files import load_tokenizer, resolve
-
-    source = resolve("default")
-    folder, name = os.path.split(source.path)
-    out = str(tmp_path_factory.mktemp("smollm2-hf"))
-    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # transformers refuses to save a model loaded from GGUF ("not serializable"): its dequantised
-    # weights go into a plain model of the same config, which saves
-    del gguf.config.quantization_config
-    plain = AutoModelForCausalLM.from_config(gguf.config, dtype=torch.float32)
-    plain.load_state_dict(gguf.state_dict(), strict=True)
-    plain.save_pretrained(out)
-    load_tokenizer(source).save_pretrained(out)
-    return out
+@pytest.fixture
+def hf_dir(smollm2_hf_dir) -> str:
+    """The embedded GGUF as a Hugging Face directory, by transformers (tests/conftest.py): the
+    reference forward and lm-eval's hf backend load it in a second."""
+    return smollm2_hf_dir
 
 
-@pytest.fixture(scope="module")
-def oai(tmp_path_factory, redis_url):
-    log = str(tmp_path_factory.mktemp("structured-stack") / "serve.log")
-    prefix = f"lightq-structured-{uuid.uuid4().hex[:8]}"
-    extra = ["--max_total_token_num", "8192", "--max_req_total_len", "1024"]
-    stack = start_stack(log, redis_url=redis_url, prefix=prefix, workers=1, extra=extra)
-    try:
-        with openai.OpenAI(base_url=f"{stack.http}/v1", api_key="unused", max_retries=0, timeout=120) as client:
-            yield client
-        assert stack.stop() == 0, open(log).read()[-3000:]
-    finally:
-        stack.remove_keys()
+@pytest.fixture
+def oai(smollm2_single_stack):
+    """The official client on 1 worker on the embedded SmolLM2 and the test's Redis (tests/conftest.py's
+    ``smollm2_single``, shared with test_openai_stack.py)."""
+    with openai.OpenAI(
+        base_url=f"{smollm2_single_stack.http}/v1", api_key="unused", max_retries=0, timeout=120
+    ) as client:
+        yield client
 
 
 def valid_person(text: str) -> bool:

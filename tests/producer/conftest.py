@@ -9,7 +9,6 @@ import pytest
 from producer.app import create_app
 from shared.config import ModelSettings, ProducerSettings
 from shared.keys import Keys
-from shared.model_files import load_tokenizer, resolve
 from shared.redis import async_client
 from tests.producer.fake_worker import FakeWorker, serving
 
@@ -17,8 +16,8 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    return load_tokenizer(resolve("default"))
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer  # loaded once a session (tests/conftest.py)
 
 
 @pytest.fixture

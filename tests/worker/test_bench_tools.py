@@ -11,7 +11,6 @@ from transformers import AutoTokenizer
 
 from bench import offline, step_profile
 from bench.shapes import SHAPES, config_dir
-from shared.model_files import load_tokenizer, resolve
 
 # bench/offline.py --json-schema with a schema answers complete in a few tokens
 SMALL = {
@@ -79,11 +78,6 @@ def test_floor_counts_one_decode_step_per_token_of_the_longest_output():
     assert b["decode_overlap_s"] == 31 + 12 + 13
     assert b["decode_sum_s"] == (31 + 2) + (12 + 1) + (13 + 1)
     assert b["prefill_s"] == 30
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    return load_tokenizer(resolve("default"))
 
 
 @pytest.mark.slow  # SmolLM2's tokenizer from the GGUF (7 s)

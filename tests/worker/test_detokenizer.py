@@ -1,12 +1,11 @@
 import pytest
 
-from shared.model_files import load_tokenizer, resolve
 from worker.service.detokenizer import IncrementalDecoder, resumed_decoder
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve("default"))
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer  # loaded once a session (tests/conftest.py)
 
 
 @pytest.mark.parametrize(

@@ -42,11 +42,16 @@ def send(rclient, keys, worker_id: str, request_id: str) -> None:
     rclient.xadd(keys.inbox(worker_id), entry(msg))
 
 
-def test_drain_requeues_the_unstarted_and_the_unread_at_once_and_keeps_the_running(redis_settings, rclient, keys):
+def test_drain_requeues_the_unstarted_and_the_unread_at_once_and_keeps_the_running(
+    redis_settings, rclient, keys, smollm2_tokenizer_dir
+):
     worker_id = "drain-w"
     ensure_group(rclient, keys.inbox(worker_id), WORKER_GROUP)
     ensure_group(rclient, keys.requests(), "routers")
-    settings = WorkerSettings(redis=redis_settings, model=ModelSettings(model_dir="counting"), drain_timeout=0.2)
+    # The model is the counting one built above; the publisher process only needs a tokenizer:
+    # SmolLM2's (what "counting" loads) from a directory, in a fraction of the time (tests/conftest.py).
+    model = ModelSettings(model_dir=smollm2_tokenizer_dir)
+    settings = WorkerSettings(redis=redis_settings, model=model, drain_timeout=0.2)
     publisher = PublisherLink(settings, worker_id)
     publisher.start()
     service = WorkerService(settings, rclient, counting_engine(running_max=1), worker_id, publisher)

@@ -10,10 +10,9 @@ import shutil
 import pytest
 import torch
 
-from shared.model_files import load_config, resolve
+from shared.model_files import resolve
 from worker.model import gguf_cache
 from worker.model.gguf_cache import cache_file, cached_weights
-from worker.model.loader import gguf_weights
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +26,10 @@ def gguf(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def dequantised(gguf) -> dict[str, torch.Tensor]:
-    return dict(gguf_weights(gguf, load_config(resolve("default"))))
+def dequantised(smollm2_dequantised) -> dict[str, torch.Tensor]:
+    """``gguf_weights`` of the embedded GGUF, this session's (tests/conftest.py): the copy above has
+    the same bytes, so the same tensors."""
+    return smollm2_dequantised
 
 
 def never() -> gguf_cache.WeightStream:

@@ -15,7 +15,7 @@ import xgrammar as xgr
 
 from shared.admission import AdmissionRule
 from shared.config import AdmissionSettings
-from shared.model_files import ModelSource, load_tokenizer, resolve
+from shared.model_files import ModelSource
 from shared.schemas import Constraint, GenerateRequest, SamplingParams
 from tests.worker.token_rows import flat
 from worker.engine.engine import Engine, EngineLimits
@@ -51,8 +51,8 @@ SAMPLED = dict(do_sample=True, temperature=1.0)
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve("default"))
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer  # loaded once a session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,10 @@ sharing the chat template's system prompt."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from shared.model_files import load_tokenizer, resolve
 from tests.worker.test_engine import req, run_to_end
 from tests.worker.test_engine_groups import group, run
 from tests.worker.test_prefix_cache_engine import assert_idle, make_engine
-from worker.model.loader import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -21,10 +18,9 @@ def chat(tokenizer, turns: list[dict[str, str]]) -> list[int]:
     return list(out["input_ids"])
 
 
-def test_a_chat_a_group_and_shared_system_prompts_match_the_cache_off():
-    source = resolve("default")
-    tokenizer = load_tokenizer(source)
-    loaded = load_model(source, torch.float32, "cpu")  # shared: each engine attaches its own pool
+def test_a_chat_a_group_and_shared_system_prompts_match_the_cache_off(smollm2_model, smollm2_tokenizer):
+    tokenizer = smollm2_tokenizer
+    loaded = smollm2_model  # shared: each engine attaches its own pool
     first = [{"role": "user", "content": "What is the capital of France?"}]
     outputs = []
     for cache in (False, True):

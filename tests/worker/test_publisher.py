@@ -9,9 +9,8 @@ import time
 import pytest
 
 from shared import codec
-from shared.config import WorkerSettings
+from shared.config import ModelSettings, WorkerSettings
 from shared.keys import WORKER_GROUP
-from shared.model_files import load_tokenizer, resolve
 from shared.redis import ensure_group, sync_client
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
 from tests.worker.token_rows import pack, rows
@@ -24,8 +23,8 @@ RID = "r" * 32
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve("default"))
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer  # loaded once a session (tests/conftest.py)
 
 
 @pytest.fixture
@@ -45,6 +44,12 @@ def ids(tokenizer) -> list[int]:
     ids = tokenizer.encode(TEXT)
     assert [tokenizer.decode([i]) for i in ids][3:7] == [" ", "4", "2", "."]  # "42." spans three tokens
     return ids
+
+
+def tokenizer_only(folder: str) -> ModelSettings:
+    """The publisher processes' model: SmolLM2's tokenizer as a directory (tests/conftest.py), the
+    same tokenizer as ``default``'s in a fraction of the time each process takes to load it."""
+    return ModelSettings(model_dir=folder)
 
 
 def publish(publisher: Publisher, events: list, steps: int = 1) -> list[Sample]:
@@ -143,9 +148,13 @@ def test_steps_written_together_keep_their_order_and_stops(publisher, client, ke
 
 
 @pytest.mark.parametrize("shards", [1, 3])
-def test_the_publisher_processes_write_in_order_and_report_stops(redis_settings, client, keys, ids, shards):
+def test_the_publisher_processes_write_in_order_and_report_stops(
+    redis_settings, client, keys, ids, shards, smollm2_tokenizer_dir
+):
     """Every request is written once, in order, by the one shard that owns it, whichever it is."""
-    link = PublisherLink(WorkerSettings(redis=redis_settings, publishers=shards), "w1")
+    link = PublisherLink(
+        WorkerSettings(redis=redis_settings, publishers=shards, model=tokenizer_only(smollm2_tokenizer_dir)), "w1"
+    )
     link.start()
     others = [f"{i:032d}" for i in range(6)]  # spread over the shards
     assert shards == 1 or len({owner(r, shards) for r in [RID, *others]}) == shards
@@ -178,8 +187,10 @@ def test_the_publisher_processes_write_in_order_and_report_stops(redis_settings,
         client.delete(keys.chunks(r), keys.meta(r))
 
 
-def test_a_dead_publisher_process_is_reported(redis_settings):
-    link = PublisherLink(WorkerSettings(redis=redis_settings, publishers=2), "w1")
+def test_a_dead_publisher_process_is_reported(redis_settings, smollm2_tokenizer_dir):
+    link = PublisherLink(
+        WorkerSettings(redis=redis_settings, publishers=2, model=tokenizer_only(smollm2_tokenizer_dir)), "w1"
+    )
     link.start()
     link.check()  # alive
     link.shards[1].process.kill()
@@ -244,11 +255,15 @@ def test_an_orphaned_publisher_stops_retrying_a_dead_redis(redis_settings, token
     """Once its worker is gone, a write that cannot reach Redis is given up after ORPHAN_RETRY_S
     (its requests resume elsewhere), instead of retrying forever as an orphan."""
     import redis as redis_lib
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     from worker.service import publisher as publisher_module
 
     monkeypatch.setattr(publisher_module, "ORPHAN_RETRY_S", 0.2)
-    dead = redis_lib.Redis(port=1, socket_connect_timeout=0.05)  # nothing listens on port 1
+    # Nothing listens on port 1. Without retries of the client's own (redis-py's default retries a
+    # refused connection 3 times over ~5 s): each of the publisher's attempts fails at once.
+    dead = redis_lib.Redis(port=1, socket_connect_timeout=0.05, retry=Retry(NoBackoff(), 0))
     alive = [True]
     orphan = Publisher(WorkerSettings(redis=redis_settings), dead, tokenizer, "w1", worker_alive=lambda: alive[0])
     alive[0] = False

@@ -1,20 +1,18 @@
 """The embedded SmolLM2 GGUF: lightq's greedy output equals transformers' token for token.
 
-Both sides read the same GGUF through transformers' dequantisation, so this
-checks lightq's model, pool and GGUF name/permutation handling end to end;
-"Paris" in the answer checks that the weights themselves came out right.
+Both sides read the same GGUF through transformers' dequantisation (transformers'
+side saved once a session as a Hugging Face directory, lightq's kept in the
+session's dequantised-GGUF folder: tests/conftest.py), so this checks lightq's
+model, pool and GGUF name/permutation handling end to end; "Paris" in the
+answer checks that the weights themselves came out right.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from shared.model_files import load_tokenizer, resolve
 from tests.worker.model_harness import PoolRunner
-from worker.model.loader import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +21,8 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def source():
-    return resolve("default")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(source):
-    return load_tokenizer(source)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer  # loaded once a session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +35,11 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference_outputs(source, prompts) -> list[list[int]]:
+def reference_outputs(smollm2_hf_dir, prompts) -> list[list[int]]:
     """transformers' greedy continuations, one prompt at a time (no padding to differ by)."""
     from transformers import AutoModelForCausalLM
 
-    folder, name = os.path.split(source.path)
-    ref = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
     outputs = []
     with torch.no_grad():
         for ids in prompts:
@@ -61,8 +53,8 @@ def reference_outputs(source, prompts) -> list[list[int]]:
     return outputs
 
 
-def test_greedy_matches_transformers(source, tokenizer, prompts, reference_outputs):
-    model, config = load_model(source, torch.float32, "cpu")
+def test_greedy_matches_transformers(smollm2_model, tokenizer, prompts, reference_outputs):
+    model, config = smollm2_model
     ours = PoolRunner(model, num_slots=512, max_requests=4, max_len=128).greedy(prompts, NEW_TOKENS)
     eos = tokenizer.eos_token_id
     for got, want in zip(ours, reference_outputs):
