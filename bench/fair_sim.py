@@ -38,7 +38,7 @@ from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import ensure_group
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
-from worker.service.heartbeat import EARLY_GAP_S
+from worker.service.heartbeat import MIN_EARLY_GAP_S
 
 
 @dataclass
@@ -64,7 +64,7 @@ class TimedWorker(SimWorker):
         before = {r[0] for r in self.running}
         last_beat = self.last_beat
         super().step(done)
-        # A real worker's heartbeat remembers a poke inside its 50 ms gap and beats when the gap
+        # A real worker's heartbeat remembers a poke inside its early-beat gap and beats when the gap
         # ends (worker/service/heartbeat.py); scale_sim's worker drops it until the next period.
         ended = before - {r[0] for r in self.running}
         self.poked = self.poked or (self.last_beat == last_beat and bool(ended))
@@ -98,7 +98,7 @@ def run_workers(workers: list[TimedWorker], stop: threading.Event) -> None:
                 worker.beat()
             next_beat = now + 0.2
         for worker in workers:
-            if worker.poked and now - worker.last_beat >= EARLY_GAP_S:
+            if worker.poked and now - worker.last_beat >= MIN_EARLY_GAP_S:
                 worker.poked = False
                 worker.beat()
         due = [w for w in workers if w.next_step <= now]

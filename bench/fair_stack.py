@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reserve_slots", type=int, default=0, help="the router's --priority_reserve_slots")
     p.add_argument("--preempt", action="store_true", help="the router's --preempt (pause class 1 for class 0)")
     p.add_argument("--only", choices=["priority"], help="skip the flood")
+    p.add_argument("--model_dir", default="counting", help="counting:<tokenizer dir> where SmolLM2's package is absent")
+    p.add_argument("--tree", type=Path, default=REPO, help="the checkout whose lightq serve runs (a peer commit's)")
     args = p.parse_args(argv)
     args.followed = []  # (sent, request id) of the streamed requests, for their hops
     redis_server = start_embedded_redis()
@@ -228,9 +230,13 @@ def main(argv: list[str] | None = None) -> None:
     keys = ",".join(f"{tenant}:{key}" for tenant, key in KEYS.items())
     metrics_port = free_port()
     flags = ["--running_max_req_size", str(args.batch), "--api_keys", keys, "--poll_ms", str(args.poll_ms)]
+    model_dir = args.model_dir  # a tokenizer folder made absolute: --tree's serve runs in that tree
+    if model_dir.startswith("counting:"):
+        model_dir = f"counting:{Path(model_dir.removeprefix('counting:')).resolve()}"
+    flags += ["--model_dir", model_dir]
     flags += ["--metrics_port", str(metrics_port)]
     flags += ["--priority_reserve_slots", str(args.reserve_slots)] + (["--preempt"] if args.preempt else [])
-    process, http = start_serve(REPO, redis_server.url, log_path, flags)
+    process, http = start_serve(args.tree.resolve(), redis_server.url, log_path, flags)
     try:
         cap = capacity(http, args, metrics_port)
         hi, lo = args.hi_load * cap, (args.overload - args.hi_load) * cap

@@ -13,6 +13,7 @@
 #   bash bench/h200.sh setup smol-a; bash bench/h200.sh smol-a; bash bench/h200.sh smol-a smol-b fair
 #       (issue 19 on the host's 16 cores, fair-preempt for the priority run alone; back-to-back calls
 #       carrying .whl and .smol/gguf.part.aa, then .ab, then .ac, then .ad and __init__.py: see smol-a)
+#   bash bench/h200.sh setup fair-peer        (issue 19: this tree against .peer, carrying .whl .tok .peer)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -131,6 +132,11 @@ for part in "$@"; do
       { timeout 200 python3 -m bench.fair_stack --preempt --only priority
         timeout 200 python3 -m bench.fair_stack --only priority
         timeout 150 python3 -m bench.fair_stack --window_s 6; } 2>&1 | tee "$OUT/fair.log" | grep -v "^  " | tail -40 ;;
+    fair-peer)  # the priority figure with --preempt, this tree against .peer (a peer commit's, made by
+      # `git archive COMMIT | tar -x -C .peer`), twice each in turn; the counting model with the tokenizer in .tok
+      for t in . .peer . .peer; do echo "--- tree $t"; CUDA_VISIBLE_DEVICES= timeout 130 python3 -m bench.fair_stack \
+        --preempt --only priority --tree $t --model_dir counting:.tok/smollm2 2>&1; done \
+        | tee "$OUT/fair_peer.log" ;;
     fair-preempt)  # the priority figure alone, with --preempt (a minute and a half)
       CUDA_VISIBLE_DEVICES= timeout 110 python3 -m bench.fair_stack --preempt --only priority 2>&1 | tee "$OUT/fair.log" ;;
     gemv)   timeout 400 python3 -m bench.gemv --model-shape llama3-8b --batches 1,4,8,16,64 2>&1 | tee "$OUT/gemv.log" ;;

@@ -6,7 +6,7 @@
 Workers are simulated in separate processes (``--workers_per_process``
 each, no model weights): each
 publishes ``WorkerLoad`` heartbeats with per-request summaries (every 0.2 s, and
-at once when requests finish, at most every ``EARLY_GAP_S``, as workers do), takes its
+at once when requests finish, at most every ``MIN_EARLY_GAP_S``, as workers with small records do), takes its
 inbox through the ``worker`` group, and steps on a time model (``--step_ms``
 + ``--per_req_ms`` per running request, at most ``--batch`` running); each
 step adds one token to every running request, and a request that reaches
@@ -37,7 +37,7 @@ from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
 from shared.redis import ensure_group
 from shared.request_log import end_request, now_ms
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, WorkerLoad
-from worker.service.heartbeat import EARLY_GAP_S
+from worker.service.heartbeat import MIN_EARLY_GAP_S
 
 
 class SimWorker:
@@ -93,7 +93,7 @@ class SimWorker:
             with done.get_lock():
                 done.value += sum(r[2] for r in finished)
             self.running = [r for r in self.running if r[2] < r[3]]
-            if time.monotonic() - self.last_beat >= EARLY_GAP_S:  # as a worker does: room freed, say so now
+            if time.monotonic() - self.last_beat >= MIN_EARLY_GAP_S:  # a small batch's record: room freed, say so now
                 self.beat()
         self.next_step += (self.args.step_ms + self.args.per_req_ms * len(self.running)) / 1000
 

@@ -6,7 +6,7 @@ import time
 
 from shared.codec import decode
 from shared.schemas import WorkerLoad
-from worker.service.heartbeat import Heartbeat
+from worker.service.heartbeat import EARLY_GAP_COST, MIN_EARLY_GAP_S, Heartbeat
 
 PERIOD_S = 60.0  # far longer than any wait below: only a poke can cause a second beat
 
@@ -52,3 +52,26 @@ def test_a_poke_beats_now_and_stop_wakes_the_thread(rclient, keys):
         heartbeat.stop()
     assert not heartbeat.thread.is_alive()  # stop did not wait out the 60 s period
     assert rclient.get(keys.load("hb")) is None
+
+
+def test_the_early_beat_gap_follows_what_a_beat_costs(rclient, keys):
+    """Early beats hold the model process's GIL while they build the record: a costly record is
+    spaced by 20x its CPU time, a cheap one goes out after the minimum gap."""
+
+    def costly(seq: int) -> WorkerLoad:
+        burn_until = time.thread_time() + 0.02  # 20 ms of this thread's CPU, as a huge batch's record
+        while time.thread_time() < burn_until:
+            pass
+        return load(seq)
+
+    cheap, dear = Heartbeat(rclient, keys, "hb", PERIOD_S, load), Heartbeat(rclient, keys, "hb", PERIOD_S, costly)
+    try:
+        cheap.beat()
+        dear.beat()
+        assert MIN_EARLY_GAP_S <= cheap.early_gap_s < dear.early_gap_s
+        assert dear.early_gap_s >= EARLY_GAP_COST * 0.02
+        short = Heartbeat(rclient, keys, "hb", 0.1, costly)  # never longer than the period itself
+        short.beat()
+        assert short.early_gap_s == 0.1
+    finally:
+        rclient.delete(keys.load("hb"), keys.workers())
