@@ -32,7 +32,7 @@ import redis
 
 from bench.scale_sim import SimWorker
 from router.loop import Router
-from shared.codec import entry
+from shared import ingress
 from shared.config import RedisSettings, RouterSettings
 from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import ensure_group
@@ -128,7 +128,7 @@ class Sender:
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(self.keys.meta(msg.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=now_ms()))
         pipe.expire(self.keys.meta(msg.id), 300)
-        pipe.xadd(self.keys.requests(), entry(msg))
+        ingress.add(pipe, self.keys, msg)  # its class's stream
         pipe.execute()
 
     def open_loop(self, streams: list[tuple[str, str, int, float]], stop: threading.Event) -> None:

@@ -27,9 +27,10 @@ import redis
 
 from router.admission import least_loaded_fit
 from router.loop import Router
+from shared import ingress
 from shared.admission import request_states
 from shared.batch_view import Policy
-from shared.codec import encode, entry
+from shared.codec import encode
 from shared.config import AdmissionSettings, RedisSettings, RouterSettings
 from shared.keys import Keys
 from shared.peak import ReqState, check
@@ -106,7 +107,7 @@ def run(args, full_check: bool) -> dict:
                 created_ms=now_ms(),
                 params=SamplingParams(max_new_tokens=16),
             )
-            pipe.xadd(keys.requests(), entry(request))
+            ingress.add(pipe, keys, request)
         pipe.execute()
         settings = RouterSettings(
             redis=RedisSettings(url=args.redis_url, key_prefix=prefix),

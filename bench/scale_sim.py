@@ -31,7 +31,8 @@ import numpy as np
 import redis
 
 from router.loop import Router
-from shared.codec import encode, entry, from_entry
+from shared import ingress
+from shared.codec import encode, from_entry
 from shared.config import AdmissionSettings, RedisSettings, RouterSettings
 from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
 from shared.redis import ensure_group
@@ -152,7 +153,7 @@ def feed(url: str, prefix: str, args, outstanding: int, done: mp.Value, stop: mp
                 keys.meta(msg.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=msg.created_ms)
             )
             pipe.expire(keys.meta(msg.id), 120)
-            pipe.xadd(keys.requests(), entry(msg))
+            ingress.add(pipe, keys, msg)
         pipe.execute()
         sent[0] += min(gap, 256)
 

@@ -13,7 +13,8 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from shared.codec import entry, from_entry
+from shared import ingress
+from shared.codec import from_entry
 from shared.config import RedisSettings
 from shared.keys import Keys
 from shared.request_log import emitted_chunks
@@ -63,7 +64,7 @@ def requeue_dead(client: redis.Redis, keys: Keys, entry_ids: list[str], ttl_s: i
         pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, attempt=0))
         for key in keys.all_request_keys(request.id):
             pipe.expire(key, ttl_s)
-        pipe.xadd(keys.requests(), entry(request.model_copy(update={"attempt": 0, **resume_fields(request, chunks)})))
+        ingress.add(pipe, keys, request.model_copy(update={"attempt": 0, **resume_fields(request, chunks)}))
         pipe.xdel(keys.dead_letters(), entry_id)
         pipe.execute()
         count += 1

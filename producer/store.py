@@ -22,43 +22,62 @@ StreamEntry = tuple[str, TokenChunk]  # (stream entry id, chunk)
 # Enqueue, with the backlog check, in one script: producers on many hosts cannot overshoot
 # --max_queue_tokens together. The counter KEYS[2] is the total cost ever enqueued; every
 # entry records the total before it ("tokens_before"), so the queued cost is the total less
-# the first unfinished entry's "tokens_before". Routers finish entries in arrival order (an
-# entry is pending until dispatched), so the first unfinished one is the oldest pending
-# entry, else the first never delivered. Entries a router re-queued carry no count (their
-# tokens were paid for once) and are skipped. Returns {accepted 0/1, queued cost, total}.
+# the oldest unfinished entry's "tokens_before". Each priority class has its stream
+# (shared.ingress); in one, the first unfinished entry is the oldest pending one (an entry is
+# pending until dispatched), else the first never delivered; the oldest over all classes
+# counts (an overestimate where a better class was served past an older entry of a worse
+# one: those count as queued until it goes). Entries a router re-queued carry no count
+# (their tokens were paid for once) and are skipped. Returns {accepted 0/1, queued cost, total}.
 # The status hash gets no TTL here: a request's records live as long as the request, and
 # whoever ends it (shared.request_log.mark_ended) sets the TTL, which starts at the end.
 ENQUEUE_LUA = """
-local stream, counter, meta = KEYS[1], KEYS[2], KEYS[3]
-local limit, cost = tonumber(ARGV[2]), tonumber(ARGV[3])
+local stream, counter, meta, classes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local limit, cost, base = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[6]
 local total = tonumber(redis.call('GET', counter) or '0')
 
-local function first_unfinished()
-  if redis.call('EXISTS', stream) == 0 then return nil end
-  for _, group in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+-- The first unfinished entry of one class's stream (an XRANGE start), or nil when it has none.
+local function first_unfinished(s)
+  if redis.call('EXISTS', s) == 0 then return nil end
+  for _, group in ipairs(redis.call('XINFO', 'GROUPS', s)) do
     local info = {}
     for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
     if info['name'] == ARGV[1] then
-      if tonumber(info['pending']) > 0 then return redis.call('XPENDING', stream, ARGV[1])[2] end
+      if tonumber(info['pending']) > 0 then return redis.call('XPENDING', s, ARGV[1])[2] end
       return '(' .. info['last-delivered-id']
     end
   end
   return '-'
 end
 
-local function queued()
-  local start = first_unfinished()
+-- The "tokens_before" of a class's first unfinished entry that has one, or nil.
+local function before(s)
+  local start = first_unfinished(s)
   for _, count in ipairs({1, 8, 64, 256}) do  -- usually the first entry has its count
-    if not start then return 0 end
-    local entries = redis.call('XRANGE', stream, start, '+', 'COUNT', count)
+    if not start then return nil end
+    local entries = redis.call('XRANGE', s, start, '+', 'COUNT', count)
     for _, e in ipairs(entries) do
       for i = 1, #e[2], 2 do
-        if e[2][i] == 'tokens_before' then return math.max(0, total - tonumber(e[2][i + 1])) end
+        if e[2][i] == 'tokens_before' then return tonumber(e[2][i + 1]) end
       end
     end
     start = #entries > 0 and ('(' .. entries[#entries][1]) or nil
   end
-  return 0
+  return nil
+end
+
+-- Queued: everything after the oldest unfinished entry of any class (streams named as Keys.requests).
+local function queued()
+  local oldest = nil
+  local names = {base}
+  for _, p in ipairs(redis.call('ZRANGE', classes, 0, -1)) do
+    if p ~= '0' then names[#names + 1] = base .. ':' .. p end
+  end
+  for _, s in ipairs(names) do
+    local b = before(s)
+    if b and (not oldest or b < oldest) then oldest = b end
+  end
+  if not oldest then return 0 end
+  return math.max(0, total - oldest)
 end
 
 local backlog = -1
@@ -68,7 +87,8 @@ if limit > 0 then
   if backlog > 0 and backlog + cost > limit then return {0, backlog, total} end
 end
 redis.call('SET', counter, total + cost)
-redis.call('HSET', meta, unpack(ARGV, 6))
+redis.call('HSET', meta, unpack(ARGV, 8))
+redis.call('ZADD', classes, ARGV[7], ARGV[7])
 redis.call('XADD', stream, '*', ARGV[4], ARGV[5], 'tokens_before', total)
 return {1, backlog, total}
 """
@@ -101,10 +121,12 @@ async def enqueue(
         key_hash=key_hash,
     )
     args = [ROUTER_GROUP, max_queue_tokens, cost, codec.FIELD, codec.encode(request)]
+    args += [keys.requests(), request.priority]  # the class-0 stream's name: the others add ':PRIORITY'
     args += [item for pair in meta.items() for item in pair]
     script = redis.register_script(ENQUEUE_LUA)  # cheap: EVALSHA, loaded again after a Redis restart
     accepted, queued, total = await script(
-        keys=[keys.requests(), keys.enqueued_tokens(), keys.meta(request.id)], args=args
+        keys=[keys.requests(request.priority), keys.enqueued_tokens(), keys.meta(request.id), keys.classes()],
+        args=args,
     )
     return Enqueued(bool(accepted), int(queued), int(total))
 

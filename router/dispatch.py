@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import redis
 
 from router.ordering import cost
+from shared import ingress
 from shared.admission import request_states
 from shared.codec import FIELD, encode, from_entry
 from shared.keys import ROUTER_GROUP, Keys, class_tenant_field
@@ -46,8 +47,8 @@ from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, RequestMeta
 
-# KEYS: the ingress stream, vtime, tenant_queued, tenant_served, then per item:
-#       inbox, load record, status hash, the class's order, the model's waiting set (router.ordering)
+# KEYS: vtime, tenant_queued, tenant_served, then per item: inbox, load record, status hash,
+#       the class's order, the model's waiting set (router.ordering), the entry's ingress stream
 # ARGV: group, most newer entries to return, message field, then per item:
 #       tail, ingress entry id, message, request id, priority, "priority:tenant", cost,
 #       number of status args, status field/value pairs
@@ -57,12 +58,12 @@ from shared.schemas import GenerateRequest, RequestMeta
 # and no later item of the call is tried either.
 DISPATCH_LUA = """
 local group, max_newer, field = ARGV[1], ARGV[2], ARGV[3]
-local vtime, queued, served = KEYS[2], KEYS[3], KEYS[4]
+local vtime, queued, served = KEYS[1], KEYS[2], KEYS[3]
 local tails, blocked, out, stop = {}, {}, {}, false
 local a = 4
-for i = 0, (#KEYS - 4) / 5 - 1 do
-  local inbox, load, meta = KEYS[5 + 5 * i], KEYS[6 + 5 * i], KEYS[7 + 5 * i]
-  local order, waiting = KEYS[8 + 5 * i], KEYS[9 + 5 * i]
+for i = 0, (#KEYS - 3) / 6 - 1 do
+  local inbox, load, meta = KEYS[4 + 6 * i], KEYS[5 + 6 * i], KEYS[6 + 6 * i]
+  local order, waiting, ingress = KEYS[7 + 6 * i], KEYS[8 + 6 * i], KEYS[9 + 6 * i]
   local tail, entry, msg, rid = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local prio, member, cost, nstatus = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], tonumber(ARGV[a + 7])
   local status = {unpack(ARGV, a + 8, a + 7 + nstatus)}
@@ -89,7 +90,7 @@ for i = 0, (#KEYS - 4) / 5 - 1 do
     else
       local id = redis.call('XADD', inbox, '*', field, msg)
       redis.call('HSET', meta, unpack(status))
-      redis.call('XACK', KEYS[1], group, entry)
+      redis.call('XACK', ingress, group, entry)
       tails[inbox] = id  -- our own entry: not a conflict for the next item to this inbox
       -- Out of the order; the class's virtual time moves to the largest tag served.
       local tag = redis.call('ZSCORE', order, rid)
@@ -122,7 +123,7 @@ class Outcome:
 class Item:
     worker_id: str
     tail: str  # the newest inbox entry the router accounted for
-    entry_id: str  # the ingress entry to acknowledge
+    entry_id: str  # the ingress entry to acknowledge (``shared.ingress.handle``: in its class's stream)
     request: GenerateRequest
 
 
@@ -134,14 +135,16 @@ class Dispatcher:
     def send_many(self, items: list[Item]) -> list[Outcome]:
         """Several dispatches in one round trip, each checked as if sent alone, in order."""
         k = self.keys
-        keys = [k.requests(), k.vtime(), k.tenant_queued(), k.tenant_served()]
+        keys = [k.vtime(), k.tenant_queued(), k.tenant_served()]
         args = [ROUTER_GROUP, MAX_NEWER, FIELD]
         for item in items:
             r = item.request
             status = RequestMeta.fields(worker=item.worker_id, dispatched_ms=now_ms())
             keys += [k.inbox(item.worker_id), k.load(item.worker_id), k.meta(r.id)]
-            keys += [k.order(r.priority), k.waiting(r.model)]
-            args += [item.tail, item.entry_id, encode(r), r.id, r.priority, class_tenant_field(r.priority, r.tenant)]
+            stream, entry_id = ingress.locate(k, item.entry_id)
+            keys += [k.order(r.priority), k.waiting(r.model), stream]
+            args += [item.tail, entry_id, encode(r), r.id, r.priority]
+            args += [class_tenant_field(r.priority, r.tenant)]
             args += [cost(r), 2 * len(status)]
             args += [x for pair in status.items() for x in pair]
         return [_outcome(reply) for reply in self.script(keys=keys, args=args)]

@@ -14,6 +14,7 @@ import logging
 
 import redis
 
+from shared import ingress
 from shared.keys import ROUTER_GROUP, Keys
 
 log = logging.getLogger("lightq.router")
@@ -24,28 +25,40 @@ def beat(client: redis.Redis, keys: Keys, router_id: str, ttl_s: float) -> None:
 
 
 def forget(client: redis.Redis, keys: Keys, router_id: str) -> None:
-    """On a clean exit: our pending entries become claimable at once; with none, we leave the
-    group too, so the next router does not report us as gone (only a consumer without pending
-    entries may go: deleting one drops its entries from the group's pending list)."""
+    """On a clean exit: our pending entries become claimable at once; with none in a class's stream,
+    we leave its group too, so the next router does not report us as gone (only a consumer without
+    pending entries may go: deleting one drops its entries from the group's pending list)."""
     client.delete(keys.router_alive(router_id))
-    stream = keys.requests()
-    if not client.xpending_range(stream, ROUTER_GROUP, min="-", max="+", count=1, consumername=router_id):
-        client.xgroup_delconsumer(stream, ROUTER_GROUP, router_id)
-
-
-def claim_from_dead_routers(client: redis.Redis, keys: Keys, router_id: str) -> list[tuple[str, dict]]:
-    """Claim every pending entry of routers whose liveness key expired; returns them in id order."""
-    stream = keys.requests()
-    claimed: list[tuple[str, dict]] = []
-    for consumer in client.xinfo_consumers(stream, ROUTER_GROUP):
-        name = consumer["name"]
-        if name == router_id or client.exists(keys.router_alive(name)):
+    for _, stream in ingress.streams(client, keys):
+        try:
+            if not client.xpending_range(stream, ROUTER_GROUP, min="-", max="+", count=1, consumername=router_id):
+                client.xgroup_delconsumer(stream, ROUTER_GROUP, router_id)
+        except redis.ResponseError:  # no such stream or group: nothing of ours in it
             continue
-        pending = client.xpending_range(stream, ROUTER_GROUP, min="-", max="+", count=10_000, consumername=name)
-        ids = [p["message_id"] for p in pending]
-        if ids:
-            claimed += client.xclaim(stream, ROUTER_GROUP, router_id, min_idle_time=0, message_ids=ids)
-        if len(ids) < 10_000:
-            client.xgroup_delconsumer(stream, ROUTER_GROUP, name)
-        log.warning("router %s is gone: took over %d of its entries", name, len(ids))
-    return sorted((c for c in claimed if c[1]), key=lambda c: tuple(map(int, c[0].split("-"))))
+
+
+def claim_from_dead_routers(client: redis.Redis, keys: Keys, router_id: str) -> list[tuple[int, list]]:
+    """Claim every pending entry of routers whose liveness key expired, in every class's stream;
+    returns (priority, entries in id order) per class with any."""
+    claimed: list[tuple[int, list]] = []
+    for priority, stream in ingress.streams(client, keys):
+        try:
+            consumers = client.xinfo_consumers(stream, ROUTER_GROUP)
+        except redis.ResponseError:  # no group yet on this class's stream: nobody read it
+            continue
+        entries = []
+        for consumer in consumers:
+            name = consumer["name"]
+            if name == router_id or client.exists(keys.router_alive(name)):
+                continue
+            pending = client.xpending_range(stream, ROUTER_GROUP, min="-", max="+", count=10_000, consumername=name)
+            ids = [p["message_id"] for p in pending]
+            if ids:
+                entries += client.xclaim(stream, ROUTER_GROUP, router_id, min_idle_time=0, message_ids=ids)
+            if len(ids) < 10_000:
+                client.xgroup_delconsumer(stream, ROUTER_GROUP, name)
+            log.warning("router %s is gone: took over %d of its entries in %s", name, len(ids), stream)
+        entries = sorted((e for e in entries if e[1]), key=lambda e: tuple(map(int, e[0].split("-"))))
+        if entries:
+            claimed.append((priority, entries))
+    return claimed

@@ -10,7 +10,8 @@ otherwise this router learns those dispatches and decides again. Requests
 are dispatched in the order of ``router.ordering`` (priority classes
 strictly, fair shares of tokens between tenants inside a class, then
 arrival), which lives in Redis so every router orders alike; a router reads
-up to ``order_window`` entries ahead to order them. When the head cannot be
+up to ``order_window`` entries of each class ahead to order them, from one
+ingress stream per class (``shared.ingress``). When the head cannot be
 placed, everything behind it waits too. The
 output-length history past-future admission estimates from is re-read
 from Redis every ``history_refresh_s``, not per request.
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 
 import redis
 
@@ -33,6 +35,7 @@ from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_w
 from router.preempt import Preempter, heads
 from router.registry import read_registry
 from router.reservations import Reservations
+from shared import ingress
 from shared.admission import AdmissionRule, request_states
 from shared.batch_view import Candidate
 from shared.codec import entry, from_entry
@@ -59,7 +62,9 @@ class Router:
         self.queue = OrderedQueue()
         self.tagger = Tagger(client, self.keys, parse_weights(settings.tenant_weights))
         self.stop_event = threading.Event()
-        self._read_id = "0"  # first our own pending entries (after a restart), then new ones
+        # Per class stream (shared.ingress): "0" first, our own pending entries (after a restart)
+        # page by page, then ">" for new ones. A stream is listed here once its group exists.
+        self._read_ids: dict[str, str] = {}
         self._next_housekeeping = 0.0
         self._queued_ids: set[str] = set()
         self._cancelled_ids: set[str] = set()  # queued requests found cancelled, until they end here
@@ -70,7 +75,7 @@ class Router:
 
     def run(self) -> None:
         """Step until stopped; ride out Redis outages with exponential backoff."""
-        log.info("router %s reading %s", self.router_id, self.keys.requests())
+        log.info("router %s reading %s[:PRIORITY]", self.router_id, self.keys.requests())
         backoff = Backoff()
         outage_log = LogLimiter(log)  # an outage is one line every few seconds, not one per retry
         try:
@@ -113,9 +118,11 @@ class Router:
         if now < self._next_housekeeping:
             return
         self._next_housekeeping = now + self.settings.liveness_ttl_s / 3
-        ensure_group(self.client, self.keys.requests(), ROUTER_GROUP)
+        for stream in self._read_ids:
+            ensure_group(self.client, stream, ROUTER_GROUP)
         liveness.beat(self.client, self.keys, self.router_id, self.settings.liveness_ttl_s)
-        self._take(liveness.claim_from_dead_routers(self.client, self.keys, self.router_id))
+        for priority, entries in liveness.claim_from_dead_routers(self.client, self.keys, self.router_id):
+            self._take(priority, entries)
 
     def _refresh_history(self) -> None:
         now = time.monotonic()
@@ -126,41 +133,59 @@ class Router:
         self.views.clear()  # their draws came from the old history
 
     def _read(self) -> None:
-        room = min(self.settings.order_window - len(self.queue), self.settings.read_batch)
-        if room <= 0:
+        """New entries of every class this router holds fewer than ``order_window`` of, in one
+        XREADGROUP over their streams (``shared.ingress``: a flood of one class never hides a
+        better one). Up to ``read_batch`` a stream per read, so a class may pass the window by
+        less than that."""
+        held = Counter(request.priority for _, request in self.queue)
+        by_stream: dict[str, int] = {}
+        for priority, stream in ingress.streams(self.client, self.keys):
+            if stream not in self._read_ids:  # a class new to this router: its group from entry 0
+                ensure_group(self.client, stream, ROUTER_GROUP)
+                self._read_ids[stream] = "0"
+            if held[priority] < self.settings.order_window:
+                by_stream[stream] = priority
+        if not by_stream:
             return
-        if self._read_id != ">":  # after a restart: entries we read but never dispatched, page by page
-            entries = self._xreadgroup(self._read_id, room, None)
-            self._read_id = entries[-1][0] if len(entries) == room else ">"
-            if entries:
+        count = self.settings.read_batch
+        restarting = {s: self._read_ids[s] for s in by_stream if self._read_ids[s] != ">"}
+        if restarting:  # after a restart: entries we read but never dispatched, page by page
+            got = self._xreadgroup(restarting, by_stream, count, None)
+            for stream in restarting:
+                entries = got.get(stream, [])
+                self._read_ids[stream] = entries[-1][0] if len(entries) == count else ">"
+            if any(got.values()):
                 return
         block = None if self.queue else self.settings.poll_ms
-        self._xreadgroup(">", room, block)
+        self._xreadgroup(dict.fromkeys(by_stream, ">"), by_stream, count, block)
 
-    def _xreadgroup(self, read_id: str, count: int, block: int | None) -> list:
-        reply = self.client.xreadgroup(
-            ROUTER_GROUP, self.router_id, {self.keys.requests(): read_id}, count=count, block=block
-        )
-        entries = reply[0][1] if reply else []
-        self._take(entries)
-        return entries
+    def _xreadgroup(
+        self, ids: dict[str, str], priorities: dict[str, int], count: int, block: int | None
+    ) -> dict[str, list]:
+        reply = self.client.xreadgroup(ROUTER_GROUP, self.router_id, ids, count=count, block=block)
+        got = {_text(stream): entries for stream, entries in reply or []}
+        for stream, entries in got.items():
+            self._take(priorities[stream], entries)
+        return got
 
-    def _take(self, entries: list) -> None:
-        """Entries into the queue, each at its place in the order (tags from Redis, one round trip)."""
+    def _take(self, priority: int, entries: list) -> None:
+        """Entries of class ``priority``'s stream into the queue, each at its place in the order
+        (tags from Redis, one round trip); the queue names them by ``ingress.handle``."""
         taken: list[tuple[str, GenerateRequest]] = []
         for entry_id, fields in entries:
             # An entry can reach us twice: claimed from a dead router, then re-read from our own
             # pending list. The queue holds each entry once.
-            if entry_id in self._queued_ids:
+            name = ingress.handle(priority, entry_id)
+            if name in self._queued_ids:
                 continue
-            request = self._parse(entry_id, fields)
+            request = self._parse(priority, entry_id, fields)
             if request is not None:
-                taken.append((entry_id, request))
-                self._queued_ids.add(entry_id)
-        for (entry_id, request), tag in zip(taken, self.tagger.tags([r for _, r in taken])):
-            self.queue.add(entry_id, request, tag)
+                taken.append((name, request))
+                self._queued_ids.add(name)
+        for (name, request), tag in zip(taken, self.tagger.tags([r for _, r in taken])):
+            self.queue.add(name, request, tag)
 
-    def _parse(self, entry_id: str, fields: dict) -> GenerateRequest | None:
+    def _parse(self, priority: int, entry_id: str, fields: dict) -> GenerateRequest | None:
         try:
             return from_entry(GenerateRequest, fields)
         except ValueError as exc:  # unreadable: never retry it, keep it for inspection
@@ -168,7 +193,7 @@ class Router:
             pipe = self.client.pipeline(transaction=True)
             letter = DeadLetter(reason=f"unreadable: {exc}"[:500], failed_ms=now_ms(), raw=fields)
             pipe.xadd(self.keys.dead_letters(), entry(letter))
-            pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
+            pipe.xack(self.keys.requests(priority), ROUTER_GROUP, entry_id)
             pipe.execute()
             return None
 
@@ -298,7 +323,12 @@ class Router:
             num_output=request.num_emitted,
             ttl_s=self.settings.redis.request_ttl_s,
         )
-        pipe.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
+        stream, raw_id = ingress.locate(self.keys, entry_id)  # the stream it was read from
+        pipe.xack(stream, ROUTER_GROUP, raw_id)
         forget(pipe, self.keys, request)
         pipe.execute()
         self.on_finish(request, status)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

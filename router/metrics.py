@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from router.loop import Router
 from router.registry import read_registry
+from shared import ingress
 from shared.keys import ROUTER_GROUP, split_class_tenant_field
 from shared.peak import ReqState
 from shared.redis import group_backlog
@@ -179,13 +180,14 @@ class RouterCollector(Collector):
         return family
 
     def _ingress(self, router: Router) -> Iterable[Metric]:
-        stream, client = router.keys.requests(), router.client
-        lag, pending = group_backlog(client, stream, ROUTER_GROUP)
-        labels = [stream, ROUTER_GROUP]
-        yield _gauge("lightq:stream_lag", "entries never delivered to the group", ["stream", "group"], [(labels, lag)])
-        yield _gauge(
-            "lightq:stream_pending", "entries delivered, not acknowledged", ["stream", "group"], [(labels, pending)]
-        )
+        client = router.client
+        lags, pendings = [], []  # one row per class's stream (shared.ingress)
+        for _, stream in ingress.streams(client, router.keys):
+            lag, pending = group_backlog(client, stream, ROUTER_GROUP)
+            lags.append(([stream, ROUTER_GROUP], lag))
+            pendings.append(([stream, ROUTER_GROUP], pending))
+        yield _gauge("lightq:stream_lag", "entries never delivered to the group", ["stream", "group"], lags)
+        yield _gauge("lightq:stream_pending", "entries delivered, not acknowledged", ["stream", "group"], pendings)
         yield _gauge(
             "lightq:dead_letters",
             "entries in the dead-letter stream",

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Iterator
 
 import redis
 
+from shared import ingress
 from shared.keys import Keys, class_tenant_field
 from shared.peak import ReqState
 from shared.schemas import GenerateRequest, RequestStatus
@@ -161,8 +162,8 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _entry_order(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
+def _entry_order(handle: str) -> tuple[int, int]:
+    ms, _, seq = ingress.entry_id(handle).partition("-")
     return int(ms), int(seq or 0)
 
 

@@ -21,6 +21,7 @@ import re
 
 import redis
 
+from shared import ingress
 from shared.keys import Keys
 from shared.request_log import now_ms
 from shared.schemas import RequestMeta, stream_id
@@ -38,8 +39,12 @@ return 1
 
 
 def trim_ingress(client: redis.Redis, keys: Keys) -> int:
-    """Delete ingress entries every consumer group is done with; returns how many went."""
-    stream = keys.requests()
+    """Delete ingress entries every consumer group is done with, in every class's stream
+    (``shared.ingress``); returns how many went."""
+    return sum(_trim(client, stream) for _, stream in ingress.streams(client, keys))
+
+
+def _trim(client: redis.Redis, stream: str) -> int:
     try:
         groups = client.xinfo_groups(stream)
     except redis.ResponseError:  # no stream yet

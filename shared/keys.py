@@ -5,7 +5,8 @@ land in one slot, so a request's status and chunks can be written together.
 
 | key                         | type          | writer -> reader          |
 |-----------------------------|---------------|---------------------------|
-| P:{q}:requests              | stream        | producer -> routers       |
+| P:{q}:requests[:PRIORITY]   | stream        | producer -> routers (one per class; class 0: no suffix) |
+| P:{q}:classes               | sorted set    | producer, requeues -> routers, monitors (classes with a stream) |
 | P:{q}:dead                  | stream        | router -> operators       |
 | P:workers                   | sorted set    | worker -> router (score = last seen ms) |
 | P:{w:ID}:load               | string + TTL  | worker -> router, producer (WorkerLoad JSON) |
@@ -61,8 +62,15 @@ def split_class_tenant_field(field: str) -> tuple[int, str]:
 class Keys:
     prefix: str = "lightq"
 
-    def requests(self) -> str:
-        return f"{self.prefix}:{{q}}:requests"
+    def requests(self, priority: int = 0) -> str:
+        """The ingress stream of one priority class (``shared.ingress``): the default class keeps
+        the plain name, so a deployment without priorities has the one stream it always had."""
+        base = f"{self.prefix}:{{q}}:requests"
+        return base if priority == 0 else f"{base}:{priority}"
+
+    def classes(self) -> str:
+        """Sorted set of the priority classes that have an ingress stream (member and score: the class)."""
+        return f"{self.prefix}:{{q}}:classes"
 
     def dead_letters(self) -> str:
         return f"{self.prefix}:{{q}}:dead"

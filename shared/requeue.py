@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import redis
 
+from shared import ingress
 from shared.codec import entry, from_entry
 from shared.keys import Keys
 from shared.request_log import emitted_chunks, end_request, has_ended, mark_ended, now_ms
@@ -97,7 +98,7 @@ def send_back(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest)
     preempted request (``worker.service.publisher``), whose resume fields the worker knows exactly."""
     pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, attempt=request.attempt))
     pipe.hdel(keys.meta(request.id), "worker")
-    pipe.xadd(keys.requests(), entry(request))
+    ingress.add(pipe, keys, request)  # its class's stream
 
 
 def resume_fields(request: GenerateRequest, chunks: list[TokenChunk]) -> dict[str, list[int] | list[list[int]]]:

@@ -35,6 +35,7 @@ from redis.exceptions import ResponseError
 
 from producer.edge.backlog import estimated_output
 from producer.monitoring.recent import WINDOW_S, RecentRequest, RequestTracker
+from shared import ingress
 from shared.codec import from_entry
 from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys, split_class_tenant_field
 from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
@@ -198,9 +199,25 @@ async def queued_requests(
     ``parsed``: the entries a previous call parsed, by entry id, kept up to date here. An entry
     never changes, and at the peak of a burst fetching and parsing thousands of them again every
     second was most of a read's CPU (``bench.scrape_latency``); with it, a read fetches the
-    entries that arrived since the last one (and pending ones it has not seen)."""
-    stream = keys.requests()
+    entries that arrived since the last one (and pending ones it has not seen). Every class's
+    stream (``shared.ingress``) counts; ``parsed`` names entries by ``ingress.handle``."""
     known = parsed if parsed is not None else {}
+    backlog, current = Backlog(), {}
+    for priority, stream in await ingress.streams_async(redis, keys):
+        mine = {ingress.entry_id(h): r for h, r in known.items() if ingress.locate(keys, h)[0] == stream}
+        lagging, found = await _queued_in(redis, stream, mine)
+        backlog = Backlog(lag=backlog.lag + lagging.lag, pending=backlog.pending + lagging.pending)
+        current.update((ingress.handle(priority, i), r) for i, r in found.items())
+    if parsed is not None:  # only what is still queued: the cache never outgrows the queue
+        parsed.clear()
+        parsed.update(current)
+    return backlog, list(current.values())
+
+
+async def _queued_in(
+    redis: aioredis.Redis, stream: str, known: dict[str, GenerateRequest]
+) -> tuple[Backlog, dict[str, GenerateRequest]]:
+    """One class's stream: its backlog and queued requests by entry id (``known``: parsed before)."""
     backlog = await group_backlog(redis, stream, ROUTER_GROUP)
     entries: list[tuple[str, dict]] = []
     if backlog.lag:  # never delivered: the entries after the group's last delivery
@@ -228,10 +245,7 @@ async def queued_requests(
             except ValueError:
                 continue  # unreadable (the router dead-letters it), or deleted meanwhile
         current[entry_id] = request
-    if parsed is not None:  # only what is still queued: the cache never outgrows the queue
-        parsed.clear()
-        parsed.update(current)
-    return backlog, list(current.values())
+    return backlog, current
 
 
 def _entry_key(entry_id: str) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 
+from shared import ingress
 from shared.codec import from_entry
 from shared.keys import Keys
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus
@@ -57,23 +58,28 @@ class RequestTracker:
     def __init__(self, keep_s: float = WINDOW_S, limit: int = RECENT_MAX):
         self.keep_s = keep_s
         self.limit = limit
-        self.last_id: str | None = None
+        self.last_ids: dict[str, str] = {}  # per class's stream: the last entry read
         self.enqueued: dict[str, int] = {}  # request id -> Redis ms of its first entry, oldest first
         self.parsed: dict[str, GenerateRequest] = {}  # queued ingress entries already parsed, by entry id
 
     async def _read_new(self, redis: aioredis.Redis, keys: Keys) -> None:
-        if self.last_id is None:
-            entries = list(reversed(await redis.xrevrange(keys.requests(), count=self.limit)))
-        else:
-            entries = await redis.xrange(keys.requests(), min=f"({self.last_id}", count=10 * self.limit)
-        for entry_id, fields in entries:
-            try:
-                request_id = from_entry(_IngressId, fields).id
-            except ValueError:  # pydantic's ValidationError is one: an entry not ours, skipped
-                request_id = None
-            if request_id is not None:
-                self.enqueued.setdefault(request_id, int(entry_id.partition("-")[0]))
-            self.last_id = entry_id
+        """New entries of every class's stream (``shared.ingress``), each read on from where it was."""
+        for _, stream in await ingress.streams_async(redis, keys):
+            last = self.last_ids.get(stream)
+            if last is None:
+                entries = list(reversed(await redis.xrevrange(stream, count=self.limit)))
+            else:
+                entries = await redis.xrange(stream, min=f"({last}", count=10 * self.limit)
+            for entry_id, fields in entries:
+                try:
+                    request_id = from_entry(_IngressId, fields).id
+                except ValueError:  # pydantic's ValidationError is one: an entry not ours, skipped
+                    request_id = None
+                if request_id is not None:
+                    self.enqueued.setdefault(request_id, int(entry_id.partition("-")[0]))
+                self.last_ids[stream] = entry_id
+        if len(self.enqueued) > 1:  # oldest first across the classes' streams
+            self.enqueued = dict(sorted(self.enqueued.items(), key=lambda item: item[1]))
 
     async def refresh(self, redis: aioredis.Redis, keys: Keys, now_ms: int) -> list[RecentRequest]:
         """Every tracked request with its status now, newest first."""

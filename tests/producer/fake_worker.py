@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 import uvicorn
 
 from producer.app import create_app
-from shared import codec
+from shared import codec, ingress
 from shared.embedded_redis import free_port
 from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import ensure_group_async
@@ -71,16 +71,20 @@ class FakeWorker:
         self.redis, self.keys, self.worker_id, self.ttl_s = redis, keys, worker_id, ttl_s
 
     async def take(self, timeout_s: float = 10.0) -> GenerateRequest:
-        """The next ingress request, read and acked as a router would; status set to running."""
-        await ensure_group_async(self.redis, self.keys.requests(), ROUTER_GROUP)
+        """The next ingress request of any class (``shared.ingress``), read and acked as a router
+        would; status set to running."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            streams = [stream for _, stream in await ingress.streams_async(self.redis, self.keys)]
+            for stream in streams:
+                await ensure_group_async(self.redis, stream, ROUTER_GROUP)
             reply = await self.redis.xreadgroup(
-                ROUTER_GROUP, "fake-router", {self.keys.requests(): ">"}, count=1, block=100
+                ROUTER_GROUP, "fake-router", dict.fromkeys(streams, ">"), count=1, block=100
             )
             if reply:
-                entry_id, fields = reply[0][1][0]
-                await self.redis.xack(self.keys.requests(), ROUTER_GROUP, entry_id)
+                stream, entries = reply[0]
+                entry_id, fields = entries[0]
+                await self.redis.xack(stream, ROUTER_GROUP, entry_id)
                 request = codec.from_entry(GenerateRequest, fields)
                 await self.set_meta(
                     request.id,

@@ -52,6 +52,23 @@ async def test_backlog_limit_counts_tokens_until_dispatch(limited, aredis, keys)
     assert 'lightq:requests_rejected_total{reason="queue_full"} 4.0' in text
 
 
+async def test_the_backlog_counts_every_class(limited, aredis, keys):
+    """Each class has its stream (shared.ingress); the limit is on them all: the oldest unfinished
+    entry of any class bounds what is queued."""
+    worse = {**REQUEST, "parameters": {**REQUEST["parameters"], "priority": 3}}
+    for body in (worse, worse, REQUEST, REQUEST, worse):
+        assert (await limited.post("/v1/requests", json=body)).status_code == 202
+    assert (await aredis.xlen(keys.requests(3)), await aredis.xlen(keys.requests())) == (3, 2)
+    assert_queue_full(await limited.post("/v1/requests", json=REQUEST))
+    for stream in (keys.requests(), keys.requests(3)):  # every entry dispatched: the queue is empty
+        await ensure_group_async(aredis, stream, ROUTER_GROUP)
+        await aredis.xreadgroup(ROUTER_GROUP, "router-1", {stream: ">"}, count=10)
+        for entry_id, _ in await aredis.xrange(stream):
+            await aredis.xack(stream, ROUTER_GROUP, entry_id)
+    for _ in range(5):
+        assert (await limited.post("/v1/requests", json=worse)).status_code == 202
+
+
 async def test_cost_uses_the_output_history(limited, aredis, keys):
     await aredis.lpush(keys.output_lengths(), 2, 4, 6)  # mean 4
     costs = []

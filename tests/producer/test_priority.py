@@ -13,6 +13,7 @@ from pydantic import SecretStr
 from producer.app import create_app
 from producer.edge.auth import hash_key, key_tenants
 from router.ordering import Tagger
+from shared import ingress
 from shared.codec import from_entry
 from shared.keys import Keys
 from shared.schemas import GenerateRequest
@@ -24,7 +25,7 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
 
 def queued(rclient, keys: Keys) -> list[GenerateRequest]:
-    return [from_entry(GenerateRequest, fields) for _, fields in rclient.xrange(keys.requests())]
+    return [from_entry(GenerateRequest, fields) for _, fields in ingress.entries(rclient, keys)]  # every class
 
 
 async def through_worker(client, worker, route: str, body: dict, headers: dict | None = None) -> GenerateRequest:

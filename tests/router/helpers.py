@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from shared.codec import encode, entry
+from shared import ingress
+from shared.codec import encode
 from shared.keys import Keys
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, WorkerLoad
@@ -67,7 +68,9 @@ def submit(
         created_ms=now_ms(),
     )
     client.hset(keys.meta(request_id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=now_ms()))
-    client.xadd(keys.requests(), entry(msg))
+    pipe = client.pipeline(transaction=True)
+    ingress.add(pipe, keys, msg)  # its class's stream, as the producer writes it
+    pipe.execute()
     return msg
 
 

@@ -100,11 +100,11 @@ def test_two_routers_at_once_give_the_same_order(redis_settings, rclient, keys):
         for i in range(30)
     ]
     routers = [make_router(redis_settings, rclient, name, read_batch=4) for name in ("r1", "r2")]
-    for _ in range(5):  # each reads a share (no worker yet), 4 entries a step
+    for _ in range(5):  # each reads a share (no worker yet), 4 entries of each class's stream a step
         for router in routers:
             router.step()
     held = [[request.id for _, request in router.queue] for router in routers]
-    assert sorted(map(len, held)) == [14, 16]
+    assert sum(map(len, held)) == len(sent) and min(map(len, held)) >= 8
     model = vtc_model(sent, {})
     for ids in held:  # each router holds its share in the one order, whichever share it got
         assert ids == [i for i in model if i in set(ids)]

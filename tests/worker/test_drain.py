@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from shared import ingress
 from shared.admission import AdmissionRule
 from shared.codec import entry, from_entry
 from shared.config import AdmissionSettings, ModelSettings, WorkerSettings
@@ -62,7 +63,7 @@ def test_drain_requeues_the_unstarted_and_the_unread_at_once_and_keeps_the_runni
     send(rclient, keys, worker_id, "r3")  # dispatched after that read: never read here
     assert [r.id for r in service.engine.running] == ["r0"]
     service._drain()  # r0 keeps running for drain_timeout (it needs 400 steps); the rest goes back first
-    requeued = [from_entry(GenerateRequest, f).id for _, f in rclient.xrange(keys.requests())]
+    requeued = [from_entry(GenerateRequest, f).id for _, f in ingress.entries(rclient, keys)]
     assert sorted(requeued) == ["r1", "r2", "r3"]
     assert [from_entry(GenerateRequest, f).id for _, f in rclient.xrange(keys.inbox(worker_id))] == ["r0"]
     assert not service.engine.waiting

@@ -16,6 +16,7 @@ import torch
 import xgrammar as xgr
 from prometheus_client import generate_latest
 
+from shared import ingress
 from shared.admission import AdmissionRule
 from shared.codec import entry, from_entry
 from shared.config import AdmissionSettings, ModelSettings, WorkerSettings
@@ -255,7 +256,7 @@ def test_a_drain_hands_a_held_request_back(redis_settings, rclient, keys, gate):
     turns(service, 2)
     assert gate.started.wait(10)
     service._drain()  # "free" runs on for drain_timeout; "slow" never started: back to the queue at once
-    assert [from_entry(GenerateRequest, f).id for _, f in rclient.xrange(keys.requests())] == ["slow"]
+    assert [from_entry(GenerateRequest, f).id for _, f in ingress.entries(rclient, keys)] == ["slow"]
     assert [from_entry(GenerateRequest, f).id for _, f in rclient.xrange(keys.inbox(WORKER))] == ["free"]
     assert rclient.hget(keys.meta("slow"), "status") == "queued"
     assert not service.engine.waiting and not out.of(Ended, "slow")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from shared import ingress
 from shared.admission import request_states as router_states
 from shared.codec import from_entry
 from shared.peak import ReqState
@@ -73,7 +74,7 @@ def requeued(
         )
     pipe.execute()
     assert requeue(rclient, keys, msg, ttl_s=60, max_attempts=3) == 1
-    return from_entry(GenerateRequest, rclient.xrange(keys.requests())[-1][1])
+    return from_entry(GenerateRequest, ingress.entries(rclient, keys)[-1][1])
 
 
 def own_tokens(tokens: list[Token], choice: int, lost=frozenset()) -> list[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared import ingress
 from shared.admission import AdmissionRule, request_states
 from shared.codec import encode, entry, from_entry
 from shared.config import AdmissionSettings, ModelSettings, WorkerSettings
@@ -91,7 +92,7 @@ def ask(rclient, keys, worker_id: str, *msgs: GenerateRequest) -> None:
 
 
 def requeued(rclient, keys) -> list[GenerateRequest]:
-    return [from_entry(GenerateRequest, f) for _, f in rclient.xrange(keys.requests())]
+    return [from_entry(GenerateRequest, f) for _, f in ingress.entries(rclient, keys)]
 
 
 def chunks(rclient, keys, request_id: str) -> list[TokenChunk]:
