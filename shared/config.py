@@ -218,7 +218,7 @@ class RouterSettings(BaseSettings):
     )
     # router.ordering: priorities and fair shares apply to what a router holds, so it holds up to this many.
     order_window: int = Field(
-        1024, gt=0, description="queued requests a router reads ahead to order (priority, tenant)"
+        1024, gt=0, description="queued requests of each priority class a router reads ahead to order (by tenant)"
     )
     tenant_weights: str = Field(
         "",
