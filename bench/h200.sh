@@ -133,8 +133,8 @@ for part in "$@"; do
         timeout 200 python3 -m bench.fair_stack --only priority
         timeout 150 python3 -m bench.fair_stack --window_s 6; } 2>&1 | tee "$OUT/fair.log" | grep -v "^  " | tail -40 ;;
     fair-peer)  # the priority figure with --preempt, this tree against .peer (a peer commit's, made by
-      # `git archive COMMIT | tar -x -C .peer`), twice each in turn; the counting model with the tokenizer in .tok
-      for t in . .peer . .peer; do echo "--- tree $t"; CUDA_VISIBLE_DEVICES= timeout 130 python3 -m bench.fair_stack \
+      # `git archive COMMIT | tar -x -C .peer`), three times each in turn; the counting model with the tokenizer in .tok
+      for t in . .peer . .peer . .peer; do echo "--- tree $t"; CUDA_VISIBLE_DEVICES= timeout 95 python3 -m bench.fair_stack \
         --preempt --only priority --tree $t --model_dir counting:.tok/smollm2 2>&1; done \
         | tee "$OUT/fair_peer.log" ;;
     fair-preempt)  # the priority figure alone, with --preempt (a minute and a half)
