@@ -18,6 +18,7 @@ removed: an empty stream costs a key.
 from __future__ import annotations
 
 import redis
+import redis.asyncio as aioredis
 
 from shared.codec import entry
 from shared.keys import Keys
@@ -36,13 +37,13 @@ def streams(client: redis.Redis, keys: Keys) -> list[tuple[int, str]]:
     return [(p, keys.requests(p)) for p in sorted(listed | {0})]
 
 
-async def streams_async(client, keys: Keys) -> list[tuple[int, str]]:
+async def streams_async(client: aioredis.Redis, keys: Keys) -> list[tuple[int, str]]:
     """``streams`` for an asyncio client (the producer)."""
     listed = {int(float(score)) for _, score in await client.zrange(keys.classes(), 0, -1, withscores=True)}
     return [(p, keys.requests(p)) for p in sorted(listed | {0})]
 
 
-def entries(client: redis.Redis, keys: Keys) -> list[tuple[str, dict]]:
+def entries(client: redis.Redis, keys: Keys) -> list[tuple[str, dict[str, str]]]:
     """Every entry of every class's stream, oldest first across classes (ids are times): a view for
     tools and tests, not for the hot path."""
     found = [e for _, stream in streams(client, keys) for e in client.xrange(stream)]
