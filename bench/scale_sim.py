@@ -70,7 +70,6 @@ class SimWorker:
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.keys.load(self.worker_id), encode(load), px=3000)
         pipe.zadd(self.keys.workers(), {self.worker_id: now_ms()})
-        pipe.xadd(self.keys.records(), {"w": self.worker_id}, maxlen=256, approximate=True)  # as workers do
         pipe.execute()
 
     def record_extras(self) -> dict:

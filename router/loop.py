@@ -65,7 +65,6 @@ class Router:
         # Per class stream (shared.ingress): "0" first, our own pending entries (after a restart)
         # page by page, then ">" for new ones. A stream is listed here once its group exists.
         self._read_ids: dict[str, str] = {}
-        self._seen_record = "$"  # the newest entry of ``Keys.records`` this router saw (``_idle``)
         self._next_housekeeping = 0.0
         self._queued_ids: set[str] = set()
         self._cancelled_ids: set[str] = set()  # queued requests found cancelled, until they end here
@@ -107,22 +106,8 @@ class Router:
         self.views.refresh(loads, self.reservations.pending())
         dispatched = self._dispatch(loads)
         if self.queue and not dispatched:
-            self._idle()
+            self.stop_event.wait(self.settings.poll_ms / 1000)
         return dispatched
-
-    def _idle(self) -> None:
-        """Nothing could be dispatched: wait until a worker writes a record (room may have freed) or
-        a request arrives, at most ``poll_ms``. A plain wait of ``poll_ms`` left freed room idle for
-        up to that long (100 ms by default) after the record that showed it. Records are waited for
-        from the last one this router saw, so one written since its registry read wakes it at once
-        (an entry is a worker id: the capped stream's backlog is small); new requests from now ("$":
-        one that came since this step's read waits at most ``poll_ms``, as before)."""
-        records = self.keys.records()
-        ids = {records: self._seen_record, **dict.fromkeys(self._read_ids, "$")}
-        reply = self.client.xread(ids, block=self.settings.poll_ms)
-        for stream, entries in reply or []:
-            if _text(stream) == records and entries:
-                self._seen_record = _text(entries[-1][0])
 
     def _housekeeping(self) -> None:
         """Once per liveness period: say we are alive, take over dead routers' entries.

@@ -9,7 +9,6 @@ land in one slot, so a request's status and chunks can be written together.
 | P:{q}:classes               | sorted set    | producer, requeues -> routers, monitors (classes with a stream) |
 | P:{q}:dead                  | stream        | router -> operators       |
 | P:workers                   | sorted set    | worker -> router (score = last seen ms) |
-| P:records                   | capped stream | worker -> router (a record was written: wake) |
 | P:{w:ID}:load               | string + TTL  | worker -> router, producer (WorkerLoad JSON) |
 | P:{w:ID}:inbox              | stream        | router -> worker; routers (its entries past the load's last_inbox_id) |
 | P:{w:ID}:preempt            | list + TTL    | router -> worker (PreemptAsk JSON; the worker reads and deletes it) |
@@ -78,10 +77,6 @@ class Keys:
 
     def workers(self) -> str:
         return f"{self.prefix}:workers"
-
-    def records(self) -> str:
-        """Capped stream with an entry per load record written: what an idle router blocks on."""
-        return f"{self.prefix}:records"
 
     def load(self, worker_id: str) -> str:
         return f"{self.prefix}:{{w:{worker_id}}}:load"

@@ -5,21 +5,14 @@ queued before streams were per class are still acknowledged in class 0's stream.
 
 from __future__ import annotations
 
-import threading
-import time
-
-import redis
-
 from router.loop import Router
 from shared import ingress
 from shared.codec import entry, from_entry
 from shared.config import RouterSettings
 from shared.keys import ROUTER_GROUP
 from shared.redis import ensure_group
-from shared.request_log import now_ms
-from shared.schemas import GenerateRequest, WorkerLoad
+from shared.schemas import GenerateRequest
 from tests.router.helpers import inbox_ids, publish_load, submit
-from worker.service.heartbeat import Heartbeat
 
 
 def make_router(redis_settings, rclient, **settings) -> Router:
@@ -92,50 +85,3 @@ def test_a_dead_routers_entries_are_taken_over_in_every_class(redis_settings, rc
     heir.step()
     assert inbox_ids(rclient, keys, "w1") == ["q1", "q0", "q2"]
     assert all(pending(rclient, keys.requests(p)) == 0 for p in (0, 1, 2))
-
-
-def test_an_idle_router_wakes_when_a_worker_writes_its_record(redis_settings, rclient, keys):
-    """A request waits for room; the worker's next record (written by its real heartbeat) wakes the
-    router at once, not after ``poll_ms`` (a minute here: only the wake-up can dispatch in time)."""
-    full = WorkerLoad(
-        worker_id="w1",
-        seq=1,
-        ts_ms=now_ms(),
-        max_total_tokens=100,
-        used_tokens=100,
-        committed_tokens=100,
-        num_running=1,
-        num_waiting=0,
-        requests=[(100, 0, 0, 1)],
-    )
-    records = [full]
-    heartbeat = Heartbeat(rclient, keys, "w1", 60.0, lambda seq: records[-1].model_copy(update={"seq": seq}))
-    heartbeat.beat()
-    submit(rclient, keys, "waits", prompt_len=10, max_new=10)
-    # One connection without a socket timeout (a timeout would end the wait early and step the
-    # router anyway), so the test can unblock it at the end by its id.
-    client = redis.Redis.from_url(redis_settings.url, decode_responses=True, single_connection_client=True)
-    blocked_id = client.client_id()
-    router = Router(RouterSettings(redis=redis_settings, poll_ms=60_000), client, "r1")
-    thread = threading.Thread(target=router.run)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not router.queue and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)  # the router has found no room and is waiting
-        assert inbox_ids(rclient, keys, "w1") == []
-        records.append(
-            full.model_copy(update={"used_tokens": 0, "committed_tokens": 0, "num_running": 0, "requests": []})
-        )
-        heartbeat.beat()  # room: the record and its wake-up entry
-        deadline = time.monotonic() + 30
-        while not inbox_ids(rclient, keys, "w1") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert inbox_ids(rclient, keys, "w1") == ["waits"]
-    finally:
-        router.stop_event.set()
-        while thread.is_alive():  # it may be blocked reading the ingress, which no record wakes
-            rclient.client_unblock(blocked_id)
-            thread.join(timeout=0.1)
-        client.close()

@@ -28,7 +28,6 @@ from shared.schemas import WorkerLoad
 log = logging.getLogger("lightq.worker")
 
 MIN_EARLY_GAP_S = 0.005
-RECORDS_KEPT = 256  # the wake-up stream's length: routers read only what is newer than they saw
 EARLY_GAP_COST = 20  # an early beat waits 20x its own CPU time: beats take at most ~5% of the GIL
 
 
@@ -59,8 +58,6 @@ class Heartbeat:
         pipe = self.client.pipeline(transaction=True)
         pipe.set(self.keys.load(self.worker_id), encode(load), px=self.ttl_ms)
         pipe.zadd(self.keys.workers(), {self.worker_id: now_ms()})
-        # Routers waiting for room block on this stream, not on a timer: freed room is used at once.
-        pipe.xadd(self.keys.records(), {"w": self.worker_id}, maxlen=RECORDS_KEPT, approximate=True)
         pipe.execute()
         cost = time.thread_time() - started
         self.early_gap_s = min(self.period_s, max(MIN_EARLY_GAP_S, EARLY_GAP_COST * cost))
