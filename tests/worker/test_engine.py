@@ -230,3 +230,16 @@ def test_past_future_overcommits_pauses_and_still_matches_transformers(tiny):
     for rid, prompt in prompts.items():
         assert tokens[rid] == reference_greedy(ref, prompt, 40), rid
     assert engine.runner.pool.num_free == POOL
+
+
+def test_waiting_requests_start_by_priority_class_then_arrival(tiny):
+    _, folder = tiny
+    engine = make_engine(folder, running_max=2, batch_max_tokens=64)
+    arrivals = [("low-a", 1), ("low-b", 1), ("mid", 0), ("high", -1), ("mid-late", 0), ("low-c", 1)]
+    for rid, priority in arrivals:
+        params = SamplingParams(max_new_tokens=5)
+        msg = GenerateRequest(id=rid, prompt_ids=[1] * 10, params=params, priority=priority, created_ms=0)
+        engine.add(Req(msg=msg, inbox_id=f"{rid}-0"))
+    assert [r.id for r in engine.waiting] == ["high", "mid", "mid-late", "low-a", "low-b", "low-c"]
+    started = [e for e in flat(engine.step()) if isinstance(e, Started)]
+    assert [e.request_id for e in started] == ["high", "mid"]

@@ -159,9 +159,15 @@ class Engine:
         return unstarted
 
     def add(self, req: Req) -> None:
-        """Queue ``req``; what it needs to start (its grammar) is prepared from now on, off the loop."""
+        """Queue ``req`` behind the waiting requests of its priority class and better ones, ahead of
+        worse ones (a class-0 request the router sent with a preemption ask must not start after
+        class-1 requests queued here before it); what it needs to start (its grammar) is prepared
+        from now on, off the loop. One class: arrival order, and O(1)."""
         with self._lock:
-            self.waiting.append(req)
+            at = len(self.waiting)
+            while at > 0 and self.waiting[at - 1].msg.priority > req.msg.priority:
+                at -= 1
+            self.waiting.insert(at, req)
         self.runner.prepare(req)
 
     def requests(self) -> list[Req]:
