@@ -23,7 +23,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import Counter
 
 import redis
 
@@ -137,13 +136,12 @@ class Router:
         XREADGROUP over their streams (``shared.ingress``: a flood of one class never hides a
         better one). Up to ``read_batch`` a stream per read, so a class may pass the window by
         less than that."""
-        held = Counter(request.priority for _, request in self.queue)
         by_stream: dict[str, int] = {}
         for priority, stream in ingress.streams(self.client, self.keys):
             if stream not in self._read_ids:  # a class new to this router: its group from entry 0
                 ensure_group(self.client, stream, ROUTER_GROUP)
                 self._read_ids[stream] = "0"
-            if held[priority] < self.settings.order_window:
+            if self.queue.count(priority) < self.settings.order_window:
                 by_stream[stream] = priority
         if not by_stream:
             return
@@ -163,7 +161,7 @@ class Router:
         self, ids: dict[str, str], priorities: dict[str, int], count: int, block: int | None
     ) -> dict[str, list]:
         reply = self.client.xreadgroup(ROUTER_GROUP, self.router_id, ids, count=count, block=block)
-        got = {_text(stream): entries for stream, entries in reply or []}
+        got = {stream: entries for stream, entries in reply or []}
         for stream, entries in got.items():
             self._take(priorities[stream], entries)
         return got
@@ -328,7 +326,3 @@ class Router:
         forget(pipe, self.keys, request)
         pipe.execute()
         self.on_finish(request, status)
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

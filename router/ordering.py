@@ -199,6 +199,10 @@ class OrderedQueue:
     def drop(self, entry_id: str) -> None:
         self._tags.pop(entry_id, None)
 
+    def count(self, priority: int) -> int:
+        """Entries of one class: the keys sort by class first, so two bisections."""
+        return bisect.bisect_left(self._keys, (priority + 1,)) - bisect.bisect_left(self._keys, (priority,))
+
     def __getitem__(self, index: int) -> tuple[str, GenerateRequest]:
         return self._items[index]
 

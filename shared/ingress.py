@@ -33,25 +33,23 @@ def add(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest) -> No
 
 def streams(client: redis.Redis, keys: Keys) -> list[tuple[int, str]]:
     """(priority, stream) of every class with a stream, best (lowest) first; class 0 always."""
-    listed = {int(float(score)) for _, score in client.zrange(keys.classes(), 0, -1, withscores=True)}
-    return [(p, keys.requests(p)) for p in sorted(listed | {0})]
+    return _by_class(keys, client.zrange(keys.classes(), 0, -1))
 
 
 async def streams_async(client: aioredis.Redis, keys: Keys) -> list[tuple[int, str]]:
     """``streams`` for an asyncio client (the producer)."""
-    listed = {int(float(score)) for _, score in await client.zrange(keys.classes(), 0, -1, withscores=True)}
-    return [(p, keys.requests(p)) for p in sorted(listed | {0})]
+    return _by_class(keys, await client.zrange(keys.classes(), 0, -1))
+
+
+def _by_class(keys: Keys, members: list[str]) -> list[tuple[int, str]]:
+    return [(p, keys.requests(p)) for p in sorted({int(m) for m in members} | {0})]
 
 
 def entries(client: redis.Redis, keys: Keys) -> list[tuple[str, dict[str, str]]]:
     """Every entry of every class's stream, oldest first across classes (ids are times): a view for
     tools and tests, not for the hot path."""
     found = [e for _, stream in streams(client, keys) for e in client.xrange(stream)]
-    return sorted(found, key=lambda e: tuple(int(x) for x in _text(e[0]).split("-")))
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return sorted(found, key=lambda e: tuple(int(x) for x in e[0].split("-")))
 
 
 def handle(priority: int, entry_id: str) -> str:

@@ -201,11 +201,13 @@ async def queued_requests(
     second was most of a read's CPU (``bench.scrape_latency``); with it, a read fetches the
     entries that arrived since the last one (and pending ones it has not seen). Every class's
     stream (``shared.ingress``) counts; ``parsed`` names entries by ``ingress.handle``."""
-    known = parsed if parsed is not None else {}
+    known: dict[str, dict[str, GenerateRequest]] = {}  # stream -> entry id -> request, parsed before
+    for handle, request in (parsed or {}).items():
+        stream, entry_id = ingress.locate(keys, handle)
+        known.setdefault(stream, {})[entry_id] = request
     backlog, current = Backlog(), {}
     for priority, stream in await ingress.streams_async(redis, keys):
-        mine = {ingress.entry_id(h): r for h, r in known.items() if ingress.locate(keys, h)[0] == stream}
-        lagging, found = await _queued_in(redis, stream, mine)
+        lagging, found = await _queued_in(redis, stream, known.get(stream, {}))
         backlog = Backlog(lag=backlog.lag + lagging.lag, pending=backlog.pending + lagging.pending)
         current.update((ingress.handle(priority, i), r) for i, r in found.items())
     if parsed is not None:  # only what is still queued: the cache never outgrows the queue

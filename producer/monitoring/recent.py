@@ -64,7 +64,8 @@ class RequestTracker:
 
     async def _read_new(self, redis: aioredis.Redis, keys: Keys) -> None:
         """New entries of every class's stream (``shared.ingress``), each read on from where it was."""
-        for _, stream in await ingress.streams_async(redis, keys):
+        streams = await ingress.streams_async(redis, keys)
+        for _, stream in streams:
             last = self.last_ids.get(stream)
             if last is None:
                 entries = list(reversed(await redis.xrevrange(stream, count=self.limit)))
@@ -78,7 +79,7 @@ class RequestTracker:
                 if request_id is not None:
                     self.enqueued.setdefault(request_id, int(entry_id.partition("-")[0]))
                 self.last_ids[stream] = entry_id
-        if len(self.enqueued) > 1:  # oldest first across the classes' streams
+        if len(streams) > 1:  # oldest first across the classes' streams (one stream: already)
             self.enqueued = dict(sorted(self.enqueued.items(), key=lambda item: item[1]))
 
     async def refresh(self, redis: aioredis.Redis, keys: Keys, now_ms: int) -> list[RecentRequest]:
