@@ -281,3 +281,21 @@ def test_the_batched_mask_on_the_logits_device(device):
         else:
             value = json.loads(text)
             assert type(value["ok"]) is bool and value["n"] in (1, 12), text
+
+
+def test_a_length_bounded_string_admits_no_raw_control_character(cache, tokenizer):
+    """Inside a string with maxLength, no token the grammar allows decodes to a raw U+0000-U+001F
+    (JSON forbids them unescaped; xgrammar's own rule admitted them: #800, and a sampled answer
+    failed json.loads), and plain text tokens are still allowed."""
+    schema = Constraint(kind="json_schema", spec=json.dumps({"type": "string", "maxLength": 40}))
+    matcher = xgr.GrammarMatcher(cache.get(schema))
+    assert matcher.accept_string('"')
+    bitmask = xgr.allocate_token_bitmask(1, VOCAB)
+    matcher.fill_next_token_bitmask(bitmask)
+    allowed = torch.zeros(1, VOCAB)
+    xgr.apply_token_bitmask_inplace(allowed, bitmask)  # forbidden tokens become -inf
+    ids = (allowed[0] == 0).nonzero().flatten().tolist()
+    texts = {i: tokenizer.decode([i]) for i in ids}
+    assert len(ids) > 10_000 and "hello" in {t.strip() for t in texts.values()}
+    raw = {i: t for i, t in texts.items() if any(ord(c) < 0x20 for c in t)}
+    assert not raw, list(raw.items())[:5]

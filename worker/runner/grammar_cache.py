@@ -40,6 +40,23 @@ COMPILER_THREADS = 2
 
 CompileFn = Callable[[xgr.GrammarCompiler, Constraint], xgr.CompiledGrammar]
 
+# xgrammar (0.2.9 and before; mlc-ai/xgrammar#800, fixes open as #822/#880) lowers a string with
+# minLength/maxLength to a repetition of this class, which admits raw U+0000-U+001F: a sampled
+# answer then held a raw control byte and failed json.loads. The rule is rewritten to the class
+# its unbounded strings use; once xgrammar prints a fixed rule, the text is absent and nothing changes.
+_LOOSE_CHARACTERS = r'_characters ::= (([^\"\\\r\n]))'
+_JSON_CHARACTERS = r'_characters ::= (([^\0-\x1f\"\\]))'
+
+
+def json_schema_grammar(spec: str) -> xgr.Grammar:
+    """A JSON schema's grammar, compact (no free whitespace), with no raw control character
+    allowed in a length-bounded string (see _LOOSE_CHARACTERS)."""
+    grammar = xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+    text = str(grammar)
+    if _LOOSE_CHARACTERS not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTERS, _JSON_CHARACTERS))
+
 
 def compile_constraint(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xgr.CompiledGrammar:
     """One constraint against the worker's tokenizer. JSON is compact (no free whitespace): a
@@ -47,7 +64,7 @@ def compile_constraint(compiler: xgr.GrammarCompiler, constraint: Constraint) ->
     if constraint.kind == "json":
         return compiler.compile_grammar(xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False))
     if constraint.kind == "json_schema":
-        return compiler.compile_json_schema(constraint.spec, any_whitespace=False)
+        return compiler.compile_grammar(json_schema_grammar(constraint.spec))
     if constraint.kind == "regex":
         return compiler.compile_regex(constraint.spec)
     return compiler.compile_grammar(constraint.spec)
