@@ -44,8 +44,8 @@ CompileFn = Callable[[xgr.GrammarCompiler, Constraint], xgr.CompiledGrammar]
 # minLength/maxLength to a repetition of this class, which admits raw U+0000-U+001F: a sampled
 # answer then held a raw control byte and failed json.loads. The rule is rewritten to the class
 # its unbounded strings use; once xgrammar prints a fixed rule, the text is absent and nothing changes.
-_LOOSE_CHARACTERS = r'_characters ::= (([^\"\\\r\n]))'
-_JSON_CHARACTERS = r'_characters ::= (([^\0-\x1f\"\\]))'
+_LOOSE_CHARACTERS = r"_characters ::= (([^\"\\\r\n]))"
+_JSON_CHARACTERS = r"_characters ::= (([^\0-\x1f\"\\]))"
 
 
 def json_schema_grammar(spec: str) -> xgr.Grammar:
