@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preempt", action="store_true", help="the router's --preempt (pause class 1 for class 0)")
     p.add_argument("--only", choices=["priority"], help="skip the flood")
     p.add_argument("--model_dir", default="counting", help="counting:<tokenizer dir> where SmolLM2's package is absent")
+    p.add_argument(
+        "--step_ms", type=float, default=0.0, help="the counting model's time per forward (--counting_step_ms)"
+    )
     p.add_argument("--tree", type=Path, default=REPO, help="the checkout whose lightq serve runs (a peer commit's)")
     args = p.parse_args(argv)
     args.followed = []  # (sent, request id) of the streamed requests, for their hops
@@ -235,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = f"counting:{Path(model_dir.removeprefix('counting:')).resolve()}"
     flags += ["--model_dir", model_dir]
     flags += ["--metrics_port", str(metrics_port)]
+    flags += ["--counting_step_ms", str(args.step_ms)] if args.step_ms else []
     flags += ["--priority_reserve_slots", str(args.reserve_slots)] + (["--preempt"] if args.preempt else [])
     process, http = start_serve(args.tree.resolve(), redis_server.url, log_path, flags)
     try:

@@ -40,10 +40,8 @@ import redis
 
 from router.ordering import cost
 from shared import ingress
-from shared.admission import request_states
 from shared.codec import FIELD, encode, from_entry
 from shared.keys import ROUTER_GROUP, Keys, class_tenant_field
-from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, RequestMeta
 
@@ -114,7 +112,7 @@ MAX_NEWER = 256  # entries handed back per conflict; the router asks again for m
 @dataclass(frozen=True)
 class Outcome:
     inbox_id: str | None = None  # set: dispatched
-    newer: list[tuple[str, tuple[ReqState, ...]]] | None = None  # set: not written, learn these and decide again
+    newer: list[tuple[str, GenerateRequest]] | None = None  # set: not written, learn these and decide again
     behind: str | None = None  # set: not written, this request of a better class waits somewhere
     # neither: the worker's record expired; leave it to the janitor
 
@@ -155,7 +153,7 @@ def _outcome(reply: list) -> Outcome:
     if status == 1:
         return Outcome(inbox_id=_text(rest[0]))
     if status == 0:
-        return Outcome(newer=[(_text(i), _state(flat)) for i, flat in rest[0]])
+        return Outcome(newer=[(_text(i), _request(flat)) for i, flat in rest[0]])
     if status == 2:
         return Outcome(newer=[])  # not tried: decide again
     if status == 3:
@@ -163,10 +161,10 @@ def _outcome(reply: list) -> Outcome:
     return Outcome()
 
 
-def _state(flat: list) -> tuple[ReqState, ...]:
-    """A raw entry's field list as the summaries its worker will publish."""
+def _request(flat: list) -> GenerateRequest:
+    """A raw inbox entry's field list as its request."""
     fields = {_text(k): v for k, v in zip(flat[::2], flat[1::2])}
-    return request_states(from_entry(GenerateRequest, fields))
+    return from_entry(GenerateRequest, fields)
 
 
 def _text(value: str | bytes) -> str:

@@ -238,8 +238,10 @@ class Router:
         """``--preempt``: the head fits no worker; ask one running a worse class to make room for
         it and those like it right behind (``router.preempt``), and send them there now, so the
         worker pauses and admits them in one turn instead of waiting for its record to say so."""
-        waiting = heads(self.queue) if self.preempter is not None else []
-        target = self.preempter.ask(waiting, loads) if self.preempter is not None else None
+        if self.preempter is None:
+            return []
+        waiting = heads(self.queue)
+        target = self.preempter.ask(waiting, loads, self.reservations.preemptible(loads))
         if target is None:
             return []
         items = []
@@ -255,7 +257,7 @@ class Router:
         back, rebuild, behind = [], set(), None
         for item, outcome in zip(run, self.dispatcher.send_many(run)):
             if outcome.inbox_id is not None:
-                self.reservations.add(item.worker_id, outcome.inbox_id, request_states(item.request))
+                self.reservations.add(item.worker_id, outcome.inbox_id, item.request)
                 self._queued_ids.discard(item.entry_id)
                 self.queue.drop(item.entry_id)
                 continue

@@ -45,16 +45,21 @@ ASK_MOST = 8  # requests one ask makes room for
 
 
 def victim_worker(
-    request: GenerateRequest, loads: Mapping[str, WorkerLoad], promised: Mapping[str, int] | None = None
+    request: GenerateRequest,
+    loads: Mapping[str, WorkerLoad],
+    promised: Mapping[str, int] | None = None,
+    preemptible: Mapping[str, Sequence[tuple[int, int]]] | None = None,
 ) -> str | None:
     """The worker to ask for ``request``'s room: serving its model, not draining, running a class
     strictly worse than its priority with tokens not already ``promised`` to earlier asks; the
-    worst class wins, then the most such tokens."""
+    worst class wins, then the most such tokens. ``preemptible``: what each worker may pause
+    (``Reservations.preemptible``: its record's, plus requests sent since); default the records'."""
     best: tuple[int, int, str] | None = None
     for worker_id, load in loads.items():
         if load.draining or not load.serves(request.model) or request.max_tokens_needed > load.max_total_tokens:
             continue  # (a request its pool can never hold would be refused there)
-        worse = [(priority, held) for priority, held in load.preemptible if priority > request.priority]
+        classes = load.preemptible if preemptible is None else preemptible.get(worker_id, load.preemptible)
+        worse = [(priority, held) for priority, held in classes if priority > request.priority]
         free = sum(h for _, h in worse) - (promised or {}).get(worker_id, 0)
         if not worse or free <= 0:
             continue
@@ -104,13 +109,19 @@ class Preempter:
         pipe.execute()
         self._outbox.clear()
 
-    def ask(self, waiting: Sequence[GenerateRequest], loads: Mapping[str, WorkerLoad]) -> str | None:
+    def ask(
+        self,
+        waiting: Sequence[GenerateRequest],
+        loads: Mapping[str, WorkerLoad],
+        preemptible: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+    ) -> str | None:
         """Ask a worker to make room for ``waiting`` (the head of the queue, which fits no worker,
         and those right behind it: ``heads``; the ask leaves with ``flush``); the worker asked, or
-        None (no worker runs a worse class with tokens not promised yet)."""
+        None (no worker runs a worse class with tokens not promised yet). ``preemptible``: as
+        ``victim_worker`` takes it."""
         self._settle(loads)
         request = waiting[0]
-        worker_id = victim_worker(request, loads, {w: b.tokens for w, b in self._booked.items()})
+        worker_id = victim_worker(request, loads, {w: b.tokens for w, b in self._booked.items()}, preemptible)
         if worker_id is None:
             return None
         states = [request_states(r) for r in waiting]

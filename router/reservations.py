@@ -25,29 +25,50 @@ still in its inbox and still holds its room.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
+from shared.admission import request_states
 from shared.peak import ReqState
-from shared.schemas import WorkerLoad, stream_id
+from shared.schemas import GenerateRequest, WorkerLoad, stream_id
+
+
+class Pausable(NamedTuple):
+    """A dispatched request a better class could pause once its worker holds it."""
+
+    priority: int
+    held: int  # the tokens it holds there (prompt and emitted)
+    preemptions: int  # times paused already (the worker pauses one at most --max_preemptions times)
+
+
+def pausable(request: GenerateRequest) -> Pausable | None:
+    """``request`` as a worker's preemption would see it: None for what it never pauses (a group's
+    samples, a request sending prompt log-probabilities: ``worker.engine.request.can_preempt``)."""
+    if request.n > 1 or request.params.prompt_logprobs is not None:
+        return None
+    return Pausable(request.priority, request_states(request)[0].held, request.preemptions)
 
 
 class Reservations:
     def __init__(self) -> None:
         self._by_worker: dict[str, dict[str, tuple[ReqState, ...]]] = {}  # inbox id -> states, in id order
         self._tail: dict[str, str] = {}  # newest inbox id known of: everything up to it is accounted for
+        self._pausable: dict[str, dict[str, Pausable]] = {}  # worker -> inbox id -> the entry's, if any
 
     def tail(self, worker_id: str) -> str:
         return self._tail.get(worker_id, "0-0")
 
-    def add(self, worker_id: str, inbox_id: str, states: tuple[ReqState, ...]) -> None:
+    def add(self, worker_id: str, inbox_id: str, request: GenerateRequest) -> None:
         """An entry appended after ``tail(worker_id)`` (ours or another router's): a request's
         state, or a group's samples'."""
-        self._by_worker.setdefault(worker_id, {})[inbox_id] = states
+        self._by_worker.setdefault(worker_id, {})[inbox_id] = request_states(request)
+        if (paused := pausable(request)) is not None:
+            self._pausable.setdefault(worker_id, {})[inbox_id] = paused
         self._tail[worker_id] = inbox_id
 
-    def learn(self, worker_id: str, entries: list[tuple[str, tuple[ReqState, ...]]]) -> None:
+    def learn(self, worker_id: str, entries: list[tuple[str, GenerateRequest]]) -> None:
         """Entries found after our tail, oldest first."""
-        for inbox_id, states in entries:
-            self.add(worker_id, inbox_id, states)
+        for inbox_id, request in entries:
+            self.add(worker_id, inbox_id, request)
 
     def settle(self, loads: Mapping[str, WorkerLoad]) -> None:
         """Drop entries the workers' records now include, and workers that left."""
@@ -55,6 +76,7 @@ class Reservations:
             if worker_id not in loads:
                 del self._tail[worker_id]
                 self._by_worker.pop(worker_id, None)
+                self._pausable.pop(worker_id, None)
         for worker_id, load in loads.items():
             seen = stream_id(load.last_inbox_id)
             if stream_id(self.tail(worker_id)) < seen:  # the record covers everything up to its id
@@ -66,6 +88,22 @@ class Reservations:
                     self._by_worker[worker_id] = kept
                 else:
                     del self._by_worker[worker_id]
+            paused = self._pausable.get(worker_id)
+            if paused:
+                self._pausable[worker_id] = {i: p for i, p in paused.items() if stream_id(i) > seen}
+
+    def preemptible(self, loads: Mapping[str, WorkerLoad]) -> dict[str, list[tuple[int, int]]]:
+        """worker -> [priority, tokens] a better class may pause there: its record's ``preemptible``
+        plus what was sent there since (the record lags admission by up to a heartbeat, and a request
+        just sent is running, or waits, by the time an ask is read)."""
+        out = {}
+        for worker_id, load in loads.items():
+            held = dict(load.preemptible)
+            for p in self._pausable.get(worker_id, {}).values():
+                if p.preemptions < load.max_preemptions:
+                    held[p.priority] = held.get(p.priority, 0) + p.held
+            out[worker_id] = sorted(held.items(), reverse=True)
+        return out
 
     def pending(self) -> dict[str, list[ReqState]]:
         """worker -> summaries of the requests dispatched there and not yet in its record."""

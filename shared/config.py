@@ -326,6 +326,12 @@ class WorkerSettings(BaseSettings):
         "GGUF), so later starts skip the dequantisation ('': never kept)",
     )
     seed: int = Field(0, description="seed for dummy weights")
+    counting_step_ms: float = Field(
+        0.0,
+        ge=0,
+        description="with --model_dir counting: milliseconds each forward also waits, cores idle, like a "
+        "device's step (benchmarks of the serving path on a small CPU)",
+    )
     eos_id: list[int] | None = Field(
         None,
         description="token ids that end a request (LightLLM's --eos_id; default: the model's config and tokenizer)",

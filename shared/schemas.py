@@ -257,6 +257,7 @@ class WorkerLoad(_Frozen):
         description="per priority class with requests this worker would pause for a better class "
         "(worker.engine.preempt): [priority, tokens they hold], the worst (largest) class first",
     )
+    max_preemptions: int = Field(0, description="times this worker pauses one request at most (--max_preemptions)")
     preempt_asks_read: int = Field(
         0, description="preemption asks the worker has read and answered (a router waits for its own)"
     )

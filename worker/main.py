@@ -128,7 +128,8 @@ def load_model_or_stand_in(
     if source.kind != "counting":
         return load_model(source, dtype, device, seed=settings.seed, tp=tp, weights_cache=settings.weights_cache)
     vocab = min(len(tokenizer), COUNTING_VOCAB) if tokenizer is not None else COUNTING_VOCAB
-    return CountingModel(vocab, device), SimpleNamespace(vocab_size=vocab, eos_token_id=None)
+    model = CountingModel(vocab, device, settings.counting_step_ms / 1000)
+    return model, SimpleNamespace(vocab_size=vocab, eos_token_id=None)
 
 
 def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[ModelRunner, set[int]]:

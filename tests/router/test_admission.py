@@ -151,8 +151,8 @@ def test_check_returns_the_ratio_or_none():
 
 def test_reservations_settle_when_the_worker_reports_the_entry():
     res = Reservations()
-    res.add("a", "5-0", (ReqState(10, 0, 10, 0),))
-    res.add("a", "7-0", (ReqState(10, 0, 20, 0),))
+    res.add("a", "5-0", request(10, 10))
+    res.add("a", "7-0", request(10, 20))
     res.settle({"a": load("a", last_inbox_id="5-0")})
     assert res.tokens() == {"a": 30}
     assert res.pending() == {"a": [ReqState(10, 0, 20, 0)]}
@@ -162,7 +162,7 @@ def test_reservations_settle_when_the_worker_reports_the_entry():
 
 def test_reservations_of_a_vanished_worker_are_dropped():
     res = Reservations()
-    res.add("a", "5-0", (ReqState(10, 0, 10, 0),))
+    res.add("a", "5-0", request(10, 10))
     res.settle({})
     assert res.pending() == {} and res.tail("a") == "0-0"
 
@@ -171,8 +171,32 @@ def test_the_tail_is_the_newest_inbox_entry_accounted_for():
     res = Reservations()
     res.settle({"a": load("a", last_inbox_id="3-0")})
     assert res.tail("a") == "3-0"  # the record covers everything up to its id
-    res.learn("a", [("4-0", (ReqState(10, 0, 10, 0),)), ("6-0", (ReqState(20, 0, 10, 0),))])  # another router's
-    res.add("a", "8-0", (ReqState(30, 0, 10, 0),))  # ours
+    res.learn("a", [("4-0", request(10, 10)), ("6-0", request(20, 10))])  # another router's
+    res.add("a", "8-0", request(30, 10))  # ours
     assert res.tail("a") == "8-0" and res.tokens() == {"a": 90}  # (10 + 10) + (20 + 10) + (30 + 10)
     res.settle({"a": load("a", last_inbox_id="9-0")})  # the worker took entries we never saw, too
     assert res.tail("a") == "9-0" and res.pending() == {}
+
+
+def test_what_a_better_class_may_pause_counts_requests_sent_since_the_record():
+    """The record's ``preemptible`` lags admission by up to a heartbeat; the router adds what it
+    (or another router) sent since, except what the worker never pauses: a group, a request
+    sending prompt logprobs, one paused --max_preemptions times already."""
+    res = Reservations()
+    record = load("a", last_inbox_id="3-0").model_copy(update={"preemptible": [(1, 40)], "max_preemptions": 2})
+    res.settle({"a": record})
+
+    def sent(priority, prompt=10, preemptions=0, n=1, **params):
+        msg = request(prompt, 10)
+        sampling = msg.params.model_copy(update=params)
+        return msg.model_copy(update={"priority": priority, "preemptions": preemptions, "n": n, "params": sampling})
+
+    res.add("a", "4-0", sent(1, prompt=5))
+    res.add("a", "5-0", sent(2, prompt=7))
+    res.add("a", "6-0", sent(2, preemptions=2))  # paused twice already: not again
+    res.add("a", "7-0", sent(2, n=2))  # a group
+    res.add("a", "8-0", sent(2, prompt_logprobs=1))
+    res.add("a", "9-0", sent(0))
+    assert res.preemptible({"a": record}) == {"a": [(2, 7), (1, 45), (0, 10)]}
+    res.settle({"a": record.model_copy(update={"last_inbox_id": "5-0"})})  # the record shows 4-0 and 5-0 now
+    assert res.preemptible({"a": record}) == {"a": [(1, 40), (0, 10)]}

@@ -145,6 +145,7 @@ def build_load(
         running_max_req_size=engine.limits.running_max_req_size,
         requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in states],
         preemptible=preemptible_classes(reqs, max_preemptions),
+        max_preemptions=max_preemptions,
         preempt_asks_read=preempt_asks_read,
         preempted_requests=engine.num_preempted,
         preempted_kv_tokens=engine.num_preempted_tokens,
