@@ -75,19 +75,22 @@ async def submit_only(client: httpx.AsyncClient, http: str, tenant: str, priorit
 
 
 async def open_loop(http: str, streams: list[tuple[str, int, float]], seconds: float, args) -> list:
-    """Poisson arrivals per (tenant, priority, requests/s); class 0 streamed, the others submitted."""
+    """Poisson arrivals per (tenant, priority, requests/s); class 0 streamed, the others submitted.
+    Each stream draws from its own generator, seeded by its name: class 0's arrivals are the same
+    instants with and without class 1 (one generator for all made them a different, differently
+    bursty, sequence in each phase, and the p99 of ~100 samples is its few worst bursts)."""
     log: list = []
-    rng = random.Random(0)
+    rngs = [random.Random(f"{tenant}:{priority}") for tenant, priority, _ in streams]
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=4000)) as client:
         tasks, end = [], time.monotonic() + seconds
-        due = [time.monotonic() + rng.expovariate(rate) for *_, rate in streams]
+        due = [time.monotonic() + rng.expovariate(rate) for rng, (*_, rate) in zip(rngs, streams)]
         while time.monotonic() < end:
             i = min(range(len(streams)), key=due.__getitem__)
             await asyncio.sleep(max(0.0, due[i] - time.monotonic()))
             tenant, priority, rate = streams[i]
             send = one if priority == 0 else submit_only
             tasks.append(asyncio.create_task(send(client, http, tenant, priority, args, log)))
-            due[i] += rng.expovariate(rate)
+            due[i] += rngs[i].expovariate(rate)
         await asyncio.wait(tasks, timeout=60)
     return log
 
@@ -142,6 +145,25 @@ def capacity(http: str, args, metrics_port: int) -> float:
 def generated(metrics_port: int) -> float:
     """The worker's output tokens so far."""
     return worker_counter(metrics_port, "lightq:worker_generation_tokens_total")
+
+
+def worker_steps(metrics_port: int) -> tuple[float, float, float]:
+    """The worker's steps so far: (count, seconds in them, requests in the batch after each, summed)."""
+    names = ["step_seconds_count", "step_seconds_sum", "batch_requests_sum"]
+    count, seconds, rows = (worker_counter(metrics_port, f"lightq:worker_{n}") for n in names)
+    return count, seconds, rows
+
+
+def steps_line(before: tuple[float, float, float], after: tuple[float, float, float], wall: float) -> str:
+    """Where a phase's throughput went: the share of it the worker spent stepping, its step time and
+    batch (served = busy share x batch / step time): fewer rows is scheduling, longer steps the host."""
+    count, seconds, rows = (b - a for a, b in zip(before, after))
+    if not count:
+        return "worker: no steps"
+    return (
+        f"worker: stepping {seconds / wall:.0%} of the phase, {count:.0f} steps of {seconds / count * 1000:.1f} ms, "
+        f"{rows / count:.2f} requests a step"
+    )
 
 
 def dispatched_tokens(redis_url: str, http: str) -> dict[str, int]:
@@ -242,18 +264,23 @@ def main(argv: list[str] | None = None) -> None:
     flags += ["--priority_reserve_slots", str(args.reserve_slots)] + (["--preempt"] if args.preempt else [])
     process, http = start_serve(args.tree.resolve(), redis_server.url, log_path, flags)
     try:
+        steps0, t0 = worker_steps(metrics_port), time.monotonic()
         cap = capacity(http, args, metrics_port)
         hi, lo = args.hi_load * cap, (args.overload - args.hi_load) * cap
         print(
             f"capacity {cap:.1f} req/s ({args.output_len} tokens each); class 0 at {hi:.1f}, class 1 at {lo:.1f} req/s"
         )
+        print(f"  {steps_line(steps0, worker_steps(metrics_port), time.monotonic() - t0)} (its drain included)")
         ttft, lo_before = {}, 0
         for name, streams in [("alone", [("hi", 0, hi)]), ("with class 1", [("hi", 0, hi), ("lo", 1, lo)])]:
             t0, args.followed, tokens0 = time.monotonic(), [], generated(metrics_port)
+            steps0 = worker_steps(metrics_port)
             log = asyncio.run(open_loop(http, streams, args.warmup_s + args.window_s, args))
-            rate = (generated(metrics_port) - tokens0) / (time.monotonic() - t0) / args.output_len
+            wall = time.monotonic() - t0
+            rate = (generated(metrics_port) - tokens0) / wall / args.output_len
             # Overload is real only if the pool served about its capacity (the rest queued).
             print(f"  the pool served {rate:.1f} req/s ({rate / cap:.0%} of capacity) {name}")
+            print(f"  {steps_line(steps0, worker_steps(metrics_port), wall)}")
             ttft[name], n = p99_ttft(log, 0, t0 + args.warmup_s)
             print(f"  {hops(redis_server.url, http, args.followed, t0 + args.warmup_s)}")
             lo_tokens = dispatched_tokens(redis_server.url, http).get("1:lo", 0) - lo_before

@@ -14,6 +14,7 @@
 #       (issue 19 on the host's 16 cores, fair-preempt for the priority run alone; back-to-back calls
 #       carrying .whl and .smol/gguf.part.aa, then .ab, then .ac, then .ad and __init__.py: see smol-a)
 #   bash bench/h200.sh setup fair-peer        (issue 19: this tree against .peer, carrying .whl .tok .peer)
+#   bash bench/h200.sh setup fair-step        (the same, the counting model waiting 20 ms a forward as on a device)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -137,6 +138,10 @@ for part in "$@"; do
       for t in . .peer . .peer . .peer; do echo "--- tree $t"; CUDA_VISIBLE_DEVICES= timeout 95 python3 -m bench.fair_stack \
         --preempt --only priority --tree $t --model_dir counting:.tok/smollm2 2>&1; done \
         | tee "$OUT/fair_peer.log" ;;
+    fair-step)  # as fair-peer, with the counting model waiting 20 ms a forward (--step_ms), as on a device
+      for t in . .peer . .peer . .peer; do echo "--- tree $t"; CUDA_VISIBLE_DEVICES= timeout 100 python3 -m bench.fair_stack \
+        --preempt --only priority --step_ms 20 --tree $t --model_dir counting:.tok/smollm2 2>&1; done \
+        | tee "$OUT/fair_step.log" ;;
     fair-preempt)  # the priority figure alone, with --preempt (a minute and a half)
       CUDA_VISIBLE_DEVICES= timeout 110 python3 -m bench.fair_stack --preempt --only priority 2>&1 | tee "$OUT/fair.log" ;;
     gemv)   timeout 400 python3 -m bench.gemv --model-shape llama3-8b --batches 1,4,8,16,64 2>&1 | tee "$OUT/gemv.log" ;;

@@ -29,7 +29,7 @@ its prefill and the next summary, and a burst sharing a new prefix should
 meet it rather than scatter.
 
 The check counts only what a request adds to a worker, as the worker's own
-check does (``Engine._adds``): a cached prefix that the record's running
+check does (``Admission.adds``): a cached prefix that the record's running
 requests hold (``WorkerLoad.held_prefixes``) is in their states already, so
 at that worker the candidate counts its tokens less that prefix
 (``Candidate.less``; the same draws, so still O(K log n)). A prefix that is

@@ -50,7 +50,7 @@ class Candidate:
     def less(self, held: int) -> Candidate:
         """The candidate with ``held`` of its first state's tokens (a group's: its prompt's) already
         counted on the pool, by the running requests that hold a cached prefix it starts with: what
-        it adds there (the worker's own ``Engine._adds``). The same draws: a remaining length never
+        it adds there (the worker's own ``Admission.adds``). The same draws: a remaining length never
         depends on the tokens held. One object per ``held``, so a view that was just asked about it
         takes its answer on ``admit``."""
         if held <= 0:

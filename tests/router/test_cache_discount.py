@@ -1,5 +1,5 @@
 """The router's check counts only what a request adds where running requests hold a prefix of it
-(``WorkerLoad.held_prefixes``), as the worker's own check does (``Engine._adds``), and never less:
+(``WorkerLoad.held_prefixes``), as the worker's own check does (``Admission.adds``), and never less:
 records come from a real engine (counting model, real radix tree, ``build_load``), and what the
 router admits the worker's engine admits too. An evictable prefix is counted in full."""
 
@@ -72,10 +72,10 @@ def router_use(load, msg: GenerateRequest, policy) -> tuple[float | None, int]:
 
 
 def worker_use(eng: Engine, msg: GenerateRequest) -> tuple[float | None, int]:
-    """The worker's own check of ``msg`` against its running requests (``Engine._admit``'s)."""
+    """The worker's own check of ``msg`` against its running requests (``Admission.admit``'s)."""
     req = Req(msg=msg, inbox_id="c-0")
     view = BatchView(worker_states(eng.running), eng.limits.max_total_tokens, 16, eng.rule.policy)
-    return view.ratio(Candidate(eng._adds(req), eng.rule.policy)), eng.runner.slots.held_prefix(req)
+    return view.ratio(Candidate(eng.admission.adds(req), eng.rule.policy)), eng.runner.slots.held_prefix(req)
 
 
 @pytest.mark.parametrize("admission", ["conservative", "past_future"])

@@ -5,16 +5,12 @@ graph on GPU) and prefills prompt chunks of at most ``batch_max_tokens``
 tokens in total (a second forward), so a long prompt is spread over steps
 and never stalls everyone's decode. Admission is the worker's own check on
 its pool, by the same rule and checker the router applies
-(``shared.admission``, ``shared.batch_view``): conservative (prompt +
-max_new_tokens of everything running fits, so the pool can never run out)
-or past-future (the estimated peak fits). When an estimate was wrong and
+(``worker.engine.admission``). When an estimate was wrong and
 the pool cannot hold this step's tokens, the newest running request is
 paused: its slots are freed and it waits at the head of the queue with its
 output kept, to be prefilled again (prompt + output) and continue.
 Finished and cancelled requests free their slots at once. A waiting request
-the runner cannot start yet (``Runner.prepare`` False: its grammar still
-compiles, off the loop) keeps its place and is passed over until it can; it
-is load all the same (the load record lists every waiting request).
+is load whether or not it can start yet (the load record lists every one).
 
 A group (n samples of one prompt, ``worker.engine.request``) is admitted whole,
 its prompt counted once (``worker.engine.load.request_states``); its leader
@@ -33,9 +29,8 @@ an admitted request starts after the longest cached prefix of its ids, and
 ended, cancelled and paused requests leave their tokens in the tree, which
 gives unreferenced ones back only when a step needs their slots. So the
 room a step has is the free slots plus the evictable cached ones, and
-admission counts only what a request adds: not the part of its prefix that
-running requests already hold (``_adds``). A paused request is resumed
-from whatever of its tokens the tree still holds.
+admission counts only what a request adds (``Admission.adds``). A paused
+request is resumed from whatever of its tokens the tree still holds.
 
 With ``overlap`` (on a GPU by default, ``--overlap``) the host prepares a step
 while the device runs the one before: a decode step is launched (its forward
@@ -64,11 +59,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from shared.admission import AdmissionRule
-from shared.batch_view import BatchView, Candidate
-from shared.peak import ReqState
 from shared.schemas import FinishReason, RequestStatus
+from worker.engine.admission import Admission, EngineLimits, Starter, slots_needed
 from worker.engine.events import Ended, Event, Preempted, Released, Started, Tokens
-from worker.engine.kv_slots import KVSlots
 from worker.engine.load import LoadSnapshot, request_states
 from worker.engine.preempt import handed_back
 from worker.engine.request import Phase, Req, sampling_after_prefill
@@ -81,23 +74,13 @@ if TYPE_CHECKING:  # the engine itself stays free of torch
 log = logging.getLogger("lightq.worker")
 
 
-@dataclass(frozen=True)
-class EngineLimits:
-    max_total_tokens: int
-    batch_max_tokens: int
-    running_max_req_size: int
-
-
-class Runner(Protocol):
+class Runner(Starter, Protocol):
     """What the engine asks of ``worker.runner.model_runner.ModelRunner``: the pool's slots, a table
     row per request, and the forwards, each queued on the device (nothing waits until the engine
     lands its ``PendingSampled``)."""
 
     pool: TokenPool
-    slots: KVSlots
 
-    def prepare(self, req: Req) -> bool: ...
-    def start(self, req: Req) -> None: ...
     def finish(self, req: Req) -> None: ...
     def prefill(
         self, reqs: list[Req], num_new: list[int], completing: list[Req], forks: dict[Req, list[Req]] | None = None
@@ -122,7 +105,7 @@ class Engine:
         self.runner = runner
         self.limits = limits
         self.eos_ids = eos_ids
-        self.rule = rule  # the router's rule, from the same settings (shared.admission)
+        self.admission = Admission(runner, limits, rule)
         # Land each decode's tokens in the next step, after its forward is launched (module docstring).
         self.overlap = overlap
         self._in_flight: Launched | None = None  # the decode whose tokens have not landed
@@ -135,6 +118,15 @@ class Engine:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._lock = threading.Lock()  # guards what the heartbeat thread reads
+
+    @property
+    def rule(self) -> AdmissionRule:
+        """The router's rule, from the same settings (shared.admission): admission's."""
+        return self.admission.rule
+
+    @rule.setter
+    def rule(self, rule: AdmissionRule) -> None:
+        self.admission.rule = rule
 
     @property
     def has_work(self) -> bool:
@@ -245,11 +237,11 @@ class Engine:
         for req in self.running:
             req.is_paused = False
         decoding = self._decoding()  # before the prefill: it samples its own
-        if self.runner.slots.available < self._slots_needed(decoding):
+        if self.runner.slots.available < slots_needed(self.running, decoding):
             events += self.flush()  # the requests its tokens end free slots: maybe no pause is needed
             self._pause_overflow()
             decoding = self._decoding()
-        chunks = self._prefill_chunks(len(decoding))
+        chunks = self.admission.prefill_chunks(self.running, len(decoding))
         prefill = self._launch_prefill(chunks) if chunks else None
         if prefill is not None and not self.overlap:
             events += self._land(prefill)
@@ -307,64 +299,16 @@ class Engine:
                     self.running.append(member)
 
     def _admit(self) -> list[Req]:
-        """Move waiting requests into the running set, in order, while the rule allows. One whose
-        prompt starts like a prefill still in progress stays waiting, in its place, until that
-        prefill joins the prefix cache (``KVSlots.should_wait``): usually one step. So does one the
-        runner cannot start yet (``Runner.prepare``: its grammar compiles), for as long as that takes;
-        the requests behind it go ahead meanwhile."""
-        admitted: list[Req] = []
+        """Start what the rule allows of the waiting requests (``worker.engine.admission``)."""
         if not self.waiting:  # most steps: nothing to admit, so no O(batch) summary either
-            return admitted  # (read without the lock: one added meanwhile waits a step)
-        policy = self.rule.policy
-        view: BatchView | None = None  # built for the first request that may start (none: no cost)
-        slots = self.runner.slots
-        prefilling = {k for r in self.running if not r.is_prefilled and (k := slots.prefill_key(r)) is not None}
-        deferred: list[Req] = []  # held by the runner, or waiting for a running prefill of their prefix
+            return []  # (read without the lock: one added meanwhile waits a step)
         with self._lock:
-            while self.waiting:
-                req = self.waiting[0]
-                key = slots.prefill_key(req)
-                if not self.runner.prepare(req) or slots.should_wait(req, key, prefilling):
-                    deferred.append(self.waiting.popleft())
-                    continue
-                if view is None:
-                    # Prepared once for the pass: each candidate costs O(K log n), not O(K n log n)
-                    # from scratch (a burst of 1,000 requests took 0.6 s of one step that way).
-                    view = BatchView(
-                        request_states(self.running),
-                        self.limits.max_total_tokens,
-                        self.limits.running_max_req_size,
-                        policy,
-                    )
-                candidate = Candidate(self._adds(req), policy)  # a group: all its samples, the prompt once
-                if view.ratio(candidate) is None:
-                    break
-                self.waiting.popleft()
-                self.runner.start(req)
-                slots.attach_prefix(req)
-                req.phase = Phase.RUNNING
-                self.running.append(req)
-                admitted.append(req)
-                view.admit(candidate)
-                if key is not None:
-                    prefilling.add(key)
-            self.waiting.extendleft(reversed(deferred))  # in their places, ahead of the one that did not fit
-        return admitted
-
-    def _adds(self, req: Req) -> list[ReqState]:
-        """What ``req`` would add to the pool: its states, less the cached prefix running requests
-        hold already (their states count it; ``worker.engine.load``). The rest of a hit is
-        unreferenced: free now, but the request would hold it, so it counts."""
-        states = request_states([req])
-        held = self.runner.slots.held_prefix(req)
-        if held:
-            states[0] = states[0]._replace(held=states[0].held - held)
-        return states
+            return self.admission.admit(self.waiting, self.running)
 
     def _pause_overflow(self) -> None:
         """Free slots for this step's tokens by pausing the newest requests (an estimate was wrong).
         Nothing is in flight (the caller landed it), so a paused request has no token on its way."""
-        while self.runner.slots.available < self._slots_needed(self._decoding()) and len(self.running) > 1:
+        while self.runner.slots.available < slots_needed(self.running, self._decoding()) and len(self.running) > 1:
             victim = self.running[-1]
             with self._lock:
                 self.running.pop()
@@ -375,27 +319,6 @@ class Engine:
             log.info(
                 "paused %s (%d tokens out) to free KV slots: an estimate was short", victim.id, len(victim.output_ids)
             )
-
-    def _slots_needed(self, decoding: list[Req]) -> int:
-        """Slots this step must have: one per decoding request, one for any prefill to progress."""
-        return len(decoding) + any(not r.is_prefilled for r in self.running)
-
-    def _prefill_chunks(self, num_decoding: int) -> list[tuple[Req, int]]:
-        """(request, tokens to prefill now), oldest first, within ``batch_max_tokens`` and the
-        pool's room less this step's decode tokens."""
-        budget = self.limits.batch_max_tokens
-        free = self.runner.slots.available - num_decoding
-        chunks: list[tuple[Req, int]] = []
-        for req in self.running:
-            if budget <= 0:
-                break
-            if not req.is_prefilled:
-                n = min(req.num_uncached, budget, free)
-                if n <= 0:
-                    break
-                chunks.append((req, n))
-                budget, free = budget - n, free - n
-        return chunks
 
     def _land(self, launched: Launched) -> list[Event]:
         """Wait for ``launched``'s tokens; those of requests that ended meanwhile (found a step late,

@@ -15,12 +15,12 @@ listed once).
 
 A cached prefix several requests lease (``worker.engine.radix_cache``) is
 counted once too, with the first of them, node by node of its path (a
-request admitted with a hit adds only the rest: ``Engine._adds``); a split
+request admitted with a hit adds only the rest: ``Admission.adds``); a split
 on the model loop can make one record count a few tokens twice, never lose
 them. The record also carries what the cache holds (``prefixes``) for the
 router's cache-aware choice, which of those prefixes the listed requests hold
 (``held_prefixes``: a request starting with one adds only the rest, as
-``Engine._adds`` counts it), and the cache's counters for the dashboard.
+``Admission.adds`` counts it), and the cache's counters for the dashboard.
 """
 
 from __future__ import annotations
