@@ -231,6 +231,53 @@ def p99_ttft(log: list, priority: int, start: float) -> tuple[float, int]:
     return float(np.percentile(waits, 99)), len(waits)
 
 
+def priority_phases(http: str, redis_url: str, metrics_port: int, log_path: Path, args) -> None:
+    """The pool's capacity, then class 0 alone and with class 1 at ``--overload``: class 0's p99 TTFT
+    in both (the same arrivals), the worker's steps, the pauses and their cost, exact outputs."""
+    steps0, t0 = worker_steps(metrics_port), time.monotonic()
+    cap = capacity(http, args, metrics_port)
+    hi, lo = args.hi_load * cap, (args.overload - args.hi_load) * cap
+    print(f"capacity {cap:.1f} req/s ({args.output_len} tokens each); class 0 at {hi:.1f}, class 1 at {lo:.1f} req/s")
+    print(f"  {steps_line(steps0, worker_steps(metrics_port), time.monotonic() - t0)} (its drain included)")
+    ttft, lo_before = {}, 0
+    for name, streams in [("alone", [("hi", 0, hi)]), ("with class 1", [("hi", 0, hi), ("lo", 1, lo)])]:
+        t0, args.followed, tokens0 = time.monotonic(), [], generated(metrics_port)
+        steps0 = worker_steps(metrics_port)
+        log = asyncio.run(open_loop(http, streams, args.warmup_s + args.window_s, args))
+        wall = time.monotonic() - t0
+        rate = (generated(metrics_port) - tokens0) / wall / args.output_len
+        # Overload is real only if the pool served about its capacity (the rest queued).
+        print(f"  the pool served {rate:.1f} req/s ({rate / cap:.0%} of capacity) {name}")
+        print(f"  {steps_line(steps0, worker_steps(metrics_port), wall)}")
+        ttft[name], n = p99_ttft(log, 0, t0 + args.warmup_s)
+        print(f"  {hops(redis_url, http, args.followed, t0 + args.warmup_s)}")
+        lo_tokens = dispatched_tokens(redis_url, http).get("1:lo", 0) - lo_before
+        lo_before += lo_tokens
+        print(f"  class 0 {name:<13} p99 TTFT {ttft[name]:8.1f} ms over {n}; class-1 tokens dispatched {lo_tokens}")
+    print(f"  ratio {ttft['with class 1'] / ttft['alone']:.2f} (goal <= 2)")
+    checked, bad = check_outputs(redis_url, http)
+    print(f"  preempted {preemptions(log_path)} times; {bad} of {checked} outputs with a lost or repeated token")
+    # The cost of the pauses: K/V they threw away, prefilled again on resume, against the tokens served.
+    recomputed = worker_counter(metrics_port, "lightq:worker_preempted_kv_tokens_total")
+    served = sum(dispatched_tokens(redis_url, http).values())
+    print(f"  recomputed {recomputed:.0f} K/V tokens for {served} tokens dispatched ({recomputed / served:.1%})")
+
+
+def flood_phases(http: str, args) -> None:
+    """One class, tenant ``lo`` keeping 10x as many requests outstanding as ``hi``: tokens each
+    received in the window and Jain's index, with fair shares and with both keys in one tenant."""
+    small = args.batch  # more than half the batch: the small tenant always has work waiting
+    for name, tenants in [("fair shares", ("lo", "hi")), ("one tenant", ("lo", "lo"))]:
+        outstanding = {"flood": (tenants[0], 10 * small), "small": (tenants[1], small)}
+        t0 = time.monotonic()
+        log = asyncio.run(closed_loop(http, outstanding, args.warmup_s + args.window_s, args))
+        start, end = t0 + args.warmup_s, t0 + args.warmup_s + args.window_s
+        served = [
+            sum(sum(start <= t < end for t in times) for lab, *_, times in log if lab == label) for label in outstanding
+        ]
+        print(f"  {name:<12} tokens flood {served[0]:>6} small {served[1]:>6}  Jain's index {jain(served):.3f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=8, help="the worker's --running_max_req_size")
@@ -242,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--poll_ms", type=int, default=10, help="the router's wait when the head fits no worker")
     p.add_argument("--reserve_slots", type=int, default=0, help="the router's --priority_reserve_slots")
     p.add_argument("--preempt", action="store_true", help="the router's --preempt (pause class 1 for class 0)")
-    p.add_argument("--only", choices=["priority"], help="skip the flood")
+    p.add_argument("--only", choices=["priority", "flood"], help="run one part")
     p.add_argument("--model_dir", default="counting", help="counting:<tokenizer dir> where SmolLM2's package is absent")
     p.add_argument(
         "--step_ms", type=float, default=0.0, help="the counting model's time per forward (--counting_step_ms)"
@@ -264,48 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     flags += ["--priority_reserve_slots", str(args.reserve_slots)] + (["--preempt"] if args.preempt else [])
     process, http = start_serve(args.tree.resolve(), redis_server.url, log_path, flags)
     try:
-        steps0, t0 = worker_steps(metrics_port), time.monotonic()
-        cap = capacity(http, args, metrics_port)
-        hi, lo = args.hi_load * cap, (args.overload - args.hi_load) * cap
-        print(
-            f"capacity {cap:.1f} req/s ({args.output_len} tokens each); class 0 at {hi:.1f}, class 1 at {lo:.1f} req/s"
-        )
-        print(f"  {steps_line(steps0, worker_steps(metrics_port), time.monotonic() - t0)} (its drain included)")
-        ttft, lo_before = {}, 0
-        for name, streams in [("alone", [("hi", 0, hi)]), ("with class 1", [("hi", 0, hi), ("lo", 1, lo)])]:
-            t0, args.followed, tokens0 = time.monotonic(), [], generated(metrics_port)
-            steps0 = worker_steps(metrics_port)
-            log = asyncio.run(open_loop(http, streams, args.warmup_s + args.window_s, args))
-            wall = time.monotonic() - t0
-            rate = (generated(metrics_port) - tokens0) / wall / args.output_len
-            # Overload is real only if the pool served about its capacity (the rest queued).
-            print(f"  the pool served {rate:.1f} req/s ({rate / cap:.0%} of capacity) {name}")
-            print(f"  {steps_line(steps0, worker_steps(metrics_port), wall)}")
-            ttft[name], n = p99_ttft(log, 0, t0 + args.warmup_s)
-            print(f"  {hops(redis_server.url, http, args.followed, t0 + args.warmup_s)}")
-            lo_tokens = dispatched_tokens(redis_server.url, http).get("1:lo", 0) - lo_before
-            lo_before += lo_tokens
-            print(f"  class 0 {name:<13} p99 TTFT {ttft[name]:8.1f} ms over {n}; class-1 tokens dispatched {lo_tokens}")
-        print(f"  ratio {ttft['with class 1'] / ttft['alone']:.2f} (goal <= 2)")
-        checked, bad = check_outputs(redis_server.url, http)
-        print(f"  preempted {preemptions(log_path)} times; {bad} of {checked} outputs with a lost or repeated token")
-        # The cost of the pauses: K/V they threw away, prefilled again on resume, against the tokens served.
-        recomputed = worker_counter(metrics_port, "lightq:worker_preempted_kv_tokens_total")
-        served = sum(dispatched_tokens(redis_server.url, http).values())
-        print(f"  recomputed {recomputed:.0f} K/V tokens for {served} tokens dispatched ({recomputed / served:.1%})")
-        if args.only == "priority":
-            return
-        small = args.batch  # more than half the batch: the small tenant always has work waiting
-        for name, tenants in [("fair shares", ("lo", "hi")), ("one tenant", ("lo", "lo"))]:
-            outstanding = {"flood": (tenants[0], 10 * small), "small": (tenants[1], small)}
-            t0 = time.monotonic()
-            log = asyncio.run(closed_loop(http, outstanding, args.warmup_s + args.window_s, args))
-            start, end = t0 + args.warmup_s, t0 + args.warmup_s + args.window_s
-            served = [
-                sum(sum(start <= t < end for t in times) for lab, *_, times in log if lab == label)
-                for label in outstanding
-            ]
-            print(f"  {name:<12} tokens flood {served[0]:>6} small {served[1]:>6}  Jain's index {jain(served):.3f}")
+        if args.only != "flood":
+            priority_phases(http, redis_server.url, metrics_port, log_path, args)
+        if args.only != "priority":
+            flood_phases(http, args)
     finally:
         process.terminate()
         process.wait(timeout=60)

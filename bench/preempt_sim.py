@@ -106,12 +106,14 @@ class PreemptingWorker(TimedWorker):
     def record_extras(self) -> dict:
         """What a router needs to pick a worker to ask, beside scale_sim's record."""
         msgs = self.messages() if self.running else {}
-        held: dict[int, int] = {}
+        held: dict[int, tuple[int, int]] = {}
         for rid, prompt, generated, _, _ in self.running:
             msg = msgs.get(rid)
             if msg is not None and msg.preemptions < MAX_PREEMPTIONS:
-                held[msg.priority] = held.get(msg.priority, 0) + prompt + generated
-        return {"preemptible": sorted(held.items(), reverse=True), "preempt_asks_read": self.asks_read}
+                tokens, count = held.get(msg.priority, (0, 0))
+                held[msg.priority] = (tokens + prompt + generated, count + 1)
+        preemptible = [(p, tokens, count) for p, (tokens, count) in sorted(held.items(), reverse=True)]
+        return {"preemptible": preemptible, "preempt_asks_read": self.asks_read}
 
 
 def main(argv: list[str] | None = None) -> None:

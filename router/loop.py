@@ -241,11 +241,12 @@ class Router:
         if self.preempter is None:
             return []
         waiting = heads(self.queue)
-        target = self.preempter.ask(waiting, loads, self.reservations.preemptible(loads))
-        if target is None:
+        asked = self.preempter.ask(waiting, loads, self.reservations.preemptible(loads))
+        if asked is None:
             return []
+        target, count = asked
         items = []
-        for request in waiting:
+        for request in waiting[:count]:
             entry_id, _ = self.queue.popleft()
             self.views.admit(target, Candidate(request_states(request), self.rule.policy))
             items.append(Item(target, self.reservations.tail(target), entry_id, request))

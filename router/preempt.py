@@ -8,8 +8,11 @@ enough of them (``shared.schemas.PreemptAsk`` on its ``{w:ID}:preempt``
 list): the one whose record lists the worst class (``WorkerLoad.preemptible``;
 ties: more tokens in classes worse than the request's, then the lesser id).
 An ask makes room for the head and up to ``ASK_MOST - 1`` requests of its
-class right behind it (``heads``), and the router sends them to that
-worker's inbox with it (``Router._preempt_for``): the worker reads both in
+class right behind it (``heads``), no more than the worker has requests to
+pause (a pause frees one request slot: without that bound, a burst of
+short prompts booked few tokens an ask and was sent, dozens deep, into the
+queue of a worker that could free 7 slots, out of the router's fair order),
+and the router sends them to that worker's inbox with it (``Router._preempt_for``): the worker reads both in
 one round trip, decides which requests to pause and how many
 (``worker.engine.preempt``), hands those back to the queue with their
 emitted tokens and admits the waiting ones in the same step, instead of
@@ -17,8 +20,8 @@ publishing its record and waiting for the router's next dispatch.
 
 Asks are not serialised: a burst of a better class on a full pool needs
 one per request (or per ``ASK_MOST``), and waiting for each answer made the
-burst queue behind it. Instead the router books the tokens it asked each
-worker to free (the requests' held tokens) until the worker's record shows
+burst queue behind it. Instead the router books the tokens and requests it asked each
+worker to free (the requests' held tokens, one request each) until the worker's record shows
 an answer (its ``preempt_asks_read`` grew), and a worker whose worse-class
 tokens are all promised is not asked again until then: the record's
 ``preemptible`` is stale for a heartbeat, and asking on it would send
@@ -44,28 +47,37 @@ WAIT_S = 1.0
 ASK_MOST = 8  # requests one ask makes room for
 
 
+Classes = Sequence[tuple[int, int, int]]  # [priority, tokens, requests] a better class may pause
+
+
 def victim_worker(
     request: GenerateRequest,
     loads: Mapping[str, WorkerLoad],
-    promised: Mapping[str, int] | None = None,
-    preemptible: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+    promised: Mapping[str, tuple[int, int]] | None = None,
+    preemptible: Mapping[str, Classes] | None = None,
 ) -> str | None:
     """The worker to ask for ``request``'s room: serving its model, not draining, running a class
-    strictly worse than its priority with tokens not already ``promised`` to earlier asks; the
-    worst class wins, then the most such tokens. ``preemptible``: what each worker may pause
-    (``Reservations.preemptible``: its record's, plus requests sent since); default the records'."""
+    strictly worse than its priority with tokens and requests not already ``promised`` to earlier
+    asks; the worst class wins, then the most such tokens. ``preemptible``: what each worker may
+    pause (``Reservations.preemptible``: its record's, plus requests sent since); default the records'."""
     best: tuple[int, int, str] | None = None
     for worker_id, load in loads.items():
         if load.draining or not load.serves(request.model) or request.max_tokens_needed > load.max_total_tokens:
             continue  # (a request its pool can never hold would be refused there)
         classes = load.preemptible if preemptible is None else preemptible.get(worker_id, load.preemptible)
-        worse = [(priority, held) for priority, held in classes if priority > request.priority]
-        free = sum(h for _, h in worse) - (promised or {}).get(worker_id, 0)
-        if not worse or free <= 0:
+        tokens, requests = room(classes, request.priority, (promised or {}).get(worker_id, (0, 0)))
+        if tokens <= 0 or requests <= 0:
             continue
-        key = (-max(p for p, _ in worse), -free, worker_id)
+        worst = max(p for p, *_ in classes)
+        key = (-worst, -tokens, worker_id)
         best = key if best is None or key < best else best
     return None if best is None else best[2]
+
+
+def room(classes: Classes, priority: int, promised: tuple[int, int]) -> tuple[int, int]:
+    """Tokens and requests of classes worse than ``priority`` not yet promised to earlier asks."""
+    worse = [(tokens, count) for p, tokens, count in classes if p > priority]
+    return sum(t for t, _ in worse) - promised[0], sum(n for _, n in worse) - promised[1]
 
 
 def heads(queue: Sequence[tuple[str, GenerateRequest]], most: int = ASK_MOST) -> list[GenerateRequest]:
@@ -86,6 +98,7 @@ def heads(queue: Sequence[tuple[str, GenerateRequest]], most: int = ASK_MOST) ->
 class _Booked:
     answered: int  # the worker's preempt_asks_read when first asked since its last answer
     tokens: int  # tokens asked of it since
+    requests: int  # and requests (each takes the slot of one it pauses)
     at: float
 
 
@@ -113,17 +126,22 @@ class Preempter:
         self,
         waiting: Sequence[GenerateRequest],
         loads: Mapping[str, WorkerLoad],
-        preemptible: Mapping[str, Sequence[tuple[int, int]]] | None = None,
-    ) -> str | None:
+        preemptible: Mapping[str, Classes] | None = None,
+    ) -> tuple[str, int] | None:
         """Ask a worker to make room for ``waiting`` (the head of the queue, which fits no worker,
-        and those right behind it: ``heads``; the ask leaves with ``flush``); the worker asked, or
-        None (no worker runs a worse class with tokens not promised yet). ``preemptible``: as
-        ``victim_worker`` takes it."""
+        and those right behind it: ``heads``; the ask leaves with ``flush``): the worker asked and
+        how many of ``waiting`` (the first ones) it is asked for, at most as many as it has
+        requests to pause; or None (no worker runs a worse class with room not promised yet).
+        ``preemptible``: as ``victim_worker`` takes it."""
         self._settle(loads)
         request = waiting[0]
-        worker_id = victim_worker(request, loads, {w: b.tokens for w, b in self._booked.items()}, preemptible)
+        promised = {w: (b.tokens, b.requests) for w, b in self._booked.items()}
+        worker_id = victim_worker(request, loads, promised, preemptible)
         if worker_id is None:
             return None
+        classes = loads[worker_id].preemptible if preemptible is None else preemptible[worker_id]
+        _, free = room(classes, request.priority, promised.get(worker_id, (0, 0)))
+        waiting = waiting[:free]
         states = [request_states(r) for r in waiting]
         ask = PreemptAsk(
             request_ids=[r.id for r in waiting],
@@ -133,11 +151,13 @@ class Preempter:
             asked_ms=now_ms(),
         )
         self._outbox.append((worker_id, ask))
-        booked = self._booked.get(worker_id) or _Booked(loads[worker_id].preempt_asks_read, 0, self.clock())
+        booked = self._booked.get(worker_id) or _Booked(loads[worker_id].preempt_asks_read, 0, 0, self.clock())
         tokens = sum(s.held for each in states for s in each)
-        self._booked[worker_id] = _Booked(booked.answered, booked.tokens + tokens, booked.at)
+        self._booked[worker_id] = _Booked(
+            booked.answered, booked.tokens + tokens, booked.requests + len(waiting), booked.at
+        )
         self.num_asks += 1
-        return worker_id
+        return worker_id, len(waiting)
 
     def _settle(self, loads: Mapping[str, WorkerLoad]) -> None:
         """A worker whose record shows an answer (or that is gone, or silent for ``WAIT_S``: the

@@ -92,17 +92,18 @@ class Reservations:
             if paused:
                 self._pausable[worker_id] = {i: p for i, p in paused.items() if stream_id(i) > seen}
 
-    def preemptible(self, loads: Mapping[str, WorkerLoad]) -> dict[str, list[tuple[int, int]]]:
-        """worker -> [priority, tokens] a better class may pause there: its record's ``preemptible``
-        plus what was sent there since (the record lags admission by up to a heartbeat, and a request
-        just sent is running, or waits, by the time an ask is read)."""
+    def preemptible(self, loads: Mapping[str, WorkerLoad]) -> dict[str, list[tuple[int, int, int]]]:
+        """worker -> [priority, tokens, requests] a better class may pause there: its record's
+        ``preemptible`` plus what was sent there since (the record lags admission by up to a
+        heartbeat, and a request just sent is running, or waits, by the time an ask is read)."""
         out = {}
         for worker_id, load in loads.items():
-            held = dict(load.preemptible)
+            held = {p: (tokens, count) for p, tokens, count in load.preemptible}
             for p in self._pausable.get(worker_id, {}).values():
                 if p.preemptions < load.max_preemptions:
-                    held[p.priority] = held.get(p.priority, 0) + p.held
-            out[worker_id] = sorted(held.items(), reverse=True)
+                    tokens, count = held.get(p.priority, (0, 0))
+                    held[p.priority] = (tokens + p.held, count + 1)
+            out[worker_id] = [(p, tokens, count) for p, (tokens, count) in sorted(held.items(), reverse=True)]
         return out
 
     def pending(self) -> dict[str, list[ReqState]]:

@@ -252,10 +252,10 @@ class WorkerLoad(_Frozen):
     prefix_hit_tokens: int = Field(0, description="of those, tokens found cached (not prefilled)")
     prefix_evicted_tokens: int = Field(0, description="cached tokens evicted to make room, since start")
 
-    preemptible: list[tuple[int, int]] = Field(
+    preemptible: list[tuple[int, int, int]] = Field(
         default_factory=list,
         description="per priority class with requests this worker would pause for a better class "
-        "(worker.engine.preempt): [priority, tokens they hold], the worst (largest) class first",
+        "(worker.engine.preempt): [priority, tokens they hold, requests], the worst (largest) class first",
     )
     max_preemptions: int = Field(0, description="times this worker pauses one request at most (--max_preemptions)")
     preempt_asks_read: int = Field(

@@ -183,7 +183,7 @@ def test_what_a_better_class_may_pause_counts_requests_sent_since_the_record():
     (or another router) sent since, except what the worker never pauses: a group, a request
     sending prompt logprobs, one paused --max_preemptions times already."""
     res = Reservations()
-    record = load("a", last_inbox_id="3-0").model_copy(update={"preemptible": [(1, 40)], "max_preemptions": 2})
+    record = load("a", last_inbox_id="3-0").model_copy(update={"preemptible": [(1, 40, 2)], "max_preemptions": 2})
     res.settle({"a": record})
 
     def sent(priority, prompt=10, preemptions=0, n=1, **params):
@@ -197,6 +197,6 @@ def test_what_a_better_class_may_pause_counts_requests_sent_since_the_record():
     res.add("a", "7-0", sent(2, n=2))  # a group
     res.add("a", "8-0", sent(2, prompt_logprobs=1))
     res.add("a", "9-0", sent(0))
-    assert res.preemptible({"a": record}) == {"a": [(2, 7), (1, 45), (0, 10)]}
+    assert res.preemptible({"a": record}) == {"a": [(2, 7, 1), (1, 45, 3), (0, 10, 1)]}
     res.settle({"a": record.model_copy(update={"last_inbox_id": "5-0"})})  # the record shows 4-0 and 5-0 now
-    assert res.preemptible({"a": record}) == {"a": [(1, 40), (0, 10)]}
+    assert res.preemptible({"a": record}) == {"a": [(1, 40, 2), (0, 10, 1)]}

@@ -55,28 +55,29 @@ def request(priority: int, model: str | None = None) -> GenerateRequest:
 
 def test_the_worker_with_the_worst_class_is_asked():
     loads = {
-        "a": load("a", 90, [(1, 50)]),
-        "b": load("b", 90, [(3, 10), (1, 80)]),  # the worst class wins over more tokens
-        "c": load("c", 90, [(5, 90)], draining=True),
-        "d": load("d", 90, [(9, 90)], model="other"),
+        "a": load("a", 90, [(1, 50, 1)]),
+        "b": load("b", 90, [(3, 10, 1), (1, 80, 2)]),  # the worst class wins over more tokens
+        "c": load("c", 90, [(5, 90, 1)], draining=True),
+        "d": load("d", 90, [(9, 90, 1)], model="other"),
     }
     assert victim_worker(request(0, model="main"), loads) == "b"  # "d" serves another model
     assert victim_worker(request(3, model="main"), loads) is None  # only worse classes count, never equal ones
     assert victim_worker(request(0, model="other"), loads) == "d"
-    two = {"a": load("a", 90, [(1, 50)]), "e": load("e", 90, [(1, 60)])}
+    two = {"a": load("a", 90, [(1, 50, 1)]), "e": load("e", 90, [(1, 60, 1)])}
     assert victim_worker(request(0), two) == "e"
-    assert victim_worker(request(0), two, {"e": 20}) == "a"  # tokens promised to earlier asks
-    assert victim_worker(request(0), two, {"a": 50, "e": 60}) is None
+    assert victim_worker(request(0), two, {"e": (20, 0)}) == "a"  # tokens promised to earlier asks
+    assert victim_worker(request(0), two, {"e": (0, 1)}) == "a"  # its one request is promised
+    assert victim_worker(request(0), two, {"a": (50, 0), "e": (60, 0)}) is None
 
 
 def test_an_ask_only_when_the_best_request_fits_nowhere_and_a_worse_class_runs(redis_settings, rclient, keys):
     router = make_router(redis_settings, rclient)
-    publish(rclient, keys, load("w1", 95, [(0, 95)]))  # full, of the request's own class
+    publish(rclient, keys, load("w1", 95, [(0, 95, 1)]))  # full, of the request's own class
     submit(rclient, keys, "urgent", 5, 5, priority=0)
     router.step()
     assert asks(rclient, keys, "w1") == [] and inbox_ids(rclient, keys, "w1") == []  # nothing worse: it waits
 
-    publish(rclient, keys, load("w1", 95, [(1, 10)], seq=2))  # now a worse class runs there (10 tokens of it)
+    publish(rclient, keys, load("w1", 95, [(1, 10, 2)], seq=2))  # now a worse class runs there (2 requests, 10 tokens)
     submit(rclient, keys, "next", 5, 5, priority=0)
     submit(rclient, keys, "later", 5, 5, priority=1)
     router.step()
@@ -91,15 +92,28 @@ def test_an_ask_only_when_the_best_request_fits_nowhere_and_a_worse_class_runs(r
     router.step()
     # The 10 tokens are promised (5 held by each request asked for) until the record shows an answer.
     assert len(asks(rclient, keys, "w1")) == 1 and "third" not in inbox_ids(rclient, keys, "w1")
-    publish(rclient, keys, load("w1", 95, [(1, 10)], seq=3, preempt_asks_read=1))
+    publish(rclient, keys, load("w1", 95, [(1, 10, 2)], seq=3, preempt_asks_read=1))
     router.step()
     assert [a.request_ids for a in asks(rclient, keys, "w1")] == [["urgent", "next"], ["third"]]
     assert inbox_ids(rclient, keys, "w1") == ["urgent", "next", "third"]
 
 
+def test_an_ask_sends_no_more_requests_than_the_worker_has_to_pause(redis_settings, rclient, keys):
+    """A pause frees one request slot: with one request of a worse class there, one of three waiting
+    requests goes with the ask and the others wait at the router, in its order (a burst of short
+    prompts once booked few tokens an ask and went dozens deep into such a worker's queue)."""
+    router = make_router(redis_settings, rclient)
+    publish(rclient, keys, load("w1", 95, [(1, 90, 1)]))
+    for name in ("a", "b", "c"):
+        submit(rclient, keys, name, 1, 5, priority=0)
+    router.step()
+    assert [a.request_ids for a in asks(rclient, keys, "w1")] == [["a"]]
+    assert inbox_ids(rclient, keys, "w1") == ["a"]
+
+
 def test_no_ask_when_the_request_fits_somewhere_or_preemption_is_off(redis_settings, rclient, keys):
     router = make_router(redis_settings, rclient)
-    publish(rclient, keys, load("w1", 95, [(1, 95)]))
+    publish(rclient, keys, load("w1", 95, [(1, 95, 1)]))
     publish(rclient, keys, load("w2", 0, []))
     submit(rclient, keys, "fits", 5, 5, priority=0)
     router.step()

@@ -106,7 +106,7 @@ def test_a_paused_request_resumes_elsewhere_token_identical(redis_settings, rcli
     dispatch(rclient, keys, "w-a", message("new", priority=1))
     for _ in range(6):  # reads both, prefills, decodes a few tokens
         first._serve_once()
-    assert first.load(1).preemptible == [(1, 2 * 8 + 2 * len(first.engine.running[0].output_ids))]
+    assert first.load(1).preemptible == [(1, 2 * 8 + 2 * len(first.engine.running[0].output_ids), 2)]
     emitted = len(first.engine.running[1].output_ids)
     assert emitted > 0
 
@@ -138,7 +138,7 @@ def test_the_bound_and_the_fit_decide_what_is_paused(redis_settings, rclient, ke
     dispatch(rclient, keys, "w-k", message("same", priority=0))
     for _ in range(3):
         worker._serve_once()
-    assert [p for p, _ in worker.load(1).preemptible] == [0]  # "once" is at the bound: not listed
+    assert [p for p, *_ in worker.load(1).preemptible] == [0]  # "once" is at the bound: not listed
     ask(rclient, keys, "w-k", message("urgent", priority=0))
     worker._serve_once()
     assert requeued(rclient, keys) == [] and len(worker.engine.running) == 2  # nothing paused in vain

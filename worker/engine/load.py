@@ -103,14 +103,16 @@ def _counted_before(lease: Lease | None, counted: set[int]) -> int:
     return before
 
 
-def preemptible_classes(reqs: list[Req], max_preemptions: int) -> list[tuple[int, int]]:
-    """[priority, tokens held] per class with requests a better class may pause
-    (``worker.engine.preempt``), the worst class first: what a router picks the worker to ask by."""
-    held: dict[int, int] = {}
+def preemptible_classes(reqs: list[Req], max_preemptions: int) -> list[tuple[int, int, int]]:
+    """[priority, tokens held, requests] per class with requests a better class may pause
+    (``worker.engine.preempt``), the worst class first: what a router picks the worker to ask by,
+    and how many requests it may send there with an ask (a pause frees one request slot)."""
+    held: dict[int, tuple[int, int]] = {}
     for req in reqs:
         if req.can_preempt(max_preemptions):
-            held[req.msg.priority] = held.get(req.msg.priority, 0) + req.num_tokens
-    return sorted(held.items(), reverse=True)
+            tokens, count = held.get(req.msg.priority, (0, 0))
+            held[req.msg.priority] = (tokens + req.num_tokens, count + 1)
+    return [(p, tokens, count) for p, (tokens, count) in sorted(held.items(), reverse=True)]
 
 
 def build_load(
