@@ -94,6 +94,17 @@ def heads(queue: Sequence[tuple[str, GenerateRequest]], most: int = ASK_MOST) ->
     return waiting
 
 
+def within(slots: int, states: list[tuple]) -> list[tuple]:
+    """The first requests' states that take at most ``slots`` request slots (a group's samples one
+    each), and always the first: the worker's own plan decides whether it can be made to fit."""
+    taken, count = 0, 0
+    for each in states:
+        if count and taken + len(each) > slots:
+            break
+        taken, count = taken + len(each), count + 1
+    return states[:count]
+
+
 @dataclass(frozen=True)
 class _Booked:
     answered: int  # the worker's preempt_asks_read when first asked since its last answer
@@ -141,8 +152,8 @@ class Preempter:
             return None
         classes = loads[worker_id].preemptible if preemptible is None else preemptible[worker_id]
         _, free = room(classes, request.priority, promised.get(worker_id, (0, 0)))
-        waiting = waiting[:free]
-        states = [request_states(r) for r in waiting]
+        states = within(free, [request_states(r) for r in waiting])
+        waiting = waiting[: len(states)]
         ask = PreemptAsk(
             request_ids=[r.id for r in waiting],
             priority=request.priority,
@@ -154,7 +165,7 @@ class Preempter:
         booked = self._booked.get(worker_id) or _Booked(loads[worker_id].preempt_asks_read, 0, 0, self.clock())
         tokens = sum(s.held for each in states for s in each)
         self._booked[worker_id] = _Booked(
-            booked.answered, booked.tokens + tokens, booked.requests + len(waiting), booked.at
+            booked.answered, booked.tokens + tokens, booked.requests + sum(map(len, states)), booked.at
         )
         self.num_asks += 1
         return worker_id, len(waiting)

@@ -5,7 +5,7 @@ one ask at a time, until the asked worker has answered."""
 from __future__ import annotations
 
 from router.loop import Router
-from router.preempt import victim_worker
+from router.preempt import victim_worker, within
 from shared.codec import decode, encode
 from shared.config import RouterSettings
 from shared.keys import ROUTER_GROUP
@@ -125,3 +125,10 @@ def test_no_ask_when_the_request_fits_somewhere_or_preemption_is_off(redis_setti
     submit(rclient, keys, "waits", 5, 5, priority=0)
     off.step()
     assert asks(rclient, keys, "w1") == [] and inbox_ids(rclient, keys, "w1") == []
+
+
+def test_an_ask_takes_requests_while_their_samples_fit_the_slots_it_can_free():
+    one, group = ("s",), ("s", "s")  # a request's states: one per sample
+    assert within(3, [one, group, one]) == [one, group]
+    assert within(4, [one, one, one]) == [one, one, one]
+    assert within(1, [group, one]) == [group]  # the head always goes: the worker's plan decides
