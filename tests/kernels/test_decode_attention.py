@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DTYPES, assert_close, make_batch, make_pool
-from worker.model.kernels.decode_attention import choose_splits, decode_attention, decode_attention_ref
+from worker.model.kernels.decode_attention import Stage1Tiles, choose_splits, decode_attention, decode_attention_ref
 
 # (seq_lens, Hq, Hkv, D, num_splits, block_n): a one-token context, lengths
 # off the block and split multiples, one split, many splits (some past the
@@ -16,16 +16,22 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seq_lens, num_heads, num_kv_heads, head_dim, num_splits, block_n", CASES)
-def test_decode_attention_matches_reference(seq_lens, num_heads, num_kv_heads, head_dim, num_splits, block_n, dtype):
+def test_decode_attention_matches_reference(
+    seq_lens, num_heads, num_kv_heads, head_dim, num_splits, block_n, dtype, head_major
+):
     batch = make_batch([1] * len(seq_lens), [s - 1 for s in seq_lens])
     pool = make_pool(batch, num_kv_heads, head_dim, dtype)
     k_cache, v_cache = pool[:, :num_kv_heads], pool[:, num_kv_heads:]
     q = pool.new_empty(len(seq_lens), num_heads, head_dim).normal_()
     o = q.new_full(q.shape, float("nan"))
     index = (batch.req_rows, batch.seq_lens, batch.req_table)
-    decode_attention(q, k_cache, v_cache, o, *index, batch.max_seq_len, num_splits=num_splits, block_n=block_n)
+    tiles = Stage1Tiles(head_major=head_major)
+    decode_attention(
+        q, k_cache, v_cache, o, *index, batch.max_seq_len, num_splits=num_splits, block_n=block_n, tiles=tiles
+    )
     assert_close(o, decode_attention_ref(q, k_cache, v_cache, *index))
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -77,9 +78,12 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    g = tl.program_id(1)
+    # HEAD_MAJOR: grid (Hkv, B, splits), so a request's KV groups run side by side and read the
+    # same pool rows (K and V of every head share a row) at about the same time.
+    b = tl.program_id(1 if HEAD_MAJOR else 0)
+    g = tl.program_id(0 if HEAD_MAJOR else 1)
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     split_start = s * split_len
@@ -181,9 +185,14 @@ def _decode_stage2_kernel(
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
-def stage1_config(head_dim: int) -> dict:
-    """Warps and pipeline depth of stage 1 (a module function so a tuning run can swap it)."""
-    return dict(num_warps=4, num_stages=3)
+@dataclass(frozen=True)
+class Stage1Tiles:
+    """Stage 1's launch shape (``bench.decode_attention_tune`` sweeps these)."""
+
+    block_n: int = DEFAULT_BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 3
+    head_major: bool = False
 
 
 @functools.cache
@@ -233,7 +242,8 @@ def decode_attention(
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
     num_splits: int | None = None,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_n: int | None = None,
+    tiles: Stage1Tiles | None = None,
 ) -> None:
     """o[B, Hq, D] = attention of request b's one query over its first seq_lens[b] pool tokens.
 
@@ -248,6 +258,8 @@ def decode_attention(
     group = num_heads // num_kv_heads
     if batch == 0:
         return
+    tiles = tiles or Stage1Tiles()
+    block_n = block_n or tiles.block_n
     if num_splits is None:
         num_splits, split_len = choose_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device), block_n)
     else:
@@ -255,7 +267,8 @@ def decode_attention(
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     part_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch, num_splits) if tiles.head_major else (batch, num_kv_heads, num_splits)
+    _decode_stage1_kernel[grid](
         # Without ALiBi, q stands in for the slopes pointer: never read, but a tensor either way.
         q,
         k_cache,
@@ -284,7 +297,9 @@ def decode_attention(
         BLOCK_N=block_n,
         HAS_ALIBI=alibi_slopes is not None,
         HAS_WINDOW=window is not None,
-        **stage1_config(head_dim),
+        HEAD_MAJOR=tiles.head_major,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     _decode_stage2_kernel[(batch, num_heads)](
         part_o,
