@@ -79,6 +79,7 @@ class Case:
         """One call's median time, from a graph of one call per pool copy."""
         run = lambda: [self.call(pool, tiles) for pool in self.pools]  # noqa: E731
         stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # the inputs' copies and fills are queued there
         with torch.cuda.stream(stream):
             run()
         torch.cuda.synchronize()

@@ -15,6 +15,8 @@
 #       carrying .whl and .smol/gguf.part.aa, then .ab, then .ac, then .ad and __init__.py: see smol-a)
 #   bash bench/h200.sh setup fair-peer        (issue 19: this tree against .peer, carrying .whl .tok .peer)
 #   bash bench/h200.sh setup fair-step        (the same, the counting model waiting 20 ms a forward as on a device)
+#   bash bench/h200.sh setup fair-full        (issue 19 whole, with --preempt, 20 ms forwards then full speed; carry .whl .tok)
+#   python3 -m bench.decode_attention_tune; python3 -m bench.nano_overlap   (issue 16: attention tiles; overlap)
 # Each part writes its log under $OUT (or /tmp/out) and prints a short tail.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -142,6 +144,10 @@ for part in "$@"; do
       for t in . .peer . .peer . .peer; do echo "--- tree $t"; CUDA_VISIBLE_DEVICES= timeout 100 python3 -m bench.fair_stack \
         --preempt --only priority --step_ms 20 --tree $t --model_dir counting:.tok/smollm2 2>&1; done \
         | tee "$OUT/fair_step.log" ;;
+    fair-full)  # the whole benchmark with --preempt (priority, then the flood), the counting model waiting
+      # 20 ms a forward as on a device, then at full CPU speed; the tokenizer in .tok (a minute or three each)
+      for step in 20 0; do echo "--- step_ms $step"; CUDA_VISIBLE_DEVICES= timeout 280 python3 -m bench.fair_stack \
+        --preempt --window_s 15 --step_ms $step --model_dir counting:.tok/smollm2 2>&1; done | tee "$OUT/fair_full.log" ;;
     fair-preempt)  # the priority figure alone, with --preempt (a minute and a half)
       CUDA_VISIBLE_DEVICES= timeout 110 python3 -m bench.fair_stack --preempt --only priority 2>&1 | tee "$OUT/fair.log" ;;
     gemv)   timeout 400 python3 -m bench.gemv --model-shape llama3-8b --batches 1,4,8,16,64 2>&1 | tee "$OUT/gemv.log" ;;

@@ -139,6 +139,7 @@ def check(layers: Layers, a: Half, b: Half, att: torch.cuda.Stream) -> None:
 def graph_time(fn, stream: torch.cuda.Stream | None = None) -> float:
     """Median seconds of one replay of ``fn`` captured as a CUDA graph (on ``stream`` if given)."""
     stream = stream or torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs' fills are queued there
     with torch.cuda.stream(stream):
         fn()  # warm-up: Triton compiles, cuBLAS picks its kernels
     torch.cuda.synchronize()
