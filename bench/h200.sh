@@ -148,6 +148,10 @@ for part in "$@"; do
       # 20 ms a forward as on a device, then at full CPU speed; the tokenizer in .tok (a minute or three each)
       for step in 20 0; do echo "--- step_ms $step"; CUDA_VISIBLE_DEVICES= timeout 280 python3 -m bench.fair_stack \
         --preempt --window_s 15 --step_ms $step --model_dir counting:.tok/smollm2 2>&1; done | tee "$OUT/fair_full.log" ;;
+    fair-room)  # the priority figure at the counting model's full CPU speed, this tree against .peer, twice each
+      for t in . .peer . .peer; do echo "--- tree $t"; CUDA_VISIBLE_DEVICES= timeout 110 python3 -m bench.fair_stack \
+        --preempt --only priority --window_s 15 --tree $t --model_dir counting:.tok/smollm2 2>&1; done \
+        | tee "$OUT/fair_room.log" ;;
     fair-preempt)  # the priority figure alone, with --preempt (a minute and a half)
       CUDA_VISIBLE_DEVICES= timeout 110 python3 -m bench.fair_stack --preempt --only priority 2>&1 | tee "$OUT/fair.log" ;;
     gemv)   timeout 400 python3 -m bench.gemv --model-shape llama3-8b --batches 1,4,8,16,64 2>&1 | tee "$OUT/gemv.log" ;;
