@@ -67,8 +67,10 @@ def make_worker(redis_settings, rclient, tokenizer, worker_id: str, max_preempti
     return WorkerService(settings, rclient, engine, worker_id, InlineLink(publisher))  # type: ignore[arg-type]
 
 
-def message(request_id: str, priority: int, preemptions: int = 0) -> GenerateRequest:
-    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+def message(
+    request_id: str, priority: int, preemptions: int = 0, prompt_logprobs: int | None = None
+) -> GenerateRequest:
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=prompt_logprobs)
     return GenerateRequest(
         id=request_id, prompt_ids=[3] * 8, params=params, created_ms=0, priority=priority, preemptions=preemptions
     )
@@ -99,11 +101,14 @@ def chunks(rclient, keys, request_id: str) -> list[TokenChunk]:
     return [from_entry(TokenChunk, f) for _, f in rclient.xrange(keys.chunks(request_id))]
 
 
-def test_a_paused_request_resumes_elsewhere_token_identical(redis_settings, rclient, keys, tokenizer):
+@pytest.mark.parametrize("prompt_logprobs", [None, 2])
+def test_a_paused_request_resumes_elsewhere_token_identical(redis_settings, rclient, keys, tokenizer, prompt_logprobs):
+    """With prompt logprobs asked for too: they went out with the first token, and the resumed
+    attempt does not send them again."""
     ensure_group(rclient, keys.requests(), ROUTER_GROUP)
     first = make_worker(redis_settings, rclient, tokenizer, "w-a")
-    dispatch(rclient, keys, "w-a", message("old", priority=1))
-    dispatch(rclient, keys, "w-a", message("new", priority=1))
+    dispatch(rclient, keys, "w-a", message("old", priority=1, prompt_logprobs=prompt_logprobs))
+    dispatch(rclient, keys, "w-a", message("new", priority=1, prompt_logprobs=prompt_logprobs))
     for _ in range(6):  # reads both, prefills, decodes a few tokens
         first._serve_once()
     assert first.load(1).preemptible == [(1, 2 * 8 + 2 * len(first.engine.running[0].output_ids), 2)]
@@ -129,6 +134,9 @@ def test_a_paused_request_resumes_elsewhere_token_identical(redis_settings, rcli
     assert [c.index for c in resumed] == list(range(MAX_NEW))  # each index once: none lost, none repeated
     assert [c.token_id for c in resumed] == [c.token_id for c in reference]
     assert rclient.hget(keys.meta("new"), "status") == "finished"
+    scored = [c.prompt_logprobs for c in resumed if c.prompt_logprobs is not None]
+    assert scored == [c.prompt_logprobs for c in reference if c.prompt_logprobs is not None]
+    assert len(scored) == (0 if prompt_logprobs is None else 1)  # once, with the first token
 
 
 def test_the_bound_and_the_fit_decide_what_is_paused(redis_settings, rclient, keys, tokenizer):

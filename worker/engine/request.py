@@ -164,15 +164,12 @@ class Req:
 
     def can_preempt(self, max_preemptions: int) -> bool:
         """Whether a better class may pause it (``worker.engine.preempt``): not a group's sample
-        (they share the prompt's slots and go back whole), not one whose prompt logprobs go out
-        with its first token (a resume would send them again), and not one paused for a better
-        class ``max_preemptions`` times already."""
-        return (
-            self.group is None
-            and self.phase is not Phase.FINISHED
-            and self.msg.params.prompt_logprobs is None
-            and self.msg.preemptions < max_preemptions
-        )
+        (they share the prompt's slots and go back whole), and not one paused for a better class
+        ``max_preemptions`` times already. Prompt logprobs do not stand in the way: they go out
+        with the first token, so a request paused before it sent nothing and scores its prompt
+        on resume, and one paused after it resumes with output, which never scores it again
+        (``worker.runner.prompt_logprobs.wants_prompt_logprobs``)."""
+        return self.group is None and self.phase is not Phase.FINISHED and self.msg.preemptions < max_preemptions
 
 
 def sampling_after_prefill(completing: list[Req], forks: dict[Req, list[Req]]) -> list[tuple[Req, Req]]:
