@@ -12,8 +12,7 @@ strictly, fair shares of tokens between tenants inside a class, then
 arrival), which lives in Redis so every router orders alike; a router reads
 up to ``order_window`` entries of each class ahead to order them, from one
 ingress stream per class (``shared.ingress``). When the head cannot be
-placed, everything behind it waits too, until a worker says it freed room
-(``Keys.room``) or ``poll_ms`` passes. The
+placed, everything behind it waits too. The
 output-length history past-future admission estimates from is re-read
 from Redis every ``history_refresh_s``, not per request.
 """
@@ -48,8 +47,6 @@ from shared.schemas import DeadLetter, GenerateRequest, RequestStatus
 
 log = logging.getLogger("lightq.router")
 
-ROOM_READ = 1000  # room entries read per wake: only the newest id matters, this bounds the reply
-
 
 class Router:
     def __init__(self, settings: RouterSettings, client: redis.Redis, router_id: str):
@@ -74,7 +71,6 @@ class Router:
         # admissible workers, prepared for this step's decisions
         self.views = Views(self.rule.policy, cache_aware=settings.cache_aware)
         self.preempter = Preempter(client, self.keys) if settings.preempt else None  # router.preempt
-        self._room_id: str | None = None  # the newest ``Keys.room`` entry seen (``_wait_for_room``)
 
     def run(self) -> None:
         """Step until stopped; ride out Redis outages with exponential backoff."""
@@ -96,9 +92,6 @@ class Router:
 
     def step(self) -> int:
         """Read, reap, dispatch; returns how many requests were dispatched."""
-        if self._room_id is None:  # room signalled from now on wakes this router (``_wait_for_room``)
-            newest = self.client.xrevrange(self.keys.room(), count=1)
-            self._room_id = newest[0][0] if newest else "0-0"
         self._housekeeping()
         self._read()
         registry = read_registry(self.client, self.keys, int(self.settings.stale_load_s * 1000))
@@ -112,18 +105,8 @@ class Router:
         self.views.refresh(loads, self.reservations.pending())
         dispatched = self._dispatch(loads)
         if self.queue and not dispatched:
-            self._wait_for_room()
+            self.stop_event.wait(self.settings.poll_ms / 1000)
         return dispatched
-
-    def _wait_for_room(self) -> None:
-        """The head fits no worker: wait until one says it freed room (``Keys.room``, written with
-        the record that shows it), at most ``poll_ms``. Read from the newest entry seen, so a signal
-        that came while this step decided wakes it at once (one step too many at worst, never a
-        wasted ``poll_ms``). Room no signal announces (a record whose requests' projected peak fell)
-        is found at the next poll."""
-        reply = self.client.xread({self.keys.room(): self._room_id}, count=ROOM_READ, block=self.settings.poll_ms)
-        for _, entries in reply or []:
-            self._room_id = entries[-1][0]
 
     def _housekeeping(self) -> None:
         """Once per liveness period: say we are alive, take over dead routers' entries.

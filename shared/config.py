@@ -204,12 +204,7 @@ class RouterSettings(BaseSettings):
     router_id: str = Field("", description="consumer name in the ingress group (default: host-pid)")
     read_batch: int = Field(64, gt=0, description="ingress entries read per XREADGROUP")
     dispatch_batch: int = Field(32, gt=0, description="admission decisions sent to Redis in one round trip")
-    poll_ms: int = Field(
-        100,
-        gt=0,
-        description="longest wait between admission attempts while the queue's head fits no worker "
-        "(a worker that frees room wakes the router at once)",
-    )
+    poll_ms: int = Field(100, gt=0, description="idle wait between admission attempts")
     # Not ``admission``: pydantic-settings would read LIGHTQ_ADMISSION, the policy's variable, for it.
     admission_rule: AdmissionSettings = Field(default_factory=AdmissionSettings)
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it goes to the dead-letter stream")

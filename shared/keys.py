@@ -10,7 +10,6 @@ land in one slot, so a request's status and chunks can be written together.
 | P:{q}:dead                  | stream        | router -> operators       |
 | P:workers                   | sorted set    | worker -> router (score = last seen ms) |
 | P:{w:ID}:load               | string + TTL  | worker -> router, producer (WorkerLoad JSON) |
-| P:{q}:room                  | capped stream | worker -> routers (worker id: it freed room; written with its load) |
 | P:{w:ID}:inbox              | stream        | router -> worker; routers (its entries past the load's last_inbox_id) |
 | P:{w:ID}:preempt            | list + TTL    | router -> worker (PreemptAsk JSON; the worker reads and deletes it) |
 | P:{r:ID}:meta               | hash + TTL    | producer, router, worker -> producer |
@@ -81,12 +80,6 @@ class Keys:
 
     def load(self, worker_id: str) -> str:
         return f"{self.prefix}:{{w:{worker_id}}}:load"
-
-    def room(self) -> str:
-        """Workers that just freed room (requests ended, or the worker started), each entry written
-        in the same transaction as the load that shows it: a router whose queue fits no worker
-        waits on this instead of polling (``router.loop``)."""
-        return f"{self.prefix}:{{q}}:room"
 
     def inbox(self, worker_id: str) -> str:
         return f"{self.prefix}:{{w:{worker_id}}}:inbox"

@@ -1,8 +1,5 @@
 """The router against a real Redis, with workers played by the test."""
 
-import threading
-import time
-
 import pytest
 
 from router.loop import Router
@@ -15,7 +12,7 @@ from tests.router.helpers import finished_lengths, inbox_ids, publish_load, subm
 
 
 def make_router(redis_settings, rclient, name="r1", **settings):
-    router = Router(RouterSettings(**{"redis": redis_settings, "poll_ms": 10, **settings}), rclient, name)
+    router = Router(RouterSettings(redis=redis_settings, poll_ms=10, **settings), rclient, name)
     from shared.redis import ensure_group
 
     ensure_group(rclient, router.keys.requests(), ROUTER_GROUP)
@@ -139,21 +136,3 @@ def test_stale_record_counts_as_full(redis_settings, rclient, keys):
     publish_load(rclient, keys, "w1", requests=[])
     router.step()
     assert inbox_ids(rclient, keys, "w1") == ["q0"]
-
-
-def test_a_full_pool_wakes_the_router_when_a_worker_signals_room(redis_settings, rclient, keys):
-    """With the head fitting no worker the router waits ``poll_ms`` (a minute here), unless a
-    worker adds itself to ``Keys.room`` with a record showing the room: then it dispatches at once."""
-    publish_load(rclient, keys, "w1", max_total=30)
-    router = make_router(redis_settings, rclient, poll_ms=60_000)
-    submit(rclient, keys, "big", 20, 20)  # needs 40 > 30
-    stepping = threading.Thread(target=lambda: [router.step(), router.step()])
-    stepping.start()
-    deadline = time.monotonic() + 30
-    while router._room_id is None and time.monotonic() < deadline:  # signals from here on are seen
-        time.sleep(0.01)
-    publish_load(rclient, keys, "w1", max_total=100)
-    rclient.xadd(keys.room(), {"worker": "w1"})
-    stepping.join(timeout=30)  # half the poll: only the signal can have ended the wait
-    assert not stepping.is_alive()
-    assert inbox_ids(rclient, keys, "w1") == ["big"]

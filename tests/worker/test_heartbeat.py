@@ -75,20 +75,3 @@ def test_the_early_beat_gap_follows_what_a_beat_costs(rclient, keys):
         assert short.early_gap_s == 0.1
     finally:
         rclient.delete(keys.load("hb"), keys.workers())
-
-
-def test_the_first_beat_and_early_beats_signal_room_periodic_ones_do_not(rclient, keys):
-    """Routers wake on ``Keys.room`` (router.loop): a new worker and one whose requests ended say so;
-    a beat at the period's end changed nothing a waiting router needs."""
-    heartbeat = Heartbeat(rclient, keys, "hb", 0.02, load)
-    room = lambda: [fields for _, fields in rclient.xrange(keys.room())]  # noqa: E731
-    heartbeat.start()
-    try:
-        assert room() == [{"worker": "hb"}]
-        assert wait_for(lambda: record_seq(rclient, keys, "hb") >= 5)  # periodic beats: no signal
-        assert len(room()) == 1
-        heartbeat.poke()
-        assert wait_for(lambda: len(room()) == 2)
-    finally:
-        heartbeat.stop()
-        rclient.delete(keys.room())

@@ -4,9 +4,7 @@ The record is a key with a TTL of three periods, so a dead worker vanishes
 on its own; deleting it on exit lets the router re-dispatch at once. When
 requests end, ``poke`` makes the next beat come at once: routers admit
 against the record, so room freed and not yet published is room left idle
-for up to a period. An early beat, and the first, also add the worker's id to
-``Keys.room`` in the same transaction: routers waiting on a full pool wake on
-it. Early beats are spaced by ``EARLY_GAP_COST``x the CPU
+for up to a period. Early beats are spaced by ``EARLY_GAP_COST``x the CPU
 time the last beat took (building the record holds the model process's GIL),
 at least ``MIN_EARLY_GAP_S``: a small batch's record is cheap and goes out
 every few milliseconds; a thousand-request one costs a few milliseconds and
@@ -30,7 +28,6 @@ from shared.schemas import WorkerLoad
 log = logging.getLogger("lightq.worker")
 
 MIN_EARLY_GAP_S = 0.005
-ROOM_STREAM_LEN = 1000  # routers read the room stream's newest entries only: a short cap is plenty
 EARLY_GAP_COST = 20  # an early beat waits 20x its own CPU time: beats take at most ~5% of the GIL
 
 
@@ -51,19 +48,16 @@ class Heartbeat:
         self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
-        self.beat(room=True)  # a new worker is room
+        self.beat()
         self.thread.start()
 
-    def beat(self, room: bool = False) -> None:
-        """Publish the record now; ``room``: it shows room freed since the last one (``Keys.room``)."""
+    def beat(self) -> None:
         started = time.thread_time()  # this thread's CPU: the Redis round trip waits without the GIL
         self.seq += 1
         load = self.read_load(self.seq)
         pipe = self.client.pipeline(transaction=True)
         pipe.set(self.keys.load(self.worker_id), encode(load), px=self.ttl_ms)
         pipe.zadd(self.keys.workers(), {self.worker_id: now_ms()})
-        if room:
-            pipe.xadd(self.keys.room(), {"worker": self.worker_id}, maxlen=ROOM_STREAM_LEN, approximate=True)
         pipe.execute()
         cost = time.thread_time() - started
         self.early_gap_s = min(self.period_s, max(MIN_EARLY_GAP_S, EARLY_GAP_COST * cost))
@@ -79,7 +73,7 @@ class Heartbeat:
                 return
             self._poked.clear()
             try:
-                self.beat(room=poked)
+                self.beat()
             except redis.RedisError as exc:  # keep beating; the TTL covers a short outage
                 log.warning("heartbeat failed: %s", exc)
             if poked and self.stop_event.wait(self.early_gap_s):  # at most one early beat per gap
