@@ -192,7 +192,7 @@ class Stage1Tiles:
     block_n: int = DEFAULT_BLOCK_N
     num_warps: int = 4
     num_stages: int = 3
-    # Head-major: 2.8% less time summed over B = 8..768 on the slot layout decoding makes, 3% at
+    # Head-major: 2.8% less time summed over B = 8..768 on the slot layout decoding makes, up to 3% at
     # B = 256 and 768 (bench.decode_attention_tune on an H200, bench/RESULTS.md, issue 16).
     head_major: bool = True
 
