@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from bench.decode_step import time_cuda
 from worker.model.kernels.decode_attention import decode_attention
 
-_KEEP: list = []
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 14336  # Llama-3-8B
 
 
@@ -149,13 +148,13 @@ def graph_time(fn, stream: torch.cuda.Stream | None = None) -> float:
     return statistics.median(time_cuda(graph.replay, repeat=20))
 
 
-def green_streams(att_sms: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+def green_contexts(att_sms: int) -> list:
+    """Two green contexts, the matmuls' (the SMs left) and the attention's (``att_sms``). Keep them
+    referenced while their streams run: a context is destroyed with its Python object."""
     from torch.cuda.green_contexts import GreenContext
 
     total = torch.cuda.get_device_properties(0).multi_processor_count
-    contexts = [GreenContext.create(num_sms=n, device_id=0) for n in (total - att_sms, att_sms)]
-    _KEEP.extend(contexts)  # a green context is destroyed with its Python object, its streams with it
-    return contexts[0].Stream(), contexts[1].Stream()
+    return [GreenContext.create(num_sms=n, device_id=0) for n in (total - att_sms, att_sms)]
 
 
 def run(batch: int, args) -> None:
@@ -173,7 +172,8 @@ def run(batch: int, args) -> None:
     }
     for sms in args.green:
         try:
-            mm, att = green_streams(sms)
+            contexts = green_contexts(sms)
+            mm, att = (c.Stream() for c in contexts)
             times[f"green {sms}"] = graph_time(lambda: pipelined(layers, a, b, att), stream=mm)  # noqa: B023
         except Exception as e:  # noqa: BLE001  (an API torch or the driver may lack: reported, not fatal)
             print(f"  green {sms}: not available ({type(e).__name__}: {str(e)[:120]})")

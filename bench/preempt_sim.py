@@ -21,7 +21,7 @@ from bench.fair_sim import TimedWorker
 from shared.codec import decode, from_entry
 from shared.keys import WORKER_GROUP
 from shared.requeue import send_back
-from shared.schemas import GenerateRequest, PreemptAsk
+from shared.schemas import GenerateRequest, PreemptAsk, tally_preemptible
 
 MAX_PREEMPTIONS = 2
 RESUMED: dict[str, int] = {}  # request id -> tokens it generated before its pause (shared by the sim's workers)
@@ -106,14 +106,12 @@ class PreemptingWorker(TimedWorker):
     def record_extras(self) -> dict:
         """What a router needs to pick a worker to ask, beside scale_sim's record."""
         msgs = self.messages() if self.running else {}
-        held: dict[int, tuple[int, int]] = {}
+        pausable = []
         for rid, prompt, generated, _, _ in self.running:
             msg = msgs.get(rid)
             if msg is not None and msg.preemptions < MAX_PREEMPTIONS:
-                tokens, count = held.get(msg.priority, (0, 0))
-                held[msg.priority] = (tokens + prompt + generated, count + 1)
-        preemptible = [(p, tokens, count) for p, (tokens, count) in sorted(held.items(), reverse=True)]
-        return {"preemptible": preemptible, "preempt_asks_read": self.asks_read}
+                pausable.append((msg.priority, prompt + generated, 1))
+        return {"preemptible": tally_preemptible(pausable), "preempt_asks_read": self.asks_read}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from shared.admission import request_states
 from shared.peak import ReqState
-from shared.schemas import GenerateRequest, WorkerLoad, stream_id
+from shared.schemas import GenerateRequest, WorkerLoad, stream_id, tally_preemptible
 
 
 class Pausable(NamedTuple):
@@ -98,12 +98,9 @@ class Reservations:
         heartbeat, and a request just sent is running, or waits, by the time an ask is read)."""
         out = {}
         for worker_id, load in loads.items():
-            held = {p: (tokens, count) for p, tokens, count in load.preemptible}
-            for p in self._pausable.get(worker_id, {}).values():
-                if p.preemptions < load.max_preemptions:
-                    tokens, count = held.get(p.priority, (0, 0))
-                    held[p.priority] = (tokens + p.held, count + 1)
-            out[worker_id] = [(p, tokens, count) for p, (tokens, count) in sorted(held.items(), reverse=True)]
+            sent = self._pausable.get(worker_id, {}).values()
+            pausable = [(p.priority, p.held, 1) for p in sent if p.preemptions < load.max_preemptions]
+            out[worker_id] = tally_preemptible([*load.preemptible, *pausable])
         return out
 
     def pending(self) -> dict[str, list[ReqState]]:

@@ -9,6 +9,7 @@ router --PreemptAsk--> {w:ID}:preempt --> worker
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any, Literal
 
@@ -306,6 +307,16 @@ class DeadLetter(_Frozen):
         if (self.request is None) == (self.raw is None):
             raise ValueError("a dead letter holds either its request or the raw fields of an unreadable entry")
         return self
+
+
+def tally_preemptible(items: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``WorkerLoad.preemptible`` from (priority, tokens, requests) items: summed per class, the
+    worst (largest) class first."""
+    held: dict[int, tuple[int, int]] = {}
+    for priority, tokens, count in items:
+        total, requests = held.get(priority, (0, 0))
+        held[priority] = (total + tokens, requests + count)
+    return [(p, tokens, count) for p, (tokens, count) in sorted(held.items(), reverse=True)]
 
 
 def stream_id(entry_id: str) -> tuple[int, int]:

@@ -28,10 +28,8 @@ def test_decode_attention_matches_reference(
     q = pool.new_empty(len(seq_lens), num_heads, head_dim).normal_()
     o = q.new_full(q.shape, float("nan"))
     index = (batch.req_rows, batch.seq_lens, batch.req_table)
-    tiles = Stage1Tiles(head_major=head_major)
-    decode_attention(
-        q, k_cache, v_cache, o, *index, batch.max_seq_len, num_splits=num_splits, block_n=block_n, tiles=tiles
-    )
+    tiles = Stage1Tiles(block_n=block_n, head_major=head_major)
+    decode_attention(q, k_cache, v_cache, o, *index, batch.max_seq_len, num_splits=num_splits, tiles=tiles)
     assert_close(o, decode_attention_ref(q, k_cache, v_cache, *index))
 
 
@@ -43,7 +41,9 @@ def test_zero_length_request_gives_zeros():
     pool = make_pool(batch, 2, 16, torch.float32)
     q = pool.new_empty(2, 4, 16).normal_()
     o = q.new_full(q.shape, float("nan"))
-    decode_attention(q, pool[:, :2], pool[:, 2:], o, batch.req_rows, seq_lens, batch.req_table, 5, block_n=16)
+    decode_attention(
+        q, pool[:, :2], pool[:, 2:], o, batch.req_rows, seq_lens, batch.req_table, 5, tiles=Stage1Tiles(block_n=16)
+    )
     assert torch.equal(o[1], torch.zeros_like(o[1]))
     assert not o[0].isnan().any()
 

@@ -16,7 +16,7 @@ import torch
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close, make_batch, make_pool
 from worker.model.kernels.context_attention import context_attention, context_attention_ref
 from worker.model.kernels.copy_kv import copy_kv_ref
-from worker.model.kernels.decode_attention import decode_attention, decode_attention_ref
+from worker.model.kernels.decode_attention import Stage1Tiles, decode_attention, decode_attention_ref
 from worker.model.layers import alibi_slopes
 from worker.model.triton_attention import TritonAttention
 
@@ -76,7 +76,17 @@ def test_decode_attention_rules(seq_lens, num_heads, num_kv_heads, window, num_s
     o = q.new_full(q.shape, float("nan"))
     index = (batch.req_rows, batch.seq_lens, batch.req_table)
     rules = _rules(kind, num_heads, window)
-    decode_attention(q, k_cache, v_cache, o, *index, batch.max_seq_len, num_splits=num_splits, block_n=block_n, **rules)
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        o,
+        *index,
+        batch.max_seq_len,
+        num_splits=num_splits,
+        tiles=Stage1Tiles(block_n=block_n),
+        **rules,
+    )
     assert_close(o, decode_attention_ref(q, k_cache, v_cache, *index, **rules))
 
 

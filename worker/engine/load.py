@@ -31,7 +31,7 @@ from typing import Protocol
 from shared.admission import request_states as message_states
 from shared.peak import ReqState
 from shared.request_log import now_ms
-from shared.schemas import WorkerLoad
+from shared.schemas import WorkerLoad, tally_preemptible
 from worker.engine.kv_slots import CacheStats
 from worker.engine.radix_cache import Lease, held_hashes, lease_path
 from worker.engine.request import Phase, Req
@@ -107,12 +107,7 @@ def preemptible_classes(reqs: list[Req], max_preemptions: int) -> list[tuple[int
     """[priority, tokens held, requests] per class with requests a better class may pause
     (``worker.engine.preempt``), the worst class first: what a router picks the worker to ask by,
     and how many requests it may send there with an ask (a pause frees one request slot)."""
-    held: dict[int, tuple[int, int]] = {}
-    for req in reqs:
-        if req.can_preempt(max_preemptions):
-            tokens, count = held.get(req.msg.priority, (0, 0))
-            held[req.msg.priority] = (tokens + req.num_tokens, count + 1)
-    return [(p, tokens, count) for p, (tokens, count) in sorted(held.items(), reverse=True)]
+    return tally_preemptible((r.msg.priority, r.num_tokens, 1) for r in reqs if r.can_preempt(max_preemptions))
 
 
 def build_load(

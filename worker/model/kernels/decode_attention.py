@@ -244,7 +244,6 @@ def decode_attention(
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
     num_splits: int | None = None,
-    block_n: int | None = None,
     tiles: Stage1Tiles | None = None,
 ) -> None:
     """o[B, Hq, D] = attention of request b's one query over its first seq_lens[b] pool tokens.
@@ -261,9 +260,8 @@ def decode_attention(
     if batch == 0:
         return
     tiles = tiles or Stage1Tiles()
-    block_n = block_n or tiles.block_n
     if num_splits is None:
-        num_splits, split_len = choose_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device), block_n)
+        num_splits, split_len = choose_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device), tiles.block_n)
     else:
         split_len = triton.cdiv(max(1, max_seq_len), num_splits)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -296,7 +294,7 @@ def decode_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n,
+        BLOCK_N=tiles.block_n,
         HAS_ALIBI=alibi_slopes is not None,
         HAS_WINDOW=window is not None,
         HEAD_MAJOR=tiles.head_major,
