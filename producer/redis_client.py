@@ -24,25 +24,30 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.config import ProducerSettings
-from shared.redis import async_client
+from shared.redis import OUTAGES, async_client
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+OUTAGE_ERRORS = OUTAGES
 FIRST_RETRY_S, MAX_RETRY_S = 0.05, 2.0  # backoff doubles from 0.1 s up to 2 s
 
 
 def producer_client(settings: ProducerSettings) -> aioredis.Redis:
-    client = async_client(settings.redis)
-    # Set before the first connection exists, so every connection of the pool gets them.
-    client.connection_pool.connection_kwargs.update(
-        socket_connect_timeout=settings.redis_timeout_s,
-        socket_timeout=settings.redis_timeout_s + settings.stream_block_ms / 1000,
-    )
+    timeouts = {
+        "socket_connect_timeout": settings.redis_timeout_s,
+        "socket_timeout": settings.redis_timeout_s + settings.stream_block_ms / 1000,
+    }
+    if settings.redis.cluster:
+        # Two retries, the topology read again between them (after a failover the slot map still
+        # names the dead primary until then), and a refresh that reaches no node gives up: an
+        # unreachable cluster is a 503 in seconds. (The client's defaults, 3 retries and refreshes at
+        # most a second apart, took 23 s with this host cut off, then failed.)
+        retry = Retry(ExponentialBackoff(cap=0.5, base=0.1), retries=2)
+        return async_client(settings.redis, retry=retry, topology_refresh_min_interval=0.2, **timeouts)
+    # One retry, on a fresh connection: a command after a Redis restart reconnects instead of failing.
+    client = async_client(settings.redis, **timeouts)
     client.set_retry(Retry(ExponentialBackoff(cap=0.1, base=0.02), retries=1))
     return client
 

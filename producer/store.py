@@ -8,15 +8,19 @@ stream has every chunk, in order, resumable.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from shared import codec
+from shared.chunks import parse_run
 from shared.keys import ROUTER_GROUP, Keys
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from shared.redis import client_is_cluster, xread_spread
+from shared.schemas import ChunkRun, GenerateRequest, RequestMeta, RequestStatus
 
-StreamEntry = tuple[str, TokenChunk]  # (stream entry id, chunk)
+StreamEntry = tuple[str, ChunkRun]  # (stream entry id, its run of chunks; a format-1 entry is a run of one)
 
 
 # Enqueue, with the backlog check, in one script: producers on many hosts cannot overshoot
@@ -30,10 +34,13 @@ StreamEntry = tuple[str, TokenChunk]  # (stream entry id, chunk)
 # (their tokens were paid for once) and are skipped. Returns {accepted 0/1, queued cost, total}.
 # The status hash gets no TTL here: a request's records live as long as the request, and
 # whoever ends it (shared.request_log.mark_ended) sets the TTL, which starts at the end.
+POLL_S = 0.05  # a cluster's wait for runs across slots: a read this often
+
 ENQUEUE_LUA = """
 local stream, counter, meta, classes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local limit, cost, base = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[6]
-local total = tonumber(redis.call('GET', counter) or '0')
+local total = 0
+if limit > 0 then total = tonumber(redis.call('GET', counter) or '0') end
 
 -- The first unfinished entry of one class's stream (an XRANGE start), or nil when it has none.
 local function first_unfinished(s)
@@ -86,9 +93,9 @@ if limit > 0 then
   -- An empty queue takes any request, so one larger than the limit is not refused forever.
   if backlog > 0 and backlog + cost > limit then return {0, backlog, total} end
 end
-redis.call('SET', counter, total + cost)
+total = redis.call('INCRBY', counter, cost) - cost  -- an integer reply: never a float's printing
 redis.call('HSET', meta, unpack(ARGV, 8))
-redis.call('ZADD', classes, ARGV[7], ARGV[7])
+if ARGV[7] ~= '0' then redis.call('ZADD', classes, ARGV[7], ARGV[7]) end  -- class 0 is always read
 redis.call('XADD', stream, '*', ARGV[4], ARGV[5], 'tokens_before', total)
 return {1, backlog, total}
 """
@@ -177,20 +184,20 @@ def meta_or_none(data: dict[str, str]) -> RequestMeta | None:
 
 
 def parse_entries(entries: list) -> list[StreamEntry]:
-    return [(entry_id, codec.from_entry(TokenChunk, fields)) for entry_id, fields in entries]
+    return [(entry_id, parse_run(fields)) for entry_id, fields in entries]
 
 
 async def read_range(
     redis: aioredis.Redis, keys: Keys, request_id: str, first: str = "-", last: str = "+"
 ) -> list[StreamEntry]:
-    """Chunks already in the stream between two entry ids (inclusive)."""
+    """Runs already in the stream between two entry ids (inclusive)."""
     return parse_entries(await redis.xrange(keys.chunks(request_id), min=first, max=last))
 
 
 async def read_after(
     redis: aioredis.Redis, keys: Keys, request_id: str, after: str, block_ms: int | None
 ) -> list[StreamEntry]:
-    """Chunks after ``after``, waiting up to ``block_ms`` (None: not at all) when there are none yet."""
+    """Runs after ``after``, waiting up to ``block_ms`` (None: not at all) when there are none yet."""
     reply = await redis.xread({keys.chunks(request_id): after}, block=block_ms)
     if not reply:
         return []
@@ -199,12 +206,16 @@ async def read_after(
 
 async def read_many_after(
     redis: aioredis.Redis, keys: Keys, after: dict[str, str], block_ms: int | None
-) -> list[tuple[str, str, TokenChunk]]:
-    """(request id, entry id, chunk) after each request's ``after[id]``, in one XREAD over their streams."""
+) -> list[tuple[str, str, ChunkRun]]:
+    """(request id, entry id, run) after each request's ``after[id]``, in one XREAD over their streams."""
     by_key = {keys.chunks(request_id): request_id for request_id in after}
-    reply = await redis.xread({keys.chunks(request_id): last for request_id, last in after.items()}, block=block_ms)
+    streams = {keys.chunks(request_id): last for request_id, last in after.items()}
+    if client_is_cluster(redis):  # one XREAD per slot; none can block across them: poll
+        deadline = time.monotonic() + (block_ms or 0) / 1000
+        while not (reply := await xread_spread(redis, streams)) and time.monotonic() < deadline:
+            await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+    else:
+        reply = await redis.xread(streams, block=block_ms)
     return [
-        (by_key[stream], entry_id, chunk)
-        for stream, entries in reply or []
-        for entry_id, chunk in parse_entries(entries)
+        (by_key[stream], entry_id, run) for stream, entries in reply or [] for entry_id, run in parse_entries(entries)
     ]

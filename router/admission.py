@@ -215,12 +215,15 @@ class Views:
         self._views = views
         self._sent = {worker_id: sent for worker_id, sent in self._sent.items() if worker_id in loads}
 
-    def choose(self, candidate: Candidate, model: str | None = None, prompt_ids: Sequence[int] = ()) -> str | None:
+    def choose(
+        self, candidate: Candidate, model: str | None = None, prompt_ids: Sequence[int] = (), adapter: str | None = None
+    ) -> str | None:
         """A worker serving ``model`` that the candidate fits, by load and by what its cache holds
         of ``prompt_ids`` (the ids it may find cached: ``cacheable_prompt``; ``cache_aware_fit``),
         or None: the request waits. Where running requests hold a prefix of them, the candidate
-        counts only the rest. ``admit`` the chosen worker's candidate next."""
-        views = {worker_id: view for worker_id, view in self._views.items() if view.load.serves(model)}
+        counts only the rest; only workers that load the LoRA ``adapter`` (None: the base model) are
+        candidates. ``admit`` the chosen worker's candidate next."""
+        views = {worker_id: view for worker_id, view in self._views.items() if view.load.serves(model, adapter)}
         uses = {worker_id: view.use_ratio() for worker_id, view in views.items()}
         # Hashed for the choice, or for a discount (with --no-cache_aware too: that is admission).
         hashed = len(prompt_ids) >= PREFIX_BLOCK and (self.cache_aware or any(v.held for v in views.values()))
@@ -277,7 +280,8 @@ def cacheable_prompt(request: GenerateRequest) -> Sequence[int]:
     """The prompt ids a worker may find cached for ``request`` (``worker.engine.kv_slots``'s
     ``_matchable`` on the message): all but the last, whose logits it needs, and none when it asks
     for the prompt's logprobs before any output (a cached position has no logits to score). What
-    the router hashes, so neither a hit nor a discount counts a token the worker would prefill."""
-    if request.params.prompt_logprobs is not None and not request.resume_ids:
+    the router hashes, so neither a hit nor a discount counts a token the worker would prefill. None
+    for a LoRA adapter's request: its K/V is the adapter's, never shared through the prefix cache."""
+    if request.adapter is not None or (request.params.prompt_logprobs is not None and not request.resume_ids):
         return ()
     return request.prompt_ids[:-1]

@@ -53,11 +53,17 @@ from shared.schemas import GenerateRequest, RequestMeta
 # Per item: {1, id} written; {0, newer} not written, newer entries; {-1} record expired;
 # {2} not tried, as an earlier item to the same inbox was not written (order per inbox holds);
 # {3, id} not written: request ``id`` of a better class waits (strict classes, router.ordering),
-# and no later item of the call is tried either.
+# and no later item of the call is tried either; {4} not written: the request is in an inbox
+# already (this entry is a copy; acknowledged and out of the order).
 DISPATCH_LUA = """
 local group, max_newer, field = ARGV[1], ARGV[2], ARGV[3]
 local vtime, queued, served = KEYS[1], KEYS[2], KEYS[3]
 local tails, blocked, out, stop = {}, {}, {}, false
+-- Within this script only its own writes change what it reads, so a check passed once stays
+-- passed: no better-class request appears in a waiting set (it only loses the ones sent here),
+-- and an inbox it appended to has nothing newer than its own entry. Virtual times are written
+-- once at the end. (One call carries a burst's run: this keeps it to a few commands per item.)
+local clear, vtimes, unqueued, charged = {}, {}, {}, {}
 local a = 4
 for i = 0, (#KEYS - 3) / 6 - 1 do
   local inbox, load, meta = KEYS[4 + 6 * i], KEYS[5 + 6 * i], KEYS[6 + 6 * i]
@@ -67,8 +73,9 @@ for i = 0, (#KEYS - 3) / 6 - 1 do
   local status = {unpack(ARGV, a + 8, a + 7 + nstatus)}
   a = a + 8 + nstatus
   local better = {}
-  if not stop and not blocked[inbox] then
+  if not stop and not blocked[inbox] and not clear[waiting .. ' ' .. prio] then
     better = redis.call('ZRANGEBYSCORE', waiting, '-inf', '(' .. prio, 'LIMIT', 0, 1)
+    if #better == 0 then clear[waiting .. ' ' .. prio] = true end
   end
   if stop then
     out[i + 1] = {2}
@@ -77,33 +84,53 @@ for i = 0, (#KEYS - 3) / 6 - 1 do
   elseif #better > 0 then
     stop = true
     out[i + 1] = {3, better[1]}
-  elseif redis.call('EXISTS', load) == 0 then
+  elseif not tails[inbox] and redis.call('EXISTS', load) == 0 then
     blocked[inbox] = true
     out[i + 1] = {-1}
+  elseif redis.call('HEXISTS', meta, 'worker') == 1 then
+    -- Another entry of a request an inbox holds (whoever takes a request back removes its worker
+    -- first: shared.requeue): a copy a crash left behind. Dropped, so a request is in one inbox at
+    -- a time and only one worker holds a live epoch; an ended request keeps its worker, and so
+    -- never runs again either.
+    redis.call('XACK', ingress, group, entry)
+    if redis.call('ZREM', order, rid) == 1 then unqueued[member] = (unqueued[member] or 0) + 1 end
+    redis.call('ZREM', waiting, rid)
+    out[i + 1] = {4}
   else
-    local newer = redis.call('XRANGE', inbox, '(' .. (tails[inbox] or tail), '+', 'COUNT', max_newer)
+    local newer = {}
+    if not tails[inbox] then
+      newer = redis.call('XRANGE', inbox, '(' .. tail, '+', 'COUNT', max_newer)
+    end
     if #newer > 0 then
       blocked[inbox] = true
       out[i + 1] = {0, newer}
     else
-      local id = redis.call('XADD', inbox, '*', field, msg)
+      -- A new epoch (shared.request_log): the worker writes this request's chunks with it alone.
+      local epoch = redis.call('HINCRBY', meta, 'epoch', 1)
+      local id = redis.call('XADD', inbox, '*', field, msg, 'epoch', epoch)
       redis.call('HSET', meta, unpack(status))
       redis.call('XACK', ingress, group, entry)
       tails[inbox] = id  -- our own entry: not a conflict for the next item to this inbox
       -- Out of the order; the class's virtual time moves to the largest tag served.
       local tag = redis.call('ZSCORE', order, rid)
-      if redis.call('ZREM', order, rid) == 1 and redis.call('HINCRBY', queued, member, -1) <= 0 then
-        redis.call('HDEL', queued, member)
-      end
+      if redis.call('ZREM', order, rid) == 1 then unqueued[member] = (unqueued[member] or 0) + 1 end
       redis.call('ZREM', waiting, rid)
-      redis.call('HINCRBY', served, member, cost)
-      if tag and tonumber(tag) > tonumber(redis.call('HGET', vtime, prio) or '0') then
-        redis.call('HSET', vtime, prio, tag)
+      charged[member] = (charged[member] or 0) + tonumber(cost)
+      if tag then
+        if vtimes[prio] == nil then vtimes[prio] = {redis.call('HGET', vtime, prio) or '0', false} end
+        if tonumber(tag) > tonumber(vtimes[prio][1]) then vtimes[prio] = {tag, true} end
       end
       out[i + 1] = {1, id}
     end
   end
 end
+for prio, v in pairs(vtimes) do
+  if v[2] then redis.call('HSET', vtime, prio, v[1]) end  -- the tag as ZSCORE gave it: no float printing
+end
+for member, n in pairs(unqueued) do
+  if redis.call('HINCRBY', queued, member, -n) <= 0 then redis.call('HDEL', queued, member) end
+end
+for member, tokens in pairs(charged) do redis.call('HINCRBY', served, member, tokens) end
 return out
 """
 MAX_NEWER = 256  # entries handed back per conflict; the router asks again for more
@@ -114,6 +141,7 @@ class Outcome:
     inbox_id: str | None = None  # set: dispatched
     newer: list[tuple[str, GenerateRequest]] | None = None  # set: not written, learn these and decide again
     behind: str | None = None  # set: not written, this request of a better class waits somewhere
+    duplicate: bool = False  # not written: another entry of the request is in an inbox (this one is gone)
     # neither: the worker's record expired; leave it to the janitor
 
 
@@ -158,6 +186,8 @@ def _outcome(reply: list) -> Outcome:
         return Outcome(newer=[])  # not tried: decide again
     if status == 3:
         return Outcome(newer=[], behind=_text(rest[0]))
+    if status == 4:
+        return Outcome(duplicate=True)
     return Outcome()
 
 

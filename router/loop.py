@@ -34,6 +34,7 @@ from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_w
 from router.preempt import Preempter, heads
 from router.registry import read_registry
 from router.reservations import Reservations
+from router.tenant_records import TenantRecords
 from shared import ingress
 from shared.admission import AdmissionRule, request_states
 from shared.batch_view import Candidate
@@ -59,7 +60,8 @@ class Router:
         self.rule = AdmissionRule(settings.admission_rule)
         self._next_history_read = 0.0
         self.queue = OrderedQueue()
-        self.tagger = Tagger(client, self.keys, parse_weights(settings.tenant_weights))
+        self.tagger = Tagger(client, self.keys, parse_weights(settings.tenant_weights), settings.max_tenants)
+        self.tenant_records = TenantRecords(client, self.keys, settings.max_tenants)  # kept bounded
         self.stop_event = threading.Event()
         # Per class stream (shared.ingress): "0" first, our own pending entries (after a restart)
         # page by page, then ">" for new ones. A stream is listed here once its group exists.
@@ -109,7 +111,8 @@ class Router:
         return dispatched
 
     def _housekeeping(self) -> None:
-        """Once per liveness period: say we are alive, take over dead routers' entries.
+        """Once per liveness period: say we are alive, drop fair-share records that change no tag
+        any more (``router.tenant_records``), take over dead routers' entries.
 
         Also recreates the consumer group if Redis lost it (a restart without persistence).
         """
@@ -120,6 +123,7 @@ class Router:
         for stream in self._read_ids:
             ensure_group(self.client, stream, ROUTER_GROUP)
         liveness.beat(self.client, self.keys, self.router_id, self.settings.liveness_ttl_s)
+        self.tenant_records.compact()
         for priority, entries in liveness.claim_from_dead_routers(self.client, self.keys, self.router_id):
             self._take(priority, entries)
 
@@ -180,8 +184,8 @@ class Router:
             if request is not None:
                 taken.append((name, request))
                 self._queued_ids.add(name)
-        for (name, request), tag in zip(taken, self.tagger.tags([r for _, r in taken])):
-            self.queue.add(name, request, tag)
+        for (name, _), (tag, request) in zip(taken, self.tagger.tags([r for _, r in taken])):
+            self.queue.add(name, request, tag)  # the request as charged: maybe to ``other``
 
     def _parse(self, priority: int, entry_id: str, fields: dict) -> GenerateRequest | None:
         try:
@@ -262,6 +266,12 @@ class Router:
                 self._queued_ids.discard(item.entry_id)
                 self.queue.drop(item.entry_id)
                 continue
+            if outcome.duplicate:  # a copy of a request an inbox holds: gone, and not counted anywhere
+                log.warning("%s is in an inbox already: a second entry of it was dropped", item.request.id)
+                self._queued_ids.discard(item.entry_id)
+                self.queue.drop(item.entry_id)
+                rebuild.add(item.worker_id)
+                continue
             if outcome.behind is not None and behind is None:  # the waiting request, and its model's set
                 behind = (outcome.behind, item.request.model)
             back.append((item.entry_id, item.request))  # another router got there first, or the worker died
@@ -301,7 +311,7 @@ class Router:
         # A request below the default class is checked with the reserved slots taken (router.ordering).
         reserve = reserved_slots(self.settings.priority_reserve_slots if request.priority > 0 else 0)
         checked = Candidate(request_states(request) + reserve, self.rule.policy) if reserve else candidate
-        worker_id = self.views.choose(checked, request.model, cacheable_prompt(request))  # cache-aware
+        worker_id = self.views.choose(checked, request.model, cacheable_prompt(request), request.adapter)  # cache-aware
         if worker_id is not None:
             self.views.admit(worker_id, candidate)
         return worker_id
@@ -314,9 +324,8 @@ class Router:
 
     def _finish(self, entry_id: str, request: GenerateRequest, status: RequestStatus, reason) -> None:
         """End a request that never reached a worker (cancelled or past its deadline)."""
-        pipe = self.client.pipeline(transaction=True)
-        end_request(
-            pipe,
+        end_request(  # fenced: refused if it ended meanwhile; acknowledged either way
+            self.client,
             self.keys,
             request.id,
             status=status,
@@ -324,6 +333,7 @@ class Router:
             num_output=request.num_emitted,
             ttl_s=self.settings.redis.request_ttl_s,
         )
+        pipe = self.client.pipeline(transaction=True)
         stream, raw_id = ingress.locate(self.keys, entry_id)  # the stream it was read from
         pipe.xack(stream, ROUTER_GROUP, raw_id)
         forget(pipe, self.keys, request)

@@ -24,6 +24,7 @@ from shared.keys import ROUTER_GROUP, split_class_tenant_field
 from shared.peak import ReqState
 from shared.redis import group_backlog
 from shared.schemas import GenerateRequest, WorkerLoad
+from shared.tenant_series import top_tenants
 
 DECISIONS_FLUSH_S = 1.0
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -199,7 +200,8 @@ class RouterCollector(Collector):
 def _shares(router: Router) -> Iterable[Metric]:
     """The order's state in Redis (router.ordering), the same from every router: requests queued
     per class and per tenant, and tokens dispatched per tenant (prompt + max_new_tokens, what the
-    fair share counts)."""
+    fair share counts); per class ``--metrics_tenants`` tenants and ``other`` (``shared.tenant_series``)."""
+    k = router.settings.metrics_tenants
     pipe = router.client.pipeline(transaction=False)
     pipe.hgetall(router.keys.tenant_queued())
     pipe.hgetall(router.keys.tenant_served())
@@ -217,14 +219,15 @@ def _shares(router: Router) -> Iterable[Metric]:
         "lightq:queue_tenant_depth",
         "requests queued per priority class and tenant",
         ["priority", "tenant"],
-        [([str(p), t], n) for (p, t), n in sorted(queued.items())],
+        [([str(p), t], n) for (p, t), n in sorted(top_tenants(queued, k, sum_rest=True).items())],
     )
     family = CounterMetricFamily(
         "lightq:tenant_dispatched_tokens",
-        "tokens dispatched per priority class and tenant (prompt + max_new_tokens per open sample)",
+        "tokens dispatched per priority class and tenant (prompt + max_new_tokens per open sample); "
+        "the --metrics_tenants tenants with the most, and other",
         labels=["priority", "tenant"],
     )
-    for (p, t), n in sorted(served.items()):
+    for (p, t), n in sorted(top_tenants(served, k, sum_rest=False).items()):
         family.add_metric([str(p), t], n)
     yield family
 

@@ -33,6 +33,15 @@ budget; all tenants are charged the same way.
 
 A requeued request (worker death, drain, preemption) is a new ingress
 entry and is tagged again, charged for what it still has to run.
+
+Bounded state. Tenants can be anyone (OpenAI's ``user`` without keys), so a
+class keeps fair-share records (``vtc``) of at most ``--max_tenants``
+tenants: a request whose tenant has none when its class is full is charged
+to the ``other`` tenant, for its tag and its counters (``default``,
+``other`` and the tenants named in ``--tenant_weights`` always get their
+own). The router that tags it notes ``charged_to`` in its status hash, so
+a router that reads it again charges it alike. Records that no longer
+change any tag are dropped again (``router.tenant_records``).
 """
 
 from __future__ import annotations
@@ -46,33 +55,62 @@ import redis
 from shared import ingress
 from shared.keys import Keys, class_tenant_field
 from shared.peak import ReqState
-from shared.schemas import GenerateRequest, RequestStatus
+from shared.schemas import DEFAULT_TENANT, OTHER_TENANT, GenerateRequest, RequestStatus
 
 log = logging.getLogger("lightq.router")
 
-# KEYS: vtime, tenant_queued, then per item: order(priority), vtc(priority), waiting(model)
-# ARGV: per item: request id, priority, tenant, cost, weight
-# Returns each item's tag as a string (a Lua number would be truncated to an integer reply).
+# KEYS: vtime, tenant_queued, then per item: order(priority), vtc(priority), waiting(model), meta
+# ARGV: most tenants a class keeps records of, the overflow tenant, its weight; then per item:
+#       request id, priority, tenant, cost, weight, 1 if the tenant always gets a record of its own
+# Returns per item {tag, the tenant charged}; the tag as a string (a Lua number would be truncated
+# to an integer reply).
 TAG_LUA = """
-local out = {}
-for i = 0, (#KEYS - 2) / 3 - 1 do
-  local order, vtc, waiting = KEYS[3 + 3 * i], KEYS[4 + 3 * i], KEYS[5 + 3 * i]
-  local a = 1 + 5 * i
+local cap, other, other_weight = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+-- A tenant's finish tag, a class's virtual time and the queued counts are read once per call and
+-- written once at its end (a read's entries are mostly a few tenants'): per entry, three commands.
+local out, vtimes, finish, added, queued = {}, {}, {}, {}, {}
+for i = 0, (#KEYS - 2) / 4 - 1 do
+  local order, vtc, waiting, meta = KEYS[3 + 4 * i], KEYS[4 + 4 * i], KEYS[5 + 4 * i], KEYS[6 + 4 * i]
+  local a = 4 + 6 * i
   local rid, prio, tenant = ARGV[a], ARGV[a + 1], ARGV[a + 2]
-  local cost, weight = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  local cost, weight, own = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), ARGV[a + 5] == '1'
   local tag = redis.call('ZSCORE', order, rid)
-  if not tag then
-    local v = tonumber(redis.call('HGET', KEYS[1], prio) or '0')
-    local f = tonumber(redis.call('HGET', vtc, tenant) or '0')
-    local s = math.max(v, f)
-    redis.call('HSET', vtc, tenant, string.format('%.17g', s + cost / weight))
+  if tag then  -- read before (a restart, a dead router's entry): charged as then
+    tenant = redis.call('HGET', meta, 'charged_to') or tenant
+  else
+    local held = finish[vtc] or {}
+    finish[vtc] = held
+    if held[tenant] == nil then
+      held[tenant] = {redis.call('HGET', vtc, tenant), false}
+      if held[tenant][1] == false and not own then  -- a new record: is there room for it?
+        if redis.call('HLEN', vtc) + (added[vtc] or 0) >= cap then
+          held[tenant] = nil
+          tenant, weight = other, other_weight
+          if redis.call('EXISTS', meta) == 1 then  -- never a hash without its TTL
+            redis.call('HSET', meta, 'charged_to', other)
+          end
+          if held[tenant] == nil then held[tenant] = {redis.call('HGET', vtc, tenant), false} end
+        end
+      end
+      if held[tenant][1] == false then added[vtc] = (added[vtc] or 0) + 1 end
+    end
+    if vtimes[prio] == nil then vtimes[prio] = tonumber(redis.call('HGET', KEYS[1], prio) or '0') end
+    local s = math.max(vtimes[prio], tonumber(held[tenant][1] or '0'))
+    held[tenant] = {string.format('%.17g', s + cost / weight), true}
     redis.call('ZADD', order, s, rid)
     redis.call('ZADD', waiting, prio, rid)
-    redis.call('HINCRBY', KEYS[2], prio .. ':' .. tenant, 1)
+    local member = prio .. ':' .. tenant
+    queued[member] = (queued[member] or 0) + 1
     tag = string.format('%.17g', s)
   end
-  out[i + 1] = tag
+  out[i + 1] = {tag, tenant}
 end
+for vtc, held in pairs(finish) do
+  for tenant, f in pairs(held) do
+    if f[2] then redis.call('HSET', vtc, tenant, f[1]) end
+  end
+end
+for member, n in pairs(queued) do redis.call('HINCRBY', KEYS[2], member, n) end
 return out
 """
 
@@ -107,21 +145,30 @@ def cost(request: GenerateRequest) -> int:
 
 
 class Tagger:
-    """Assigns (or finds) the tags of entries a router takes, in one round trip per read."""
+    """Assigns (or finds) the tags of entries a router takes, in one round trip per read, and the
+    tenant each is charged to (its own, or ``other`` past ``max_tenants``)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, weights: dict[str, float]):
-        self.keys, self.weights = keys, weights
+    def __init__(self, client: redis.Redis, keys: Keys, weights: dict[str, float], max_tenants: int = 1000):
+        self.keys, self.weights, self.max_tenants = keys, weights, max_tenants
         self.script = client.register_script(TAG_LUA)
 
-    def tags(self, requests: list[GenerateRequest]) -> list[float]:
+    def tags(self, requests: list[GenerateRequest]) -> list[tuple[float, GenerateRequest]]:
+        """Each request's tag, and the request as it is charged (``tenant`` replaced by ``other``
+        when its class had no room for its tenant): what the router holds and dispatches."""
         if not requests:
             return []
         keys = [self.keys.vtime(), self.keys.tenant_queued()]
-        args: list = []
+        args: list = [self.max_tenants, OTHER_TENANT, self.weights.get(OTHER_TENANT, 1.0)]
         for r in requests:
             keys += [self.keys.order(r.priority), self.keys.vtc(r.priority), self.keys.waiting(r.model)]
-            args += [r.id, r.priority, r.tenant, cost(r), self.weights.get(r.tenant, 1.0)]
-        return [float(tag) for tag in self.script(keys=keys, args=args)]
+            keys += [self.keys.meta(r.id)]
+            own = r.tenant in self.weights or r.tenant in (DEFAULT_TENANT, OTHER_TENANT)
+            args += [r.id, r.priority, r.tenant, cost(r), self.weights.get(r.tenant, 1.0), int(own)]
+        out = []
+        for r, (tag, tenant) in zip(requests, self.script(keys=keys, args=args)):
+            tenant = _text(tenant)
+            out.append((float(tag), r if tenant == r.tenant else r.model_copy(update={"tenant": tenant})))
+        return out
 
 
 # KEYS: the class's order, waiting, tenant_queued; ARGV: request id, "priority:tenant"

@@ -4,14 +4,15 @@ When the head of the queue (the best class this router holds) fits no
 worker, waiting for running requests of worse classes to finish is what
 made a better class's time to first token several times its unloaded value
 at overload (bench/RESULTS.md). So the router asks one worker to pause
-enough of them (``shared.schemas.PreemptAsk`` on its ``{w:ID}:preempt``
+enough of them (``shared.schemas.PreemptAsk`` on its ``{q}:w:ID:preempt``
 list): the one whose record lists the worst class (``WorkerLoad.preemptible``;
 ties: more tokens in classes worse than the request's, then the lesser id).
 An ask makes room for the head and up to ``ASK_MOST - 1`` requests of its
 class right behind it (``heads``), no more than the worker has requests to
 pause (a pause frees one request slot: without that bound, a burst of
 short prompts booked few tokens an ask and was sent, dozens deep, into the
-queue of a worker that could free 7 slots, out of the router's fair order),
+queue of a worker that could free 7 slots, out of the router's fair order;
+a paused group frees a slot per sample),
 and the router sends them to that worker's inbox with it (``Router._preempt_for``): the worker reads both in
 one round trip, decides which requests to pause and how many
 (``worker.engine.preempt``), hands those back to the queue with their
@@ -62,7 +63,11 @@ def victim_worker(
     pause (``Reservations.preemptible``: its record's, plus requests sent since); default the records'."""
     best: tuple[int, int, str] | None = None
     for worker_id, load in loads.items():
-        if load.draining or not load.serves(request.model) or request.max_tokens_needed > load.max_total_tokens:
+        if (
+            load.draining
+            or not load.serves(request.model, request.adapter)
+            or request.max_tokens_needed > load.max_total_tokens
+        ):
             continue  # (a request its pool can never hold would be refused there)
         classes = load.preemptible if preemptible is None else preemptible.get(worker_id, load.preemptible)
         tokens, requests = room(classes, request.priority, (promised or {}).get(worker_id, (0, 0)))

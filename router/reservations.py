@@ -36,16 +36,19 @@ class Pausable(NamedTuple):
     """A dispatched request a better class could pause once its worker holds it."""
 
     priority: int
-    held: int  # the tokens it holds there (prompt and emitted)
+    held: int  # the tokens it holds there (prompt and emitted; a group's prompt once)
     preemptions: int  # times paused already (the worker pauses one at most --max_preemptions times)
+    slots: int = 1  # request slots its pause frees: a group's open samples
 
 
 def pausable(request: GenerateRequest) -> Pausable | None:
-    """``request`` as a worker's preemption would see it: None for what it never pauses (a group's
-    samples, a request sending prompt log-probabilities: ``worker.engine.request.can_preempt``)."""
-    if request.n > 1 or request.params.prompt_logprobs is not None:
+    """``request`` as a worker's preemption would see it (a group whole, as
+    ``worker.engine.load.preemptible_classes`` lists it): None for a request sending prompt
+    log-probabilities, which this router does not count on pausing."""
+    if request.params.prompt_logprobs is not None:
         return None
-    return Pausable(request.priority, request_states(request)[0].held, request.preemptions)
+    states = request_states(request)
+    return Pausable(request.priority, sum(s.held for s in states), request.preemptions, len(states))
 
 
 class Reservations:
@@ -99,7 +102,7 @@ class Reservations:
         out = {}
         for worker_id, load in loads.items():
             sent = self._pausable.get(worker_id, {}).values()
-            pausable = [(p.priority, p.held, 1) for p in sent if p.preemptions < load.max_preemptions]
+            pausable = [(p.priority, p.held, p.slots) for p in sent if p.preemptions < load.max_preemptions]
             out[worker_id] = tally_preemptible([*load.preemptible, *pausable])
         return out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.keys import Keys
@@ -19,6 +19,9 @@ from shared.keys import Keys
 # How often the router and the worker look up the cancel keys of the requests they hold: a cancel
 # waits at most this long to be seen (a lookup is one round trip for every request held).
 CANCEL_CHECK_S = 0.05
+# Chunk runs (worker.service.pending): a request's tokens are written together at most this often,
+# so a token costs Redis a share of one entry, not an entry of its own (bench/serving/redis_cost.py).
+STREAM_FLUSH_MS = 50.0
 
 
 def _frozen(prefix: str) -> SettingsConfigDict:
@@ -29,7 +32,16 @@ class RedisSettings(BaseSettings):
     """Where Redis is and which key namespace this deployment owns."""
 
     model_config = _frozen("LIGHTQ_REDIS_")
-    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis:// or rediss://)")
+    url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis URL: redis:// or rediss:// (one server), or redis+cluster://HOST:PORT[,HOST:PORT...] "
+        "(rediss+cluster://) for a Redis Cluster, any of its nodes as seeds",
+    )
+    rq_url: str = Field(
+        "",
+        description="the plain Redis batch jobs' rq queue uses (rq has no cluster client); "
+        "empty: --redis_url, which must then be one server (on a cluster, batches answer 501)",
+    )
     key_prefix: str = Field("lightq", description="namespace of every key lightq writes")
     request_ttl_s: int = Field(3600, gt=0, description="seconds a finished request's records stay readable")
     max_connections: int = Field(
@@ -40,6 +52,15 @@ class RedisSettings(BaseSettings):
     def keys(self) -> Keys:
         """This deployment's key names: the one way a process builds its ``Keys``."""
         return Keys(self.key_prefix)
+
+    @property
+    def cluster(self) -> bool:
+        return self.url.split("://", 1)[0].endswith("+cluster")
+
+    @property
+    def batch_url(self) -> str:
+        """Where rq's queue is: ``rq_url``, else ``url`` when that is one server; '' on a cluster without one."""
+        return self.rq_url or ("" if self.cluster else self.url)
 
 
 class ModelSettings(BaseSettings):
@@ -60,6 +81,31 @@ class ModelSettings(BaseSettings):
         "requests go only to workers serving it (default: the model's file or "
         "folder name)",
     )
+    # In ModelSettings, not the worker's alone: the producer answers an unknown adapter with a 404
+    # before anything is queued, from this same list (lightq serve gives every child the same flags);
+    # workers load the files and publish the names they serve, which the router routes by.
+    lora_modules: list[str] = Field(
+        [],  # pydantic copies a default: no instance shares this list
+        description="LoRA adapters served beside the model, each NAME=PATH (a PEFT folder: adapter_config.json "
+        "+ adapter_model.safetensors); a request chooses one by NAME (OpenAI's 'model', /generate's "
+        "'parameters.adapter'); one that does not fit the model stops the worker at start",
+    )
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _check_lora_modules(cls, specs: list[str]) -> list[str]:
+        names = [spec.split("=", 1)[0] for spec in specs]
+        bad = [spec for spec in specs if "=" not in spec or not spec.split("=", 1)[0] or not spec.split("=", 1)[1]]
+        if bad:
+            raise ValueError(f"each --lora_modules entry is NAME=PATH, not {bad[0]!r}")
+        if len(set(names)) < len(names):
+            raise ValueError(f"--lora_modules names an adapter twice: {sorted(names)}")
+        return specs
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """The names --lora_modules gives, in order (each NAME=PATH's NAME)."""
+        return [spec.split("=", 1)[0] for spec in self.lora_modules]
 
 
 class BatchSettings(BaseSettings):
@@ -140,6 +186,20 @@ class ProducerSettings(BaseSettings):
         "outage, reconnecting with backoff, before it gives up",
     )
     max_body_bytes: int = Field(2 * 1024 * 1024, gt=0, description="largest request body (413 past it)")
+    # A schema's parse grows with its nesting much faster than linearly (xgrammar: 4 ms at 64 levels
+    # of JSON, 3 s at 400, 42 s at 800), so both bounds are checked before anything parses it.
+    max_schema_chars: int = Field(
+        200_000,
+        gt=0,
+        description="largest JSON schema, regex or grammar a request may constrain its output with, in "
+        "characters (response_format, guided_json and the like, each tool's parameters); 400 past it",
+    )
+    max_schema_depth: int = Field(
+        64,
+        gt=0,
+        description="deepest nesting of objects and arrays in a JSON schema a request sends (a schema level "
+        "is about two: properties, then the property); 400 past it",
+    )
     max_batch_body_bytes: int = Field(
         200 * 1024 * 1024, gt=0, description="largest batch file upload (POST /v1/batches; OpenAI's limit)"
     )
@@ -172,6 +232,17 @@ class ProducerSettings(BaseSettings):
         "per auth_failure_window_s before it gets 429 (0: no limit)",
     )
     auth_failure_window_s: float = Field(10.0, gt=0, description="window of max_auth_failures, in seconds")
+    forwarded_allow_ips: str = Field(
+        "",
+        description="comma-separated addresses or networks of proxies whose X-Forwarded-For and "
+        "X-Forwarded-Proto are trusted ('*': any); none: the connection's own address is the client's",
+    )
+    metrics_tenants: int = Field(
+        16,
+        ge=0,
+        description="tenants per priority class with /metrics series of their own (the most queued, the "
+        "most tokens dispatched); the rest are tenant 'other'",
+    )
     batch: BatchSettings = Field(default_factory=BatchSettings)
 
 
@@ -225,6 +296,18 @@ class RouterSettings(BaseSettings):
         pattern=r"^$|^[^=,\s]+=[0-9]*\.?[0-9]+(,[^=,\s]+=[0-9]*\.?[0-9]+)*$",
         description="fair-share weights, 'tenant=weight,...' (others weigh 1): weight 2 gets twice the tokens",
     )
+    max_tenants: int = Field(
+        1000,
+        gt=0,
+        description="tenants with a fair-share record per priority class; a new tenant past them shares "
+        "the 'other' tenant's (those in tenant_weights and 'default' always have their own)",
+    )
+    metrics_tenants: int = Field(
+        16,
+        ge=0,
+        description="tenants per priority class with /metrics series of their own (the most queued, the "
+        "most tokens dispatched); the rest are tenant 'other'",
+    )
     cache_aware: bool = Field(
         True,
         description="prefer workers whose prefix cache holds the prompt's prefix, traded against load "
@@ -264,6 +347,17 @@ class WorkerSettings(BaseSettings):
     worker_id: str = Field("", description="unique worker id (default: host-pid)")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:N]'")
     dtype: str = Field("auto", description="'auto' (bf16 on GPU, fp32 on CPU), 'float32', 'float16', 'bfloat16'")
+    quantization: Literal["none", "fp8"] = Field(
+        "none",
+        description="'fp8': the linear layers' weights (per output channel) and inputs (per token) in FP8 e4m3, "
+        "quantised at load; a checkpoint published in FP8 (quantization_config 'fp8' or compressed-tensors "
+        "'float-quantized') loads as FP8 whatever this says",
+    )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto",
+        description="KV pool storage: 'auto' (the model dtype) or 'fp8_e4m3' (8 bits with a scale per token and "
+        "head: about 1.9x the tokens in the same memory)",
+    )
     max_total_token_num: int | None = Field(
         None, gt=0, description="tokens in the preallocated KV pool (default: from free GPU memory, 8192 on CPU)"
     )
@@ -300,6 +394,12 @@ class WorkerSettings(BaseSettings):
         description="publisher processes per worker (detokenising and Redis writes, each "
         "a shard of the requests; default: 1, 2 with 16 cores or more)",
     )
+    stream_flush_ms: float = Field(
+        STREAM_FLUSH_MS,
+        ge=0,
+        description="how long a publisher gathers a request's tokens into one chunk entry (a run) before "
+        "writing it to Redis; a request's first token and its end are written at once (0: every step)",
+    )
     prefix_cache: bool = Field(
         True,
         description="keep ended requests' K/V in a radix tree over the KV pool, so later requests with "
@@ -310,7 +410,8 @@ class WorkerSettings(BaseSettings):
         30.0,
         gt=0,
         description="seconds a constrained request waits for its grammar to compile (off the model loop, "
-        "while the batch runs) before it ends with an error",
+        "while the batch runs) before it ends with an error (400 constraint_too_costly; a compile no "
+        "request waits for any more is stopped)",
     )
     admission_rule: AdmissionSettings = Field(default_factory=AdmissionSettings)  # named as the router's
     drain_timeout: float = Field(
@@ -325,12 +426,30 @@ class WorkerSettings(BaseSettings):
         description="folder where a .gguf's dequantised weights are kept (fp32 safetensors, one file per "
         "GGUF), so later starts skip the dequantisation ('': never kept)",
     )
+    max_lora_rank: int = Field(
+        64, gt=0, le=256, description="largest LoRA rank --lora_modules may load (a larger one stops the worker)"
+    )
     seed: int = Field(0, description="seed for dummy weights")
     counting_step_ms: float = Field(
         0.0,
         ge=0,
         description="with --model_dir counting: milliseconds each forward also waits, cores idle, like a "
         "device's step (benchmarks of the serving path on a small CPU)",
+    )
+    # Fault injection for tests (issue 34): a request that kills every worker it reaches, made on purpose
+    # now that the stand-in's own such bug is fixed. Ids >= 4,096 (the stand-in's vocabulary) come only
+    # from a prompt: no output ever counts up to one, so ordinary requests never trip them.
+    counting_raise_token: int = Field(
+        -1,
+        ge=-1,
+        description="with --model_dir counting, for tests only: a forward whose input holds this token id "
+        "raises, which ends the worker with an error (-1: never)",
+    )
+    counting_exit_token: int = Field(
+        -1,
+        ge=-1,
+        description="with --model_dir counting, for tests only: a forward whose input holds this token id "
+        "ends the worker process at once (os._exit, no clean-up, as a crash of native code) (-1: never)",
     )
     eos_id: list[int] | None = Field(
         None,

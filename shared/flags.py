@@ -15,6 +15,7 @@ or are accepted and ignored where lightq has nothing to choose.
 from __future__ import annotations
 
 import argparse
+import json
 from importlib import metadata
 from typing import Any, Literal, get_args, get_origin
 
@@ -94,6 +95,8 @@ def _argument(info: Any) -> dict[str, Any]:
         return {"action": argparse.BooleanOptionalAction}
     if get_origin(annotation) is Literal:
         return {"choices": list(get_args(annotation))}
+    if get_origin(annotation) is list and get_args(annotation) == (str,):
+        return {"nargs": "+", "type": str, "metavar": "VALUE"}  # list[str]: ``--lora_modules a=/x b=/y``
     inner = [a for a in get_args(annotation) if a is not type(None)]
     if annotation not in METAVARS and len(inner) == 1 and inner[0] in METAVARS:
         annotation = inner[0]  # ``int | None``: an int when given
@@ -209,5 +212,5 @@ def as_env(flags: dict[str, Any]) -> dict[str, str]:
 
 def _env_value(value: Any) -> str:
     if isinstance(value, list):
-        return "[" + ", ".join(str(item) for item in value) + "]"
+        return json.dumps(value)  # ``[2, 7]``, ``["a=/x"]``: JSON, as pydantic reads lists
     return str(value)

@@ -23,6 +23,7 @@ import redis
 
 from shared import ingress
 from shared.keys import Keys
+from shared.redis import primaries
 from shared.request_log import now_ms
 from shared.schemas import RequestMeta, stream_id
 
@@ -63,23 +64,24 @@ def _trim(client: redis.Redis, stream: str) -> int:
 
 
 def sweep_request_records(client: redis.Redis, keys: Keys, ttl_s: int, count: int) -> dict[str, int]:
-    """One step of the sweep over request records without a TTL; how many requests' leftovers were
-    deleted, and how many ended requests got their TTL."""
-    cursor = int(client.get(keys.housekeeping_cursor()) or 0)
-    cursor, found = client.scan(cursor=cursor, match=f"{_glob_escape(keys.prefix)}:{{r:*}}:*", count=count)
+    """One step of the sweep over request records without a TTL (on a cluster, a step on each
+    primary); how many requests' leftovers were deleted, and how many ended requests got their TTL."""
     deleted = expired = 0
-    ids = {_request_id(key) for key in found if client.ttl(key) == -1}
-    for request_id in sorted(request_id for request_id in ids if request_id is not None):
-        raw = client.hgetall(keys.meta(request_id))
-        if not raw:
-            deleted += _delete_if_quiet(client, keys, request_id, ttl_s)
-        elif "status" not in raw or RequestMeta.from_hash(raw).status.is_terminal:
-            # A hash without its status (a write after the record expired, an emptied Redis) is
-            # an unknown request to every reader (a 404): its keys go like an ended request's.
-            # (EXPIRE NX would do, but it needs Redis 7; the embedded one is 6.2)
-            lacking = [key for key in keys.all_request_keys(request_id) if client.ttl(key) == -1]
-            expired += any([client.expire(key, ttl_s) for key in lacking])
-    client.set(keys.housekeeping_cursor(), cursor)
+    for node, server in enumerate(primaries(client)):
+        cursor = int(client.get(keys.housekeeping_cursor(node)) or 0)
+        cursor, found = server.scan(cursor=cursor, match=f"{_glob_escape(keys.prefix)}:*", count=count)
+        ids = {_request_id(keys, key) for key in found if server.ttl(key) == -1}
+        for request_id in sorted(request_id for request_id in ids if request_id is not None):
+            raw = client.hgetall(keys.meta(request_id))
+            if not raw:
+                deleted += _delete_if_quiet(client, keys, request_id, ttl_s)
+            elif "status" not in raw or RequestMeta.from_hash(raw).status.is_terminal:
+                # A hash without its status (a write after the record expired, an emptied Redis) is
+                # an unknown request to every reader (a 404): its keys go like an ended request's.
+                # (EXPIRE NX would do, but it needs Redis 7; the embedded one is 6.2)
+                lacking = [key for key in keys.all_request_keys(request_id) if client.ttl(key) == -1]
+                expired += any([client.expire(key, ttl_s) for key in lacking])
+        client.set(keys.housekeeping_cursor(node), cursor)
     return {"deleted": deleted, "expired": expired}
 
 
@@ -88,15 +90,17 @@ def _delete_if_quiet(client: redis.Redis, keys: Keys, request_id: str, ttl_s: in
     last = client.xrevrange(keys.chunks(request_id), count=1) if client.exists(keys.chunks(request_id)) else []
     if last and now_ms() - stream_id(last[0][0])[0] < ttl_s * 1000:
         return 0
-    return int(client.delete(keys.chunks(request_id), keys.cancel(request_id)) > 0)
+    gone = [client.delete(key) for key in (keys.chunks(request_id), keys.cancel(request_id))]  # two slots
+    return int(any(gone))
 
 
-_REQUEST_KEY = re.compile(r":\{r:(?P<id>[^}]+)\}:")
-
-
-def _request_id(key: str) -> str | None:
-    match = _REQUEST_KEY.search(key)
-    return match.group("id") if match else None
+def _request_id(keys: Keys, key: str) -> str | None:
+    """The request a key belongs to (``shared.keys``: ``P:{q}:r:ID:meta|cancel``, ``P:{rN-K}:ID:chunks``)."""
+    rest = key[len(keys.prefix) + 1 :]
+    match = re.fullmatch(r"\{q\}:r:(?P<id>.+):(?:meta|cancel)|\{r\d+-\d+\}:(?P<data>.+):chunks", rest)
+    if match is None:
+        return None
+    return match.group("id") or match.group("data")
 
 
 def _glob_escape(text: str) -> str:

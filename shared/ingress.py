@@ -10,8 +10,9 @@ always in view, and a window bounds what it holds per class.
 
 Whoever appends to a class's stream also adds the class to
 ``Keys.classes()`` (in the same transaction or script), so readers find the
-streams by one ZRANGE; class 0's stream is always listed (the default, and
-the one deployments without priorities use). A class's set member is never
+streams by one ZRANGE; class 0's stream is always read, listed or not (the
+default, and the one deployments without priorities use: the producer's
+enqueue skips the ZADD for it). A class's set member is never
 removed: an empty stream costs a key.
 """
 

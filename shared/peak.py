@@ -169,7 +169,7 @@ def check(
     """Admission of ``candidate`` beside ``states`` on one pool, from scratch: the resulting
     use / pool, or None if it does not fit. The reference: the router and the worker ask
     ``shared.batch_view.BatchView``, which gives these answers faster (tests/shared/test_batch_view.py,
-    tests/router/test_worker_view.py); bench/scheduler_sim.py runs this. A group is admitted
+    tests/router/test_worker_view.py); bench/sim/scheduler_sim.py runs this. A group is admitted
     whole: pass its samples' states (``group_states``) as ``candidate``."""
     candidates = [candidate] if isinstance(candidate, ReqState) else list(candidate)
     if max_requests is not None and len(states) + len(candidates) > max_requests:

@@ -1,17 +1,17 @@
 """Typed messages for every hop, serialised as JSON by ``shared.codec``.
 
-producer --GenerateRequest--> {q}:requests --router--> {w:ID}:inbox --> worker
-worker --TokenChunk--> {r:ID}:chunks (durable) and {r:ID}:tokens (pub/sub)
-worker --WorkerLoad--> {w:ID}:load (heartbeat with TTL)
+producer --GenerateRequest--> {q}:requests --router--> {q}:w:ID:inbox --> worker
+worker --ChunkRun--> {rN-K}:ID:chunks (durable) and {rN-K}:ID:tokens (pub/sub); readers see TokenChunks
+worker --WorkerLoad--> {q}:w:ID:load (heartbeat with TTL)
 router, worker --DeadLetter--> {q}:dead (read by ``lightq dead-letters``)
-router --PreemptAsk--> {w:ID}:preempt --> worker
+router --PreemptAsk--> {q}:w:ID:preempt --> worker
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
@@ -19,6 +19,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI chat's limit (completions' is 5)
 # Priorities are small integers: each one in use is a sorted set of its own in Redis (router.ordering).
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
 DEFAULT_TENANT = "default"
+# The fair-share bucket of tenants past the router's --max_tenants, and the /metrics series of
+# tenants past --metrics_tenants (router.ordering): per-tenant state stays bounded.
+OTHER_TENANT = "other"
 MAX_TENANT_CHARS = 128
 
 FinishReason = Literal["stop", "length", "cancelled", "error", "expired"]
@@ -47,12 +50,29 @@ class Constraint(_Frozen):
     ``spec`` is the JSON schema as JSON text (``json_schema``), the regular
     expression (``regex``) or the EBNF grammar (``ebnf``); empty for ``json``
     (any JSON object or value, OpenAI's ``json_object``). The producer checks
-    that it parses before anything is queued; the worker compiles it against
-    its tokenizer. When the grammar is complete the output ends (``stop``).
+    its cost bounds and parses it before anything is queued, and sends its
+    parse as ``grammar`` (xgrammar's EBNF text: a JSON schema's conversion,
+    the costly part of a parse, is done once); the worker compiles ``grammar``
+    against its tokenizer, and parses ``spec`` itself only when ``grammar`` is
+    empty (``json``, or a message from an older producer). When the grammar
+    is complete the output ends (``stop``).
     """
 
     kind: Literal["json", "json_schema", "regex", "ebnf"]
     spec: str = ""
+    grammar: str = ""
+
+    # A request whose constraint the worker cannot apply ends with an error that starts with one of
+    # these codes and ": ": the client's to change (the producer answers 400 with the code, not a
+    # 500): xgrammar refused it, or it did not compile within --grammar_compile_timeout_s.
+    INVALID: ClassVar[str] = "invalid_constraint"
+    TOO_COSTLY: ClassVar[str] = "constraint_too_costly"
+
+    @staticmethod
+    def error_code(error: str | None) -> str | None:
+        """``INVALID`` or ``TOO_COSTLY`` when a request's ``error`` is its constraint's, else None."""
+        code = (error or "").split(": ", 1)[0]
+        return code if code in (Constraint.INVALID, Constraint.TOO_COSTLY) else None
 
 
 class SamplingParams(_Frozen):
@@ -124,6 +144,11 @@ class GenerateRequest(_Frozen):
     model: str | None = Field(
         None, description="the served model name it is for: only workers serving it take it (None: any worker)"
     )
+    adapter: str | None = Field(
+        None,
+        description="the LoRA adapter (a --lora_modules name) its tokens are generated with (None: the base "
+        "model): only workers publishing it take it; it travels with every requeue",
+    )
     # Scheduling (router.ordering): classes by ``priority`` (lower first, as in vLLM), and within
     # a class fair shares of tokens between tenants. The producer sets ``tenant`` (the API key's
     # tenant, or OpenAI's ``user`` where keys are off); defaults keep older messages valid.
@@ -136,6 +161,12 @@ class GenerateRequest(_Frozen):
     # Times a worker paused it for a better class (worker.engine.preempt); at --max_preemptions
     # it is never paused again, so a request cannot be bounced around forever.
     preemptions: int = Field(0, ge=0)
+    # Worker deaths it ran through: ``attempt`` counts those blamed on it (shared.requeue), this
+    # every one, so a request that kills workers where it is not blamed is still stopped.
+    deaths: int = Field(0, ge=0)
+    # The producer that follows its chunks (its wake stream, Keys.wake): told which requests a flush
+    # wrote, it reads only those streams (None: nobody to tell, e.g. a batch job's request).
+    reply_to: str | None = None
 
     @model_validator(mode="after")
     def _check_group_resume(self) -> GenerateRequest:
@@ -206,6 +237,18 @@ class TokenChunk(_Frozen):
     finish_reason: FinishReason | None = None
     error: str | None = None
 
+    @classmethod
+    def built(cls, values: dict[str, Any]) -> TokenChunk:
+        """A chunk from values a validated ``ChunkRun`` holds (every field given): what
+        ``model_construct`` does without its per-field pass, a fifth of its time. A reader makes
+        one per token delivered."""
+        chunk = cls.__new__(cls)
+        object.__setattr__(chunk, "__dict__", values)
+        object.__setattr__(chunk, "__pydantic_fields_set__", set(values))
+        object.__setattr__(chunk, "__pydantic_extra__", None)
+        object.__setattr__(chunk, "__pydantic_private__", None)
+        return chunk
+
     @model_serializer(mode="wrap")
     def _without_empty_top(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """One chunk per token goes over Redis: no ``top_logprobs: null`` on every one."""
@@ -214,6 +257,129 @@ class TokenChunk(_Frozen):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
+
+
+CHUNK_FORMAT: Literal[2] = 2  # the chunk entries workers write: 1, a TokenChunk per token; 2, a ChunkRun per run
+
+
+class ChunkRun(_Frozen):
+    """A chunk stream entry of format 2: consecutive tokens of one sample, written at once.
+
+    The tokens are ``index``, ``index + 1``, ... of sample ``choice``; ``token_ids``,
+    ``texts`` and ``logprobs`` have one item each (``top_logprobs`` too, when the request
+    asked for alternatives). A run with ``finished`` set ends its sample with its last
+    token; a run without tokens is an end of its own (cancelled, failed, expired: see
+    ``TokenChunk``, which is what readers make of a run, one per token, ``tokens()``).
+    Format 1 entries (a ``TokenChunk`` each) are read as runs of one (``shared.chunks``).
+    """
+
+    kind: Literal["run"] = "run"
+    v: Literal[2] = CHUNK_FORMAT
+    request_id: str
+    choice: int = 0
+    index: int = Field(ge=0, description="the first token's index (the tokens before it, for a run without tokens)")
+    token_ids: list[int] = Field(default_factory=list)
+    texts: list[str] = Field(default_factory=list)
+    logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # with the sample's token 0
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _check_columns(self) -> ChunkRun:
+        n = len(self.token_ids)
+        tops = n if self.top_logprobs is None else len(self.top_logprobs)
+        if len(self.texts) != n or len(self.logprobs) != n or tops != n:
+            raise ValueError("a run has one text, logprob (and top_logprobs entry) per token id")
+        if n == 0 and not self.finished:
+            raise ValueError("a run without tokens must end its sample")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_empty(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for key in ("top_logprobs", "prompt_logprobs", "finish_reason", "error"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+    def tokens(self) -> list[TokenChunk]:
+        """The run as readers take it: a chunk per token (the last one ``finished`` when the run
+        is), or the one tokenless chunk of an end without a token."""
+        rid, choice, first = self.request_id, self.choice, self.index
+        if not self.token_ids:
+            return [TokenChunk.built(_chunk(rid, first, choice, None, "", None, None, None, True, self))]
+        last = len(self.token_ids) - 1
+        tops, texts, logprobs = self.top_logprobs, self.texts, self.logprobs
+        prompt = self.prompt_logprobs if first == 0 else None
+        return [
+            TokenChunk.built(
+                _chunk(
+                    rid,
+                    first + i,
+                    choice,
+                    token_id,
+                    texts[i],
+                    logprobs[i],
+                    tops[i] if tops is not None else None,
+                    prompt if i == 0 else None,
+                    self.finished and i == last,
+                    self if i == last else None,
+                )
+            )
+            for i, token_id in enumerate(self.token_ids)
+        ]
+
+    @classmethod
+    def of(cls, chunk: TokenChunk) -> ChunkRun:
+        """A format-1 entry as the run of its one token (or its tokenless end)."""
+        has_token = chunk.token_id is not None
+        return cls.model_construct(
+            kind="run",
+            v=CHUNK_FORMAT,
+            request_id=chunk.request_id,
+            choice=chunk.choice,
+            index=chunk.index,
+            token_ids=[chunk.token_id] if chunk.token_id is not None else [],
+            texts=[chunk.text] if has_token else [],
+            logprobs=[chunk.logprob] if has_token else [],
+            top_logprobs=[chunk.top_logprobs] if has_token and chunk.top_logprobs is not None else None,
+            prompt_logprobs=chunk.prompt_logprobs,
+            finished=chunk.finished,
+            finish_reason=chunk.finish_reason,
+            error=chunk.error,
+        )
+
+
+def _chunk(
+    request_id: str,
+    index: int,
+    choice: int,
+    token_id: int | None,
+    text: str,
+    logprob: float | None,
+    top: list[tuple[int, float]] | None,
+    prompt: list[tuple[float, list[tuple[int, float]]]] | None,
+    finished: bool,
+    end: ChunkRun | None,
+) -> dict[str, Any]:
+    """A ``TokenChunk``'s fields, every one of them; ``end``: the run whose end this token carries."""
+    return {
+        "kind": "chunk",
+        "request_id": request_id,
+        "index": index,
+        "choice": choice,
+        "token_id": token_id,
+        "text": text,
+        "logprob": logprob,
+        "top_logprobs": top,
+        "prompt_logprobs": prompt,
+        "finished": finished,
+        "finish_reason": end.finish_reason if end is not None else None,
+        "error": end.error if end is not None else None,
+    }
 
 
 class WorkerLoad(_Frozen):
@@ -232,6 +398,7 @@ class WorkerLoad(_Frozen):
     draining: bool = False
     model: str | None = Field(None, description="the served model name (None: takes any request)")
     running_max_req_size: int | None = Field(None, description="most requests the worker runs at once")
+    adapters: list[str] = Field(default_factory=list, description="the LoRA adapters it serves (--lora_modules)")
     requests: list[tuple[int, int, int, int]] = Field(
         description="per running or waiting request: [prompt + output tokens, output tokens, "
         "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState), a group's prompt counted once"
@@ -256,7 +423,8 @@ class WorkerLoad(_Frozen):
     preemptible: list[tuple[int, int, int]] = Field(
         default_factory=list,
         description="per priority class with requests this worker would pause for a better class "
-        "(worker.engine.preempt): [priority, tokens they hold, requests], the worst (largest) class first",
+        "(worker.engine.preempt): [priority, tokens they hold, request slots (a group's samples each)], "
+        "the worst (largest) class first",
     )
     max_preemptions: int = Field(0, description="times this worker pauses one request at most (--max_preemptions)")
     preempt_asks_read: int = Field(
@@ -265,13 +433,16 @@ class WorkerLoad(_Frozen):
     preempted_requests: int = Field(0, description="started requests paused for a better class, since start")
     preempted_kv_tokens: int = Field(0, description="their K/V tokens, computed again on resume (the cost)")
 
-    def serves(self, model: str | None) -> bool:
-        """Whether a request for ``model`` may come here: one pool per served model name."""
+    def serves(self, model: str | None, adapter: str | None = None) -> bool:
+        """Whether a request for ``model`` (and LoRA ``adapter``) may come here: one pool per served
+        model name, and an adapter only where the worker has loaded it."""
+        if adapter is not None and adapter not in self.adapters:
+            return False
         return model is None or self.model is None or self.model == model
 
 
 class PreemptAsk(_Frozen):
-    """A router's ask to a worker ({w:ID}:preempt): pause enough requests of a class worse than
+    """A router's ask to a worker ({q}:w:ID:preempt): pause enough requests of a class worse than
     ``priority`` that the requests ``request_ids`` fit, as many of them as can, the first first,
     and hand them back to the queue (worker.engine.preempt). ``states``: their
     ``shared.peak.ReqState`` summaries, ``sizes[i]`` of them for the i-th request. The router
@@ -326,16 +497,18 @@ def stream_id(entry_id: str) -> tuple[int, int]:
 
 
 class RequestMeta(BaseModel):
-    """The per-request status hash ({r:ID}:meta); every writer goes through this.
+    """The per-request status hash ({q}:r:ID:meta); every writer goes through this.
 
     The producer creates it (queued), the router fills ``worker`` on dispatch,
     the worker sets running/finished with counts and times. ``*_ms`` are Unix
     milliseconds: created (enqueued), dispatched (the router's script),
     taken (the worker read its inbox), stepped (the worker step that
-    admitted it handed over its events: after its prefill, before the
-    decode), started (the publisher wrote them), finished.
-    Their gaps are the hops of time-to-first-token (``bench.serve_bench
-    --hops``). Partial updates use ``fields(...)``.
+    admitted it handed the admission to its publisher, before its prefill:
+    a request is ``running`` before its first forward), started (the
+    publisher wrote it), finished. Their gaps are the hops of
+    time-to-first-token (``bench.serving.serve_bench --hops``; the prefill is in the
+    first token's time after ``started``). Partial updates use
+    ``fields(...)``.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -355,6 +528,13 @@ class RequestMeta(BaseModel):
     started_ms: int | None = None
     finished_ms: int | None = None
     key_hash: str | None = None  # the submitting API key's hash (producer.edge.auth), never the key
+    # The tenant whose fair share it is charged to, when not its own: ``other``, its tenant being
+    # new to a class already holding --max_tenants tenants (router.ordering). Set by the router
+    # that tags it, so a router that reads it again charges it alike.
+    charged_to: str | None = None
+    # The fencing token (shared.request_log): bumped by every dispatch and by whoever takes the
+    # request back (a requeue, an end by a router); a worker writes only with the epoch it got.
+    epoch: int = 0
 
     @staticmethod
     def fields(**values: object) -> dict[str, str]:

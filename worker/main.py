@@ -22,8 +22,9 @@ from shared.service import default_id, setup_logging, stop_on_signals
 from worker.engine.engine import Engine, EngineLimits
 from worker.engine.radix_cache import RadixCache
 from worker.engine.token_pool import TokenPool
-from worker.model.counting_model import COUNTING_VOCAB, CountingModel
-from worker.model.kv_cache import KVCache
+from worker.lora.adapter_set import check_adapters, load_adapters
+from worker.model.counting_model import COUNTING_VOCAB, CountingModel, Crash
+from worker.model.kv_cache import KVCache, kv_storage_dtype
 from worker.model.layers import SINGLE, TensorParallel
 from worker.model.loader import attach_kv_cache, load_model
 from worker.model.models import model_class
@@ -111,7 +112,8 @@ def pool_size(settings: WorkerSettings, model, device: torch.device) -> int:
     if settings.gpu_share < 1:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         usable = min(usable, total * settings.mem_fraction * settings.gpu_share - weights)
-    per_token = KVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+    kv_dtype = kv_storage_dtype(model.dtype, settings.kv_cache_dtype)  # FP8: about half the bytes a token
+    per_token = KVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
     if usable < per_token * settings.model.max_req_total_len:
         raise RuntimeError(
             f"only {usable / 2**30:.1f} GiB left for the KV pool after the weights: "
@@ -126,9 +128,18 @@ def load_model_or_stand_in(
     """The model (this rank's slice) and its config; ``counting`` gives the deterministic test stand-in."""
     source = resolve(settings.model.model_dir)
     if source.kind != "counting":
-        return load_model(source, dtype, device, seed=settings.seed, tp=tp, weights_cache=settings.weights_cache)
+        return load_model(
+            source,
+            dtype,
+            device,
+            seed=settings.seed,
+            tp=tp,
+            weights_cache=settings.weights_cache,
+            quantization=settings.quantization,
+        )
     vocab = min(len(tokenizer), COUNTING_VOCAB) if tokenizer is not None else COUNTING_VOCAB
-    model = CountingModel(vocab, device, settings.counting_step_ms / 1000)
+    crash = Crash(settings.counting_raise_token, settings.counting_exit_token)  # tests' fault injection
+    model = CountingModel(vocab, device, settings.counting_step_ms / 1000, crash)
     return model, SimpleNamespace(vocab_size=vocab, eos_token_id=None)
 
 
@@ -143,17 +154,22 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
     device = rank_device(settings, rank)
     dtype = pick_dtype(settings.dtype, device)
     model, config = load_model_or_stand_in(settings, tokenizer, dtype, device, group.tp if group else SINGLE)
+    if settings.model.lora_modules:  # before the pool is sized: the stacks take their memory first
+        adapters = load_adapters(settings.model.lora_modules, model, settings.max_lora_rank)
+        log.info("LoRA adapters %s: rank <= %d, %.1f MiB", adapters.names, adapters.max_rank, adapters.nbytes / 2**20)
     num_slots = pool_size(settings, model, device)
     if group is not None:
         num_slots = group.min(num_slots)  # every rank's pool the same size: the smallest that fits
-    cache = attach_kv_cache(model, num_slots, device)
+    cache = attach_kv_cache(model, num_slots, device, kv_storage_dtype(dtype, settings.kv_cache_dtype))
     log.info(
-        "rank %d: model on %s (%s), KV pool %d tokens (%.1f GiB)",
+        "rank %d: model on %s (%s%s), KV pool %d tokens (%.1f GiB, %s)",
         rank,
         device,
         dtype,
+        ", FP8 linear layers" if settings.quantization == "fp8" else "",
         num_slots,
-        cache.buffer.numel() * cache.buffer.element_size() / 2**30,
+        cache.nbytes / 2**30,
+        cache.buffer.dtype,
     )
     table = ReqTable(settings.running_max_req_size, settings.model.max_req_total_len + 8, cache.hold_slot, device)
     graphs = prefill_graphs = None
@@ -204,6 +220,7 @@ def run(settings: WorkerSettings) -> None:
     setup_logging()
     try:
         check_tp(settings)
+        check_adapters(settings.model.lora_modules, settings.model.model_dir, settings.tp, settings.max_lora_rank)
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"lightq worker: {exc}")
     group = None

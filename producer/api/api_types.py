@@ -67,6 +67,9 @@ class GenerateParameters(_Request):
     prompt_logprobs: int | None = Field(
         None, ge=0, le=20, description="/generate: each prompt token's logprob and this many alternatives"
     )
+    adapter: str | None = Field(
+        None, description="a LoRA adapter to generate with, by its --lora_modules name (null: the base model)"
+    )
 
     @field_validator("top_k")
     @classmethod

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from producer.api import echo
-from producer.api.errors import ApiError
 from producer.api.openai_types import (
     ChatChoice,
     ChatCompletionResponse,
@@ -37,6 +36,7 @@ from producer.api.openai_types import (
     CompletionResponse,
     Usage,
 )
+from producer.api.structured import failure
 from producer.api.tool_render import ToolStream, chat_message
 from producer.api.tools import ToolPlan
 from shared.schemas import TokenChunk
@@ -89,7 +89,7 @@ def _usage(call: Call, completion_tokens: int) -> Usage:
 
 def _raise_if_failed(last: TokenChunk) -> None:
     if last.finish_reason == "error":
-        raise ApiError(500, last.error or "generation failed", code="generation_failed", kind="server_error")
+        raise failure(last.error)  # a 400 when the worker could not apply the constraint, else a 500
 
 
 def response(call: Call, chunks: list[TokenChunk], tokenizer: Any) -> CompletionResponse | ChatCompletionResponse:
@@ -223,13 +223,7 @@ class StreamRenderer:
             if self.failed:  # a group's samples all end with it: one error event
                 return []
             self.failed = True
-            error = {
-                "message": chunk.error or "generation failed",
-                "type": "server_error",
-                "param": None,
-                "code": "generation_failed",
-            }
-            return [sse_data({"error": error})]
+            return [sse_data({"error": failure(chunk.error).detail.model_dump()})]
         reason = FINISH_REASONS.get(chunk.finish_reason, chunk.finish_reason) if chunk.finished else None
         logprobs = None
         if chunk.token_id is not None:

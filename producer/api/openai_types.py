@@ -5,7 +5,8 @@ that would change the answer but are not implemented (``logit_bias``,
 ``suffix``, ``best_of > n``, prompt log-probabilities, the legacy
 ``functions``) get a 400 saying so rather than being silently ignored.
 ``response_format`` and ``tools`` are ``producer.api.structured``'s and
-``producer.api.tools``'.
+``producer.api.tools``'; vLLM's and SGLang's constraint fields (``guided_json`` and the
+like) ``producer.api.guided``'s.
 Extras beyond OpenAI's list follow vLLM: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``.
 """
@@ -18,10 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 from producer.api.api_types import INT32_MAX, INT64_MAX, MAX_TIMEOUT_S, PRIORITY_DOC, TIMEOUT_DOC
 from producer.api.errors import bad_request
+from producer.api.guided import GuidedFields
 from producer.api.params import MAX_BEST_OF, check_min_tokens, stop_strings
 from producer.api.structured import ResponseFormat
 from producer.api.tools import Tool, ToolCallIn, ToolChoice
-from shared.schemas import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
+from shared.schemas import MAX_PRIORITY, MIN_PRIORITY, Constraint, SamplingParams
 
 GREEDY_BELOW = 1e-5  # temperature 0 (or this close) means greedy, as in LightLLM
 
@@ -34,7 +36,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(GuidedFields):
     """What completions and chat share."""
 
     model: str
@@ -89,6 +91,17 @@ class _SamplingFields(_Request):
             stop_sequences=stop_strings(self.stop, tokenizer, "stop"),
             top_logprobs=self.num_top_logprobs,
         )
+
+    def requested_constraint(self) -> tuple[Constraint | None, str]:
+        """The constraint asked for outside tools (``response_format``, or another server's field) and
+        the field that asks; 400 when both ask."""
+        formatted = self.response_format.constraint() if self.response_format is not None else None
+        guided = self.guided()
+        if guided is None:
+            return formatted, "response_format"
+        if formatted is not None:
+            raise bad_request(f"response_format and {guided[1]}: give at most one constraint", param=guided[1])
+        return guided
 
     @property
     def num_top_logprobs(self) -> int:

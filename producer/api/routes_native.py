@@ -63,9 +63,14 @@ def failed(result: GenerateResult) -> bool:
 
 def generate_result(chunks: list[TokenChunk], prompt_tokens: int, details: bool = False, n: int = 1) -> GenerateResult:
     """LightLLM's answer: text per sample; counts, reasons and details scalar for n=1, per sample above."""
-    tokens = [[c for c in chunks if c.choice == i and c.token_id is not None] for i in range(n)]
-    last = [[c for c in chunks if c.choice == i][-1] for i in range(n)]
-    detail = [[TokenDetail(id=c.token_id, text=c.text, logprob=c.logprob) for c in own] for own in tokens]
+    if n == 1:  # one pass less for the common case
+        tokens, last = [[c for c in chunks if c.token_id is not None]], [chunks[-1]]
+    else:
+        tokens = [[c for c in chunks if c.choice == i and c.token_id is not None] for i in range(n)]
+        last = [[c for c in chunks if c.choice == i][-1] for i in range(n)]
+    detail = (
+        [[TokenDetail(id=c.token_id, text=c.text, logprob=c.logprob) for c in own] for own in tokens] if details else []
+    )
 
     def shaped(values: list):
         return values[0] if n == 1 else values

@@ -1,5 +1,11 @@
 """OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
 
+``/v1/models`` lists this producer's model and every other model a live worker
+of the pool serves (from the last cluster view, ``producer.monitoring``): a
+producer tokenises for its own model only, so the others are marked
+``accepted_here: false`` (a client sends those to a producer started with that
+``--served_model_name``).
+
 An application written for the official ``openai`` client works by changing
 its base URL. Every check runs before anything is written (as on the native
 routes); the answer then follows the request's chunk stream, streamed as SSE
@@ -16,6 +22,7 @@ import time
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import Field
 
 from producer import store
 from producer.api.api_types import body_doc
@@ -24,7 +31,7 @@ from producer.api.errors import ApiError, bad_request
 from producer.api.openai_render import Call, StreamRenderer, response
 from producer.api.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from producer.api.params import check_prompt_length
-from producer.api.structured import check_constraint, check_no_min_tokens
+from producer.api.structured import SchemaLimits, check_constraint, check_no_min_tokens
 from producer.api.submit import abandon_all, enqueue, new_request, prompt_ids
 from producer.api.tools import output_constraint, plan_tools
 from producer.deps import Services, ServicesDep, parse_body
@@ -38,36 +45,76 @@ STARTED = int(time.time())
 ERRORS = {400: {"description": "invalid parameters (OpenAI error shape)"}, 404: {"description": "unknown model"}}
 
 
-def _card(services: Services) -> ModelCard:
-    return ModelCard(
-        id=services.model_id,
-        created=STARTED,
-        root=services.model_id,
-        max_model_len=services.settings.model.max_req_total_len,
-    )
+class PoolModelCard(ModelCard):
+    """OpenAI's model object, with what the pool says of it (extra fields, which OpenAI's allow)."""
+
+    max_model_len: int | None = Field(description="max prompt + generated tokens per request; null: not known here")
+    accepted_here: bool = Field(description="this producer takes requests for it (it tokenises for its own model)")
+    live_workers: int | None = Field(description="live workers serving it; null: the pool not read yet")
+    parent: str | None = Field(None, description="a LoRA adapter's base model (vLLM's field); null: a model")
+
+
+class PoolModelList(ModelList):
+    data: list[PoolModelCard]
+
+
+def _cards(services: Services) -> list[PoolModelCard]:
+    """This producer's model first, then the pool's others by name."""
+    snapshot, own = services.metrics.snapshot, services.model_id
+    counts = snapshot.workers_by_model(own) if snapshot is not None else {}
+    cards = [
+        PoolModelCard(
+            id=own,
+            created=STARTED,
+            root=own,
+            max_model_len=services.settings.model.max_req_total_len,
+            accepted_here=True,
+            live_workers=counts.pop(own, 0) if snapshot is not None else None,
+        )
+    ]
+    for adapter in services.settings.model.adapter_names:  # --lora_modules, served on the same workers
+        cards.append(cards[0].model_copy(update={"id": adapter, "root": adapter, "parent": own}))
+    for name, workers in sorted(counts.items()):
+        cards.append(
+            PoolModelCard(
+                id=name, created=STARTED, root=name, max_model_len=None, accepted_here=False, live_workers=workers
+            )
+        )
+    return cards
 
 
 @router.get("/models")
-async def list_models(services: ServicesDep) -> ModelList:
-    return ModelList(data=[_card(services)])
+async def list_models(services: ServicesDep) -> PoolModelList:
+    return PoolModelList(data=_cards(services))
 
 
 @router.get("/models/{model_id:path}", responses={404: ERRORS[404]})
-async def get_model(model_id: str, services: ServicesDep) -> ModelCard:
-    check_model(model_id, services)
-    return _card(services)
+async def get_model(model_id: str, services: ServicesDep) -> PoolModelCard:
+    cards = _cards(services)
+    for card in cards:
+        if card.id == model_id:
+            return card
+    check_model(model_id, services)  # 404, unless it names this producer's --model_dir
+    return cards[0]
 
 
-def check_model(model: str, services: Services) -> None:
-    """The served model answers to its id (and to the ``--model_dir`` it was started with)."""
+def check_model(model: str, services: Services) -> str | None:
+    """The served model answers to its id (and to the ``--model_dir`` it was started with); a LoRA
+    adapter of it to its --lora_modules name, returned (None: the model itself)."""
+    if model in services.settings.model.adapter_names:
+        return model
     if model not in (services.model_id, services.settings.model.model_dir):
+        snapshot = services.metrics.snapshot
+        in_pool = snapshot is not None and model in snapshot.workers_by_model(services.model_id)
+        where = f"; '{model}' is served in this pool: send it to a producer of that model" if in_pool else ""
         raise ApiError(
             404,
-            f"The model '{model}' does not exist; this server serves '{services.model_id}'",
+            f"The model '{model}' does not exist; this server serves '{services.model_id}'{where}",
             param="model",
             code="model_not_found",
             reason="unknown_model",
         )
+    return None
 
 
 def check_context(num_prompt: int, max_new: int, limit: int, where: str) -> None:
@@ -93,13 +140,13 @@ async def completions(request: Request, services: ServicesDep, caller: CallerDep
 
 async def prepare_completions(body: CompletionRequest, services: Services) -> tuple[list[GenerateRequest], Call]:
     """Every check and the tokenisation of a completion, a request per prompt; nothing is written."""
-    check_model(body.model, services)
+    adapter = check_model(body.model, services)
     body.check()
     prompts = completion_inputs(body.prompt, services.settings.max_prompts)
     # max_tokens 0 scores the prompt only: one token is generated and left out of the answer.
     max_new = body.max_tokens or (1 if body.max_tokens == 0 else services.settings.default_max_new_tokens)
-    constraint = body.response_format.constraint() if body.response_format is not None else None
-    await check_constraint(constraint, "response_format")
+    requested, param = body.requested_constraint()
+    constraint = await check_constraint(requested, param, SchemaLimits.of(services.settings))
     check_no_min_tokens(constraint, body.min_tokens, "min_tokens")
     extra = {"constraint": constraint, "prompt_logprobs": body.prompt_logprobs}
     params = body.sampling(max_new, services.tokenizer).model_copy(update=extra)
@@ -108,7 +155,7 @@ async def prepare_completions(body: CompletionRequest, services: Services) -> tu
         ids = await prompt_ids(inputs, services.tokenizer, param="prompt" if len(prompts) == 1 else f"prompt.{i}")
         check_prompt_length(len(ids), services.settings.model.max_req_input_len, "prompt")
         check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
-        queued.append(new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user))
+        queued.append(new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user, adapter))
     echo = tuple(prompt_text(inputs, services.tokenizer) for inputs in prompts) if body.echo else ()
     call = Call(
         "completion",
@@ -162,12 +209,12 @@ async def chat_completions(request: Request, services: ServicesDep, caller: Call
 
 async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple[GenerateRequest, Call]:
     """Every check and the chat template of a chat completion; nothing is written (batches share it)."""
-    check_model(body.model, services)
+    adapter = check_model(body.model, services)
     body.check()
     legacy = body.functions is not None or body.function_call is not None
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, legacy)
-    formatted = body.response_format.constraint() if body.response_format is not None else None
-    constraint = await output_constraint(formatted, plan)
+    requested, param = body.requested_constraint()
+    constraint = await output_constraint(requested, param, plan, SchemaLimits.of(services.settings))
     check_no_min_tokens(constraint, body.min_tokens, "min_tokens")
     ids = await chat_prompt_ids(body.messages, services.tokenizer, plan)
     check_prompt_length(len(ids), services.settings.model.max_req_input_len, "messages")
@@ -176,7 +223,7 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     max_new = body.requested_max_tokens or max(limit - len(ids), 1)
     check_context(len(ids), max_new, limit, "messages")
     params = body.sampling(max_new, services.tokenizer).model_copy(update={"constraint": constraint})
-    queued = new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user)
+    queued = new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user, adapter)
     call = Call(
         "chat",
         f"chatcmpl-{queued.id}",

@@ -26,7 +26,7 @@ from shared.schemas import RequestMeta
 router = APIRouter(prefix="/v1/requests")
 CANCEL_WAIT_S = 3.0
 CANCEL_POLL_S = 0.05
-ENTRY_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{0,20}))?")
+ENTRY_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{0,20}))?(?:\.([0-9]{1,6}))?")
 UINT64_MAX = 2**64 - 1
 
 
@@ -52,11 +52,11 @@ async def _meta_or_404(services: Services, request_id: str, caller: Caller) -> R
 
 async def request_view(services: Services, request_id: str, meta: RequestMeta) -> RequestView:
     """The status hash plus the (de-duplicated) output so far."""
-    reader = follower(services, request_id)
+    reader = follower(services, request_id, own=False)
     delivered = [
-        accepted
-        for _, chunk in await store.read_range(services.redis, services.keys, request_id)
-        for accepted in reader.accept(chunk)
+        chunk
+        for entry_id, run in await store.read_range(services.redis, services.keys, request_id)
+        for _, chunk in reader.accept(entry_id, run)
     ]
     tokens = [chunk for chunk in delivered if chunk.token_id is not None]
     priority, position = await store.queue_place(services.redis, services.keys, request_id, services.model_id)
@@ -124,18 +124,20 @@ async def _wait_terminal(services: Services, request_id: str, meta: RequestMeta)
 async def stream_request(
     request_id: RequestIdDep, services: ServicesDep, caller: CallerDep, last_event_id: str | None = Header(None)
 ) -> EventStream:
-    """Replay the chunks as SSE (``id:`` = stream entry id), after ``Last-Event-ID`` if given."""
+    """Replay the chunks as SSE, a token an event (``id:`` its place: the stream entry id, ``.k`` for
+    the k-th token of a run that more tokens follow), after ``Last-Event-ID`` if given."""
     await _meta_or_404(services, request_id, caller)
-    reader = follower(services, request_id)
+    reader = follower(services, request_id, own=False)  # submitted anywhere: no wakes to count on
     if last_event_id:
-        await reader.resume_after(_entry_id(last_event_id))
+        await reader.resume_after(_event_id(last_event_id))
     return EventStream(sse(reader, replay_event))
 
 
-def _entry_id(value: str) -> str:
-    """``ms-seq`` as Redis takes it: ASCII digits (``isdigit`` also passes '²'), each part a uint64."""
+def _event_id(value: str) -> str:
+    """``ms-seq`` (``.k``) as Redis takes it: ASCII digits (``isdigit`` also passes '²'), each of the
+    entry id's parts a uint64."""
     match = ENTRY_ID.fullmatch(value.strip())
-    if match is None or any(int(part or 0) > UINT64_MAX for part in match.groups()):
-        raise bad_request(f"Last-Event-ID {value[:64]!r} is not a stream entry id", param="Last-Event-ID")
-    ms, seq = match.groups()
-    return f"{int(ms)}-{int(seq or 0)}"
+    if match is None or any(int(part or 0) > UINT64_MAX for part in match.groups()[:2]):
+        raise bad_request(f"Last-Event-ID {value[:64]!r} is not a stream event id", param="Last-Event-ID")
+    ms, seq, k = match.groups()
+    return f"{int(ms)}-{int(seq or 0)}" + (f".{int(k)}" if k is not None else "")

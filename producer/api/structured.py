@@ -1,11 +1,14 @@
 """Structured output at the edge: OpenAI's ``response_format`` and LightLLM's constraint parameters
-as a wire ``Constraint``, checked before anything is queued.
+as a wire ``Constraint``, checked and parsed before anything is queued.
 
-The check parses the constraint with xgrammar (``Grammar.from_json_schema``, ``from_regex``,
-``from_ebnf``): the same converter the worker compiles with, so a schema that passes here
-compiles there too. It needs no tokenizer (the worker compiles against its own) and costs
-milliseconds; it runs off the event loop all the same. A bad one is a 400 naming the
-parameter and xgrammar's reason.
+The check first bounds what a parse may cost, without parsing: a spec longer than
+``--max_schema_chars``, or a JSON schema nested deeper than ``--max_schema_depth``, is a 400
+naming the limit (xgrammar's conversion of a schema grows much faster than its nesting: 4 ms at
+64 levels of JSON, 3 s at 400). Then xgrammar parses it (``Grammar.from_json_schema``,
+``from_regex``, ``from_ebnf``; no tokenizer needed, off the event loop): a bad one is a 400
+naming the parameter and xgrammar's reason. The parse travels with the request as
+``Constraint.grammar`` (xgrammar's EBNF text), so the worker compiles exactly what was checked
+here and never converts the schema again.
 """
 
 from __future__ import annotations
@@ -13,15 +16,29 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from producer.api.errors import bad_request
+from producer.api.errors import ApiError, bad_request
+from shared.config import ProducerSettings
 from shared.schemas import Constraint
 
 XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[01:02:03] /x/y.cc:12: " before the reason
-MAX_SPEC_CHARS = 200_000  # a schema or grammar larger than this is refused (the body limit is larger)
+WHAT = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}
+
+
+@dataclass(frozen=True)
+class SchemaLimits:
+    """The cost bounds a constraint's spec is checked against before it is parsed."""
+
+    chars: int  # --max_schema_chars
+    depth: int  # --max_schema_depth
+
+    @classmethod
+    def of(cls, settings: ProducerSettings) -> SchemaLimits:
+        return cls(settings.max_schema_chars, settings.max_schema_depth)
 
 
 class _Request(BaseModel):
@@ -81,15 +98,58 @@ def native_constraint(
 NATIVE_NAMES = {"json_schema": "guided_json", "regex": "regular_constraint", "ebnf": "guided_grammar"}
 
 
-def _parse(constraint: Constraint) -> None:
+def json_depth(text: str, bound: int) -> int:
+    """How deep ``text`` nests JSON objects and arrays, counted up to ``bound + 1`` (the walk stops
+    there); 0 when it is not JSON (the parse then says why). Python's own parser (linear) reads it:
+    past about a thousand levels it gives up (RecursionError), which is deeper than any bound."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        return bound + 1
+    except ValueError:
+        return 0
+    deepest, stack = 0, [(value, 0)]
+    while stack and deepest <= bound:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_cost(constraint: Constraint, param: str, limits: SchemaLimits) -> None:
+    """A 400 naming the limit when ``constraint`` may cost more to parse than the limits allow."""
+    if len(constraint.spec) > limits.chars:
+        raise bad_request(
+            f"{param}: {len(constraint.spec)} characters, more than max_schema_chars ({limits.chars})",
+            param=param,
+            code="constraint_too_large",
+        )
+    if constraint.kind == "json_schema" and json_depth(constraint.spec, limits.depth) > limits.depth:
+        raise bad_request(
+            f"{param}: objects and arrays nested more than max_schema_depth ({limits.depth}) levels deep",
+            param=param,
+            code="schema_too_deep",
+        )
+
+
+def parse(constraint: Constraint) -> str:
+    """xgrammar's parse of ``constraint`` as EBNF text (what the worker compiles); raises on a bad one."""
     import xgrammar as xgr  # imported on first use: the producer's start-up does not pay for it
 
     if constraint.kind == "json_schema":
-        xgr.Grammar.from_json_schema(constraint.spec, any_whitespace=False)
-    elif constraint.kind == "regex":
-        xgr.Grammar.from_regex(constraint.spec)
-    elif constraint.kind == "ebnf":
-        xgr.Grammar.from_ebnf(constraint.spec)
+        return str(xgr.Grammar.from_json_schema(constraint.spec, any_whitespace=False))
+    if constraint.kind == "regex":
+        return str(xgr.Grammar.from_regex(constraint.spec))
+    return str(xgr.Grammar.from_ebnf(constraint.spec))
+
+
+def parse_error(constraint: Constraint, param: str, exc: Exception) -> ApiError:
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    reason = XGRAMMAR_PREFIX.sub("", lines[0])
+    what = WHAT[constraint.kind]
+    return bad_request(f"{param}: invalid {what}: {reason}", param=param, code="invalid_" + constraint.kind)
 
 
 def check_no_min_tokens(constraint: Constraint | None, min_tokens: int, param: str) -> None:
@@ -103,18 +163,27 @@ def check_no_min_tokens(constraint: Constraint | None, min_tokens: int, param: s
         )
 
 
-async def check_constraint(constraint: Constraint | None, param: str) -> None:
-    """A 400 unless the worker will be able to compile ``constraint``."""
+async def check_constraint(constraint: Constraint | None, param: str, limits: SchemaLimits) -> Constraint | None:
+    """``constraint`` with its parse (``grammar``), or a 400: over the limits, or not a valid one."""
     if constraint is None or constraint.kind == "json":
-        return
-    if len(constraint.spec) > MAX_SPEC_CHARS:
-        raise bad_request(f"{param}: more than {MAX_SPEC_CHARS} characters", param=param, code="constraint_too_large")
+        return constraint
+    check_cost(constraint, param, limits)
+    return await parsed(constraint, param)
+
+
+async def parsed(constraint: Constraint, param: str) -> Constraint:
+    """``constraint`` with its parse (``grammar``), its cost already checked; 400 when it is not valid."""
     try:
-        await asyncio.to_thread(_parse, constraint)
+        grammar = await asyncio.to_thread(parse, constraint)
     except (RuntimeError, ValueError) as exc:  # xgrammar reports bad input as RuntimeError
-        what = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}[constraint.kind]
-        lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        reason = XGRAMMAR_PREFIX.sub("", lines[0])
-        raise bad_request(
-            f"{param}: invalid {what}: {reason}", param=param, code="invalid_" + constraint.kind
-        ) from None
+        raise parse_error(constraint, param, exc) from None
+    return constraint.model_copy(update={"grammar": grammar})
+
+
+def failure(error: str | None) -> ApiError:
+    """The answer to a request that ended in ``error`` on the worker: a 400 when its constraint could
+    not be applied there (the client's to change: ``Constraint.error_code``), else a 500."""
+    code = Constraint.error_code(error)
+    if code is not None:
+        return ApiError(400, error or code, code=code)
+    return ApiError(500, error or "generation failed", code="generation_failed", kind="server_error")

@@ -11,8 +11,8 @@ from typing import Any
 from producer import store
 from producer.api.api_types import GenerateBody
 from producer.api.errors import bad_request
-from producer.api.params import check_group, check_prompt_length, native_sampling
-from producer.api.structured import NATIVE_NAMES, check_constraint, check_no_min_tokens
+from producer.api.params import check_adapter, check_group, check_prompt_length, native_sampling
+from producer.api.structured import NATIVE_NAMES, SchemaLimits, check_constraint, check_no_min_tokens
 from producer.deps import Services
 from producer.edge.backlog import Gate
 from shared.config import ProducerSettings
@@ -60,6 +60,7 @@ def new_request(
     n: int = 1,
     priority: int = 0,
     user: str | None = None,
+    adapter: str | None = None,
 ) -> GenerateRequest:
     """A new request; its id (uuid4: 122 random bits) is unguessable, which status URLs rely on.
 
@@ -84,6 +85,7 @@ def new_request(
         n=n,
         priority=priority,
         tenant=user_tenant(user),
+        adapter=adapter,
     )
 
 
@@ -98,14 +100,17 @@ def user_tenant(user: str | None) -> str:
 
 async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings) -> GenerateRequest:
     n = check_group(body.params.n, body.params.best_of, "parameters.")
+    adapter = check_adapter(body.params.adapter, settings.model, "parameters.adapter")
     params = native_sampling(body.params, settings.default_max_new_tokens, tokenizer)
     if params.constraint is not None:
-        await check_constraint(params.constraint, f"parameters.{NATIVE_NAMES[params.constraint.kind]}")
+        param = f"parameters.{NATIVE_NAMES[params.constraint.kind]}"
+        constraint = await check_constraint(params.constraint, param, SchemaLimits.of(settings))
+        params = params.model_copy(update={"constraint": constraint})
         check_no_min_tokens(params.constraint, params.min_new_tokens, "parameters.min_new_tokens")
     ids = await prompt_ids(body.inputs, tokenizer)
     check_prompt_length(len(ids), settings.model.max_req_input_len, "inputs")
     check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)
-    return new_request(ids, params, body.params.timeout, n, body.params.priority)
+    return new_request(ids, params, body.params.timeout, n, body.params.priority, adapter=adapter)
 
 
 async def enqueue(
@@ -119,6 +124,8 @@ async def enqueue(
     # Without the app's gate (a caller outside it) the request is still counted in the backlog.
     gate = services.gate or Gate(services.redis, services.keys, max_queue_tokens=0, require_workers=False)
     update: dict[str, Any] = {"model": services.model_id}  # only its model's workers take it
+    if services.hub is not None and services.hub.wake_id is not None:
+        update["reply_to"] = services.hub.wake_id  # its publisher tells this producer of new chunks
     if key_hash is not None:
         update["tenant"] = services.key_tenants.get(key_hash, DEFAULT_TENANT)
     request = request.model_copy(update=update)

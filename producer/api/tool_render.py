@@ -6,7 +6,9 @@ optionally inside ``<tool_call>`` tags; the same call twice is two calls. A choi
 calls answers ``content: null`` with
 ``tool_calls`` and finish reason ``tool_calls``. One cut short by ``max_tokens`` keeps
 ``length``: a named call with its arguments as far as they got (as OpenAI answers), an array
-with the calls it completed (its text as content when it completed none).
+with the calls it completed. A ``required`` answer that completed no call (cut short inside its
+first) has empty content, as vLLM answers: its text is the grammar's JSON cut short, which no
+client could parse; an ``auto`` answer that is no call is content as written.
 
 Streamed, a named function's choice opens with the call (id, name, empty
 arguments) and then streams its arguments as they are generated; a ``required`` choice is
@@ -78,7 +80,7 @@ def chat_message(plan: ToolPlan | None, text: str, reason: str | None) -> tuple[
     """A choice's message and finish reason, its text read as calls where the plan says so."""
     calls = _calls(plan, text, reason)
     if calls is None:
-        return ChatMessageOut(content=text), reason
+        return ChatMessageOut(content=_content(plan, text)), reason
     return ChatMessageOut(content=None, tool_calls=[c.dump() for c in calls]), _call_reason(reason)
 
 
@@ -88,6 +90,11 @@ def _calls(plan: ToolPlan | None, text: str, reason: str | None) -> list[ToolCal
     if plan.mode != "named" and reason not in ("stop", "length"):  # failed, cancelled: no answer to read
         return None
     return read_calls(plan, text, is_cut=reason == "length")
+
+
+def _content(plan: ToolPlan | None, text: str) -> str:
+    """A choice's content when its text is no call: ``required``'s is nothing (see the module's doc)."""
+    return "" if plan is not None and plan.mode == "required" else text
 
 
 def _call_reason(reason: str | None) -> str | None:
@@ -133,5 +140,6 @@ class ToolStream:
             return None, None
         calls = _calls(self.plan, self.held[choice], reason)
         if calls is None:
-            return ({"content": self.held[choice]} if self.held[choice] else {}), reason
+            content = _content(self.plan, self.held[choice])
+            return ({"content": content} if content else {}), reason
         return {"tool_calls": _indexed(calls)}, _call_reason(reason)

@@ -32,14 +32,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from producer.api.errors import bad_request
+from producer.api.errors import ApiError, bad_request
+from producer.api.structured import SchemaLimits, check_constraint, check_cost, parsed, schema_constraint
 from shared.schemas import Constraint
 
 # ``required`` with parallel calls: the array's maxItems is this times the number of tools. Enough
 # for a call per city, file or query of a real request (a call past it cannot be written: the
-# README says so); few enough that a model repeating its one call ends the array (and its
+# docs/api.md says so); few enough that a model repeating its one call ends the array (and its
 # answer) after a few hundred tokens instead of at max_tokens.
 CALLS_PER_TOOL = 8
+# Keywords of a JSON schema whose values are data, and those whose values map names to schemas
+# (``hoisted`` rewrites refs in neither's keys, nor anywhere in the former).
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 class _Request(BaseModel):
@@ -103,10 +108,13 @@ class ToolPlan:
         return function.parameters or {"type": "object"}
 
     def _calls_schema(self) -> dict[str, Any]:
+        """One call of any tool, or an array of them. Each tool's parameters sit in the root's
+        ``$defs`` under its name, their local refs rewritten to point there (``hoisted``): a ref is
+        resolved from the root of the whole schema, where a tool's own ``#/$defs/X`` meant nothing."""
         items = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}},
+                "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/{t.name}"}},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
@@ -114,7 +122,17 @@ class ToolPlan:
         ]
         call = {"anyOf": items}
         max_items = CALLS_PER_TOOL * len(self.tools) if self.parallel else 1
-        return {"anyOf": [call, {"type": "array", "items": call, "minItems": 1, "maxItems": max_items}]}
+        return {
+            "$defs": {t.name: hoisted(t.parameters or {"type": "object"}, f"#/$defs/{t.name}") for t in self.tools},
+            "anyOf": [call, {"type": "array", "items": call, "minItems": 1, "maxItems": max_items}],
+        }
+
+    @property
+    def constrained(self) -> set[str]:
+        """The tools whose parameters the forced call's grammar holds."""
+        if self.mode == "named":
+            return {self.named or ""}
+        return {t.name for t in self.tools} if self.mode == "required" else set()
 
     def system_prompt(self) -> str:
         """The tools and the call format, for a chat template that does not render tools itself."""
@@ -199,20 +217,63 @@ def calls_text(calls: list[ToolCallIn]) -> str:
     return json.dumps([{"name": c.function.name, "arguments": _arguments(c)} for c in calls], ensure_ascii=False)
 
 
-async def output_constraint(response_format: Constraint | None, plan: ToolPlan | None) -> Constraint | None:
-    """The one grammar a chat answer follows, every schema in the request checked (400s)."""
-    from producer.api.structured import check_constraint, schema_constraint
+def hoisted(schema: Any, base: str) -> Any:
+    """``schema`` as it reads at JSON pointer ``base`` of a bigger schema: every local ``$ref``
+    (``#...``) made to point under ``base``. Names of properties and definitions are names, and
+    ``const``, ``enum``, ``default`` and ``examples`` are data: neither is rewritten. Tool names are
+    ``[A-Za-z0-9_-]``, so ``base`` needs no JSON-pointer escapes."""
+    if isinstance(schema, list):
+        return [hoisted(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in DATA_KEYWORDS:
+            out[key] = value
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: hoisted(item, base) for name, item in value.items()}
+        else:
+            out[key] = hoisted(value, base)
+    return out
 
-    if plan is not None:
-        for n, tool in enumerate(plan.tools):
-            if tool.parameters is not None:
-                await check_constraint(schema_constraint(tool.parameters), f"tools.{n}.function.parameters")
-    from_tools = plan.constraint() if plan is not None else None
-    if from_tools is not None and response_format is not None:
+
+def _tool_param(n: int) -> str:
+    return f"tools.{n}.function.parameters"
+
+
+async def output_constraint(
+    requested: Constraint | None, param: str, plan: ToolPlan | None, limits: SchemaLimits
+) -> Constraint | None:
+    """The one grammar a chat answer follows, checked and parsed (400s): ``requested`` (named
+    ``param``: response_format or another server's field) or a forced call's. Every tool's parameters
+    are within the limits and valid: parsed once, inside the forced call's grammar or alone."""
+    if plan is None:
+        return await check_constraint(requested, param, limits)
+    for n, tool in enumerate(plan.tools):
+        if tool.parameters is not None:
+            check_cost(schema_constraint(tool.parameters), _tool_param(n), limits)
+    forced = plan.constraint()
+    if forced is not None and requested is not None:
         raise bad_request(
-            "response_format cannot be combined with a tool_choice that forces a call",
-            param="response_format",
+            f"{param} cannot be combined with a tool_choice that forces a call",
+            param=param,
             code="invalid_response_format",
         )
-    await check_constraint(response_format, "response_format")
-    return from_tools or response_format
+    inside = plan.constrained
+    for n, tool in enumerate(plan.tools):
+        if tool.parameters is not None and tool.name not in inside:
+            await parsed(schema_constraint(tool.parameters), _tool_param(n))
+    if forced is None:
+        return await check_constraint(requested, param, limits)
+    names = [t.name for t in plan.tools]
+    if plan.mode == "named":
+        return await parsed(forced, _tool_param(names.index(plan.named or "")))
+    try:
+        return await parsed(forced, "tool_choice")
+    except ApiError:
+        for n, tool in enumerate(plan.tools):  # which tool: each alone, on this error path only
+            if tool.parameters is not None:
+                await parsed(schema_constraint(tool.parameters), _tool_param(n))
+        raise

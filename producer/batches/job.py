@@ -32,7 +32,7 @@ from producer.batches.records import (
     parse_lines,
     prepare_line,
 )
-from producer.deps import Services
+from producer.deps import Services, batch_client
 from producer.monitoring.metrics import ProducerMetrics
 from producer.streams.streaming import ChunkFollower
 from shared.config import ProducerSettings
@@ -69,11 +69,14 @@ async def _run(batch_id: str, settings: ProducerSettings) -> dict:
         tokenizer=tokenizer_for(settings.model.model_dir),
         metrics=ProducerMetrics(),
         model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
+        batch_redis=batch_client(settings.redis),
     )
     try:
         return await Feeder(services, batch_id).run()
     finally:
         await services.redis.aclose()
+        if services.batch_redis is not services.redis and services.batch_redis is not None:
+            await services.batch_redis.aclose()
 
 
 def on_failure(job: Any, connection: Any, exc_type: type, exc: BaseException, traceback: Any) -> None:
@@ -94,15 +97,17 @@ def on_failure(job: Any, connection: Any, exc_type: type, exc: BaseException, tr
 class Feeder:
     def __init__(self, services: Services, batch_id: str) -> None:
         self.services, self.batch_id = services, batch_id
-        self.redis, self.keys = services.redis, services.keys
+        self.redis, self.keys = services.redis, services.keys  # the pool's
+        assert services.batch_redis is not None, "a batch job runs only where batches have a Redis"
+        self.store = services.batch_redis  # batch records (RedisSettings.batch_url)
         self.limit = services.settings.batch.max_in_flight
         self._cancelled = False
         self._checked_at = 0.0
         self.key_hash: str | None = None  # the submitting API key's: every request of the batch is its own
 
     async def run(self) -> dict:
-        raw = await self.redis.hgetall(self.keys.batch(self.batch_id))
-        text = await self.redis.get(self.keys.batch_input(self.batch_id))
+        raw = await self.store.hgetall(self.keys.batch(self.batch_id))
+        text = await self.store.get(self.keys.batch_input(self.batch_id))
         if not raw or text is None:
             log.warning("batch %s: its records are gone; nothing to do", self.batch_id)
             return {"status": "gone"}
@@ -116,8 +121,8 @@ class Feeder:
         return await self._finish(len(lines))
 
     async def _feed(self, lines: list[BatchLine]) -> None:
-        done = {int(i) for i in await self.redis.hkeys(self.keys.batch_results(self.batch_id))}
-        sent = {int(i): rid for i, rid in (await self.redis.hgetall(self.keys.batch_inflight(self.batch_id))).items()}
+        done = {int(i) for i in await self.store.hkeys(self.keys.batch_results(self.batch_id))}
+        sent = {int(i): rid for i, rid in (await self.store.hgetall(self.keys.batch_inflight(self.batch_id))).items()}
         slots = asyncio.Semaphore(self.limit)
         tasks: set[asyncio.Task] = set()
         for index, line in enumerate(lines):
@@ -161,7 +166,7 @@ class Feeder:
         """The request id to follow: one an earlier run already sent, or a new one sent now."""
         if sent_id is not None and await self.redis.exists(self.keys.meta(sent_id)):
             return sent_id
-        await self.redis.hset(self.keys.batch_inflight(self.batch_id), str(index), prepared.request.id)
+        await self.store.hset(self.keys.batch_inflight(self.batch_id), str(index), prepared.request.id)
         await enqueue(prepared.request, ROUTE, self.services, self.key_hash)
         return prepared.request.id
 
@@ -179,12 +184,12 @@ class Feeder:
         """Whether a cancel request came (read at most every BATCH_CANCEL_CHECK_S, shared by all followers)."""
         if not self._cancelled and time.monotonic() - self._checked_at >= BATCH_CANCEL_CHECK_S:
             self._checked_at = time.monotonic()
-            self._cancelled = bool(await self.redis.hget(self.keys.batch(self.batch_id), "cancelling_at"))
+            self._cancelled = bool(await self.store.hget(self.keys.batch(self.batch_id), "cancelling_at"))
         return self._cancelled
 
     async def _record(self, index: int, line: str, ok: bool = False) -> None:
         """One answered line and its counter, in one transaction (a rerun never counts it twice)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.store.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.batch_results(self.batch_id), str(index), line)
             pipe.hdel(self.keys.batch_inflight(self.batch_id), str(index))
             pipe.hincrby(self.keys.batch(self.batch_id), "completed" if ok else "failed", 1)
@@ -192,12 +197,12 @@ class Feeder:
 
     async def _finish(self, total: int) -> dict:
         await self._set(status=BatchStatus.FINALIZING, finalizing_at=now_s())
-        results = await self.redis.hgetall(self.keys.batch_results(self.batch_id))
+        results = await self.store.hgetall(self.keys.batch_results(self.batch_id))
         output = "".join(results[str(i)] + "\n" for i in range(total))
         # Cancelled only if the cancel reached the run; one that came after the last answer changes nothing.
         status = BatchStatus.CANCELLED if self._cancelled else BatchStatus.COMPLETED
         ttl_s = self.services.settings.batch.ttl_s
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.store.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.batch_output(self.batch_id), output)
             pipe.delete(self.keys.batch_results(self.batch_id), self.keys.batch_inflight(self.batch_id))
             done_at = {"cancelled_at" if status is BatchStatus.CANCELLED else "completed_at": now_s()}
@@ -216,7 +221,7 @@ class Feeder:
         return {"status": status.value, "total": total}
 
     async def _set(self, **fields: Any) -> None:
-        await self.redis.hset(self.keys.batch(self.batch_id), mapping=BatchRecord.fields(**fields))
+        await self.store.hset(self.keys.batch(self.batch_id), mapping=BatchRecord.fields(**fields))
 
 
 def _raise_failed(tasks: set[asyncio.Task]) -> None:

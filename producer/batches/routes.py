@@ -13,6 +13,7 @@ import re
 from typing import Annotated
 
 import redis
+import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel
 from rq import Callback, Queue, Retry
@@ -107,6 +108,19 @@ def valid_batch_id(batch_id: str) -> str:
 BatchIdDep = Annotated[str, Depends(valid_batch_id)]
 
 
+def _store(services: Services) -> aioredis.Redis:
+    """The Redis of batch records and rq's queue (``RedisSettings.batch_url``): the pool's, or on a
+    Redis Cluster the plain one ``--redis_rq_url`` names (rq has no cluster client)."""
+    if services.batch_redis is None:
+        raise ApiError(
+            501,
+            "batches need a plain Redis for their queue on a Redis Cluster pool: start with --redis_rq_url",
+            code="batches_unavailable",
+            kind="server_error",
+        )
+    return services.batch_redis
+
+
 def _not_found(batch_id: str) -> ApiError:
     return ApiError(404, f"no batch {batch_id}", param="batch_id", code="not_found", kind="not_found_error")
 
@@ -118,6 +132,7 @@ async def create_batch(request: Request, services: ServicesDep, caller: CallerDe
         text = (await request.body()).decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request("the file is not UTF-8 text", code="invalid_encoding", reason="invalid_batch") from None
+    _store(services)  # before anything is read: a pool without a place for batches says so
     lines = parse_lines(text, services.settings.batch.max_requests)
     await validate_lines(lines, line_numbers(text), services)
     batch_id, ttl_s = new_batch_id(), services.settings.batch.ttl_s
@@ -136,7 +151,7 @@ async def create_batch(request: Request, services: ServicesDep, caller: CallerDe
 def submit_job(settings: ProducerSettings, batch_id: str, text: str, record: BatchRecord, owner: str) -> None:
     """The batch's record, its input, its place in the owner's index and its rq job, in one transaction."""
     keys, batch = settings.redis.keys, settings.batch
-    connection = redis.Redis.from_url(settings.redis.url)  # rq wants bytes replies
+    connection = redis.Redis.from_url(settings.redis.batch_url)  # rq wants bytes replies
     try:
         queue = Queue(batch.queue, connection=connection, serializer=JSONSerializer)
         with connection.pipeline(transaction=True) as pipe:
@@ -165,7 +180,7 @@ def submit_job(settings: ProducerSettings, batch_id: str, text: str, record: Bat
 
 async def _record_or_404(services: Services, batch_id: str, caller: Caller) -> BatchRecord:
     """The batch's record; another API key's batch is as unknown as a missing one."""
-    raw = await services.redis.hgetall(services.keys.batch(batch_id))
+    raw = await _store(services).hgetall(services.keys.batch(batch_id))
     record = BatchRecord.model_validate(raw) if raw else None
     if record is None or not caller.owns(record.key_hash):
         raise _not_found(batch_id)
@@ -202,7 +217,7 @@ _WITH_OUTPUT = (BatchStatus.COMPLETED, BatchStatus.CANCELLED)
 
 async def _status_counts(services: Services, batch_id: str, unanswered: int) -> dict[str, int]:
     """Unanswered lines by where they are: not sent yet (pending), queued, running."""
-    request_ids = await services.redis.hvals(services.keys.batch_inflight(batch_id))
+    request_ids = await _store(services).hvals(services.keys.batch_inflight(batch_id))
     async with services.redis.pipeline(transaction=False) as pipe:
         for request_id in request_ids:
             pipe.hget(services.keys.meta(request_id), "status")
@@ -217,18 +232,18 @@ async def list_batches(
     services: ServicesDep, caller: CallerDep, limit: int = Query(20, ge=1, le=100), after: str | None = None
 ) -> BatchList:
     """The caller's batches, newest first; batches past their TTL drop out of the index here."""
-    index = services.keys.batch_index(owner(caller))
-    await services.redis.zremrangebyscore(index, "-inf", now_s() - services.settings.batch.ttl_s)
+    index, store = services.keys.batch_index(owner(caller)), _store(services)
+    await store.zremrangebyscore(index, "-inf", now_s() - services.settings.batch.ttl_s)
     start = 0
     if after is not None:
-        rank = await services.redis.zrevrank(index, after)
+        rank = await store.zrevrank(index, after)
         if rank is None:
             raise bad_request(f"after: no batch {after} in this list", param="after", code="not_found")
         start = rank + 1
-    ids = await services.redis.zrevrange(index, start, start + limit)  # one more than asked: is there more?
+    ids = await store.zrevrange(index, start, start + limit)  # one more than asked: is there more?
     views = []
     for batch_id in ids[:limit]:
-        raw = await services.redis.hgetall(services.keys.batch(batch_id))
+        raw = await store.hgetall(services.keys.batch(batch_id))
         if raw:  # its record expired before the index was pruned
             views.append(await _view(services, batch_id, BatchRecord.model_validate(raw)))
     return BatchList(
@@ -259,7 +274,7 @@ async def get_output(batch_id: BatchIdDep, services: ServicesDep, caller: Caller
             param="batch_id",
             code="batch_not_finished",
         )
-    output = await services.redis.get(services.keys.batch_output(batch_id))
+    output = await _store(services).get(services.keys.batch_output(batch_id))
     if output is None:
         raise _not_found(batch_id)
     return Response(output, media_type=JSONL)
@@ -270,6 +285,6 @@ async def cancel_batch(batch_id: BatchIdDep, services: ServicesDep, caller: Call
     """Stop sending the batch's requests and cancel those in the pool; the job then writes the output."""
     record = await _record_or_404(services, batch_id, caller)
     if not record.status.is_terminal and record.cancelling_at is None:
-        await services.redis.hset(services.keys.batch(batch_id), "cancelling_at", str(now_s()))
+        await _store(services).hset(services.keys.batch(batch_id), "cancelling_at", str(now_s()))
         record = record.model_copy(update={"cancelling_at": now_s()})
     return await _view(services, batch_id, record)

@@ -110,19 +110,24 @@ def queue(name: str, connection: redis.Redis) -> Queue:
 def run(settings: RqWorkerSettings) -> None:
     """The service: the housekeeping child first (before anything else starts threads), then batches."""
     setup_logging()
+    if not settings.redis.batch_url:
+        raise SystemExit(
+            "lightq rq-worker: rq has no Redis Cluster client; name a plain Redis for its queue with --redis_rq_url"
+        )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # job processes are forked from this one
     janitor = multiprocessing.get_context("fork").Process(
         target=run_janitor, args=(settings.model_dump(mode="json"),), name="lightq-janitor"
     )
     janitor.start()
-    connection = redis.Redis.from_url(settings.redis.url)
+    connection = redis.Redis.from_url(settings.redis.batch_url)
     try:
         from producer.batches.job import tokenizer_for
 
         tokenizer_for(settings.model.model_dir)  # once here; every forked job process has it
         batch_queue = queue(settings.batch.queue, connection)
         work_through_outages(
-            settings.redis.url, lambda: BatchWorker([batch_queue], connection=connection, serializer=JSONSerializer)
+            settings.redis.batch_url,
+            lambda: BatchWorker([batch_queue], connection=connection, serializer=JSONSerializer),
         )
     finally:
         janitor.terminate()
@@ -134,7 +139,7 @@ def run_janitor(settings: dict) -> None:
     """The housekeeping worker (with rq's scheduler), in the child process."""
     _die_with_parent()
     parsed = RqWorkerSettings.model_validate(settings)
-    connection = redis.Redis.from_url(parsed.redis.url)
+    connection = redis.Redis.from_url(parsed.redis.batch_url)
     janitor_queue = queue(parsed.housekeeping.queue, connection)
     interval = parsed.housekeeping.interval_s
 
@@ -149,7 +154,7 @@ def run_janitor(settings: dict) -> None:
             maintenance_interval=interval,
         )
 
-    work_through_outages(parsed.redis.url, janitor, with_scheduler=True)
+    work_through_outages(parsed.redis.batch_url, janitor, with_scheduler=True)
 
 
 def work_through_outages(url: str, make_worker, **work_args) -> None:
@@ -212,7 +217,7 @@ def schedule_housekeeping(janitor_queue: Queue, settings: RqWorkerSettings, at: 
 def housekeeping(settings: dict) -> dict:
     """The periodic job: the next run is scheduled first, so a failure here cannot end the chain."""
     parsed = RqWorkerSettings.model_validate(settings)
-    connection = redis.Redis.from_url(parsed.redis.url)
+    connection = redis.Redis.from_url(parsed.redis.batch_url)
     client = sync_client(parsed.redis)
     try:
         schedule_housekeeping(

@@ -3,7 +3,8 @@
 
 - ``KeyGuard``: with ``--api_keys``, no path but the open ones (``auth.open_paths``)
   without a valid key; wrong keys are counted per client address and past
-  ``--max_auth_failures`` in ``--auth_failure_window_s`` the address gets 429.
+  ``--max_auth_failures`` in ``--auth_failure_window_s`` the address gets 429,
+  except for keys that already worked from that address (``KnownKeys``).
 - ``JsonOnly``: a POST that carries a body must say it is JSON (415 otherwise), so a
   web page cannot queue work with a form post or a ``text/plain`` fetch, which
   browsers send cross-origin without asking the server first.
@@ -14,8 +15,15 @@ The failure counter lives in this process, not in Redis: a guess costs no Redis
 write (an unauthenticated client cannot make Redis work, and an outage does not
 turn 401s into 503s), at the price of each producer replica counting on its own
 (N replicas allow N times the guesses: still 10^-30 odds against a 128-bit key).
-Behind a proxy the client address is the proxy's unless uvicorn is told to
-trust ``X-Forwarded-For`` (``--forwarded-allow-ips``).
+Behind a proxy the client address is the proxy's unless ``--forwarded_allow_ips``
+names the proxy (``producer.main``: uvicorn's proxy-headers middleware, for
+those addresses only, rewrites the client address from ``X-Forwarded-For``).
+
+Throttle the guesses, not the owner. A throttled address still gets in with a
+key that already worked from it before (the owner behind a NAT, or behind an
+unnamed proxy that an attacker shares): they are remembered per address. Any
+other key from a throttled address, right or wrong, gets the same 429 without
+being checked, so the throttle still tells a guesser nothing about its guesses.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from fastapi import FastAPI
@@ -41,6 +49,7 @@ JSONL_TYPES = frozenset(
 )
 JSONL_PATHS = ("/v1/batches",)  # batch files are JSON Lines
 MAX_ADDRESSES = 10_000  # addresses with recent failures kept; past it, stale ones are dropped
+MAX_KNOWN = 10_000  # (address, key) pairs that worked, kept; past it, the least recently used go
 
 
 class FailedAttempts:
@@ -75,6 +84,23 @@ class FailedAttempts:
         self._times[address] = times
 
 
+class KnownKeys:
+    """The (client address, key hash) pairs that authenticated, least recently used first."""
+
+    def __init__(self, limit: int = MAX_KNOWN) -> None:
+        self.limit = limit
+        self._pairs: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def add(self, address: str, key_hash: str) -> None:
+        self._pairs[(address, key_hash)] = None
+        self._pairs.move_to_end((address, key_hash))
+        if len(self._pairs) > self.limit:
+            self._pairs.popitem(last=False)
+
+    def __contains__(self, pair: tuple[str, str]) -> bool:
+        return pair in self._pairs
+
+
 def presented_key(headers: dict[bytes, bytes]) -> str | None:
     """The key from ``Authorization``: Bearer KEY, or Basic with the key as password (browsers)."""
     scheme, _, value = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
@@ -98,16 +124,25 @@ async def _answer(scope: Scope, receive: Receive, send: Send, error: ApiError) -
 
 
 class KeyGuard:
-    def __init__(self, app: ASGIApp, hashes: frozenset[str], open_: frozenset[str], failures: FailedAttempts) -> None:
-        self.app, self.hashes, self.open, self.failures = app, hashes, open_, failures
+    def __init__(
+        self, app: ASGIApp, hashes: frozenset[str], open_: frozenset[str], failures: FailedAttempts, known: KnownKeys
+    ) -> None:
+        self.app, self.hashes, self.open, self.failures, self.known = app, hashes, open_, failures, known
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.hashes or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
         address = (scope.get("client") or ("unknown",))[0]
+        key = presented_key(dict(scope["headers"]))
+        key_hash = hash_key(key) if key is not None else None
         wait_s = self.failures.retry_after(address)
-        if wait_s:
+        if key_hash in self.hashes and (not wait_s or (address, key_hash) in self.known):
+            self.known.add(address, key_hash)
+            scope[SCOPE_KEY] = key_hash
+            await self.app(scope, receive, send)
+            return
+        if wait_s:  # any other key: the same answer, right or wrong
             await _answer(
                 scope,
                 receive,
@@ -120,12 +155,6 @@ class KeyGuard:
                     kind="rate_limit_error",
                 ),
             )
-            return
-        key = presented_key(dict(scope["headers"]))
-        key_hash = hash_key(key) if key is not None else None
-        if key_hash in self.hashes:
-            scope[SCOPE_KEY] = key_hash
-            await self.app(scope, receive, send)
             return
         if key is not None:  # a wrong key is a guess; a missing one (a first page load) is not
             self.failures.record(address)
@@ -185,6 +214,7 @@ def install(app: FastAPI, settings: ProducerSettings) -> None:
         hashes=key_hashes(settings.api_keys),
         open_=open_paths(settings.metrics_open),
         failures=FailedAttempts(settings.max_auth_failures, settings.auth_failure_window_s),
+        known=KnownKeys(),
     )
     if origins(settings.allowed_origins):
         app.add_middleware(

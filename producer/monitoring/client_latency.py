@@ -6,8 +6,9 @@ returns (one clock reading per batch), and ``leave`` when the reader is
 done. From those, on this process's monotonic clock:
 
 - time to first token: join -> the first token of any sample;
-- inter-token latency: one sample's consecutive new tokens (tokens that
-  arrive in one batch are 0 apart: the client sees them together);
+- inter-token latency: the gap between two deliveries of new tokens of one
+  sample (a run of several tokens arrives as one delivery, as vLLM and
+  SGLang count the gaps between streamed chunks);
 - end-to-end: join -> the last chunk that ended a sample, observed at
   ``leave`` if anything ended (a client that left early has no end);
 - ``generation_tokens`` (new tokens delivered) and ``requests_ended{status}``.
@@ -30,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from producer.monitoring.metrics import ProducerMetrics
-from shared.schemas import TokenChunk
+from shared.schemas import ChunkRun
 
 REPLAY_SLACK_MS = 1000
 START = "0-0"
@@ -63,31 +64,32 @@ class ClientLatency:
         if cursor == START and request_id not in self._timings:
             self._timings[request_id] = _Timing(time.monotonic(), int(time.time() * 1000))
 
-    def arrived(self, request_id: str, entries: list[tuple[str, TokenChunk]], now: float) -> None:
-        """A batch of ``(entry id, chunk)`` read at ``now`` (monotonic); repeats are not new."""
+    def arrived(self, request_id: str, entries: list[tuple[str, ChunkRun]], now: float) -> None:
+        """A batch of ``(entry id, run)`` read at ``now`` (monotonic); repeats are not new."""
         timing = self._timings.get(request_id)
         if timing is None:
             return
-        for entry_id, chunk in entries:
+        for entry_id, run in entries:
             if _is_replay(timing, entry_id):  # written before this reader came: nothing it waited for
                 del self._timings[request_id]
                 return
-            self._observe(timing, chunk, now)
+            self._observe(timing, run, now)
 
-    def _observe(self, timing: _Timing, chunk: TokenChunk, now: float) -> None:
-        choice = chunk.choice
-        if chunk.token_id is not None and chunk.index >= timing.next_index.get(choice, 0):
-            timing.next_index[choice] = chunk.index + 1
-            self.metrics.generation_tokens.inc()
+    def _observe(self, timing: _Timing, run: ChunkRun, now: float) -> None:
+        choice = run.choice
+        new = run.index + len(run.token_ids) - max(run.index, timing.next_index.get(choice, 0))
+        if new > 0:
+            timing.next_index[choice] = run.index + len(run.token_ids)
+            self.metrics.generation_tokens.inc(new)
             if timing.first_token is None:
                 timing.first_token = now
                 self.metrics.ttft.observe(now - timing.joined)
             if choice in timing.last_token:
                 self.metrics.itl.observe(now - timing.last_token[choice])
             timing.last_token[choice] = now
-        if chunk.finished:
+        if run.finished:
             timing.ended = now
-            timing.status = STATUS_BY_REASON.get(chunk.finish_reason or "", "finished")
+            timing.status = STATUS_BY_REASON.get(run.finish_reason or "", "finished")
 
     def leave(self, request_id: str) -> None:
         timing = self._timings.pop(request_id, None)

@@ -9,8 +9,8 @@ so every producer replica and every terminal computes the same numbers:
 |-------------------------|----------------------------------------------------------------|
 | ingress lag / pending   | XINFO GROUPS of ``{q}:requests`` (group ``routers``)            |
 | queued tokens           | the queued entries: prompt + estimated output (see below)       |
-| per-worker load         | the heartbeat records ``{w:ID}:load``                          |
-| inbox lag / pending     | XINFO GROUPS of ``{w:ID}:inbox`` (group ``worker``)             |
+| per-worker load         | the heartbeat records ``{q}:w:ID:load``                        |
+| inbox lag / pending     | XINFO GROUPS of ``{q}:w:ID:inbox`` (group ``worker``)           |
 | prefix cache per worker | the heartbeat records: cached tokens, hits / tokens asked, evicted |
 | routing decisions       | ``{q}:router_decisions``: every router's, by reason             |
 | recent requests         | ingress entries as they arrive (``RequestTracker``), then their status hashes |
@@ -112,6 +112,14 @@ class ClusterSnapshot:
         """Seconds the pool needs to drain the queue at its recent throughput: the autoscaling signal."""
         return self.queue_tokens / max(self.throughput_tokens_per_s, MIN_THROUGHPUT)
 
+    def workers_by_model(self, own: str) -> dict[str, int]:
+        """Live workers per served model name (``/v1/models``); a worker without a name takes any
+        request, so it counts for ``own``, the model of the producer asking."""
+        counts: dict[str, int] = {}
+        for load in self.loads:
+            counts[load.model or own] = counts.get(load.model or own, 0) + 1
+        return counts
+
     def worker_summary(self) -> list[dict]:
         return [
             {
@@ -198,7 +206,7 @@ async def queued_requests(
 
     ``parsed``: the entries a previous call parsed, by entry id, kept up to date here. An entry
     never changes, and at the peak of a burst fetching and parsing thousands of them again every
-    second was most of a read's CPU (``bench.scrape_latency``); with it, a read fetches the
+    second was most of a read's CPU (``bench.serving.scrape_latency``); with it, a read fetches the
     entries that arrived since the last one (and pending ones it has not seen). Every class's
     stream (``shared.ingress``) counts; ``parsed`` names entries by ``ingress.handle``."""
     known: dict[str, dict[str, GenerateRequest]] = {}  # stream -> entry id -> request, parsed before

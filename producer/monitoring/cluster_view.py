@@ -2,7 +2,7 @@
 
 At the peak of a burst one read of the view (thousands of queued entries
 parsed for their tokens, a status hash per recent request) costs the
-producer a second or more of CPU (``python -m bench.scrape_latency
+producer a second or more of CPU (``python -m bench.serving.scrape_latency
 --queued 5000``). Run as a task on the app's event loop, that second blocks
 every request the loop serves, ``/metrics`` included. Here it runs on a
 thread of its own, with its own event loop and Redis client: the app's loop

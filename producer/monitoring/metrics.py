@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from producer.monitoring.cluster import ClusterSnapshot, kv_usage, prefix_hit_ratio, read_cluster
 from producer.monitoring.recent import RequestTracker
 from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
+from shared.tenant_series import top_tenants
 
 WORKER_FIELDS = {
     "used_tokens": ("lightq:worker_used_tokens", "WorkerLoad.used_tokens from the worker's heartbeat"),
@@ -121,7 +122,8 @@ class _Snapshot(Collector):
 
 
 class ProducerMetrics:
-    def __init__(self, multiprocess_dir: str | None = None) -> None:
+    def __init__(self, multiprocess_dir: str | None = None, metrics_tenants: int = 16) -> None:
+        self.metrics_tenants = metrics_tenants  # tenant series per class (shared.tenant_series)
         self.registry = CollectorRegistry(auto_describe=True)  # this process's counters and histograms
         reg = self.registry
         self.accepted = Counter("lightq:requests_accepted", "requests enqueued", ["route"], registry=reg)
@@ -178,7 +180,7 @@ class ProducerMetrics:
         thread (``producer.monitoring.cluster_view``): ``tracker`` is its state. Readers on other threads
         see whole objects, each swapped in by one assignment, never one being filled."""
         snap = await read_cluster(redis, keys, self.tracker)
-        self._snapshot.families = cluster_families(snap, keys)
+        self._snapshot.families = cluster_families(snap, keys, self.metrics_tenants)
         self.snapshot = snap
         self._sample(snap)
         return snap
@@ -196,9 +198,9 @@ class ProducerMetrics:
         self.history = (*self.history[1 - HISTORY_S :], point)  # a new tuple: readers never see one grow
 
 
-def _ordering_families(snap: ClusterSnapshot, gauge, out: list[Metric]) -> None:
+def _ordering_families(snap: ClusterSnapshot, gauge, out: list[Metric], k: int) -> None:
     """router.ordering's counters: requests queued per class and per (class, tenant), tokens
-    dispatched per (class, tenant)."""
+    dispatched per (class, tenant); per class ``k`` tenants and ``other`` (``shared.tenant_series``)."""
     per_class: dict[int, int] = {}
     for (priority, _), n in snap.tenant_queued.items():
         per_class[priority] = per_class.get(priority, 0) + n
@@ -210,19 +212,20 @@ def _ordering_families(snap: ClusterSnapshot, gauge, out: list[Metric]) -> None:
     tenants = gauge(
         "lightq:queue_tenant_depth", "requests queued per priority class and tenant", labels=("priority", "tenant")
     )
-    for (priority, tenant), n in sorted(snap.tenant_queued.items()):
+    for (priority, tenant), n in sorted(top_tenants(snap.tenant_queued, k, sum_rest=True).items()):
         tenants.add_metric([str(priority), tenant], n)
     served = CounterMetricFamily(
         "lightq:tenant_dispatched_tokens",
-        "tokens dispatched per priority class and tenant (prompt + max_new_tokens per open sample)",
+        "tokens dispatched per priority class and tenant (prompt + max_new_tokens per open sample); "
+        "the --metrics_tenants tenants with the most, and other",
         labels=("priority", "tenant"),
     )
-    for (priority, tenant), n in sorted(snap.tenant_served.items()):
+    for (priority, tenant), n in sorted(top_tenants(snap.tenant_served, k, sum_rest=False).items()):
         served.add_metric([str(priority), tenant], n)
     out.append(served)
 
 
-def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:
+def cluster_families(snap: ClusterSnapshot, keys: Keys, metrics_tenants: int = 16) -> list[Metric]:
     """Every cluster gauge of one snapshot; a worker gone from it is gone from the families."""
 
     def gauge(name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
@@ -281,7 +284,7 @@ def cluster_families(snap: ClusterSnapshot, keys: Keys) -> list[Metric]:
             family.add_metric([worker], getattr(load, name))
     gauge("lightq:live_workers", "workers with a current heartbeat", len(snap.loads))
     gauge("lightq:dead_letters", "entries in the dead-letter stream", snap.dead_letters)
-    _ordering_families(snap, gauge, out)
+    _ordering_families(snap, gauge, out, metrics_tenants)
     decisions = CounterMetricFamily(
         "lightq:router_decisions",
         "admission decisions of every router by reason (router.admission.Reason; from Redis)",

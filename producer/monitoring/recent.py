@@ -1,6 +1,7 @@
 """Recent requests, as the cluster view follows them: seen on the ingress stream, then read
-from their status hashes until they end and a window after (``producer.monitoring.cluster``
-counts throughput and latencies over them; the dashboard lists them).
+from their status hashes until they end (an ended one is kept as last read) and a window after
+(``producer.monitoring.cluster`` counts throughput and latencies over them; the dashboard lists
+them).
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class RequestTracker:
         self.last_ids: dict[str, str] = {}  # per class's stream: the last entry read
         self.enqueued: dict[str, int] = {}  # request id -> Redis ms of its first entry, oldest first
         self.parsed: dict[str, GenerateRequest] = {}  # queued ingress entries already parsed, by entry id
+        # Ended requests as last read: a terminal status never changes, so it is not read again
+        # (a refresh reads only live requests' hashes). A new ingress entry of one (an operator's
+        # dead-letter requeue, the one way back) forgets it.
+        self.ended: dict[str, RecentRequest] = {}
 
     async def _read_new(self, redis: aioredis.Redis, keys: Keys) -> None:
         """New entries of every class's stream (``shared.ingress``), each read on from where it was."""
@@ -78,6 +83,7 @@ class RequestTracker:
                     request_id = None
                 if request_id is not None:
                     self.enqueued.setdefault(request_id, int(entry_id.partition("-")[0]))
+                    self.ended.pop(request_id, None)
                 self.last_ids[stream] = entry_id
         if len(streams) > 1:  # oldest first across the classes' streams (one stream: already)
             self.enqueued = dict(sorted(self.enqueued.items(), key=lambda item: item[1]))
@@ -85,18 +91,27 @@ class RequestTracker:
     async def refresh(self, redis: aioredis.Redis, keys: Keys, now_ms: int) -> list[RecentRequest]:
         """Every tracked request with its status now, newest first."""
         await self._read_new(redis, keys)
+        live = [request_id for request_id in self.enqueued if request_id not in self.ended]
         pipe = redis.pipeline(transaction=False)
-        for request_id in self.enqueued:
+        for request_id in live:
             pipe.hgetall(keys.meta(request_id))
+        read = dict(zip(live, await pipe.execute()))
         out = []
-        for (request_id, enqueued_ms), data in zip(list(self.enqueued.items()), await pipe.execute()):
-            request = _recent(request_id, enqueued_ms, data) if data and "status" in data else None  # else gone
+        for request_id, enqueued_ms in list(self.enqueued.items()):
+            data = read.get(request_id)
+            request = self.ended.get(request_id) or (
+                _recent(request_id, enqueued_ms, data) if data and "status" in data else None  # else gone
+            )
             if request is None or (request.is_terminal and (request.finished_ms or 0) < now_ms - self.keep_s * 1000):
                 del self.enqueued[request_id]  # expired, or ended long enough ago
-            else:
-                out.append(request)
+                self.ended.pop(request_id, None)
+                continue
+            if request.is_terminal:
+                self.ended[request_id] = request
+            out.append(request)
         for request_id in list(self.enqueued)[: max(0, len(self.enqueued) - self.limit)]:
             del self.enqueued[request_id]  # over the limit: forget the oldest
+            self.ended.pop(request_id, None)
         return out[::-1][: self.limit]
 
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from producer import store
 from producer.redis_client import with_reconnect
 from producer.streams.streaming import Check, ChunkFollower
-from shared.schemas import TokenChunk
+from shared.schemas import ChunkRun, TokenChunk
 
 
 class MergedFollower:
@@ -27,6 +27,7 @@ class MergedFollower:
         self.followers = followers
         self.redis, self.keys, self.block_ms, self.outage_s = first.redis, first.keys, first.block_ms, first.outage_s
         self.index = {f.request_id: i for i, f in enumerate(followers)}
+        self.ends_only = False  # set by ``collect``: woken when a request's sample ends, not per run
 
     @property
     def finished(self) -> bool:
@@ -56,17 +57,17 @@ class MergedFollower:
                         for chunk in await with_reconnect(follower.ending_without_chunk, self.outage_s):
                             yield None, self._numbered(i, chunk)
                 continue
-            for request_id, entry_id, raw in entries:
+            for request_id, entry_id, run in entries:
                 i = self.index[request_id]
                 self.followers[i].last_id = entry_id
-                for chunk in self.followers[i].accept(raw):
-                    yield entry_id, self._numbered(i, chunk)
+                for event_id, chunk in self.followers[i].accept(entry_id, run):
+                    yield event_id, self._numbered(i, chunk)
 
-    async def _read_next(self) -> list[tuple[str, str, TokenChunk]]:
+    async def _read_next(self) -> list[tuple[str, str, ChunkRun]]:
         after = {f.request_id: f.last_id for f in self.followers if not f.finished}
         hub = self.followers[0].hub
         if hub is not None:
-            return await hub.read_many(after, self.block_ms)
+            return await hub.read_many(after, self.block_ms, self.ends_only, all(f.own for f in self.followers))
         return await store.read_many_after(self.redis, self.keys, after, self.block_ms)
 
     def _numbered(self, prompt: int, chunk: TokenChunk) -> TokenChunk:

@@ -1,10 +1,13 @@
 """Follow a request's durable chunk stream and turn it into SSE.
 
-The reader blocks on XREAD from the last entry it saw, drops chunks whose
-(choice, index) it already delivered (a re-dispatched request may repeat
-indexes) and stops after the finished chunk of every choice (a group's n
-samples share the stream; a chunk without a token ends them all). Entry ids double as SSE ids, so a client
-resumes with ``Last-Event-ID``. When the stream stays quiet it looks at the
+The reader blocks on XREAD from the last entry it saw, takes each entry's
+run of tokens one chunk at a time, drops chunks whose (choice, index) it
+already delivered (a re-dispatched request may repeat indexes) and stops
+after the finished chunk of every choice (a group's n samples share the
+stream; a chunk without a token ends them all). A chunk's event id is its
+entry's id, with ``.k`` for the k-th token of a run when more follow it in
+that entry (``1700000000000-0.3``): SSE ids, so a client resumes with
+``Last-Event-ID`` exactly after the token it got, even inside a run. When the stream stays quiet it looks at the
 status hash, so a request that ended (or expired) without a terminal chunk
 cannot leave a client waiting forever. A stream that stops early cancels its
 request only when the client left: when the producer itself stops, its open
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -33,7 +37,7 @@ from producer.redis_client import with_reconnect
 from producer.streams.stream_hub import StreamHub
 from shared import codec
 from shared.keys import Keys
-from shared.schemas import FinishReason, RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import ChunkRun, FinishReason, RequestMeta, RequestStatus, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +68,35 @@ class ChunkFollower:
         self.outage_s = outage_s
         self.hub = hub  # the app's shared XREAD (None: a blocking read of our own, e.g. in a batch job)
         self.n = n
+        self.ends_only = False  # set by ``collect``: a whole answer needs waking only at the end
+        self.own = False  # submitted by this producer: its publisher wakes the hub (``follower``)
         self.last_id = "0-0"
         self.next_index = [0] * n  # per choice: the next index to deliver
         self.done: set[int] = set()  # choices that ended
         self.finished = False
+        self._held: list[tuple[str, TokenChunk]] = []  # a resumed run's rest, delivered first
 
-    async def resume_after(self, entry_id: str) -> None:
-        """Continue after ``entry_id``, as if every chunk up to it was delivered."""
-        for _, chunk in await store.read_range(self.redis, self.keys, self.request_id, "-", entry_id):
-            self.accept(chunk)
+    async def resume_after(self, event_id: str) -> None:
+        """Continue after ``event_id`` (``entry`` or ``entry.k``, as ``event_id`` makes them), as if
+        every chunk up to it was delivered."""
+        entry_id, _, offset = event_id.partition(".")
+        for found_id, run in await store.read_range(self.redis, self.keys, self.request_id, "-", entry_id):
+            rest = self.accept(found_id, run)
+            if found_id == entry_id and offset:
+                self._held = [(e, c) for e, c in rest if _offset(e) > int(offset)]
         self.last_id = entry_id
 
-    def accept(self, chunk: TokenChunk) -> list[TokenChunk]:
+    def accept(self, entry_id: str, run: ChunkRun) -> list[tuple[str, TokenChunk]]:
+        """(event id, chunk) to deliver of the entry ``entry_id``'s run, a token at a time."""
+        tokens = run.tokens()
+        last = len(tokens) - 1
+        out = []
+        for k, token in enumerate(tokens):
+            event_id = entry_id if k == last else f"{entry_id}.{k}"
+            out += [(event_id, chunk) for chunk in self.accept_chunk(token)]
+        return out
+
+    def accept_chunk(self, chunk: TokenChunk) -> list[TokenChunk]:
         """The chunks to deliver: none for a repeat of a delivered (choice, index); one per
         unfinished choice for a chunk without a token that ends the request."""
         if chunk.finished and chunk.token_id is None:
@@ -119,6 +140,9 @@ class ChunkFollower:
                 self.hub.leave([self.request_id])
 
     async def _follow(self, disconnected: Check | None) -> AsyncIterator[tuple[str | None, TokenChunk]]:
+        held, self._held = self._held, []
+        for item in held:
+            yield item
         while not self.finished:
             if disconnected is not None and await disconnected():
                 return
@@ -127,17 +151,17 @@ class ChunkFollower:
                 for chunk in await with_reconnect(self.ending_without_chunk, self.outage_s):
                     yield None, chunk
                 continue
-            for entry_id, raw in entries:
+            for entry_id, run in entries:
                 self.last_id = entry_id
-                for chunk in self.accept(raw):
-                    yield entry_id, chunk
+                for item in self.accept(entry_id, run):
+                    yield item
                 if self.finished:
                     return
 
     async def _read_next(self) -> list[store.StreamEntry]:
         if self.hub is not None:
-            found = await self.hub.read_many({self.request_id: self.last_id}, self.block_ms)
-            return [(entry_id, chunk) for _, entry_id, chunk in found]
+            found = await self.hub.read_many({self.request_id: self.last_id}, self.block_ms, self.ends_only, self.own)
+            return [(entry_id, run) for _, entry_id, run in found]
         return await store.read_after(self.redis, self.keys, self.request_id, self.last_id, self.block_ms)
 
     async def ending_without_chunk(self) -> list[TokenChunk]:
@@ -149,15 +173,19 @@ class ChunkFollower:
         if late:  # the terminal chunk arrived just after the status: read it normally
             return []
         choice = min(set(range(self.n)) - self.done)
-        return self.accept(ending_from_meta(self.request_id, self.next_index[choice], meta, choice))
+        return self.accept_chunk(ending_from_meta(self.request_id, self.next_index[choice], meta, choice))
 
 
-def follower(services: Services, request_id: str, n: int = 1) -> ChunkFollower:
-    """A follower with the app's settings (block time, outage grace); ``n``: the request's samples."""
+def follower(services: Services, request_id: str, n: int = 1, own: bool = True) -> ChunkFollower:
+    """A follower with the app's settings (block time, outage grace); ``n``: the request's samples;
+    ``own``: submitted by this producer (its writer wakes this producer's hub), not a replay of
+    a request from anywhere."""
     settings = services.settings
-    return ChunkFollower(
+    reader = ChunkFollower(
         services.redis, services.keys, request_id, settings.stream_block_ms, settings.redis_outage_s, n, services.hub
     )
+    reader.own = own
+    return reader
 
 
 def ending_from_meta(request_id: str, index: int, meta: RequestMeta | None, choice: int = 0) -> TokenChunk:
@@ -190,10 +218,16 @@ def native_event(chunk: TokenChunk, prompt_tokens: int) -> str:
     return f"data:{event.to_json()}\n\n"
 
 
-def replay_event(entry_id: str | None, chunk: TokenChunk) -> str:
-    """A ``/v1/requests/{id}/stream`` event: the stream entry id and the chunk as stored."""
-    head = f"id: {entry_id}\n" if entry_id is not None else ""
+def replay_event(event_id: str | None, chunk: TokenChunk) -> str:
+    """A ``/v1/requests/{id}/stream`` event: one token's chunk, its id the token's place in the stream."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
     return f"{head}data: {codec.encode(chunk)}\n\n"
+
+
+def _offset(event_id: str) -> int:
+    """The token's place in its entry's run (the last token's id has none: past every other)."""
+    _, dot, k = event_id.partition(".")
+    return int(k) if dot else 1 << 62
 
 
 async def shielded(action: Callable[[], Awaitable[Any]]) -> None:
@@ -212,11 +246,23 @@ def server_stopping() -> bool:
     return bool(getattr(server, "should_exit", False))
 
 
+DISCONNECT_CHECK_S = 0.25  # how often a follow asks whether its client left (a cancel waits that long)
+
+
 def until_stopping(disconnected: Check | None) -> Check:
-    """``disconnected``, or the producer stopping: either ends a follow early."""
+    """``disconnected`` (asked at most every DISCONNECT_CHECK_S: a follow that wakes per run of
+    chunks would ask hundreds of times a second under a burst), or the producer stopping: either
+    ends a follow early."""
+    next_ask = 0.0
 
     async def check() -> bool:
-        return server_stopping() or (disconnected is not None and await disconnected())
+        nonlocal next_ask
+        if server_stopping():
+            return True
+        if disconnected is None or time.monotonic() < next_ask:
+            return False
+        next_ask = time.monotonic() + DISCONNECT_CHECK_S
+        return await disconnected()
 
     return check
 
@@ -264,6 +310,8 @@ async def sse(
 class Follower(Protocol):
     """What ``collect`` and ``rendered`` read: a ``ChunkFollower``, or several merged."""
 
+    ends_only: bool
+
     @property
     def finished(self) -> bool: ...
     def follow(self, disconnected: Check | None = None) -> AsyncIterator[tuple[str | None, TokenChunk]]: ...
@@ -274,6 +322,7 @@ async def collect(
 ) -> list[TokenChunk] | None:
     """Every chunk up to the finished one; None (after ``on_abandon``) if the client left first."""
     chunks: list[TokenChunk] = []
+    follower.ends_only = True  # nothing is answered before the end: read at the end, not per run
     try:
         async for _, chunk in follower.follow(until_stopping(disconnected)):
             chunks.append(chunk)

@@ -15,6 +15,7 @@ from rq.timeouts import TimerDeathPenalty
 from producer.batches.rq_worker import QuickUnsubscribe
 from shared.schemas import GenerateRequest, RequestStatus
 from tests.producer.fake_worker import FakeWorker, stop_task
+from tests.waiting import MUST_HAPPEN_S
 
 MODEL = "default"  # the served model answers to its --model_dir too
 
@@ -62,7 +63,10 @@ def generate_line(custom_id: str, text: str = "What is AI?") -> dict:
 
 
 async def wait_batch(
-    client: httpx.AsyncClient, batch_id: str, done=("completed", "failed", "cancelled"), timeout_s: float = 30
+    client: httpx.AsyncClient,
+    batch_id: str,
+    done=("completed", "failed", "cancelled"),
+    timeout_s: float = MUST_HAPPEN_S,
 ) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:

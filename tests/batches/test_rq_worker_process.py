@@ -15,6 +15,7 @@ from rq.registry import StartedJobRegistry
 
 from producer.batches.rq_worker import queue
 from tests.batches.helpers import completion_line, jsonl, output_lines, pool, wait_batch
+from tests.waiting import MUST_HAPPEN_S
 
 
 def start_rq_worker(rq_settings, log_path) -> subprocess.Popen:
@@ -56,7 +57,7 @@ async def test_the_service_runs_batches_and_housekeeping_and_stops_at_once(
             view = await wait_batch(client, view["id"], timeout_s=90)
         assert view["status"] == "completed", open(log_path).read()[-3000:]
         assert len(taken) == 3
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + MUST_HAPPEN_S
         while rclient.xlen(keys.requests()) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)  # housekeeping (every second here) trims the acknowledged entries
         assert rclient.xlen(keys.requests()) == 0
@@ -66,7 +67,7 @@ async def test_the_service_runs_batches_and_housekeeping_and_stops_at_once(
         await stop(process, log_path)
     assert time.monotonic() - started < 10
     assert Worker.all(queue=queue(rq_names.batch, rq_conn)) == []
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + MUST_HAPPEN_S
     while Worker.all(queue=queue(rq_names.janitor, rq_conn)) and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
     assert Worker.all(queue=queue(rq_names.janitor, rq_conn)) == []

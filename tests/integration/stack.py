@@ -14,8 +14,10 @@ import httpx
 import redis
 
 from router.registry import read_registry
+from shared.config import RedisSettings
 from shared.embedded_redis import free_port
 from shared.keys import Keys
+from shared.redis import answers, sync_client
 
 
 @dataclass
@@ -28,7 +30,7 @@ class Stack:
     log_from: int = 0  # where the running test's part of the log starts (SharedStack.get)
 
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url, decode_responses=True)
+        return sync_client(RedisSettings(url=self.redis_url))
 
     def live_workers(self) -> dict:
         client = self.client()
@@ -61,7 +63,7 @@ class Stack:
             live = self.live_workers()
             client = self.client()
             try:
-                routers = list(client.scan_iter(match=f"{self.keys.prefix}:{{rt:*}}:alive"))
+                routers = list(client.scan_iter(match=self.keys.router_alive("*")))
             finally:
                 client.close()
         except redis.RedisError:
@@ -73,23 +75,36 @@ class Stack:
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=60)
 
+    def close(self) -> None:
+        """A test's own stack at its fixture's end: stopped, a clean exit asserted (the log's tail
+        if not), then its keys removed, even when the stop fails."""
+        try:
+            assert self.stop() == 0, open(self.log_path).read()[-3000:]
+        finally:
+            self.remove_keys()
+
     def remove_keys(self) -> None:
         """Delete what the stack wrote to a Redis that outlives it (the local one): its prefix's keys
         and the rq keys of its queues (named after the prefix, ``start_stack``). Call after ``stop``."""
-        prefix = self.keys.prefix
-        client = self.client()
-        try:
-            stale = [
-                *client.scan_iter(match=f"{prefix}:*", count=1000),
-                *client.scan_iter(match=f"rq:*{prefix}*", count=1000),
-            ]
-            if stale:
-                client.delete(*stale)
-            for member in client.smembers("rq:queues"):
-                if prefix in member:
-                    client.srem("rq:queues", member)
-        finally:
-            client.close()
+        remove_prefix_keys(self.redis_url, self.keys.prefix)
+
+
+def remove_prefix_keys(url: str, prefix: str) -> None:
+    """A stack's keys on one Redis server: its prefix's and rq's keys of its queues (named after the
+    prefix). For a stack on a cluster, ``url`` is rq's plain Redis (its batches and queues)."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        stale = [
+            *client.scan_iter(match=f"{prefix}:*", count=1000),
+            *client.scan_iter(match=f"rq:*{prefix}*", count=1000),
+        ]
+        if stale:
+            client.delete(*stale)
+        for member in client.smembers("rq:queues"):
+            if prefix in member:
+                client.srem("rq:queues", member)
+    finally:
+        client.close()
 
 
 class SharedStack:
@@ -190,7 +205,4 @@ def _running(pid: int) -> bool:
 
 
 def _answers(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
-    except redis.RedisError:
-        return False
+    return answers(url, timeout_s=1)

@@ -15,6 +15,7 @@ import pytest
 
 from shared.embedded_redis import start_embedded_redis
 from tests.integration.stack import start_stack
+from tests.waiting import MUST_HAPPEN_S
 from worker.model.counting_model import COUNTING_VOCAB, expected_tokens
 
 pytestmark = pytest.mark.slow
@@ -58,8 +59,7 @@ async def kill_a_worker_and_the_router(stack, delay_s: float) -> None:
     client = stack.client()
     worker = sorted(stack.live_workers())[0]
     routers = [
-        k.split(":")[-2].strip("{}").removeprefix("rt:")
-        for k in client.scan_iter(match=f"{stack.keys.prefix}:{{rt:*}}:alive")
+        k.split(":")[-2].strip("{}").removeprefix("rt:") for k in client.scan_iter(match=stack.keys.router_alive("*"))
     ]
     os.kill(pid_of(worker), signal.SIGKILL)
     for router in routers:
@@ -97,7 +97,7 @@ def test_redis_restart_mid_load_leaves_no_request_hanging(stack, counting_trio):
     time.sleep(2.0)
     restarted = start_embedded_redis(port=port, appendonly=True, workdir=redis_server.workdir)
     redis_server.process = restarted.process
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + MUST_HAPPEN_S
     final = {}
     while len(final) < len(ids) and time.monotonic() < deadline:
         for request_id in ids:
@@ -120,16 +120,17 @@ def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
         body = {"inputs": prompts[-1], "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
         ids.append(httpx.post(f"{stack.http}/v1/requests", json=body, timeout=30).json()["id"])
     victim = sorted(stack.live_workers())[0]
-    # Stop it as soon as it runs something (the counting model makes 1,000 tokens in about a
-    # second: a fixed wait could let everything finish before the signal).
-    deadline = time.monotonic() + 60
-    while not any(httpx.get(f"{stack.http}/v1/requests/{i}", timeout=10).json().get("worker") == victim for i in ids):
+    # Stop it as soon as its heartbeat shows it holds a request far from done (the counting model
+    # makes 1,000 tokens in about a second: a fixed wait, or a scan of 40 statuses over HTTP on a
+    # loaded machine, could let everything finish before the signal; CI once saw that).
+    deadline = time.monotonic() + MUST_HAPPEN_S
+    while not any(out < new_tokens // 4 for _, out, _, _ in getattr(stack.live_workers().get(victim), "requests", [])):
         assert time.monotonic() < deadline, "no request reached the worker"
-        time.sleep(0.05)
+        time.sleep(0.01)
     os.kill(pid_of(victim), signal.SIGTERM)
     finals = []
     for request_id in ids:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + MUST_HAPPEN_S
         while (status := httpx.get(f"{stack.http}/v1/requests/{request_id}", timeout=10).json())["status"] in (
             "queued",
             "running",
@@ -138,7 +139,7 @@ def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
             time.sleep(0.2)
         finals.append(status)
     assert all(f["status"] == "finished" and f["output_tokens"] == new_tokens for f in finals)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + MUST_HAPPEN_S
     while f"(pid {pid_of(victim)}) exited with 0" not in (log := stack.test_log()):
         assert time.monotonic() < deadline, "a drained worker must exit with 0"
         time.sleep(0.5)
@@ -161,7 +162,7 @@ def child_pid(parent: int, role: str) -> int:
     raise LookupError(f"no {role} under pid {parent}")
 
 
-def wait_finished(http: str, request_id: str, timeout_s: float = 120) -> dict:
+def wait_finished(http: str, request_id: str, timeout_s: float = MUST_HAPPEN_S) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -1,10 +1,10 @@
-"""The load script at CI scale: every accepted request finishes (bench/load.py)."""
+"""The load script at CI scale: every accepted request finishes (bench/serving/load.py)."""
 
 import argparse
 
 import pytest
 
-from bench.load import run
+from bench.serving.load import run
 
 pytestmark = pytest.mark.slow
 

@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from tests.waiting import MUST_HAPPEN_S
+
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
@@ -114,7 +116,7 @@ def test_leaving_a_group_mid_stream_frees_the_workers_tokens(oai, stack):
     wait_for(lambda: [load.used_tokens for load in stack.live_workers().values()], lambda used: not any(used))
 
 
-def wait_for(read, done, timeout_s=60):
+def wait_for(read, done, timeout_s=MUST_HAPPEN_S):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = read()

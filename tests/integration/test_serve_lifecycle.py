@@ -191,7 +191,7 @@ def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path
         if how == "ctrl-c":  # its embedded Redis dies: serve starts it again, on its port, with its data
             # Serve's Redis fsyncs every second, and while a background fsync runs it may postpone
             # writing the append-only file after a reply; a kill then loses that second (the
-            # README says so). What must survive is what reached the file.
+            # docs/operations.md says so). What must survive is what reached the file.
             wait_for(lambda: in_append_only_file(serve.data_dir, b"lightq:test-marker"), "the marker on disk")
             redis_pid = next(pid for pid in serve.children if "redis-server" in open(f"/proc/{pid}/cmdline").read())
             os.kill(redis_pid, signal.SIGKILL)

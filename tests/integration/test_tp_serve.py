@@ -16,6 +16,7 @@ import pytest
 from shared.embedded_redis import free_port
 from shared.redis import answers
 from tests.integration.stack import start_stack
+from tests.waiting import MUST_HAPPEN_S
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,7 @@ def stack(tmp_path_factory):
     )
 
 
-def tp_ranks(log_path: str, timeout_s: float = 30) -> list[int]:
+def tp_ranks(log_path: str, timeout_s: float = MUST_HAPPEN_S) -> list[int]:
     """Rank 0's pid and its followers', from rank 0's start-up line."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

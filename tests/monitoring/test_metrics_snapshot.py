@@ -146,3 +146,25 @@ async def test_reads_that_reuse_parsed_entries_agree_with_fresh_ones(client, are
     await check()
     snap = await read_cluster(aredis, keys, tracker)
     assert snap.ingress.total == 4 and snap.queue_prompt_tokens == 2 + 3 + 4 + 9
+
+
+async def test_an_ended_request_is_read_once_then_again_after_a_requeue(client, aredis, keys):
+    """The view reads live requests' status hashes at every refresh, an ended one's no more (a
+    terminal status is final: reading it again was most of a burst's HGETALLs); an operator's
+    requeue (a new ingress entry of the same id) makes it live again."""
+    tracker = RequestTracker()
+    request_id = (await client.post("/v1/requests", json=BODY)).json()["id"]
+    now_ms = int(time.time() * 1000)
+
+    async def seen() -> list[tuple[str, int]]:
+        return [(r.status, r.output_tokens) for r in await tracker.refresh(aredis, keys, now_ms) if r.id == request_id]
+
+    assert await seen() == [("queued", 0)]
+    await aredis.hset(keys.meta(request_id), mapping={"status": "finished", "output_tokens": 4, "finished_ms": now_ms})
+    assert await seen() == [("finished", 4)]
+    await aredis.hset(keys.meta(request_id), "output_tokens", 9)
+    assert await seen() == [("finished", 4)]  # not read again
+    entry = (await aredis.xrange(keys.requests()))[-1][1]
+    await aredis.hset(keys.meta(request_id), "status", "queued")
+    await aredis.xadd(keys.requests(), entry)
+    assert await seen() == [("queued", 9)]

@@ -1,4 +1,4 @@
-"""bench/serve_bench.py: vLLM's metric definitions, and one run against a producer with a fake worker."""
+"""bench/serving/serve_bench.py: vLLM's metric definitions, and one run against a producer with a fake worker."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from bench.serve_bench import main as bench_main
-from bench.serve_metrics import Outcome, calculate, parse_slos
+from bench.serving.serve_bench import main as bench_main
+from bench.serving.serve_metrics import Outcome, calculate, parse_slos
 from tests.producer.fake_worker import serving
 
 
@@ -59,7 +59,7 @@ async def test_run_against_a_producer(settings, tokenizer, worker, endpoint, cap
 
 
 def test_gsp_groups_share_their_system_prompt():
-    from bench.prefix_workloads import gsp_requests
+    from bench.workloads.prefix_workloads import gsp_requests
 
     requests = gsp_requests(seed=1, vocab=1000, num_groups=3, prompts_per_group=4, system_len=20, question_len=5)
     assert len(requests) == 12 and all(r[1] == 25 and r[2] == 256 for r in requests)

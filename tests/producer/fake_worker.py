@@ -1,6 +1,11 @@
 """Plays the router's and the worker's side of the protocol against the real
 Redis, so producer tests need no model: take a request from the ingress
-stream, write chunks (durable stream + pub/sub) and status like a worker."""
+stream, write chunks (durable stream + pub/sub) and status like a worker.
+
+Chunks go out in format 2 (``ChunkRun``), as workers write them: ``token``
+writes a run of one, ``generate`` runs of ``run_len`` tokens (a reader sees a
+token at a time either way); ``append_v1`` writes a format-1 entry, as a
+worker before runs did."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from shared import codec, ingress
 from shared.embedded_redis import free_port
 from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import ensure_group_async
-from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import ChunkRun, FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from tests.waiting import MUST_HAPPEN_S
 
 Reply = Callable[[GenerateRequest], tuple[list[str], FinishReason]]
 
@@ -69,8 +75,9 @@ async def serving(settings, tokenizer) -> AsyncIterator[str]:
 class FakeWorker:
     def __init__(self, redis: aioredis.Redis, keys: Keys, worker_id: str = "fake-worker", ttl_s: int = 60) -> None:
         self.redis, self.keys, self.worker_id, self.ttl_s = redis, keys, worker_id, ttl_s
+        self.reply_to: dict[str, str] = {}  # request id -> its producer's wake stream id
 
-    async def take(self, timeout_s: float = 10.0) -> GenerateRequest:
+    async def take(self, timeout_s: float = MUST_HAPPEN_S) -> GenerateRequest:
         """The next ingress request of any class (``shared.ingress``), read and acked as a router
         would; status set to running."""
         deadline = time.monotonic() + timeout_s
@@ -86,6 +93,8 @@ class FakeWorker:
                 entry_id, fields = entries[0]
                 await self.redis.xack(stream, ROUTER_GROUP, entry_id)
                 request = codec.from_entry(GenerateRequest, fields)
+                if request.reply_to is not None:
+                    self.reply_to[request.id] = request.reply_to
                 await self.set_meta(
                     request.id,
                     status=RequestStatus.RUNNING,
@@ -104,12 +113,24 @@ class FakeWorker:
                 await self.redis.expire(key, self.ttl_s)
 
     async def append(self, chunk: TokenChunk) -> str:
-        """XADD the chunk to the durable stream and publish it; returns the entry id."""
+        """The chunk as a run of one (format 2) to the durable stream, published; the entry id."""
+        return await self.append_run(ChunkRun.of(chunk))
+
+    async def append_run(self, run: ChunkRun) -> str:
+        """XADD the run to the durable stream, publish it and wake its producer, as a publisher's
+        flush does; returns the entry id."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self.keys.chunks(chunk.request_id), codec.entry(chunk))
-            pipe.publish(self.keys.channel(chunk.request_id), codec.encode(chunk))
-            entry_id, _ = await pipe.execute()
+            pipe.xadd(self.keys.chunks(run.request_id), codec.entry(run))
+            pipe.publish(self.keys.channel(run.request_id), codec.encode(run))
+            reply_to = self.reply_to.get(run.request_id)
+            if reply_to is not None:
+                pipe.xadd(self.keys.wake(reply_to), {"r": run.request_id}, nomkstream=True)
+            entry_id, *_ = await pipe.execute()
         return entry_id
+
+    async def append_v1(self, chunk: TokenChunk) -> str:
+        """The chunk as format 1 wrote it: an entry of its own."""
+        return await self.redis.xadd(self.keys.chunks(chunk.request_id), codec.entry(chunk))
 
     async def token(
         self,
@@ -140,27 +161,40 @@ class FakeWorker:
         )
 
     async def generate(
-        self, request: GenerateRequest, texts: list[str], finish_reason: FinishReason = "length", delay_s: float = 0.0
+        self,
+        request: GenerateRequest,
+        texts: list[str],
+        finish_reason: FinishReason = "length",
+        delay_s: float = 0.0,
+        run_len: int = 1,
     ) -> list[str]:
-        """One chunk per text, the last one finished; then the final status. A group's
-        choice c > 0 gets each text with c appended; choices interleave, highest first.
-        Chunks carry the alternatives the request asked for (``fake_top``)."""
-        entry_ids = []
-        for index, text in enumerate(texts):
+        """One token per text, in runs of ``run_len``, the last one finished; then the final status.
+        A group's choice c > 0 gets each text with c appended; choices interleave a run at a time,
+        highest first. Tokens carry the alternatives the request asked for (``fake_top``). Returns
+        each token's event id, in stream order, as readers number them (``entry`` for a run's last
+        token, ``entry.k`` for the k-th before it)."""
+        event_ids = []
+        for first in range(0, len(texts), run_len):
             if delay_s:
                 await asyncio.sleep(delay_s)
-            last = index == len(texts) - 1
+            part = texts[first : first + run_len]
+            last = first + len(part) == len(texts)
             for choice in reversed(range(request.n)):
-                entry_ids.append(
-                    await self.token(
-                        request.id,
-                        index,
-                        f"{text}{choice}" if choice else text,
-                        finish_reason=finish_reason if last else None,
-                        choice=choice,
-                        num_top=request.params.top_logprobs,
-                    )
+                ids = [100 + first + i for i in range(len(part))]
+                num_top = request.params.top_logprobs
+                run = ChunkRun(
+                    request_id=request.id,
+                    choice=choice,
+                    index=first,
+                    token_ids=ids,
+                    texts=[f"{text}{choice}" if choice else text for text in part],
+                    logprobs=[-0.25] * len(part),
+                    top_logprobs=[fake_top(i, num_top) for i in ids] if num_top else None,
+                    finished=last,
+                    finish_reason=finish_reason if last else None,
                 )
+                entry_id = await self.append_run(run)
+                event_ids += [f"{entry_id}.{k}" for k in range(len(part) - 1)] + [entry_id]
         await self.set_meta(
             request.id,
             status=RequestStatus.FINISHED,
@@ -168,7 +202,7 @@ class FakeWorker:
             output_tokens=len(texts) * request.n,
             finished_ms=now_ms(),
         )
-        return entry_ids
+        return event_ids
 
     async def end(
         self, request_id: str, index: int, status: RequestStatus, reason: FinishReason, error: str | None = None
@@ -183,7 +217,7 @@ class FakeWorker:
             request_id, status=status, finish_reason=reason, error=error, output_tokens=index, finished_ms=now_ms()
         )
 
-    async def wait_cancel(self, request_id: str, timeout_s: float = 5.0) -> bool:
+    async def wait_cancel(self, request_id: str, timeout_s: float = MUST_HAPPEN_S) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if await self.redis.exists(self.keys.cancel(request_id)):

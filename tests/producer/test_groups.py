@@ -101,10 +101,10 @@ def chunk(choice, index, token=True, finished=False, reason=None):
 
 def test_follower_demultiplexes_drops_repeats_per_choice_and_ends_all_on_a_tokenless_chunk():
     reader = ChunkFollower(None, Keys("t"), "r", block_ms=10, n=3)
-    assert reader.accept(chunk(1, 0)) == [chunk(1, 0)]
-    assert reader.accept(chunk(1, 0)) == []  # a repeat of (1, 0)
-    assert reader.accept(chunk(0, 0)) == [chunk(0, 0)]  # (0, 0) is new
-    assert reader.accept(chunk(2, 0, finished=True, reason="length"))[0].finished and not reader.finished
-    ends = reader.accept(chunk(0, 1, token=False, finished=True, reason="cancelled"))
+    assert reader.accept_chunk(chunk(1, 0)) == [chunk(1, 0)]
+    assert reader.accept_chunk(chunk(1, 0)) == []  # a repeat of (1, 0)
+    assert reader.accept_chunk(chunk(0, 0)) == [chunk(0, 0)]  # (0, 0) is new
+    assert reader.accept_chunk(chunk(2, 0, finished=True, reason="length"))[0].finished and not reader.finished
+    ends = reader.accept_chunk(chunk(0, 1, token=False, finished=True, reason="cancelled"))
     assert [(c.choice, c.index, c.finish_reason) for c in ends] == [(0, 1, "cancelled"), (1, 1, "cancelled")]
-    assert reader.finished and reader.accept(chunk(1, 1)) == []
+    assert reader.finished and reader.accept_chunk(chunk(1, 1)) == []

@@ -9,7 +9,7 @@ import pytest
 from producer.app import create_app
 from shared.codec import from_entry
 from shared.config import ModelSettings, ProducerSettings, WorkerSettings
-from shared.schemas import GenerateRequest
+from shared.schemas import GenerateRequest, SamplingParams
 from tests.producer.conftest import JSON_HEADERS
 from worker.engine.engine import LoadSnapshot
 from worker.engine.load import build_load
@@ -38,6 +38,16 @@ def test_a_worker_publishes_the_model_it_serves(redis_settings):
     settings = WorkerSettings(redis=redis_settings, model=ModelSettings(model_dir="counting", served_model_name="m1"))
     service = WorkerService(settings, None, _Idle(), "w1", publisher=None)
     assert service.load(1).model == "m1"
+    assert service.load(1).adapters == []
+    with_lora = settings.model.model_copy(update={"lora_modules": ["sql=/a", "poems=/b"]})
+    service = WorkerService(settings.model_copy(update={"model": with_lora}), None, _Idle(), "w1", publisher=None)
+    load = service.load(2)
+    assert load.adapters == ["sql", "poems"]
+    assert load.serves("m1", "sql") and not load.serves("m1", "other") and load.serves("m1")
+    # a message naming an adapter the worker lacks (a mismatched pool) is refused, never started
+    msg = GenerateRequest(id="r", prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=2), created_ms=0)
+    assert service._refusal(msg.model_copy(update={"adapter": "sql"})) is None
+    assert "'other' is not served" in service._refusal(msg.model_copy(update={"adapter": "other"}))
     assert build_load(_Idle(), "w2", 1, "0-0").model is None  # a record without a name takes any request
 
 

@@ -1,7 +1,7 @@
 """A request's records live as long as the request (issue 14, items 7 and 11).
 
 No record of a live request has a TTL, however short ``--redis_request_ttl_s``
-is: the TTL starts when the request ends (``shared.request_log.mark_ended``).
+is: the TTL starts when the request ends (``shared.request_log.end_request``, the worker's end).
 A status hash without its ``status`` field (what an expiry or an empty Redis
 leaves once a late writer touched it) is an unknown request, a 404, and an
 open stream ends with a clear final error event.
@@ -17,7 +17,7 @@ import pytest
 from producer import store
 from producer.api import routes_requests
 from shared.config import ProducerSettings, RedisSettings
-from shared.request_log import mark_ended
+from shared.request_log import end_request
 from shared.requeue import requeue
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
 
@@ -46,11 +46,9 @@ async def test_live_records_have_no_ttl_until_the_end(client, worker, aredis, ke
     assert (await client.delete(f"/v1/requests/{request_id}")).status_code == 202
     for key in keys.all_request_keys(request_id):
         assert await aredis.ttl(key) == -1, key  # running, cancel asked: nothing may expire yet
-    pipe = rclient.pipeline()
-    mark_ended(
-        pipe, keys, request_id, status=RequestStatus.CANCELLED, reason="cancelled", num_output=1, ttl_s=SHORT_TTL_S
+    assert end_request(
+        rclient, keys, request_id, status=RequestStatus.CANCELLED, reason="cancelled", num_output=1, ttl_s=SHORT_TTL_S
     )
-    pipe.execute()
     for key in keys.all_request_keys(request_id):
         assert 0 < await aredis.ttl(key) <= SHORT_TTL_S, key
 

@@ -12,6 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from producer.app import create_app
+from tests.waiting import MUST_HAPPEN_S
 
 
 @pytest.fixture
@@ -59,7 +60,7 @@ async def test_a_silent_redis_is_a_503_not_a_hang(proxied, proxy):
     assert time.monotonic() - started < 5
 
 
-async def blocked_reader(redis_url: str, timeout_s: float = 10.0) -> None:
+async def blocked_reader(redis_url: str, timeout_s: float = MUST_HAPPEN_S) -> None:
     """Until a client of the real Redis waits in a blocking XREAD (a fixed sleep here once let the
     cut come before the route's first read, on a loaded CI machine)."""
     client = aioredis.from_url(redis_url)

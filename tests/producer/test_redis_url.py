@@ -16,6 +16,7 @@ from producer.redis_client import producer_client
 from shared.config import ProducerSettings, RedisSettings
 from shared.embedded_redis import free_port
 from shared.redis import sync_client
+from tests.waiting import MUST_HAPPEN_S
 
 USER, PASSWORD = "lightq", "s3cret-pw"
 
@@ -87,7 +88,7 @@ def tls_redis(tmp_path_factory):
         stderr=subprocess.DEVNULL,
     )
     url = f"rediss://{USER}:{PASSWORD}@127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={cert}"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + MUST_HAPPEN_S
     while True:
         try:
             if redis.Redis.from_url(url).ping():

@@ -138,6 +138,20 @@ async def test_stream_replay_and_resume(client, worker):
     assert bad.status_code == 400
 
 
+async def test_resume_inside_a_run_is_exact(client, worker):
+    """A run of several tokens is one entry; each token still has an event id of its own (``entry.k``),
+    and Last-Event-ID resumes right after the token it names, also inside a run."""
+    request_id = await submit(client)
+    request = await worker.take()
+    event_ids = await worker.generate(request, ["a", "b", "c", "d", "e"], run_len=3)
+    assert len({e.partition(".")[0] for e in event_ids}) == 2  # two entries: 3 tokens, then 2
+    events = replay_events((await client.get(f"/v1/requests/{request_id}/stream")).text)
+    assert [(i, c["text"]) for i, c in events] == list(zip(event_ids, "abcde"))
+    for k, after in enumerate(event_ids):
+        resumed = await client.get(f"/v1/requests/{request_id}/stream", headers={"Last-Event-ID": after})
+        assert [(i, c["text"]) for i, c in replay_events(resumed.text)] == list(zip(event_ids, "abcde"))[k + 1 :]
+
+
 async def test_stream_follows_live_and_drops_repeats(client, worker):
     request_id = await submit(client)
     task = asyncio.create_task(client.get(f"/v1/requests/{request_id}/stream"))

@@ -4,11 +4,13 @@ streamed, through the official client (the fake worker plays the model)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+import xgrammar as xgr
 
-from shared.schemas import Constraint
+from shared.schemas import RequestStatus
 
 openai = pytest.importorskip("openai")
 
@@ -56,6 +58,25 @@ BAD = [
     (CHAT, chat(response_format={"type": "json_object"}, min_tokens=2), "min_tokens", "unsupported_parameter"),
     (CHAT, chat(tools=[WEATHER], tool_choice="required", min_tokens=2), "min_tokens", "unsupported_parameter"),
     (CMPL, {"model": MODEL, "prompt": "a", "response_format": {"type": "json_object"}, "min_tokens": 1}, "min_tokens", "unsupported_parameter"),  # noqa: E501
+    # Other servers' fields (producer.api.guided): checked as lightq's own, never ignored
+    (CHAT, chat(guided_regex="(abc"), "guided_regex", "invalid_regex"),
+    (CMPL, {"model": MODEL, "prompt": "a", "regex": "(abc"}, "regex", "invalid_regex"),
+    (CHAT, chat(guided_json={"type": "foo"}), "guided_json", "invalid_json_schema"),
+    (CHAT, chat(json_schema='{"type": "foo"}'), "json_schema", "invalid_json_schema"),
+    (CHAT, chat(guided_grammar="root ::= nothing"), "guided_grammar", "invalid_ebnf"),
+    (CHAT, chat(structured_outputs={"grammar": "root ::= nothing"}), "structured_outputs.grammar", "invalid_ebnf"),
+    (CHAT, chat(guided_json={}, guided_regex="a"), "guided_regex", None),
+    (CHAT, chat(structured_outputs={"choice": ["a"], "regex": "a"}), "structured_outputs.choice", None),
+    (CHAT, chat(response_format={"type": "json_object"}, guided_choice=["a"]), "guided_choice", None),
+    (CHAT, chat(tools=[WEATHER], tool_choice="required", guided_json={}), "guided_json", "invalid_response_format"),
+    (CHAT, chat(guided_json={}, guided_whitespace_pattern=" "), "guided_whitespace_pattern", "unsupported_parameter"),  # noqa: E501
+    (CHAT, chat(structural_tag="{}"), "structural_tag", "unsupported_parameter"),
+    (CHAT, chat(structured_outputs={"structural_tag": "{}"}), "structured_outputs.structural_tag", "unsupported_parameter"),  # noqa: E501
+    (CHAT, chat(guided_choice=[]), "guided_choice", None),
+    # Cost bounds, before anything parses (a 400-level JSON text took xgrammar 42 s)
+    (CHAT, chat(guided_json="[" * 400 + "]" * 400), "guided_json", "schema_too_deep"),
+    (GEN, native(guided_json='{"a":' * 65 + "1" + "}" * 65), "parameters.guided_json", "schema_too_deep"),
+    (CHAT, chat(guided_regex="a" * 200_001), "guided_regex", "constraint_too_large"),
 ]  # fmt: skip
 
 
@@ -84,12 +105,16 @@ async def test_response_format_reaches_the_worker_as_a_constraint(oai, worker, c
         )
     assert json.loads(out.choices[0].message.content) == {"a": 1}
     assert native.status_code == 200
-    assert [r.params.constraint for r in seen] == [
-        Constraint(kind="json_schema", spec=json.dumps(schema)),
-        Constraint(kind="json"),
-        Constraint(kind="json_schema", spec=json.dumps(schema)),
-        Constraint(kind="regex", spec="[ab]+"),
+    sent = [r.params.constraint for r in seen]
+    assert [(c.kind, c.spec) for c in sent] == [
+        ("json_schema", json.dumps(schema)),
+        ("json", ""),
+        ("json_schema", json.dumps(schema)),
+        ("regex", "[ab]+"),
     ]
+    # each with the producer's parse, which the worker compiles as it is
+    parse = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    assert [c.grammar for c in sent] == [parse, "", parse, str(xgr.Grammar.from_regex("[ab]+"))]
 
 
 async def test_a_named_function_is_a_constrained_call_whole_and_streamed(oai, worker):
@@ -100,7 +125,7 @@ async def test_a_named_function_is_a_constrained_call_whole_and_streamed(oai, wo
             model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice=NAMED, stream=True
         )
         events = [e async for e in stream]
-    assert seen[0].params.constraint == Constraint(kind="json_schema", spec=json.dumps(CITY))
+    assert (seen[0].params.constraint.kind, seen[0].params.constraint.spec) == ("json_schema", json.dumps(CITY))
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -176,3 +201,37 @@ async def test_an_auto_answer_that_is_not_a_call_streams_as_content(oai, worker)
     assert contents == [" It", " is", " sunny."]  # as they come, not held to the end
     assert events[-1].choices[0].finish_reason == "stop"
     assert not any(e.choices and e.choices[0].delta.tool_calls for e in events)
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [
+        ("constraint_too_costly: the json_schema constraint was not compiled in 30 s", 400, "constraint_too_costly"),
+        ("invalid_constraint: the regex constraint: bad", 400, "invalid_constraint"),
+        ("CUDA out of memory", 500, "generation_failed"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_constraint_the_worker_cannot_apply_is_the_clients_400(oai, worker, error, status, code, stream):
+    """A constraint that did not compile in time (or at all) on the worker is the client's to change:
+    a 400 with its code (it was a 500 generation_failed); a failure of the worker's own stays a 500."""
+
+    async def fail_next():
+        request = await worker.take()
+        await worker.end(request.id, 0, RequestStatus.FAILED, "error", error=error)
+
+    task = asyncio.create_task(fail_next())
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": CITY}}
+    if not stream:
+        with pytest.raises(openai.APIStatusError) as raised:
+            await oai.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt)
+        await task
+        body = raised.value.body
+        assert (raised.value.status_code, body["code"], body["message"]) == (status, code, error)
+        return
+    events = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, stream=True)
+    with pytest.raises(openai.APIError) as raised:
+        _ = [e async for e in events]
+    await task
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    assert (raised.value.body["code"], raised.value.body["type"], raised.value.body["message"]) == (code, kind, error)

@@ -84,3 +84,10 @@ def finished_lengths(client, keys: Keys, lengths: list[int]) -> None:
     """What workers' publishers do as requests finish: newest first on a capped list."""
     for n in lengths:
         client.lpush(keys.output_lengths(), n)
+
+
+def start_on(client, keys: Keys, request_id: str, worker_id: str) -> None:
+    """The worker's start write (``running``, its id, a step time): a death of the worker is then
+    blamed on the request (``router.janitor.last_admission``)."""
+    fields = RequestMeta.fields(status=RequestStatus.RUNNING, worker=worker_id, stepped_ms=now_ms())
+    client.hset(keys.meta(request_id), mapping=fields)

@@ -180,8 +180,8 @@ def test_the_tail_is_the_newest_inbox_entry_accounted_for():
 
 def test_what_a_better_class_may_pause_counts_requests_sent_since_the_record():
     """The record's ``preemptible`` lags admission by up to a heartbeat; the router adds what it
-    (or another router) sent since, except what the worker never pauses: a group, a request
-    sending prompt logprobs, one paused --max_preemptions times already."""
+    (or another router) sent since, except a request sending prompt logprobs and one paused
+    --max_preemptions times already. A group counts whole: its prompt once, a slot per sample."""
     res = Reservations()
     record = load("a", last_inbox_id="3-0").model_copy(update={"preemptible": [(1, 40, 2)], "max_preemptions": 2})
     res.settle({"a": record})
@@ -194,9 +194,9 @@ def test_what_a_better_class_may_pause_counts_requests_sent_since_the_record():
     res.add("a", "4-0", sent(1, prompt=5))
     res.add("a", "5-0", sent(2, prompt=7))
     res.add("a", "6-0", sent(2, preemptions=2))  # paused twice already: not again
-    res.add("a", "7-0", sent(2, n=2))  # a group
+    res.add("a", "7-0", sent(2, n=2))  # a group: 10 tokens (its prompt), 2 slots
     res.add("a", "8-0", sent(2, prompt_logprobs=1))
     res.add("a", "9-0", sent(0))
-    assert res.preemptible({"a": record}) == {"a": [(2, 7, 1), (1, 45, 3), (0, 10, 1)]}
+    assert res.preemptible({"a": record}) == {"a": [(2, 7 + 10, 1 + 2), (1, 45, 3), (0, 10, 1)]}
     res.settle({"a": record.model_copy(update={"last_inbox_id": "5-0"})})  # the record shows 4-0 and 5-0 now
-    assert res.preemptible({"a": record}) == {"a": [(1, 40, 2), (0, 10, 1)]}
+    assert res.preemptible({"a": record}) == {"a": [(2, 10, 2), (1, 40, 2), (0, 10, 1)]}

@@ -2,13 +2,15 @@
 
 import pytest
 
+from router.janitor import reap_dead_worker
 from router.loop import Router
+from shared.chunks import emitted_chunks
 from shared.codec import from_entry
 from shared.config import AdmissionSettings, RouterSettings
 from shared.keys import ROUTER_GROUP
-from shared.request_log import append_chunk, emitted_chunks
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
-from tests.router.helpers import finished_lengths, inbox_ids, publish_load, submit
+from tests.chunks import append_chunk
+from tests.router.helpers import finished_lengths, inbox_ids, publish_load, start_on, submit
 
 
 def make_router(redis_settings, rclient, name="r1", **settings):
@@ -73,6 +75,7 @@ def test_dead_worker_requests_go_back_with_emitted_tokens(redis_settings, rclien
     submit(rclient, keys, "q0", 5, 10)
     router.step()
     assert inbox_ids(rclient, keys, "w1") == ["q0"]
+    start_on(rclient, keys, "q0", "w1")  # it runs there: w1's death is blamed on it
     pipe = rclient.pipeline()
     for i, tok in enumerate([7, 8, 9]):
         append_chunk(pipe, keys, TokenChunk(request_id="q0", index=i, token_id=tok, text="x"))
@@ -136,3 +139,22 @@ def test_stale_record_counts_as_full(redis_settings, rclient, keys):
     publish_load(rclient, keys, "w1", requests=[])
     router.step()
     assert inbox_ids(rclient, keys, "w1") == ["q0"]
+
+
+def test_a_worker_that_came_back_and_died_again_is_reaped_again(redis_settings, rclient, keys):
+    """The reap lock lasts the reap: a worker the pool gave up on, that came back (cut off, frozen)
+    and then died for good, has its requests sent on at once (its lock used to stand for a minute)."""
+    publish_load(rclient, keys, "w1", ttl_ms=5000)
+    router = make_router(redis_settings, rclient)
+    submit(rclient, keys, "q0", 5, 10)
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == ["q0"]
+    rclient.delete(keys.load("w1"))
+    assert reap_dead_worker(rclient, keys, "w1", ttl_s=60) == 1
+    publish_load(rclient, keys, "w1", ttl_ms=5000)  # back
+    router.step()
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == ["q0"]
+    rclient.delete(keys.load("w1"))  # and gone again
+    assert reap_dead_worker(rclient, keys, "w1", ttl_s=60) == 1
+    assert not rclient.exists(keys.reap_lock("w1"))

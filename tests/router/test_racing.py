@@ -135,3 +135,22 @@ def test_a_run_of_decisions_goes_in_one_round_trip_and_a_refused_one_keeps_its_o
     assert calls == [["q0", "q1", "q2"], ["q0", "q1", "q2"]]
     assert inbox_ids(rclient, keys, "w1") == ["other", "q0", "q1", "q2"]
     assert router.reservations.tokens() == {"w1": 4 * 20}
+
+
+def test_a_second_entry_of_a_request_an_inbox_holds_is_dropped(redis_settings, rclient, keys):
+    """A copy a crash left on the ingress (a requeue repeated) never reaches a second inbox: one
+    worker holds a request, with the one live epoch; the copy is acknowledged and leaves the order."""
+    publish_load(rclient, keys, "w1", max_total=1000, requests=[])
+    publish_load(rclient, keys, "w2", max_total=1000, requests=[])
+    ensure_group(rclient, keys.requests(), ROUTER_GROUP)
+    router = Router(RouterSettings(redis=redis_settings, poll_ms=5), rclient, "r1")
+    msg = submit(rclient, keys, "q0", 50, 50)
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") + inbox_ids(rclient, keys, "w2") == ["q0"]
+    assert rclient.hget(keys.meta("q0"), "epoch") == "1"
+    rclient.xadd(keys.requests(), entry(msg))  # the copy
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") + inbox_ids(rclient, keys, "w2") == ["q0"]
+    assert rclient.xpending(keys.requests(), ROUTER_GROUP)["pending"] == 0 and not router.queue
+    assert rclient.hget(keys.meta("q0"), "epoch") == "1"
+    assert rclient.zcard(keys.order(0)) == 0 and rclient.zcard(keys.waiting(None)) == 0

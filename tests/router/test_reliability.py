@@ -23,6 +23,12 @@ def kill(rclient, keys, worker_id):
     rclient.delete(keys.load(worker_id))
 
 
+def start(rclient, keys, request_id, worker_id, stepped_ms):
+    """What the worker's publisher writes as it admits a request, before its first forward."""
+    fields = RequestMeta.fields(status=RequestStatus.RUNNING, worker=worker_id, stepped_ms=stepped_ms)
+    rclient.hset(keys.meta(request_id), mapping=fields)
+
+
 def test_a_request_whose_workers_keep_dying_is_dead_lettered(redis_settings, rclient, keys):
     router = make_router(redis_settings, rclient, max_attempts=2)
     submit(rclient, keys, "poison")
@@ -31,6 +37,7 @@ def test_a_request_whose_workers_keep_dying_is_dead_lettered(redis_settings, rcl
         router.step()
         router.step()
         assert inbox_ids(rclient, keys, worker) == ["poison"], attempt
+        start(rclient, keys, "poison", worker, now_ms())
         kill(rclient, keys, worker)
     router.step()  # reaps w2: the second death was the last attempt
     status = meta(rclient, keys, "poison")
@@ -111,3 +118,28 @@ def test_a_cleanly_stopped_router_leaves_the_group_unless_it_holds_entries(redis
     names = {c["name"] for c in rclient.xinfo_consumers(keys.requests(), ROUTER_GROUP)}
     assert "idle" not in names and "holding" in names
     assert rclient.xpending(keys.requests(), ROUTER_GROUP)["pending"] == 1
+
+
+def test_a_death_without_a_word_is_blamed_on_the_last_admission(redis_settings, rclient, keys):
+    """Killed, a worker says nothing of the step that killed it: the requests it admitted last are
+    blamed (attempt + 1); the others running there ran through it (deaths + 1); one it never
+    started is neither."""
+    router = make_router(redis_settings, rclient, max_attempts=3)
+    for request_id in ("old", "new1", "new2", "unstarted"):
+        submit(rclient, keys, request_id)
+    publish_load(rclient, keys, "w1")
+    router.step()
+    router.step()
+    assert sorted(inbox_ids(rclient, keys, "w1")) == ["new1", "new2", "old", "unstarted"]
+    start(rclient, keys, "old", "w1", 1000)
+    start(rclient, keys, "new1", "w1", 2000)
+    start(rclient, keys, "new2", "w1", 2000)
+    kill(rclient, keys, "w1")
+    router.step()
+    back = {r.id: r for r in (from_entry(GenerateRequest, f) for _, f in rclient.xrange(keys.requests())[4:])}
+    assert {rid: (r.attempt, r.deaths) for rid, r in back.items()} == {
+        "old": (0, 1),
+        "new1": (1, 1),
+        "new2": (1, 1),
+        "unstarted": (0, 0),
+    }

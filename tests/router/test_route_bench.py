@@ -1,12 +1,12 @@
-"""bench/route_bench.py's arithmetic: the multi-turn workload's hit-rate bound equals what a real
+"""bench/serving/route_bench.py's arithmetic: the multi-turn workload's hit-rate bound equals what a real
 radix tree that never evicts finds for the conversations, and the goals are judged as the issue
 states them (hit rate within 10% of one worker's; least-loaded's median TTFT at least 1.5x)."""
 
 import numpy as np
 import pytest
 
-from bench.prefix_workloads import conversations
-from bench.route_bench import Arm, compare, parse_args, workload_bound
+from bench.serving.route_bench import Arm, compare, parse_args, workload_bound
+from bench.workloads.prefix_workloads import conversations
 from worker.engine.radix_cache import RadixCache
 from worker.engine.token_pool import TokenPool
 

@@ -1,6 +1,6 @@
-"""bench/router_bench.py runs the real router to the end of its queue, both decision paths."""
+"""bench/sim/router_bench.py runs the real router to the end of its queue, both decision paths."""
 
-from bench.router_bench import main
+from bench.sim.router_bench import main
 
 
 def test_router_bench_dispatches_every_request_on_both_paths(redis_settings, capsys):

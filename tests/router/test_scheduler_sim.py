@@ -1,9 +1,9 @@
-"""The admission simulator (bench/scheduler_sim.py), which runs router.admission.check: invariants on short runs."""
+"""The admission simulator (bench/sim/scheduler_sim.py), which runs router.admission.check: invariants on short runs."""
 
 import pytest
 
-from bench.scheduler_sim import Config, Job, Simulator, simulate
-from bench.workloads import Request, requests, stream
+from bench.sim.scheduler_sim import Config, Job, Simulator, simulate
+from bench.workloads.admission import Request, requests, stream
 
 SHORT = Config(clients=40, warmup_s=0.0, duration_s=120.0)
 

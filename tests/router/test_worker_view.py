@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from bench.router_bench import choose_by_check
+from bench.sim.router_bench import choose_by_check
 from router.admission import Views, WorkerView
 from shared.admission import AdmissionRule, request_state, request_states
 from shared.batch_view import Candidate

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.shapes import word_tokenizer
+from bench.engine.shapes import word_tokenizer
 from shared.model_files import load_tokenizer, resolve, served_name
 
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 
 from lightq.dead_letters import requeue_dead
+from shared.chunks import emitted_chunks, has_ended
 from shared.codec import entry, from_entry
-from shared.request_log import append_chunk, emitted_chunks, has_ended
-from shared.requeue import hand_back_inbox, requeue
+from shared.requeue import Death, hand_back_inbox, requeue
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
+from tests.chunks import append_chunk
 
 RID = "g"
+DIED = Death(blamed=frozenset({RID}), witnesses=frozenset({RID}))  # its worker died, blamed on it
 
 
 def group(n=3) -> GenerateRequest:
@@ -59,7 +61,7 @@ def test_a_group_goes_back_with_each_choices_tokens_and_its_finished_choices(rcl
     )
     chunks = emitted_chunks(rclient, keys, RID)
     assert not has_ended(chunks, 3)
-    assert requeue(rclient, keys, group(), ttl_s=60, max_attempts=5) == 1
+    assert requeue(rclient, keys, group(), ttl_s=60, max_attempts=5, death=DIED) == 1
     again = from_entry(GenerateRequest, rclient.xrange(keys.requests())[-1][1])
     assert again.group_resume == [[10, 11, 12], [20, 21], []] and again.finished_choices == [1]
     assert again.resume_ids == [] and again.attempt == 2
@@ -93,7 +95,7 @@ def test_a_cancelled_or_tokenless_ended_group_is_not_requeued(rclient, keys, tok
 
 def test_a_dead_lettered_group_requeued_by_the_cli_resumes_too(rclient, keys):
     write(rclient, keys, (0, 0, 10, None), (1, 0, 20, "stop"), (2, 0, 30, None), (2, 1, 31, None))
-    assert requeue(rclient, keys, group(), ttl_s=60, max_attempts=2) == 0
+    assert requeue(rclient, keys, group(), ttl_s=60, max_attempts=2, death=DIED) == 0
     assert meta(rclient, keys).status is RequestStatus.FAILED and rclient.xlen(keys.dead_letters()) == 1
     assert requeue_dead(rclient, keys, [], ttl_s=60) == 1
     again = from_entry(GenerateRequest, rclient.xrange(keys.requests())[-1][1])
@@ -104,7 +106,7 @@ def test_a_dead_lettered_group_requeued_by_the_cli_resumes_too(rclient, keys):
 def test_a_handed_back_group_keeps_its_attempt_count(rclient, keys):
     write(rclient, keys, (0, 0, 10, None))
     rclient.xadd(keys.inbox("w1"), entry(group()))
-    assert hand_back_inbox(rclient, keys, "w1", ttl_s=60, max_attempts=2, count_attempt=False) == 1
+    assert hand_back_inbox(rclient, keys, "w1", ttl_s=60, max_attempts=2) == 1
     again = from_entry(GenerateRequest, rclient.xrange(keys.requests())[-1][1])
     assert again.attempt == 1 and again.group_resume == [[10], [], []] and again.finished_choices == []
     assert rclient.xlen(keys.inbox("w1")) == 0
@@ -116,3 +118,19 @@ def test_a_single_request_still_goes_back_with_resume_ids(rclient, keys):
     assert requeue(rclient, keys, single, ttl_s=60, max_attempts=5) == 1
     again = from_entry(GenerateRequest, rclient.xrange(keys.requests())[-1][1])
     assert again.resume_ids == [10, 11] and again.group_resume == [] and again.finished_choices == []
+
+
+def test_a_death_counts_against_the_blamed_and_running_through_too_many_dead_letters_too(rclient, keys):
+    """Blamed: its attempt counts the death. Only witnessed (it ran there too): its ``deaths`` do,
+    and past DEATHS_PER_ATTEMPT x max_attempts of them it is dead-lettered all the same."""
+    write(rclient, keys, (0, 0, 10, None))
+    single = group(n=1).model_copy(update={"attempt": 0})
+    witnessed = Death(witnesses=frozenset({RID}))
+    assert requeue(rclient, keys, single, ttl_s=60, max_attempts=2, death=witnessed) == 1
+    again = from_entry(GenerateRequest, rclient.xrange(keys.requests())[-1][1])
+    assert (again.attempt, again.deaths) == (0, 1)
+    rclient.hset(keys.meta(RID), "status", "running")
+    assert (
+        requeue(rclient, keys, again.model_copy(update={"deaths": 3}), ttl_s=60, max_attempts=2, death=witnessed) == 0
+    )
+    assert meta(rclient, keys).status is RequestStatus.FAILED and "4 workers died" in meta(rclient, keys).error

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import transformers
 
 from worker.engine.token_pool import TokenPool
 from worker.model.attention import TorchAttention
@@ -76,3 +77,23 @@ class PoolRunner:
             for seq, t in zip(out, logits.argmax(-1)):
                 seq.append(int(t))
         return out
+
+
+def tiny_gpu_llama() -> transformers.LlamaForCausalLM:
+    """The GPU tests' tiny Llama (3 layers, 256 wide, 1,000 tokens), seeded: the same weights each call."""
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1000,
+        max_position_embeddings=1024,
+        eos_token_id=0,
+        # Peaked logits: a random model with flat ones has near-ties that
+        # tf32 (GPU) and fp32 (CPU) break differently (seen at token 21 of 24).
+        initializer_range=0.15,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)

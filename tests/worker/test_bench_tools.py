@@ -9,10 +9,10 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from bench import offline, step_profile
-from bench.shapes import SHAPES, config_dir
+from bench.engine import offline, step_profile
+from bench.engine.shapes import SHAPES, config_dir
 
-# bench/offline.py --json-schema with a schema answers complete in a few tokens
+# bench/engine/offline.py --json-schema with a schema answers complete in a few tokens
 SMALL = {
     "type": "object",
     "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -67,7 +67,7 @@ def test_offline_timeline_accounts_for_every_step(capsys):
 
 
 def test_floor_counts_one_decode_step_per_token_of_the_longest_output():
-    from bench.floor import bounds
+    from bench.engine.floor import bounds
 
     # two requests: prompts 10 and 20, outputs 3 and 1; 1 byte of weights, 1 byte of K/V per token
     b = bounds(
@@ -83,7 +83,7 @@ def test_floor_counts_one_decode_step_per_token_of_the_longest_output():
 @pytest.mark.slow  # SmolLM2's tokenizer from the GGUF (7 s)
 @pytest.mark.parametrize("schema", ["bench", "small"])
 def test_offline_json_schema_runs(schema, smollm2_tokenizer, tmp_path, monkeypatch, capsys):
-    """The tiny shape, its vocabulary widened to SmolLM2's tokenizer: bench/offline_schema.json
+    """The tiny shape, its vocabulary widened to SmolLM2's tokenizer: bench/engine/offline_schema.json
     never completes, so every request runs its drawn length and its output is a prefix of an
     answer; a small schema's answers complete, end ``stop`` and validate."""
     path = os.path.join(os.path.dirname(offline.__file__), "offline_schema.json")

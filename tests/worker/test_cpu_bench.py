@@ -1,6 +1,6 @@
-"""bench/cpu_bench.py's workload and thread count (the benchmark itself runs lightq serve and transformers)."""
+"""bench/serving/cpu_bench.py's workload and thread count (the benchmark itself runs lightq serve and transformers)."""
 
-from bench.cpu_bench import FIRST_ID, lightq_threads, workload
+from bench.serving.cpu_bench import FIRST_ID, lightq_threads, workload
 from lightq.launcher import worker_env
 
 
@@ -11,6 +11,16 @@ def test_workload_is_seeded_and_in_range():
     assert all(16 <= len(p) <= 256 for p in work.prompts)
     assert len({len(p) for p in work.prompts}) > 16  # lengths spread over the range
     assert all(FIRST_ID <= i < 49152 for p in work.prompts for i in p)
+
+
+def test_a_repeated_burst_shares_no_prefix_with_the_first():
+    work = workload()
+    assert work.fresh(0) == work
+    again = work.fresh(1)
+    assert [len(p) for p in again.prompts] == [len(p) for p in work.prompts] and again == work.fresh(1)
+    starts = [tuple(p[:2]) for p in work.prompts + again.prompts] + [tuple(work.warm_up()[:2])]
+    assert len(set(starts)) == len(starts)  # no two share even their first two ids: no cache hit
+    assert all(FIRST_ID <= i < 49152 for p in again.prompts for i in p)
 
 
 def test_transformers_gets_the_workers_threads(monkeypatch):

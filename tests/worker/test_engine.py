@@ -133,7 +133,8 @@ def test_a_new_requests_first_token_is_handed_over_before_the_decode_runs(tiny):
     engine.add(req("b", [11, 3], 4))
     log.clear()
     rest = engine.step(early=lambda events: log.append([(type(e).__name__, e.request_id) for e in flat(events)]))
-    assert log == ["prefill", [("Started", "b"), ("Token", "b")], "decode"]
+    # Started before its first forward (a death in it counts against it), its first token before the decode
+    assert log == [[("Started", "b")], "prefill", [("Token", "b")], "decode"]
     assert [(type(e).__name__, e.request_id) for e in flat(rest)] == [("Token", "a")]
 
 
@@ -243,3 +244,39 @@ def test_waiting_requests_start_by_priority_class_then_arrival(tiny):
     assert [r.id for r in engine.waiting] == ["high", "mid", "mid-late", "low-a", "low-b", "low-c"]
     started = [e for e in flat(engine.step()) if isinstance(e, Started)]
     assert [e.request_id for e in started] == ["high", "mid"]
+
+
+def test_a_failing_step_is_blamed_on_its_forward_and_a_blamed_request_prefills_alone(tiny):
+    """A prefill that raises leaves its requests as the suspects (not the decoding ones); a
+    request a death was blamed on (attempt > 0) starts in an admission pass of its own, with no
+    other prefill beside it."""
+    ref, folder = tiny
+    engine = make_engine(folder)
+    engine.add(req("a", [5, 6, 7], 8))
+    engine.step()
+    engine.add(req("b", [11, 3], 4))
+    engine.add(req("c", [2, 9], 4))
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a poisoned prefill")
+
+    engine.runner.prefill = failing
+    with pytest.raises(RuntimeError):
+        engine.step()
+    assert sorted(r.id for r in engine.suspects()) == ["b", "c"]
+    engine = make_engine(folder)
+    suspect = req("s", [4, 4], 4)
+    suspect = Req(msg=suspect.msg.model_copy(update={"attempt": 1}), inbox_id="9-0")
+    for r in (req("x", [1, 2], 4), suspect, req("y", [3, 1], 4)):
+        engine.add(r)
+    admitted = [[e.request_id for e in events if type(e).__name__ == "Started"] for events in _steps(engine, 3)]
+    assert admitted == [["x"], ["s"], ["y"]]  # x first; s alone once x's prefill is done; y after s's
+
+
+def _steps(engine, n: int) -> list[list]:
+    out = []
+    for _ in range(n):
+        early: list = []
+        events = engine.step(early=early.extend)
+        out.append(flat([*early, *events]))
+    return out

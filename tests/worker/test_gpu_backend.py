@@ -8,12 +8,11 @@ import dataclasses
 
 import pytest
 import torch
-import transformers
 
 from shared.config import ModelSettings, WorkerSettings
 from shared.model_files import ModelSource, resolve
 from shared.schemas import GenerateRequest, SamplingParams
-from tests.worker.model_harness import build_batch
+from tests.worker.model_harness import build_batch, tiny_gpu_llama
 from tests.worker.token_rows import flat
 from worker.engine.events import Token
 from worker.engine.request import Req
@@ -31,22 +30,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-gpu")
-    config = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=1000,
-        max_position_embeddings=1024,
-        eos_token_id=0,
-        # Peaked logits: a random model with flat ones has near-ties that
-        # tf32 (GPU) and fp32 (CPU) break differently (seen at token 21 of 24).
-        initializer_range=0.15,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tiny_gpu_llama().save_pretrained(folder)
     return str(folder)
 
 

@@ -57,7 +57,9 @@ def tokenizer(smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def cache(tokenizer):
-    return GrammarCache.for_tokenizer(tokenizer, VOCAB, {EOS})
+    cache = GrammarCache.for_tokenizer(tokenizer, VOCAB, {EOS})
+    yield cache
+    cache.close()  # its compile processes
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +204,22 @@ def test_a_requeued_group_replays_each_samples_matcher(tiny, cache, tokenizer):
 
 def test_the_cache_is_bounded_and_reports_bad_constraints(tokenizer):
     cache = GrammarCache.for_tokenizer(tokenizer, VOCAB, {EOS}, max_entries=2)
-    for n in range(4):
-        assert cache.error(Constraint(kind="regex", spec=f"a{{{n + 1}}}")) is None
-    assert len(cache) == 2
-    assert "regex" in cache.error(Constraint(kind="regex", spec="(abc"))
-    assert "json_schema" in cache.error(Constraint(kind="json_schema", spec='{"type": "foo"}'))
+    try:
+        for n in range(4):
+            assert cache.error(Constraint(kind="regex", spec=f"a{{{n + 1}}}")) is None
+        assert len(cache) == 2
+        assert "regex" in cache.error(Constraint(kind="regex", spec="(abc"))
+        assert "json_schema" in cache.error(Constraint(kind="json_schema", spec='{"type": "foo"}'))
+    finally:
+        cache.close()
+
+
+def test_the_producers_parse_is_compiled_and_the_spec_never_read(cache):
+    """A constraint carries the producer's parse (``grammar``, xgrammar's EBNF text): the worker
+    compiles that and never converts the schema again (here ``spec`` is not even JSON)."""
+    parse = str(xgr.Grammar.from_json_schema(json.dumps(SHORT), any_whitespace=False))
+    matcher = xgr.GrammarMatcher(cache.get(Constraint(kind="json_schema", spec="{not json", grammar=parse)))
+    assert matcher.accept_string('{"n": 42}') and not matcher.accept_string(",")
 
 
 SYNTHETIC_STOP = "</s>"
@@ -281,13 +294,17 @@ def test_the_batched_mask_on_the_logits_device(device):
         else:
             value = json.loads(text)
             assert type(value["ok"]) is bool and value["n"] in (1, 12), text
+    cache.close()
 
 
-def test_a_length_bounded_string_admits_no_raw_control_character(cache, tokenizer):
+@pytest.mark.parametrize("parsed", [False, True], ids=["spec", "producer's parse"])
+def test_a_length_bounded_string_admits_no_raw_control_character(cache, tokenizer, parsed):
     """Inside a string with maxLength, no token the grammar allows decodes to a raw U+0000-U+001F
     (JSON forbids them unescaped; xgrammar's own rule admitted them: #800, and a sampled answer
-    failed json.loads), and plain text tokens are still allowed."""
-    schema = Constraint(kind="json_schema", spec=json.dumps({"type": "string", "maxLength": 40}))
+    failed json.loads), and plain text tokens are still allowed; from the spec or the producer's parse."""
+    spec = json.dumps({"type": "string", "maxLength": 40})
+    grammar = str(xgr.Grammar.from_json_schema(spec, any_whitespace=False)) if parsed else ""
+    schema = Constraint(kind="json_schema", spec=spec, grammar=grammar)
     matcher = xgr.GrammarMatcher(cache.get(schema))
     assert matcher.accept_string('"')
     bitmask = xgr.allocate_token_bitmask(1, VOCAB)

@@ -13,9 +13,9 @@ from shared import ingress
 from shared.admission import request_states as router_states
 from shared.codec import from_entry
 from shared.peak import ReqState
-from shared.request_log import append_chunk
-from shared.requeue import requeue
+from shared.requeue import Death, requeue
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
+from tests.chunks import append_chunk
 from tests.worker.test_engine import POOL, make_engine, tiny  # noqa: F401 (fixture)
 from tests.worker.test_engine_groups import count_prefill_tokens, run
 from tests.worker.token_rows import flat
@@ -73,7 +73,8 @@ def requeued(
             ),
         )
     pipe.execute()
-    assert requeue(rclient, keys, msg, ttl_s=60, max_attempts=3) == 1
+    died = Death(blamed=frozenset({msg.id}))  # its worker died, blamed on it
+    assert requeue(rclient, keys, msg, ttl_s=60, max_attempts=3, death=died) == 1
     return from_entry(GenerateRequest, ingress.entries(rclient, keys)[-1][1])
 
 

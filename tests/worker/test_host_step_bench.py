@@ -1,6 +1,6 @@
-"""bench/host_step.py drives the real engine through steady decoding."""
+"""bench/engine/host_step.py drives the real engine through steady decoding."""
 
-from bench.host_step import engine_with, main
+from bench.engine.host_step import engine_with, main
 
 
 def test_host_step_bench_runs_the_engine_to_steady_decoding(capsys):

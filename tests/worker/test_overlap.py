@@ -25,6 +25,7 @@ from worker.engine.request import Req
 
 EOS = {65, 76, 92}  # of the tiny model's 97 ids, some it draws often: requests end on EOS now and then
 Outputs = dict[tuple[str, int], tuple[list[int], str | None]]
+SEED, PAUSE_AT = 42, 4  # a group whose sample ends on EOS before the pause
 
 
 def workload(long: bool = False) -> dict[int, list[Req]]:
@@ -161,3 +162,47 @@ def test_a_constrained_request_advances_its_grammar_on_landed_tokens(grammar_tin
             assert reasons[key] == "stop"
             assert 0 <= json.loads(tokenizer.decode(ids[:-1]))["n"] <= 999  # the last: the stop token
     assert outputs[0] == outputs[1]
+
+
+def test_a_group_paused_with_tokens_in_flight_resumes_each_sample_as_if_never_paused(tiny):  # noqa: F811
+    """A seeded group (its samples differ; EOS ends one early) is paused for a better class while its
+    samples have tokens in flight: none of those is published, the group goes back with each
+    sample's landed tokens and the sample that ended finished, and resumed (its prompt from the
+    cache) every open sample continues at its next index and ends as the uninterrupted run's did."""
+    _, folder = tiny
+
+    def group() -> Req:
+        params = SamplingParams(max_new_tokens=14, do_sample=True, temperature=1.0, seed=SEED)
+        return Req(
+            msg=GenerateRequest(id="g", prompt_ids=SYSTEM + [4, 5], params=params, created_ms=0, n=3), inbox_id="-"
+        )
+
+    uninterrupted = run(engine_for(folder, False, cache=True), {0: [group()]})
+    engine = engine_for(folder, True, cache=True)
+    back: list[GenerateRequest] = []
+
+    def between(step: int, engine) -> list:
+        if step != PAUSE_AT:
+            return []
+        assert engine._in_flight is not None and len(engine._in_flight.reqs) == 2  # one sample ended
+        events = engine.preempt([engine.running[-1]])  # any sample: the whole group goes
+        back.extend(e.msg for e in events if isinstance(e, Preempted))
+        return events
+
+    first = run(engine, {0: [group()]}, between)
+    (msg,) = back
+    assert engine.requests() == [] and engine.num_discarded == 2 and msg.preemptions == 1
+    assert msg.group_resume == [first[("g", c)][0] for c in range(3)]
+    assert msg.finished_choices == [c for c in range(3) if first[("g", c)][1] is not None] != []
+    engine.add(Req(msg=msg, inbox_id="-"))
+    rest: dict[int, list[Token]] = {}
+    while engine.has_work:
+        for event in flat(engine.step()):
+            if isinstance(event, Token):
+                rest.setdefault(event.choice, []).append(event)
+    assert sorted(rest) == msg.open_choices
+    for choice in range(3):
+        before, after = msg.group_resume[choice], rest.get(choice, [])
+        assert [t.index for t in after] == list(range(len(before), len(before) + len(after)))
+        assert before + [t.token_id for t in after] == uninterrupted[("g", choice)][0]
+    assert_idle(engine, 400)

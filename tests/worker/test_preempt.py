@@ -10,6 +10,7 @@ import torch
 
 from shared import ingress
 from shared.admission import AdmissionRule, request_states
+from shared.chunks import parse_run
 from shared.codec import encode, entry, from_entry
 from shared.config import AdmissionSettings, ModelSettings, WorkerSettings
 from shared.keys import ROUTER_GROUP, WORKER_GROUP
@@ -37,7 +38,8 @@ class InlineLink:
 
     def put(self, events) -> None:
         if events:
-            self.publisher.publish([(now_ms(), events)])
+            self.publisher.record([(now_ms(), events)])
+            self.publisher.flush(everything=True)
 
     def take_stopped(self) -> list:
         return []
@@ -77,8 +79,10 @@ def message(
 
 
 def dispatch(rclient, keys, worker_id: str, msg: GenerateRequest) -> None:
+    """As the router dispatches: a new epoch in the status hash, and with the request in the inbox."""
     rclient.hset(keys.meta(msg.id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=0))
-    rclient.xadd(keys.inbox(worker_id), entry(msg))
+    epoch = rclient.hincrby(keys.meta(msg.id), "epoch", 1)
+    rclient.xadd(keys.inbox(worker_id), {**entry(msg), "epoch": epoch})
 
 
 def ask(rclient, keys, worker_id: str, *msgs: GenerateRequest) -> None:
@@ -98,7 +102,8 @@ def requeued(rclient, keys) -> list[GenerateRequest]:
 
 
 def chunks(rclient, keys, request_id: str) -> list[TokenChunk]:
-    return [from_entry(TokenChunk, f) for _, f in rclient.xrange(keys.chunks(request_id))]
+    """Every token written, repeats included."""
+    return [c for _, f in rclient.xrange(keys.chunks(request_id)) for c in parse_run(f).tokens()]
 
 
 @pytest.mark.parametrize("prompt_logprobs", [None, 2])

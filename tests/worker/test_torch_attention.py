@@ -11,6 +11,7 @@ from tests.worker.model_harness import build_batch
 from worker.model.attention import MAX_DECODE_GROUPS, MIN_DECODE_GROUP, TorchAttention
 from worker.model.kv_cache import KVCache
 from worker.model.layers import alibi_slopes
+from worker.model.quant import FP8
 
 
 def _reference(q, keys, values, pos: int, slopes, window):
@@ -87,3 +88,85 @@ def test_a_steps_groups_are_worked_out_once():
     assert backend._decode_groups(batch, rules) is first
     assert backend._decode_groups(batch, {"alibi_slopes": None, "window": 2}) is not first  # a windowed layer
     assert backend._decode_groups(step(), rules) is not first
+
+
+class Steps:
+    """A pool, a table and requests that decode step after step through one ``TorchAttention``, each
+    step checked against the dense reference over the request's K/V as gathered from the pool."""
+
+    hq, hkv, d, layers = 6, 2, 8, 2
+
+    def __init__(self, num_slots: int, kv_dtype: torch.dtype, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.cache = KVCache(self.layers, num_slots, self.hkv, self.d, kv_dtype, "cpu")
+        self.cache.buffer.fill_(float("nan"))  # every slot no request wrote
+        self.backend = TorchAttention(self.cache)
+        self.free = torch.randperm(num_slots, generator=self.gen).tolist()
+        self.table = torch.full((65, 128), self.cache.hold_slot, dtype=torch.int32)
+        self.lens: dict[int, int] = {}  # row -> tokens in the pool
+
+    def step(self, rows: list[int], new: list[int]) -> None:
+        """One forward: ``new[i]`` tokens for the request at ``rows[i]`` (a decode when all are 1)."""
+        slots = []
+        for row, n in zip(rows, new):
+            taken, self.free = self.free[:n], self.free[n:]
+            c = self.lens.get(row, 0)
+            self.table[row, c : c + n] = torch.tensor(taken, dtype=torch.int32)
+            slots.append(torch.tensor(taken).numpy())
+        cached = [self.lens.get(row, 0) for row in rows]
+        batch = build_batch(self.table, rows, cached, [[0] * n for n in new], slots)
+        total = sum(new)
+        for layer in range(self.layers):
+            q = torch.randn(total, self.hq, self.d, generator=self.gen)
+            k, v = (
+                torch.randn(total, self.hkv, self.d, generator=self.gen),
+                torch.randn(total, self.hkv, self.d, generator=self.gen),
+            )
+            out = self.backend.forward(layer, q, k, v, batch)
+            assert torch.isfinite(out).all()
+            if batch.is_decode:
+                for b, row in enumerate(rows):
+                    kv = self.cache.read(layer, self.table[row, : cached[b] + 1].long())
+                    want = _reference(q[b], kv[:, : self.hkv], kv[:, self.hkv :], cached[b], None, None)
+                    torch.testing.assert_close(out[b], want, atol=1e-5, rtol=1e-5)
+        for row, n in zip(rows, new):
+            self.lens[row] = self.lens.get(row, 0) + n
+
+    def mirrors(self) -> list:
+        return self.backend._mirrors.get((False, None), [])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, FP8])
+def test_decode_steps_extend_their_groups_mirrors_and_a_change_gathers_again(kv_dtype):
+    """An unchanged batch's decode steps extend the last step's mirrors (kv_mirror) by one token a
+    request; a request leaving regroups; a prefill drops them all, so a row another request takes,
+    whose length happens to follow the old one's, is never read from the old request's mirror."""
+    s = Steps(4096, kv_dtype, seed=5)
+    rows = list(range(20))
+    s.step(rows, torch.randint(1, 40, (20,), generator=s.gen).tolist())  # prefill
+    s.step(rows, [1] * 20)
+    first = s.mirrors()
+    assert len(first) == 2 and all(m._append is None for m in first)  # gathered whole
+    for _ in range(4):
+        s.step(rows, [1] * 20)
+        assert [id(m) for m in s.mirrors()] == [id(m) for m in first]  # the same mirrors, extended
+        assert all(m._append is not None for m in first)
+    rows.remove(7)
+    s.step(rows, [1] * 19)  # regrouped: a group that changed is gathered again, one that did not is kept
+    assert any(m not in first for m in s.mirrors()) and all(7 not in m.rows for m in s.mirrors())
+    length = s.lens[7]
+    s.lens[7] = 0  # row 7 goes to a new request, prefilled to the old one's length less one ...
+    s.step([7], [length - 1])
+    assert s.mirrors() == []
+    s.step([*rows, 7], [1] * 20)  # ... so its next decode length follows the old one's
+    s.step([*rows, 7], [1] * 20)
+
+
+def test_mirrors_stay_within_the_pools_bytes():
+    """A pool too small for a group's mirror: the group is gathered each step, as before."""
+    s = Steps(200, torch.float32, seed=6)
+    rows = list(range(16))
+    s.step(rows, [8] * 16)
+    for _ in range(3):
+        s.step(rows, [1] * 16)
+    assert s.mirrors() == [] or sum(len(m.rows) * m.cap for m in s.mirrors()) * 2 * 2 * 8 * 4 * 2 <= s.cache.nbytes

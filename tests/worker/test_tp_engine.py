@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from shared.config import ModelSettings, WorkerSettings
+from tests.waiting import MUST_HAPPEN_S
 from tests.worker.test_engine import reference_greedy, req, run_to_end
 from tests.worker.token_rows import flat
 from worker.engine.events import Token
@@ -217,7 +218,7 @@ def start_group(folder: str) -> tuple[subprocess.Popen, int]:
     return proc, int(proc.stdout.readline())
 
 
-def gone(pid: int, timeout_s: float = 20.0) -> bool:
+def gone(pid: int, timeout_s: float = MUST_HAPPEN_S) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

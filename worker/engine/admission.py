@@ -62,8 +62,14 @@ class Admission:
         slots = self.runner.slots
         prefilling = {k for r in running if not r.is_prefilled and (k := slots.prefill_key(r)) is not None}
         deferred: list[Req] = []  # held by the runner, or waiting for a running prefill of their prefix
-        while waiting:
+        # A suspect (a worker died with it running: GenerateRequest.attempt) prefills alone: started
+        # only when no prefill is under way, and nothing starts beside it until its prefill is done,
+        # so if it kills this worker too, the death is counted against it and nobody else.
+        isolated = any(r.is_suspect and not r.is_prefilled for r in running)
+        while waiting and not isolated:
             req = waiting[0]
+            if req.is_suspect and (admitted or any(not r.is_prefilled for r in running)):
+                break
             key = slots.prefill_key(req)
             if not self.runner.prepare(req) or slots.should_wait(req, key, prefilling):
                 deferred.append(waiting.popleft())
@@ -85,6 +91,7 @@ class Admission:
             view.admit(candidate)
             if key is not None:
                 prefilling.add(key)
+            isolated = req.is_suspect
         waiting.extendleft(reversed(deferred))  # in their places, ahead of the one that did not fit
         return admitted
 

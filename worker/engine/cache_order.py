@@ -11,7 +11,7 @@ questions read those stamps, and before these orders each walked the whole tree:
 | what the load record's summary lists       | ``Recency``: every    | O(nodes it reads), newest |
 | (``RadixCache.summary``, newest first)     | node, oldest first    | first, about ``limit``    |
 
-On a full 1.6M-token pool each walk cost 4-38 ms of the model loop (bench/radix_bench.py,
+On a full 1.6M-token pool each walk cost 4-38 ms of the model loop (bench/engine/radix_bench.py,
 bench/RESULTS.md).
 """
 

@@ -16,9 +16,10 @@ A group (n samples of one prompt, ``worker.engine.request``) is admitted whole,
 its prompt counted once (``worker.engine.load.request_states``); its leader
 prefills the prompt and the step that completes it forks the other samples,
 which share the prompt's slots. From then on each sample is a request of
-its own here: it decodes, finishes, is cancelled or paused alone (a paused
-sample lets go of the shared prompt and is prefilled again on its own copy,
-simpler than pausing whole groups and as correct). The inbox entry is
+its own here: it decodes, finishes, is cancelled or paused for room alone (a
+paused sample lets go of the shared prompt and is prefilled again on its own
+copy, simpler than pausing whole groups and as correct); a pause for a
+better class (``preempt``) takes the whole group back to the queue. The inbox entry is
 released with the group's last sample. A requeued group forks only its
 unfinished samples, and one that had emitted tokens is prefilled after
 them on top of the shared prompt before it samples again
@@ -63,7 +64,7 @@ from shared.schemas import FinishReason, RequestStatus
 from worker.engine.admission import Admission, EngineLimits, Starter, slots_needed
 from worker.engine.events import Ended, Event, Preempted, Released, Started, Tokens
 from worker.engine.load import LoadSnapshot, request_states
-from worker.engine.preempt import handed_back
+from worker.engine.preempt import handed_back, kv_lost, samples_of
 from worker.engine.request import Phase, Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
 
@@ -109,6 +110,10 @@ class Engine:
         # Land each decode's tokens in the next step, after its forward is launched (module docstring).
         self.overlap = overlap
         self._in_flight: Launched | None = None  # the decode whose tokens have not landed
+        # The requests of the forwards under way (launched, their tokens not landed yet): those a
+        # failing step is blamed on (``suspects``).
+        self._prefilling: list[Req] = []
+        self._decoding_now: list[Req] = []
         # Tokens sampled for requests that had ended before they landed (overlap: found a step late).
         self.num_discarded = 0
         self.num_pauses = 0
@@ -166,6 +171,13 @@ class Engine:
         with self._lock:
             return [*self.running, *self.waiting]
 
+    def suspects(self) -> list[Req]:
+        """The requests of the forwards under way: after a step raised, the ones it is blamed on (a
+        prefill's batch, or the decoding batch: the worker can tell no closer), whom a death counts
+        against (``shared.requeue``)."""
+        flying = self._in_flight.reqs if self._in_flight is not None else []
+        return [*self._prefilling, *self._decoding_now, *flying]
+
     def snapshot(self) -> LoadSnapshot:
         with self._lock:
             # committed: prompt + max_new_tokens of every sample, each group's prompt once
@@ -189,7 +201,9 @@ class Engine:
             ends = [(c, len(group.msg.emitted(c))) for c in group.msg.open_choices]
         else:
             ends = [(req.choice, len(req.output_ids))]
-        events: list[Event] = [Ended(req.id, RequestStatus.CANCELLED, "cancelled", num, choice=c) for c, num in ends]
+        events: list[Event] = [
+            Ended(req.id, RequestStatus.CANCELLED, "cancelled", num, choice=c, epoch=req.epoch) for c, num in ends
+        ]
         return events + self._release(req, "cancelled")
 
     def fail(self, req: Req, error: str) -> list[Event]:
@@ -197,7 +211,8 @@ class Engine:
         request the service refused on arrival."""
         if req.phase is not Phase.WAITING:
             return []
-        return [Ended(req.id, RequestStatus.FAILED, "error", req.msg.num_emitted, error), *self._release(req, "error")]
+        ended = Ended(req.id, RequestStatus.FAILED, "error", req.msg.num_emitted, error, epoch=req.epoch)
+        return [ended, *self._release(req, "error")]
 
     def stop(self, req: Req) -> list[Event]:
         """End ``req``, which the publisher found a stop string in (it wrote the end)."""
@@ -206,22 +221,26 @@ class Engine:
         return self._release(req, "stop")
 
     def preempt(self, victims: list[Req]) -> list[Event]:
-        """Take ``victims`` (``worker.engine.preempt.plan``) out now, their slots freed; each goes
-        back to the queue with its output as ``resume_ids`` (the publisher writes it after its
-        tokens). Call between steps."""
+        """Take ``victims`` (``worker.engine.preempt.plan``) out now, their slots freed, a group's
+        every sample with any of them; each goes back to the queue with its output as resume state
+        (the publisher writes it after its tokens). Call between steps."""
         events: list[Event] = []
         with self._lock:
-            for req in victims:
-                msg, counts = handed_back(req)
-                if req.phase is Phase.RUNNING:
-                    self.num_preempted_tokens += req.num_cached  # its K/V, computed again on resume
-                    self.running.remove(req)
-                    self.runner.finish(req)
-                else:
-                    self.waiting.remove(req)
-                req.phase = Phase.FINISHED
+            for victim in victims:
+                if victim.phase is Phase.FINISHED:  # a group's sample, taken out with another
+                    continue
+                samples = samples_of(victim, [*self.running, *self.waiting])
+                msg, counts = handed_back(samples)
+                self.num_preempted_tokens += kv_lost(samples)
+                for req in samples:
+                    if req.phase is Phase.RUNNING:
+                        self.running.remove(req)
+                        self.runner.finish(req)
+                    else:
+                        self.waiting.remove(req)
+                    req.phase = Phase.FINISHED
                 self.num_preempted += counts
-                events.append(Preempted(req.id, req.inbox_id, msg))
+                events.append(Preempted(victim.id, victim.inbox_id, msg, victim.epoch))
         return events
 
     def step(self, early: Callable[[list[Event]], None] | None = None) -> list[Event]:
@@ -233,7 +252,12 @@ class Engine:
         tokens land in the next call, between its forward's launch and its sampling: the host
         prepares a step while the device runs the last one (the module docstring says what that
         costs). A prefill's tokens land in the call that launched them either way."""
-        events: list[Event] = [Started(r.msg, r.taken_ms) for r in self._admit() if not r.is_paused]
+        events: list[Event] = [Started(r.msg, r.taken_ms, r.epoch) for r in self._admit() if not r.is_paused]
+        if events and early is not None:
+            # Before their first forward: if it kills this worker, they were running here (their
+            # status says so), and the death is counted against them (shared.requeue).
+            early(events)
+            events = []
         for req in self.running:
             req.is_paused = False
         decoding = self._decoding()  # before the prefill: it samples its own
@@ -242,21 +266,26 @@ class Engine:
             self._pause_overflow()
             decoding = self._decoding()
         chunks = self.admission.prefill_chunks(self.running, len(decoding))
+        self._prefilling = [r for r, _ in chunks]
         prefill = self._launch_prefill(chunks) if chunks else None
         if prefill is not None and not self.overlap:
             events += self._land(prefill)
             prefill = None
+            self._prefilling = []
             if decoding and early is not None and events:
                 early(events)
                 events = []
         if decoding:
+            self._decoding_now = decoding
             launched = self.runner.forward_decode(decoding, ids_known=self._in_flight is None)
             events += self.flush()  # before the sampling: grammars advance on these tokens
             self._in_flight = Launched(decoding, self.runner.sample_decode(launched))
+            self._decoding_now = []
         else:
             events += self.flush()
         if prefill is not None:
             events += self._land(prefill)
+            self._prefilling = []
         if not self.overlap:
             events += self.flush()
         self.runner.slots.refresh_summary(idle=not self.has_work)  # on this thread: the tree is not thread-safe
@@ -390,6 +419,7 @@ class Engine:
             req.phase = Phase.FINISHED
             req.finish_reason = reason
         if req.group is not None:
+            req.group.ended[req.choice] = req.output_ids  # a pause of the others leaves it finished
             req.group.live -= 1
             if req.group.live > 0:
                 return []

@@ -19,6 +19,7 @@ class Started:
 
     msg: GenerateRequest
     taken_ms: int | None = None  # when the worker read it from its inbox (Unix ms)
+    epoch: int = 0  # its dispatch's fencing token (shared.request_log): every write carries it
 
     @property
     def request_id(self) -> str:
@@ -69,6 +70,7 @@ class Ended:
     num_output: int
     error: str | None = None
     choice: int = 0
+    epoch: int = 0  # a request refused on arrival has no Started: its dispatch's epoch comes here
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class Preempted:
     request_id: str
     inbox_id: str
     msg: GenerateRequest
+    epoch: int = 0  # its dispatch's: the fence of one that never started here (no Started) takes it
 
 
 Event = Started | Tokens | Ended | Released | Preempted

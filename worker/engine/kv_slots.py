@@ -53,15 +53,22 @@ class CacheStats:
 
 def _matchable(req: Req) -> list[int]:
     """The ids a request may find cached: all but the last, whose logits it needs; none for one
-    asking for prompt logprobs (a cached position has no logits to score it)."""
+    asking for prompt logprobs (a cached position has no logits to score it), nor for a LoRA
+    adapter's request (its K/V is the adapter's: ``KVSlots.cache_of``)."""
     wants_scores = req.msg.params.prompt_logprobs is not None and not req.output_ids
-    return req.all_ids[: 0 if wants_scores else req.num_tokens - 1]
+    if wants_scores or req.msg.adapter is not None:
+        return []
+    return req.all_ids[: req.num_tokens - 1]
 
 
 class KVSlots:
     def __init__(self, pool: TokenPool, cache: PrefixCache):
         self.pool = pool
         self.cache = cache
+        # A LoRA adapter's requests neither hit nor fill the tree: the tree is keyed by token ids
+        # alone, and the same ids under another adapter (or none) have other K/V. Their slots go
+        # straight back to the pool (a prefix cache per adapter is for later).
+        self.uncached = NoCache(pool)
         self.num_asked = 0  # tokens of requests admitted (prompt + resumed output), for the hit rate
         self.num_hit = 0  # of those, tokens found in the cache (not prefilled)
         self.shared_min = SHARED_MIN  # see ``should_wait``
@@ -144,7 +151,7 @@ class KVSlots:
         if req.num_shared:  # a forked group's member: the prompt is the group's
             return
         n = req.num_cached
-        lease = self.cache.extend(req.all_ids[:n], req.slot_ids[:n], req.lease)
+        lease = self.cache_of(req).extend(req.all_ids[:n], req.slot_ids[:n], req.lease)
         if lease is not None:
             req.lease, req.num_locked = lease, n
 
@@ -163,12 +170,16 @@ class KVSlots:
             group.holders -= 1
             if group.holders == 0:
                 assert group.prompt_slots is not None
-                self.cache.release(group.msg.prompt_ids, group.prompt_slots, group.lease)
+                self.cache_of(req).release(group.msg.prompt_ids, group.prompt_slots, group.lease)
                 group.prompt_slots, group.lease = None, None
         else:
             n = req.num_cached
-            self.cache.release(req.all_ids[:n], req.slot_ids[:n], req.lease)
+            self.cache_of(req).release(req.all_ids[:n], req.slot_ids[:n], req.lease)
         req.lease, req.num_locked = None, 0
+
+    def cache_of(self, req: Req) -> PrefixCache:
+        """Where ``req``'s K/V may be shared: the prefix cache, or nowhere for an adapter's request."""
+        return self.uncached if req.msg.adapter is not None else self.cache
 
     def prefix_writes(self, reqs: list[Req]) -> np.ndarray:
         """[P, 3] (row, position, slot): the cached prefixes of ``reqs`` their table rows do not

@@ -34,7 +34,7 @@ from shared.request_log import now_ms
 from shared.schemas import WorkerLoad, tally_preemptible
 from worker.engine.kv_slots import CacheStats
 from worker.engine.radix_cache import Lease, held_hashes, lease_path
-from worker.engine.request import Phase, Req
+from worker.engine.request import Phase, Req, by_request
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,13 @@ def _counted_before(lease: Lease | None, counted: set[int]) -> int:
 
 
 def preemptible_classes(reqs: list[Req], max_preemptions: int) -> list[tuple[int, int, int]]:
-    """[priority, tokens held, requests] per class with requests a better class may pause
+    """[priority, tokens held, request slots] per class with requests a better class may pause
     (``worker.engine.preempt``), the worst class first: what a router picks the worker to ask by,
-    and how many requests it may send there with an ask (a pause frees one request slot)."""
-    return tally_preemptible((r.msg.priority, r.num_tokens, 1) for r in reqs if r.can_preempt(max_preemptions))
+    and how many requests it may send there with an ask (a pause frees one request slot, a group's
+    one per open sample, its prompt counted once: as ``request_states`` counts it)."""
+    units = by_request(r for r in reqs if r.can_preempt(max_preemptions))
+    held = [(unit[0].msg.priority, request_states(unit)) for unit in units]
+    return tally_preemptible((priority, sum(s.held for s in states), len(states)) for priority, states in held)
 
 
 def build_load(
@@ -119,6 +122,7 @@ def build_load(
     model: str | None = None,
     max_preemptions: int = 0,
     preempt_asks_read: int = 0,
+    adapters: tuple[str, ...] = (),
 ) -> WorkerLoad:
     snap = engine.snapshot()
     reqs = engine.requests()
@@ -139,6 +143,7 @@ def build_load(
         last_inbox_id=last_inbox_id,
         draining=draining,
         model=model,
+        adapters=list(adapters),
         running_max_req_size=engine.limits.running_max_req_size,
         requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in states],
         preemptible=preemptible_classes(reqs, max_preemptions),

@@ -16,7 +16,15 @@ A victim leaves the engine at once (its slots freed) and goes back to the
 ingress stream with the tokens it emitted as ``resume_ids``, written by the
 publisher after those tokens' chunks (``worker.service.publisher``), so
 the worker that resumes it continues at the next index: the client sees a
-gap, never a lost or repeated token. A started victim counts a preemption
+gap, never a lost or repeated token. A group (n > 1) is one victim: all its
+samples stop together (they share the prompt's slots and one inbox entry)
+and it goes back as one message, as a requeued group does
+(``shared.requeue``): each sample's tokens so far in ``group_resume`` and
+the samples that ended here, or before, in ``finished_choices``; the
+worker that resumes it prefills the prompt once, runs only the open
+samples, each after its own tokens. The plan weighs a group by all its
+samples: pausing one sample alone would free its own tokens only and
+leave the group's prompt held. A started victim counts a preemption
 (``GenerateRequest.preemptions``); at ``--max_preemptions`` it is never
 chosen again, so a low class cannot be bounced around forever.
 """
@@ -31,7 +39,7 @@ from shared.batch_view import BatchView, Candidate
 from shared.peak import ReqState
 from shared.schemas import GenerateRequest, PreemptAsk
 from worker.engine.load import Limits, request_states
-from worker.engine.request import Phase, Req
+from worker.engine.request import Group, Phase, Req, by_request
 
 
 class Pool(Protocol):
@@ -50,9 +58,13 @@ def plan(pool: Pool, ask: PreemptAsk, max_preemptions: int) -> list[Req]:
     fit here (a prefix of them) fit, whether they are in this worker's queue already or still on
     their way; empty when none can, or they fit already."""
     reqs = pool.requests()  # running in admission order, then waiting: reversed, newest first
-    candidates = sorted(
-        (r for r in reversed(reqs) if r.can_preempt(max_preemptions) and r.msg.priority > ask.priority),
-        key=lambda r: -r.msg.priority,  # stable: newest first inside a class
+    candidates = sorted(  # a group by its newest sample, all of its samples at once
+        (
+            unit
+            for unit in by_request(reversed(reqs))
+            if all(r.can_preempt(max_preemptions) for r in unit) and unit[0].msg.priority > ask.priority
+        ),
+        key=lambda unit: -unit[0].msg.priority,  # stable: newest first inside a class
     )
     if not candidates:
         return []
@@ -61,8 +73,8 @@ def plan(pool: Pool, ask: PreemptAsk, max_preemptions: int) -> list[Req]:
     asked = set(ask.request_ids)  # those already here (sent with the ask) count as asked, not twice
 
     def fits(num_paused: int, num_asked: int) -> bool:
-        paused = candidates[:num_paused]
-        stay = [r for r in reqs if r not in paused and r.id not in asked]  # Req compares by identity
+        paused = {id(r) for unit in candidates[:num_paused] for r in unit}
+        stay = [r for r in reqs if id(r) not in paused and r.id not in asked]
         view = BatchView(request_states(stay), pool.limits.max_total_tokens, pool.limits.running_max_req_size, policy)
         wanted = Candidate([ReqState(*s) for s in ask.states[: ends[num_asked - 1]]], policy)
         return view.ratio(wanted) is not None
@@ -72,7 +84,7 @@ def plan(pool: Pool, ask: PreemptAsk, max_preemptions: int) -> list[Req]:
     num_asked = _first(1, len(sizes) + 1, lambda j: not fits(len(candidates), j)) - 1
     if num_asked == 0:
         return []
-    return candidates[: _first(0, len(candidates), lambda k: fits(k, num_asked))]
+    return [unit[0] for unit in candidates[: _first(0, len(candidates), lambda k: fits(k, num_asked))]]
 
 
 def _first(low: int, high: int, holds: Callable[[int], bool]) -> int:
@@ -83,11 +95,45 @@ def _first(low: int, high: int, holds: Callable[[int], bool]) -> int:
     return low
 
 
-def handed_back(req: Req) -> tuple[GenerateRequest, bool]:
-    """The message a victim goes back to the queue as, and whether its pause counts (it started:
-    its prefill is lost). Call before the engine marks it finished."""
-    started = req.phase is Phase.RUNNING or req.is_paused
-    if not started:
-        return req.msg, False  # never admitted here: it goes back as it came
-    update: dict[str, object] = {"resume_ids": list(req.output_ids), "preemptions": req.msg.preemptions + 1}
-    return req.msg.model_copy(update=update), True
+def samples_of(victim: Req, live: list[Req]) -> list[Req]:
+    """What pausing ``victim`` takes out of ``live`` (the engine's running and waiting requests):
+    its group's every sample still here, else ``victim`` alone."""
+    if victim.group is None:
+        return [victim]
+    return [r for r in live if r.group is victim.group]
+
+
+def kv_lost(samples: list[Req]) -> int:
+    """K/V tokens a pause of ``samples`` throws away, to be computed again where they resume: each
+    running sample's own, a forked group's shared prompt once. Call before their slots are freed."""
+    running = [r for r in samples if r.phase is Phase.RUNNING]
+    return max((r.num_shared for r in running), default=0) + sum(r.num_cached - r.num_shared for r in running)
+
+
+def handed_back(samples: list[Req]) -> tuple[GenerateRequest, bool]:
+    """The message a victim (one request, or a group's samples still here: ``samples_of``) goes
+    back to the queue as, and whether its pause counts (it started: its prefill is lost). Call
+    before the engine marks them finished."""
+    first, group = samples[0], samples[0].group
+    msg = first.msg if group is None else group.msg  # a group's as it came (a sample's has its own seed)
+    if not any(r.phase is Phase.RUNNING or r.is_paused for r in samples):
+        return msg, False  # never admitted here: it goes back as it came
+    update: dict[str, object] = {"preemptions": msg.preemptions + 1}
+    if group is None:
+        update["resume_ids"] = list(first.output_ids)
+    else:
+        update |= _group_progress(group, samples)
+    return msg.model_copy(update=update), True
+
+
+def _group_progress(group: Group, samples: list[Req]) -> dict[str, object]:
+    """Each choice's tokens so far and the choices that ended (before this attempt, or here): the
+    fields of a requeued group (``shared.requeue.resume_fields``). Before its fork the leader stands
+    for every open sample, with the tokens each had when it came."""
+    emitted = [list(group.msg.emitted(c)) for c in range(group.size)]
+    if group.forked:
+        for req in samples:
+            emitted[req.choice] = list(req.output_ids)
+    for choice, ids in group.ended.items():
+        emitted[choice] = list(ids)
+    return {"group_resume": emitted, "finished_choices": sorted({*group.msg.finished_choices, *group.ended})}

@@ -6,8 +6,10 @@ samples (``fork_members``): each gets its own table row whose first
 ``num_shared`` positions point at the leader's prompt slots, which
 ``Group`` then owns. Invariant: ``Group.holders`` is the number of members
 whose rows still point at ``Group.prompt_slots``; the slots go back to the
-pool exactly when it drops to 0 (``ModelRunner.finish``). A paused member
-lets go of the shared prompt and is later prefilled again on its own copy.
+pool exactly when it drops to 0 (``ModelRunner.finish``). A member paused
+for room (an estimate was short) lets go of the shared prompt and is later
+prefilled again on its own copy; a group paused for a better class goes
+back to the queue whole (``worker.engine.preempt``).
 
 A requeued group (``shared.requeue``) runs only its open choices (those
 not finished), the leader being the first of them. Until the fork the
@@ -21,6 +23,7 @@ resumed single request is.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -65,6 +68,9 @@ class Group:
     prompt_slots: np.ndarray | None = None  # the leader's prompt slots, from the fork on
     holders: int = 0  # members whose table rows point at prompt_slots
     lease: Lease | None = None  # the prefix cache's hold on the prompt's cached part (worker.engine.kv_slots)
+    # choice -> output of the samples that ended here: a paused group goes back with them finished
+    # (``worker.engine.preempt.handed_back``), never to run again.
+    ended: dict[int, list[int]] = field(default_factory=dict)
 
 
 class Phase(Enum):
@@ -102,6 +108,7 @@ class Req:
     group: Group | None = None  # None for n = 1
     num_shared: int = 0  # leading positions whose slots are group.prompt_slots (not ours to free)
     taken_ms: int = field(default_factory=now_ms)  # read from the inbox (Unix ms), for the status hash
+    epoch: int = 0  # its dispatch's fencing token (shared.request_log), which the publisher writes with
 
     def __post_init__(self) -> None:
         # A request dispatched again continues after the tokens already emitted; a group's samples
@@ -111,6 +118,12 @@ class Req:
             self.group = Group(msg=self.msg, size=self.msg.n, live=1)
             self.choice = self.msg.open_choices[0]
             self.msg = sample_msg(self.msg, self.choice)
+
+    @property
+    def is_suspect(self) -> bool:
+        """A worker died while it ran there, and the death was counted against it (``attempt``): it
+        prefills alone (``worker.engine.admission``)."""
+        return self.msg.attempt > 0
 
     @property
     def unforked_group(self) -> Group | None:
@@ -126,7 +139,7 @@ class Req:
         group = self.unforked_group
         assert group is not None, "only an unforked group's leader forks"
         return [
-            Req(msg=sample_msg(group.msg, c), inbox_id=self.inbox_id, choice=c, group=group)
+            Req(msg=sample_msg(group.msg, c), inbox_id=self.inbox_id, choice=c, group=group, epoch=self.epoch)
             for c in group.msg.open_choices
             if c != self.choice
         ]
@@ -163,13 +176,23 @@ class Req:
         return len(self.output_ids) >= self.msg.params.max_new_tokens
 
     def can_preempt(self, max_preemptions: int) -> bool:
-        """Whether a better class may pause it (``worker.engine.preempt``): not a group's sample
-        (they share the prompt's slots and go back whole), and not one paused for a better class
-        ``max_preemptions`` times already. Prompt logprobs do not stand in the way: they go out
-        with the first token, so a request paused before it sent nothing and scores its prompt
-        on resume, and one paused after it resumes with output, which never scores it again
+        """Whether a better class may pause it (``worker.engine.preempt``): not one paused for a
+        better class ``max_preemptions`` times already. A group's sample may be, with every other
+        sample of its group (``by_request``): they share the prompt's slots and one inbox entry, and
+        go back as one message. Prompt logprobs do not stand in the way: they go out with the first
+        token, so a request paused before it sent nothing and scores its prompt on resume, and one
+        paused after it resumes with output, which never scores it again
         (``worker.runner.prompt_logprobs.wants_prompt_logprobs``)."""
-        return self.group is None and self.phase is not Phase.FINISHED and self.msg.preemptions < max_preemptions
+        return self.phase is not Phase.FINISHED and self.msg.preemptions < max_preemptions
+
+
+def by_request(reqs: Iterable[Req]) -> list[list[Req]]:
+    """``reqs`` by request, in the order each request is first met: a group's samples together
+    (what a pause takes out at once), every other request alone."""
+    units: dict[int, list[Req]] = {}
+    for req in reqs:
+        units.setdefault(id(req.group) if req.group is not None else id(req), []).append(req)
+    return list(units.values())
 
 
 def sampling_after_prefill(completing: list[Req], forks: dict[Req, list[Req]]) -> list[tuple[Req, Req]]:

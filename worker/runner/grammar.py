@@ -19,14 +19,16 @@ request with ``stop``.
 Compiled grammars depend on the tokenizer and the constraint only: they are
 kept in a bounded LRU (``worker.runner.grammar_cache.GrammarCache``), so a
 schema sent with every request compiles once per worker. Compiles run off
-the model loop, on threads of their own, one per constraint however many
+the model loop, in processes of their own, one per constraint however many
 requests send it: the engine asks ``prepare`` before it admits a waiting
 request, and one whose grammar is not compiled yet stays waiting in its
 place (``held``; still load, still cancellable, handed back by a drain)
 while the requests around it run. The service ends a held request whose
 constraint failed to compile, or did not within ``compile_timeout_s``
-(``failures``). A compiled grammar stays while a matcher uses it, whatever
-the LRU drops, so a group's forked samples never compile on the loop.
+(``failures``), with an error the producer answers as a 400
+(``Constraint.error_code``); a compile no held request waits for any more
+is stopped. A compiled grammar stays while a matcher uses it, whatever the
+LRU drops, so a group's forked samples never compile on the loop.
 """
 
 from __future__ import annotations
@@ -103,9 +105,9 @@ class Grammars:
 
     def failures(self) -> list[tuple[Req, str]]:
         """Held requests to end now, with why: their constraint failed to compile, or took longer
-        than ``compile_timeout_s`` (the compile itself runs on, and is cached if it ends). Held
-        requests that compiled or ended meanwhile (cancelled, handed back) are let go."""
-        now, failed = self._clock(), []
+        than ``compile_timeout_s``. Held requests that compiled or ended meanwhile (cancelled,
+        handed back) are let go. A compile that no held request waits for any more is stopped."""
+        now, failed, released = self._clock(), [], set()
         for req, since in list(self.held.items()):
             constraint = req.msg.params.constraint
             assert constraint is not None, "only constrained requests are held"
@@ -115,9 +117,19 @@ class Grammars:
             elif status is None and req.phase is Phase.WAITING:
                 if now - since <= self.compile_timeout_s:
                     continue  # still compiling
-                failed.append((req, f"{constraint.kind} constraint not compiled within {self.compile_timeout_s:g} s"))
+                failed.append((req, self._too_costly(constraint)))
             del self.held[req]
+            released.add(constraint)
+        for constraint in released - {r.msg.params.constraint for r in self.held}:
+            self.cache.cancel(constraint)  # compiled or failed: nothing to stop
         return failed
+
+    def _too_costly(self, constraint: Constraint) -> str:
+        return (
+            f"{Constraint.TOO_COSTLY}: the {constraint.kind} constraint was not compiled within "
+            f"{self.compile_timeout_s:g} s on the worker; ask for less (fewer properties or "
+            f"alternatives, less nesting, smaller counted repetitions) or retry later"
+        )
 
     def wait(self, timeout: float) -> None:
         """Until a compile finishes, at most ``timeout`` seconds: the loop's wait when only held

@@ -2,28 +2,29 @@
 
 A constraint compiles in a few ms when typical, but a large schema (many
 properties, nested ``anyOf``, long enums, counted repetitions in patterns)
-or a big EBNF takes hundreds of ms to seconds; on the model loop that
-stalled every running request of the worker. So compiles run on a few
-threads of their own (xgrammar's ``GrammarCompiler`` is thread-safe and its
-calls release the GIL: tvm-ffi's default, ``TVM_FFI_RELEASE_GIL_BY_DEFAULT``)
-and the loop asks ``status`` without waiting: compiled, failed, or not yet.
-One future per constraint: requests sending the same schema while it
-compiles share one compile (as SGLang's grammar backend and vLLM's
-structured-output manager do).
+or a big EBNF takes hundreds of ms to minutes; on the model loop that
+stalled every running request of the worker. So compiles run in processes
+of their own (``worker.runner.compile_pool``: a slow compile never holds up
+a cheap one, and one nobody waits for any more is stopped) and the loop
+asks ``status`` without waiting: compiled, failed, or not yet. One compile
+per constraint: requests sending the same one while it compiles share it
+(as SGLang's grammar backend and vLLM's structured-output manager do), and
+a compiled grammar stays in a bounded LRU, so a schema sent with every
+request compiles once per worker.
+
+A constraint compiles from the producer's parse (``Constraint.grammar``,
+xgrammar's EBNF text): the schema is not converted again here.
 
 Invariant: ``_compiled``, ``_compiling`` and ``_failed`` are read and
-changed on the model loop's thread only; the compile threads run the
-compile function and set its future, nothing else.
+changed on the model loop's thread only; the pool's dispatcher thread
+resolves the futures, nothing else.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -31,14 +32,11 @@ from typing import Any
 import xgrammar as xgr
 
 from shared.schemas import Constraint
+from worker.runner.compile_pool import PROCESSES, SLOW_AFTER_S, Compiled, CompileFn, CompilePool, PoolStopped
 
 log = logging.getLogger("lightq.worker")
 
 CACHE_ENTRIES = 128  # compiled grammars kept per worker (a JSON schema's is tens of kB to a few MB)
-COMPILE_THREADS = 2  # compiles at once (each on xgrammar's own threads too: COMPILER_THREADS)
-COMPILER_THREADS = 2
-
-CompileFn = Callable[[xgr.GrammarCompiler, Constraint], xgr.CompiledGrammar]
 
 # xgrammar (0.2.9 and before; mlc-ai/xgrammar#800, fixes open as #822/#880) lowers a string with
 # minLength/maxLength to a repetition of this class, which admits raw U+0000-U+001F: a sampled
@@ -48,26 +46,26 @@ _LOOSE_CHARACTERS = r"_characters ::= (([^\"\\\r\n]))"
 _JSON_CHARACTERS = r"_characters ::= (([^\0-\x1f\"\\]))"
 
 
-def json_schema_grammar(spec: str) -> xgr.Grammar:
-    """A JSON schema's grammar, compact (no free whitespace), with no raw control character
-    allowed in a length-bounded string (see _LOOSE_CHARACTERS)."""
-    grammar = xgr.Grammar.from_json_schema(spec, any_whitespace=False)
-    text = str(grammar)
-    if _LOOSE_CHARACTERS not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTERS, _JSON_CHARACTERS))
+def json_schema_text(grammar: str) -> str:
+    """A JSON schema's grammar text with no raw control character allowed in a length-bounded
+    string (see _LOOSE_CHARACTERS)."""
+    return grammar.replace(_LOOSE_CHARACTERS, _JSON_CHARACTERS)
 
 
 def compile_constraint(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xgr.CompiledGrammar:
-    """One constraint against the worker's tokenizer. JSON is compact (no free whitespace): a
-    sampled model could otherwise spend its whole budget on spaces and newlines."""
+    """One constraint against the worker's tokenizer (in a compile process). JSON is compact (no
+    free whitespace): a sampled model could otherwise spend its whole budget on spaces and newlines.
+    The producer's parse (``grammar``) is compiled as it is; a message without one is parsed here."""
     if constraint.kind == "json":
         return compiler.compile_grammar(xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False))
-    if constraint.kind == "json_schema":
-        return compiler.compile_grammar(json_schema_grammar(constraint.spec))
-    if constraint.kind == "regex":
-        return compiler.compile_regex(constraint.spec)
-    return compiler.compile_grammar(constraint.spec)
+    grammar = constraint.grammar
+    if not grammar and constraint.kind == "json_schema":
+        grammar = str(xgr.Grammar.from_json_schema(constraint.spec, any_whitespace=False))
+    elif not grammar and constraint.kind == "regex":
+        grammar = str(xgr.Grammar.from_regex(constraint.spec))
+    elif not grammar:
+        grammar = constraint.spec
+    return compiler.compile_grammar(json_schema_text(grammar) if constraint.kind == "json_schema" else grammar)
 
 
 @dataclass(frozen=True)
@@ -75,38 +73,6 @@ class CompileFailed:
     """Why a constraint cannot be compiled here (the request's error message)."""
 
     message: str
-
-
-@dataclass(frozen=True)
-class _Compiled:
-    grammar: xgr.CompiledGrammar
-    seconds: float  # wall time of the compile, for the worker's histogram
-
-
-class CompileThreads:
-    """A few daemon threads running compiles in order of submission. Not a ThreadPoolExecutor:
-    its threads are joined at interpreter exit, so a stopping worker would wait out a runaway
-    compile; a daemon thread is abandoned with it."""
-
-    def __init__(self, num_threads: int) -> None:
-        self._queue: queue.SimpleQueue[tuple[futures.Future, Callable[[], Any]]] = queue.SimpleQueue()
-        for n in range(num_threads):
-            threading.Thread(target=self._run, name=f"grammar-compile-{n}", daemon=True).start()
-
-    def submit(self, fn: Callable[[], Any]) -> futures.Future:
-        future: futures.Future = futures.Future()
-        self._queue.put((future, fn))
-        return future
-
-    def _run(self) -> None:
-        while True:
-            future, fn = self._queue.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the loop, which fails the requests waiting on it
-                future.set_exception(exc)
 
 
 class GrammarCache:
@@ -119,15 +85,15 @@ class GrammarCache:
         vocab_size: int,
         max_entries: int = CACHE_ENTRIES,
         compile_fn: CompileFn = compile_constraint,
-        num_threads: int = COMPILE_THREADS,
+        processes: int = PROCESSES,
+        slow_after_s: float = SLOW_AFTER_S,
     ) -> None:
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILER_THREADS, cache_enabled=False)
         self.max_entries = max_entries
-        self._compile_fn = compile_fn  # tests inject a slow or counting one
-        self._threads = CompileThreads(num_threads)
+        # compile_fn runs in the compile processes (tests give a gated one: a module-level function)
+        self.pool = CompilePool(info, compile_fn, processes, slow_after_s)
         self._compiled: OrderedDict[Constraint, xgr.CompiledGrammar] = OrderedDict()
-        self._compiling: dict[Constraint, futures.Future] = {}
+        self._compiling: dict[Constraint, futures.Future[Compiled]] = {}
         self._failed: OrderedDict[Constraint, CompileFailed] = OrderedDict()
         self._seconds: list[float] = []  # compile times not yet taken by the metrics (take_compile_times)
 
@@ -142,12 +108,15 @@ class GrammarCache:
         """Start compiling ``constraint`` unless it is compiled, compiling or known to fail."""
         if constraint in self._compiled or constraint in self._compiling or constraint in self._failed:
             return
-        self._compiling[constraint] = self._threads.submit(lambda: self._timed_compile(constraint))
+        self._compiling[constraint] = self.pool.submit(constraint)
 
-    def _timed_compile(self, constraint: Constraint) -> _Compiled:
-        started = time.perf_counter()
-        grammar = self._compile_fn(self.compiler, constraint)
-        return _Compiled(grammar, time.perf_counter() - started)
+    def cancel(self, constraint: Constraint) -> None:
+        """Stop compiling ``constraint`` (nobody waits for it any more); a later submit starts again."""
+        future = self._compiling.pop(constraint, None)
+        if future is not None and future.done():
+            self._harvest(constraint, future)  # finished after all: kept
+        elif future is not None:
+            self.pool.cancel(future)
 
     def status(self, constraint: Constraint) -> xgr.CompiledGrammar | CompileFailed | None:
         """The compiled grammar, why it failed, or None while it compiles (or was never submitted).
@@ -163,16 +132,19 @@ class GrammarCache:
             return self.status(constraint)
         return self._failed.get(constraint)
 
-    def _harvest(self, constraint: Constraint, future: futures.Future) -> None:
+    def _harvest(self, constraint: Constraint, future: futures.Future[Compiled]) -> None:
         try:
-            done: _Compiled = future.result()
-        except Exception as exc:  # xgrammar reports bad input as RuntimeError
-            if not isinstance(exc, (RuntimeError, ValueError)):
-                log.exception("compiling a %s constraint failed unexpectedly", constraint.kind, exc_info=exc)
-            message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            _put(self._failed, constraint, CompileFailed(f"invalid {constraint.kind} constraint: {message}"))
+            done: Compiled = future.result()
+        except Exception as exc:  # CompileError: xgrammar's reason, or its process died
+            message = str(exc).strip() or type(exc).__name__
+            failed = CompileFailed(f"{Constraint.INVALID}: the {constraint.kind} constraint: {message}")
+            if isinstance(exc, PoolStopped):  # the worker's fault, not the constraint's (a 500)
+                log.error("compiling a %s constraint: %s", constraint.kind, message)
+                failed = CompileFailed(f"the {constraint.kind} constraint was not compiled: {message}")
+            _put(self._failed, constraint, failed)
             _trim(self._failed, self.max_entries)
             return
+        log.info("compiled a %s grammar in %.3f s", constraint.kind, done.seconds)
         self._seconds.append(done.seconds)
         _put(self._compiled, constraint, done.grammar)
         _trim(self._compiled, self.max_entries)
@@ -208,15 +180,19 @@ class GrammarCache:
         taken, self._seconds = self._seconds, []
         return taken
 
+    def close(self) -> None:
+        """Stop the compile processes (compiles under way fail)."""
+        self.pool.close()
+
     def __len__(self) -> int:
         return len(self._compiled)
 
 
-def _put(entries: OrderedDict, key: Constraint, value: Any) -> None:
+def _put(entries: OrderedDict[Constraint, Any], key: Constraint, value: Any) -> None:
     entries[key] = value
     entries.move_to_end(key)
 
 
-def _trim(entries: OrderedDict, max_entries: int) -> None:
+def _trim(entries: OrderedDict[Constraint, Any], max_entries: int) -> None:
     while len(entries) > max_entries:
         entries.popitem(last=False)

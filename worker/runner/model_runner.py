@@ -69,6 +69,8 @@ class StepInputs:
     # A decode whose input ids are its rows' last sampled ids, still on the device (``last_ids``;
     # ``input_ids`` is then empty): the overlapped engine launched it before landing them. --tp 1 only.
     ids_on_device: bool = False
+    # [B] each request's LoRA adapter slot (worker.lora.adapter_set; 0: none); None: no adapters here.
+    lora_slots: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -113,12 +115,22 @@ class ModelRunner:
         self._row_params: tuple[tuple, RowParams | None] = ((), None)
         # Per table row, the id its last sampling drew: the next decode's input (see ``StepInputs.ids_on_device``).
         self.last_ids = torch.zeros(table.hold_row + 1, dtype=torch.int64, device=device)
+        self.adapters = getattr(model, "lora", None)  # worker.lora.adapter_set.AdapterSet, or None
+
+    def lora_slots(self, reqs: list[Req]) -> np.ndarray | None:
+        """[B] each request's adapter slot, None when this worker serves no adapter (a request naming one
+        it does not serve was refused at ``start``)."""
+        if self.adapters is None:
+            return None
+        return np.fromiter((self.adapters.slot(r.msg.adapter) for r in reqs), dtype=np.int64, count=len(reqs))
 
     def prepare(self, req: Req) -> bool:
         """Whether ``req`` can start now: False while its grammar compiles (``Grammars.prepare``)."""
         return self.grammars is None or self.grammars.prepare(req)
 
     def start(self, req: Req) -> None:
+        if req.msg.adapter is not None and (self.adapters is None or req.msg.adapter not in self.adapters.slots):
+            raise ValueError(f"{req.id}: LoRA adapter {req.msg.adapter!r} is not served by this worker")
         req.row = self.table.allocate_row()
         req.slot_ids = np.empty(req.max_len, dtype=np.int64)
         req.num_cached = req.num_shared = 0
@@ -182,7 +194,17 @@ class ModelRunner:
             req.slot_ids[req.num_cached] = slot
             req.num_cached += 1
         ones = np.ones(len(reqs), dtype=np.int64)
-        step = StepInputs(input_ids, positions, slots, rows, positions, ones, True, ids_on_device=not ids_known)
+        step = StepInputs(
+            input_ids,
+            positions,
+            slots,
+            rows,
+            positions,
+            ones,
+            True,
+            ids_on_device=not ids_known,
+            lora_slots=self.lora_slots(reqs),
+        )
         return DecodeForward(reqs, rows, self.forward(step))
 
     @torch.inference_mode()
@@ -235,6 +257,7 @@ class ModelRunner:
                 np.array(copies, dtype=np.int64).reshape(-1, 3),
                 prefix,
                 index,
+                lora_slots=self.lora_slots(reqs),
             )
         )
         mask = self._mask([r for _, r in pairs])  # after the launch, before anything waits on the GPU
@@ -257,7 +280,7 @@ class ModelRunner:
             self.on_forward(step)
         if step.is_decode and self.graphs is not None and self.graphs.can_run(len(step.rows)):
             ids = None if step.ids_on_device else step.input_ids
-            return self.graphs.run(ids, step.positions, step.slots, step.rows, self.last_ids)
+            return self.graphs.run(ids, step.positions, step.slots, step.rows, self.last_ids, step.lora_slots)
         if step.is_decode:
             self.table.write_scattered(step.rows, step.positions, step.slots)
         else:  # every new token's slot in one indexed write (a mixed step has a row per decoding request)
@@ -272,6 +295,7 @@ class ModelRunner:
             if (
                 graphs is not None
                 and step.logit_index is None
+                and (step.lora_slots is None or not step.lora_slots.any())  # captured without adapters
                 and graphs.can_run(len(step.rows), len(step.input_ids), len(step.forks))
             ):
                 return graphs.run(step.input_ids, step.positions, step.slots, int(step.rows[0]), int(step.cached[0]))
@@ -286,6 +310,7 @@ class ModelRunner:
                 step.is_decode,
                 step.logit_index,
                 step.ids_on_device,
+                step.lora_slots,
             )
         )
 
@@ -316,7 +341,17 @@ class ModelRunner:
         return pending
 
     def _batch(
-        self, input_ids, positions, slots, rows, cached, q_lens, is_decode: bool, logit_index=None, ids_on_device=False
+        self,
+        input_ids,
+        positions,
+        slots,
+        rows,
+        cached,
+        q_lens,
+        is_decode: bool,
+        logit_index=None,
+        ids_on_device=False,
+        lora_slots=None,
     ) -> ForwardBatch:
         def dev(values: np.ndarray, dtype=torch.int32) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(values)).to(self.device, dtype=dtype, non_blocking=True)
@@ -339,4 +374,5 @@ class ModelRunner:
             max_q_len=int(q_lens.max()),
             is_decode=is_decode,
             logit_index=None if logit_index is None else dev(logit_index, torch.int64),
+            lora_slots=None if lora_slots is None else dev(lora_slots),
         )

@@ -14,6 +14,11 @@ entry marks "this token is in the prompt". Which tokens count:
 
 Order as vLLM and LightLLM: repetition, then frequency/presence. A row whose
 parameters are neutral (0, 0, 1, 0) is left exactly as it was.
+
+Ids the logits have no column for are not counted: the producer accepts any id of
+the tokenizer's vocabulary, which may be larger than the model's (the counting
+stand-in's 4,096 columns against its tokenizer's 49,152). Such an id is one the
+model can never produce, so there is no logit to penalise and nothing to block.
 """
 
 from __future__ import annotations
@@ -96,16 +101,24 @@ class TokenCounts:
         self.counts[torch.as_tensor(rows, dtype=torch.int64, device=self.device)] = 0
 
     def start(self, row: int, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> None:
-        """A request takes ``row``: forget the previous holder, mark its prompt, count resumed output."""
+        """A request takes ``row``: forget the previous holder, mark its prompt, count resumed output
+        (only ids below ``vocab_size``: see the module's docstring)."""
         self.counts[row].zero_()
-        if prompt_ids:
-            self.counts[row, torch.as_tensor(list(prompt_ids), dtype=torch.int64).to(self.device)] = PROMPT_FLAG
-        if output_ids:
-            ids = torch.as_tensor(list(output_ids), dtype=torch.int64).to(self.device)
-            self.add(torch.full_like(ids, row), ids)
+        prompt = self._in_vocab(prompt_ids)
+        if prompt.numel():
+            self.counts[row, prompt] = PROMPT_FLAG
+        output = self._in_vocab(output_ids)
+        if output.numel():
+            self.add(torch.full_like(output, row), output)
+
+    def _in_vocab(self, ids: Sequence[int]) -> torch.Tensor:
+        """``ids`` on the device, less those outside [0, vocab_size) (filtered on the host: a prompt is there)."""
+        host = torch.as_tensor(list(ids), dtype=torch.int64)
+        return host[(host >= 0) & (host < self.vocab_size)].to(self.device)
 
     def add(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """counts[rows[i], token_ids[i]] += 1 for all i, in one indexed add (repeats accumulate)."""
+        """counts[rows[i], token_ids[i]] += 1 for all i, in one indexed add (repeats accumulate).
+        ``token_ids`` are sampled from the logits (or filtered by ``start``): below ``vocab_size``."""
         ones = torch.ones(rows.shape[0], dtype=torch.int32, device=self.device)
         self.counts.index_put_(
             (rows.to(self.device, torch.int64), token_ids.to(self.device, torch.int64)), ones, accumulate=True

@@ -1,20 +1,19 @@
-"""What the publisher process does with the model loop's events: text and Redis writes.
+"""What the publisher process does with the model loop's events: text, and runs of chunks in Redis.
 
 It runs in a process of its own (``worker.service.publisher_process``; LightLLM's
 point, CPU work must not stall the GPU, is about processes: a thread would
 share the model loop's GIL). It receives the events of one or more steps
 (several when it fell behind), turns tokens into text incrementally, and
-writes everything in one pipeline: chunk stream and pub/sub per token, the
-status hash when a request changes state (started, ended; never per
-token), and on a request's end the TTLs, the inbox ack and the output
-length history. Events of one request arrive in order, so chunks do too.
+keeps them as runs (``worker.service.pending``) until they are due; then one
+round trip (``worker.service.chunk_writer``) writes every due request's
+start, runs and end, each checked against the request's epoch. Events of
+one request arrive in order, and its writes keep that order.
 
-Stop strings are matched here, on the text (``worker.service.stop``): a token whose
-text completes one becomes the request's last chunk (finish_reason "stop",
-text up to the stop string), and ``publish`` returns its sample so the
-serve loop frees it; tokens the engine generates after that are dropped.
-Every published token still gets its chunk (maybe with empty text while
-text is held back), so chunk indexes stay one per token.
+Stop strings are matched on the text (``worker.service.texts``): a token whose
+text completes one becomes the request's last token, and ``record`` returns
+its sample so the serve loop frees it; tokens the engine generates after
+that are dropped. Every published token still has its place in a run (maybe
+with empty text while text is held back), so indexes stay one per token.
 
 A group's samples (``choice`` 0..n-1) each have their own decoder and stop
 matcher and write into the request's one chunk stream; the status hash
@@ -24,8 +23,11 @@ group's samples that had finished are not run again: its count starts
 with their tokens and waits only for the others.
 
 A request paused for a better class (``Preempted``, ``worker.engine.preempt``)
-goes back to the ingress stream in the same pipeline as its tokens, after
-them, so its ``resume_ids`` are exactly the chunks written.
+is fenced after its last run (a new epoch, in the same call) and sent back
+to the ingress stream with it, so its ``resume_ids`` are exactly the tokens
+written. A request whose epoch moved on (the pool gave it to another
+worker) gets nothing written: ``flush`` returns its samples, for the serve
+loop to free, and its later events are dropped.
 """
 
 from __future__ import annotations
@@ -33,19 +35,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
 from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP
-from shared.redis import Backoff
-from shared.request_log import append_chunk, mark_ended, now_ms
+from shared.redis import OUTAGES, Backoff
+from shared.request_log import now_ms
 from shared.requeue import send_back
-from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus
 from worker.engine.events import Ended, Event, Preempted, Released, Started, Token, Tokens
-from worker.service.detokenizer import IncrementalDecoder, resumed_decoder
-from worker.service.stop import StopMatcher
+from worker.service.chunk_writer import ChunkWriter, RequestWrite, Written
+from worker.service.pending import Pending, Waiting
+from worker.service.texts import Sample, Texts
 
 log = logging.getLogger("lightq.worker")
 
@@ -54,23 +57,17 @@ ORPHAN_RETRY_S = 20.0  # how long a write retries through an outage once the wor
 
 
 @dataclass
-class _Output:
-    """One running sample's text state on the publisher thread."""
+class _Request:
+    """A request running here: its epoch, who listens, and a group's samples still running."""
 
-    decoder: IncrementalDecoder
-    matcher: StopMatcher
-    min_new_tokens: int = 0
-
-
-@dataclass
-class _Group:
-    """A group's samples still running here, and the output tokens of those that ended."""
-
-    remaining: int
-    num_output: int = 0
-
-
-Sample = tuple[str, int]  # (request id, choice)
+    epoch: int
+    choices: list[int]  # the samples it runs here
+    is_group: bool
+    reply_to: str | None
+    remaining: int  # samples not ended yet
+    num_output: int = 0  # tokens of the samples that ended
+    first_out: bool = False  # a token of this attempt is waiting or written
+    ended: dict[int, int] = field(default_factory=dict)  # choice -> tokens written, of the samples that ended
 
 
 class Publisher:
@@ -88,95 +85,72 @@ class Publisher:
         self.client = client
         self.keys = settings.redis.keys
         self.ttl_s = settings.redis.request_ttl_s
-        self.tokenizer = tokenizer
         self.worker_id = worker_id
-        self.outputs: dict[Sample, _Output] = {}
-        self.groups: dict[str, _Group] = {}  # requests with n > 1, from Started to their last sample's end
-        # Samples a stop string finished while the engine still runs them: their later Token/Ended
-        # events are dropped until the request's Released event (the engine's last for it).
+        self.writer = ChunkWriter(client, self.keys, worker_id, self.ttl_s, OUTPUT_HISTORY_LEN)
+        self.pending = Pending(settings.stream_flush_ms / 1000)
+        self.texts = Texts(tokenizer)
+        self.requests: dict[str, _Request] = {}  # from Started to Released
+        # Samples a stop string finished while the engine still runs them, and requests whose epoch
+        # moved on: their later events are dropped until the request's Released event.
         self.ended_by_stop: set[Sample] = set()
+        self.fenced_out: set[str] = set()
+        # The epoch of each request whose samples were last reported stopped or refused: the serve loop
+        # frees only that copy (a newer copy of the request may run there by the time it reads them).
+        self.stop_epochs: dict[str, int] = {}
+        self.finals: dict[str, _Request] = {}  # a released request's state, until its last write (wakes)
+        self.lengths: list[int] = []  # output lengths of samples that ended, for the history
+        self.released: list[str] = []  # inbox entries to acknowledge and delete
 
-    def publish(self, steps: list[tuple[int, list[Event]]], give_up_s: float | None = None) -> list[Sample]:
-        """Write the events of ``steps`` ((step end in Unix ms, its events), in order) in one
-        pipeline; return the samples a stop string ended, for the serve loop to free.
+    # ---- events -> waiting writes -------------------------------------------------------------
 
-        Events become Redis writes once (decoder state moves on exactly once), then are sent,
-        retrying through a Redis outage: chunks are never dropped while the worker lives. A retry
-        after a partial write may repeat a chunk; readers drop repeated indexes. ``give_up_s``
-        (the worker is gone) bounds the retries: what is not written is sampled again by the
-        worker its requests move to, so an orphan must not wait for a Redis that may never return."""
-        pipe, stopped = _Recorder(), []
-        for stepped_ms, events in steps:
-            stopped += self._record(events, pipe, stepped_ms)
-        backoff = Backoff()
-        deadline = None if give_up_s is None else time.monotonic() + give_up_s
-        while True:
-            try:
-                pipe.replay(self.client)
-                return stopped
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                if deadline is None and not self.worker_alive():
-                    deadline = time.monotonic() + ORPHAN_RETRY_S
-                if deadline is not None and time.monotonic() > deadline:
-                    log.error("publishing %d writes failed (%s): giving up, the worker is gone", len(pipe.calls), exc)
-                    return stopped
-                log.warning("publishing %d writes failed (%s): retrying in %.1f s", len(pipe.calls), exc, backoff.delay)
-                time.sleep(backoff.next())
-
-    def _record(self, events: list[Event], pipe, stepped_ms: int | None) -> list[Sample]:
+    def record(self, steps: list[tuple[int, list[Event]]]) -> list[Sample]:
+        """Take the events of ``steps`` ((step end in Unix ms, its events), in order); return the
+        samples a stop string ended, for the serve loop to free. Decoder state moves on exactly once."""
         stopped: list[Sample] = []
-        for event in events:
-            if isinstance(event, Tokens):
-                stopped += self._tokens(pipe, event)
-            elif not self.owns(event.request_id):
-                continue
-            elif isinstance(event, Started):
-                self._started(pipe, event, stepped_ms)
-            elif isinstance(event, Ended):
-                sample = (event.request_id, event.choice)
-                running = self.outputs.pop(sample, None) is not None
-                # A group's sample that already ended (its last token) is not ended twice; a request
-                # that never started here (refused on arrival) still gets its end.
-                if sample not in self.ended_by_stop and (running or event.request_id not in self.groups):
-                    append_chunk(
-                        pipe,
-                        self.keys,
-                        TokenChunk(
-                            request_id=event.request_id,
-                            index=event.num_output,
-                            choice=event.choice,
-                            token_id=None,
-                            finished=True,
-                            finish_reason=event.reason,
-                            error=event.error,
-                        ),
-                    )
-                    self._sample_ended(
-                        pipe, event.request_id, event.status, event.reason, event.num_output, event.error
-                    )
-            elif isinstance(event, Preempted):
-                # After its tokens' chunks (this pipeline's order): the next attempt's resume_ids
-                # are exactly what the client got. One a stop string ended here is simply done.
-                self.outputs.pop((event.request_id, 0), None)
-                if (event.request_id, 0) not in self.ended_by_stop:
-                    send_back(pipe, self.keys, event.msg)
-                self._release(pipe, event.request_id, event.inbox_id)
-            elif isinstance(event, Released):
-                self._release(pipe, event.request_id, event.inbox_id)
+        for stepped_ms, events in steps:
+            for event in events:
+                if isinstance(event, Tokens):
+                    stopped += self._tokens(event)
+                elif not self.owns(event.request_id):
+                    continue
+                elif isinstance(event, Started):
+                    self._started(event, stepped_ms)
+                elif event.request_id in self.fenced_out:
+                    if isinstance(event, (Released, Preempted)):
+                        self._release(event.request_id, event.inbox_id)
+                elif isinstance(event, Ended):
+                    self._ended(event)
+                elif isinstance(event, Preempted):
+                    self._preempted(event)
+                elif isinstance(event, Released):
+                    self._release(event.request_id, event.inbox_id)
         return stopped
 
-    def _release(self, pipe, request_id: str, inbox_id: str) -> None:
-        self.ended_by_stop = {s for s in self.ended_by_stop if s[0] != request_id}
-        self.groups.pop(request_id, None)
-        pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, inbox_id)
-        pipe.xdel(self.keys.inbox(self.worker_id), inbox_id)
+    def _started(self, event: Started, stepped_ms: int | None) -> None:
+        msg = event.msg
+        self.fenced_out.discard(msg.id)
+        self.texts.start(msg)
+        # A requeued group's finished samples are counted already, not ended again.
+        done = sum(len(msg.emitted(c)) for c in msg.finished_choices)
+        self.requests[msg.id] = _Request(
+            event.epoch, msg.open_choices, msg.n > 1, msg.reply_to, len(msg.open_choices), done
+        )
+        self.pending.forget_older(msg.id, event.epoch)  # an older copy's writes: refused anyway
+        waiting = self.pending.of(msg.id, event.epoch)
+        waiting.start = RequestMeta.fields(
+            status=RequestStatus.RUNNING,
+            started_ms=now_ms(),
+            worker=self.worker_id,
+            taken_ms=event.taken_ms,
+            stepped_ms=stepped_ms,
+        )
 
-    def _tokens(self, pipe, tokens: Tokens) -> list[Sample]:
+    def _tokens(self, tokens: Tokens) -> list[Sample]:
         """This shard's rows of ``tokens``, in order; the samples a stop string ended."""
         stopped: list[Sample] = []
         for row, request_id in enumerate(tokens.request_ids):
             sample = (request_id, tokens.choices[row])
-            if sample in self.ended_by_stop or not self.owns(request_id):
+            if sample in self.ended_by_stop or request_id in self.fenced_out or not self.owns(request_id):
                 continue
             token = Token(
                 request_id,
@@ -188,99 +162,54 @@ class Publisher:
                 tokens.tops.get(row),
                 tokens.prompts.get(row),
             )
-            if self._token(pipe, token):
+            if self._token(token):
                 stopped.append(sample)
+                self.stop_epochs[request_id] = self.requests[request_id].epoch
         return stopped
 
-    def _started(self, pipe, event: Started, stepped_ms: int | None) -> None:
-        msg = event.msg
-        for choice in msg.open_choices:  # each sample after the tokens it emitted before (resumed)
-            emitted = msg.emitted(choice)
-            matcher = StopMatcher(msg.params.stop_sequences)
-            if matcher and emitted:
-                decoder = self._replay(msg, emitted, matcher)
-            else:
-                decoder = resumed_decoder(self.tokenizer, msg.prompt_ids, emitted)
-            self.outputs[(msg.id, choice)] = _Output(decoder, matcher, msg.params.min_new_tokens)
-        if msg.n > 1:  # a requeued group's finished samples are counted already, not ended again
-            self.groups[msg.id] = _Group(
-                remaining=len(msg.open_choices), num_output=sum(len(msg.emitted(c)) for c in msg.finished_choices)
-            )
-        pipe.hset(
-            self.keys.meta(msg.id),
-            mapping=RequestMeta.fields(
-                status=RequestStatus.RUNNING,
-                started_ms=now_ms(),
-                worker=self.worker_id,
-                taken_ms=event.taken_ms,
-                stepped_ms=stepped_ms,
-            ),
-        )
+    def _token(self, event: Token) -> bool:
+        """Add one token to its sample's run; True when a stop string ended its sample here (the
+        engine still runs it and must be told)."""
+        text = self.texts.token(event)
+        request = self.requests[event.request_id]
+        waiting = self.pending.of(event.request_id, request.epoch)
+        run = waiting.token(event.choice, event.index)
+        run.add(event.token_id, text.text, event.logprob, event.top)
+        if event.prompt is not None:
+            run.prompt = event.prompt
+        if not request.first_out:  # this attempt's first token: the time to first token is not held back
+            request.first_out = waiting.urgent = True
+        if text.reason is not None:
+            request.ended[event.choice] = event.index + 1
+            run.finished, run.reason = True, text.reason
+            waiting.close(event.choice)
+            self.lengths.append(event.index + 1)
+            self._sample_ended(waiting, event.request_id, RequestStatus.FINISHED, text.reason, event.index + 1)
+        if text.stopped_here:
+            self.ended_by_stop.add((event.request_id, event.choice))
+        return text.stopped_here
 
-    def _replay(self, msg: GenerateRequest, emitted: list[int], matcher: StopMatcher) -> IncrementalDecoder:
-        """Rebuild what the earlier attempt held back: same tokens, same pieces, same state.
-
-        (Its emitted text is discarded; the client has it. A stop it had completed
-        would have ended the request, so none completes here.)
-        """
-        decoder = IncrementalDecoder(self.tokenizer, msg.prompt_ids)
-        for index, token_id in enumerate(emitted):
-            matcher.push(decoder.push(token_id), armed=index + 1 >= msg.params.min_new_tokens)
-        return decoder
-
-    def _token(self, pipe, event: Token) -> bool:
-        """Write one token's chunk; True when a stop string ended its sample here (the engine
-        still runs it and must be told)."""
+    def _ended(self, event: Ended) -> None:
+        """A sample that stopped without a final token (cancelled, failed): a run of its own."""
         sample = (event.request_id, event.choice)
-        output = self.outputs[sample]
-        text = output.decoder.push(event.token_id)
-        reason = event.finish_reason
-        if reason is not None:
-            text += output.decoder.flush()
-        stopped_here = False
-        if output.matcher:
-            text, hit = output.matcher.push(text, armed=event.index + 1 >= output.min_new_tokens)
-            if hit:
-                stopped_here = reason is None  # the engine still runs it: it must be told
-                reason = "stop"
-            elif reason is not None:
-                text += output.matcher.flush()
-        self._write_token(pipe, event, text, reason)
-        if reason is not None:
-            del self.outputs[sample]
-        if stopped_here:
-            self.ended_by_stop.add(sample)
-        return stopped_here
-
-    def _write_token(self, pipe, event: Token, text: str, reason: FinishReason | None) -> None:
-        finished = reason is not None
-        append_chunk(
-            pipe,
-            self.keys,
-            TokenChunk(
-                request_id=event.request_id,
-                index=event.index,
-                choice=event.choice,
-                token_id=event.token_id,
-                text=text,
-                logprob=event.logprob,
-                top_logprobs=event.top,
-                prompt_logprobs=event.prompt,
-                finished=finished,
-                finish_reason=reason,
-            ),
-        )
-        num_output = event.index + 1
-        if finished:
-            pipe.lpush(self.keys.output_lengths(), num_output)
-            pipe.ltrim(self.keys.output_lengths(), 0, OUTPUT_HISTORY_LEN - 1)
-            self._sample_ended(pipe, event.request_id, RequestStatus.FINISHED, reason, num_output)
-        # No status write per token: a running request's count is its chunk stream's (readers
-        # take the larger of the two), and the status hash changes when the request's state does.
+        running = self.texts.drop(sample)
+        request = self.requests.get(event.request_id)
+        # A group's sample that already ended (its last token) is not ended twice; a request that
+        # never started here (refused on arrival) still gets its end.
+        if sample in self.ended_by_stop or not (running or request is None or not request.is_group):
+            return
+        epoch = request.epoch if request is not None else event.epoch
+        waiting = self.pending.of(event.request_id, epoch)
+        waiting.close(event.choice)
+        end = waiting.token(event.choice, event.num_output)
+        end.finished, end.reason, end.error = True, event.reason, event.error
+        waiting.close(event.choice)
+        waiting.expire_cancel = event.reason == "cancelled"
+        self._sample_ended(waiting, event.request_id, event.status, event.reason, event.num_output, event.error)
 
     def _sample_ended(
         self,
-        pipe,
+        waiting: Waiting,
         request_id: str,
         status: RequestStatus,
         reason: FinishReason,
@@ -288,36 +217,150 @@ class Publisher:
         error: str | None = None,
     ) -> None:
         """The request ends with its last sample: status, total output tokens, TTLs."""
-        group = self.groups.get(request_id)
-        if group is not None:
-            group.remaining -= 1
-            group.num_output += num_output
-            if group.remaining > 0:
+        waiting.urgent = True
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.remaining -= 1
+            request.num_output += num_output
+            if request.remaining > 0:
                 return
-            num_output = group.num_output
-        mark_ended(
-            pipe,
-            self.keys,
-            request_id,
-            status=status,
-            reason=reason,
-            num_output=num_output,
-            ttl_s=self.ttl_s,
-            error=error,
+            num_output = request.num_output
+        waiting.end = RequestMeta.fields(
+            status=status, finish_reason=reason, output_tokens=num_output, finished_ms=now_ms(), error=error
         )
 
+    def _preempted(self, event: Preempted) -> None:
+        """After its tokens' runs (this request's write order), a new epoch, then back to the queue."""
+        request = self.requests.get(event.request_id)
+        msg: GenerateRequest | None = event.msg
+        if request is not None:
+            for choice in request.choices:
+                self.texts.drop((event.request_id, choice))
+            msg = resumable(event.msg, request)
+        if msg is None:  # every sample ended here (a stop string the engine was not told of yet): done
+            self._release(event.request_id, event.inbox_id)
+            return
+        # One that never started here has no Started: its fence takes the dispatch's epoch.
+        waiting = self.pending.of(event.request_id, event.epoch if request is None else request.epoch)
+        waiting.preempted = (msg, event.inbox_id)
+        waiting.urgent = True
+        self._forget(event.request_id)
 
-class _Recorder:
-    """Stands in for a pipeline: records the calls, replays them on a fresh one."""
+    def _release(self, request_id: str, inbox_id: str) -> None:
+        """Its inbox entry goes with the next flush (also a fenced-out request's: harmless if gone)."""
+        self.released.append(inbox_id)
+        waiting = self.pending.waiting.get(request_id)
+        if waiting is not None:
+            waiting.urgent = True
+        self._forget(request_id)
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple, dict]] = []
+    def _forget(self, request_id: str) -> None:
+        self.ended_by_stop = {s for s in self.ended_by_stop if s[0] != request_id}
+        self.fenced_out.discard(request_id)
+        request = self.requests.pop(request_id, None)
+        if request is not None and request_id in self.pending.waiting:
+            self.finals[request_id] = request  # its last writes still wake its producer
 
-    def __getattr__(self, name: str):
-        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+    # ---- waiting writes -> Redis --------------------------------------------------------------
 
-    def replay(self, client: redis.Redis) -> None:
-        pipe = client.pipeline(transaction=False)
-        for name, args, kwargs in self.calls:
-            getattr(pipe, name)(*args, **kwargs)
+    def tagged(self, samples: list[Sample]) -> list[tuple[str, int, int]]:
+        """``samples`` (stopped or refused) with their copy's epoch, for the serve loop."""
+        tagged = [(rid, choice, self.stop_epochs.get(rid, 0)) for rid, choice in samples]
+        for rid, _ in samples:
+            self.stop_epochs.pop(rid, None)
+        return tagged
+
+    def wait_s(self) -> float | None:
+        """How long the process may wait for more events before a flush is due (None: no limit)."""
+        if self.released or self.lengths:
+            return 0.0
+        return self.pending.wait_s()
+
+    def flush(self, everything: bool = False, give_up_s: float | None = None) -> list[Sample]:
+        """Write what is due (all of it with ``everything``) in one call, retrying through a Redis
+        outage: chunks are never dropped while the worker lives. A retry after a lost reply may
+        repeat a run; readers drop repeated indexes. ``give_up_s`` (the worker is gone) bounds the
+        retries: what is not written is sampled again by the worker its requests move to, so an
+        orphan must not wait for a Redis that may never return. Returns the samples of requests
+        refused (their epoch moved on), for the serve loop to free."""
+        taken = self.pending.take(everything)
+        if not taken and not self.released and not self.lengths:
+            return []
+        writes = [self._write(rid, waiting) for rid, waiting in taken]
+        lengths, released, self.lengths, self.released = self.lengths, self.released, [], []
+        results = self._send(lambda: self.writer.flush(writes, lengths, released), give_up_s, len(writes))
+        if results is None:
+            return []
+        return self._settle(taken, writes, results, give_up_s)
+
+    def _write(self, request_id: str, waiting: Waiting) -> RequestWrite:
+        request = self.requests.get(request_id)
+        if request is None:  # its last writes, after its release; or a request refused on arrival
+            request = self.finals.pop(request_id, None)
+            if request is None:
+                return waiting.write(request_id, None)
+        return waiting.write(request_id, request.reply_to)
+
+    def _settle(
+        self, taken: list[tuple[str, Waiting]], writes: list[RequestWrite], results: list[Written], give_up_s
+    ) -> list[Sample]:
+        refused: list[Sample] = []
+        for (rid, waiting), write, result in zip(taken, writes, results):
+            request = self.requests.get(rid)
+            if request is not None and request.epoch != write.epoch:
+                request = None  # a newer copy of the request runs here now: only the old one's writes went
+            if not result.written:
+                log.warning("%s moved on (epoch %d is no longer its own): nothing more is written", rid, write.epoch)
+                if request is not None:  # the engine still runs it: it must be told
+                    refused += [(rid, c) for c in request.choices]
+                    self.stop_epochs[rid] = write.epoch
+                    for choice in request.choices:
+                        self.texts.drop((rid, choice))
+                    self.requests.pop(rid)
+                    self.fenced_out.add(rid)
+                continue
+            if waiting.preempted is not None:
+                msg, inbox_id = waiting.preempted
+                self._send(lambda m=msg, e=result.epoch, i=inbox_id: self._send_back(m, e, i), give_up_s, 1)
+        return refused
+
+    def _send_back(self, msg: GenerateRequest, epoch: int, inbox_id: str) -> None:
+        """A paused request back to the queue with the epoch its fence took, then its inbox entry goes
+        (a crash between the two leaves it in both: the janitor's requeue of the inbox makes a second
+        ingress entry, which the router drops while the first is dispatched, router.dispatch)."""
+        send_back(self.client, self.keys, msg, epoch)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, inbox_id)
+        pipe.xdel(self.keys.inbox(self.worker_id), inbox_id)
         pipe.execute()
+
+    def _send(self, call: Callable, give_up_s: float | None, size: int):
+        backoff = Backoff()
+        deadline = None if give_up_s is None else time.monotonic() + give_up_s
+        while True:
+            try:
+                return call()
+            except OUTAGES as exc:
+                if deadline is None and not self.worker_alive():
+                    deadline = time.monotonic() + ORPHAN_RETRY_S
+                if deadline is not None and time.monotonic() > deadline:
+                    log.error("writing %d requests failed (%s): giving up, the worker is gone", size, exc)
+                    return None
+                log.warning("writing %d requests failed (%s): retrying in %.1f s", size, exc, backoff.delay)
+                time.sleep(backoff.next())
+
+
+def resumable(msg: GenerateRequest, request: _Request) -> GenerateRequest | None:
+    """``msg``, as the engine handed a paused request back, with the samples this publisher ended
+    finished at their last written token (a stop string ends a sample here before the engine
+    hears of it, and the engine's output runs on past it); None when every sample ended: the
+    request ended, and nothing goes back."""
+    if request.remaining == 0:
+        return None
+    if not request.is_group or not request.ended:
+        return msg
+    emitted = [list(msg.emitted(c)) for c in range(msg.n)]
+    for choice, length in request.ended.items():
+        emitted[choice] = emitted[choice][:length]
+    finished = sorted({*msg.finished_choices, *request.ended})
+    return msg.model_copy(update={"group_resume": emitted, "finished_choices": finished})

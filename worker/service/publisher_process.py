@@ -40,7 +40,7 @@ from shared.redis import sync_client
 from shared.request_log import now_ms
 from shared.service import setup_logging
 from worker.engine.events import Event
-from worker.service.publisher import ORPHAN_RETRY_S, Publisher, Sample
+from worker.service.publisher import ORPHAN_RETRY_S, Publisher
 
 log = logging.getLogger("lightq.worker")
 
@@ -48,6 +48,7 @@ F_SETPIPE_SZ = 1031  # Linux: a larger pipe lets the model loop run a few steps 
 PIPE_BYTES = 1 << 20
 MAX_STEPS_PER_WRITE = 64  # steps drained into one Redis pipeline when behind
 CLOSE_TIMEOUT_S = 60.0
+READY = "ready"  # a publisher's first message on its stops pipe
 
 
 def owner(request_id: str, shards: int) -> int:
@@ -93,6 +94,18 @@ class PublisherLink:
             end.close()
         log.info("publisher processes %s started", [s.process.pid for s in self.shards])
 
+    def wait_ready(self) -> None:
+        """Until every publisher has its tokenizer and Redis: a worker must not take requests before
+        (their first events would wait in the pipe, and a death then would find them never started,
+        ``router.janitor``). Called before the first heartbeat, so the loads overlap the model's."""
+        for shard in self.shards:
+            try:
+                message = shard.stops.recv()
+            except (EOFError, OSError):
+                raise PublisherDied(f"publisher process {shard.process.pid} died at start") from None
+            if message != READY:
+                raise RuntimeError(f"publisher process {shard.process.pid} said {message!r} before it was ready")
+
     def put(self, events: list[Event]) -> None:
         """A step's events, stamped with the step's end (a request's ``stepped_ms``), to every shard."""
         if not events:
@@ -107,9 +120,10 @@ class PublisherLink:
             except OSError as exc:  # BrokenPipeError among them
                 raise PublisherDied(f"publisher process {shard.process.pid} is gone ({exc})") from None
 
-    def take_stopped(self) -> list[Sample]:
-        """(request id, choice) of samples a stop string ended since the last call."""
-        stopped: list[Sample] = []
+    def take_stopped(self) -> list[tuple[str, int, int]]:
+        """(request id, choice, epoch) of samples a stop string ended, or whose writes were refused,
+        since the last call: the epoch names the copy (a newer one of the request may run now)."""
+        stopped: list[tuple[str, int, int]] = []
         for shard in self.shards:
             try:
                 while shard.stops.poll():
@@ -148,7 +162,12 @@ def _grow(conn: Connection) -> None:
 
 
 def run(settings: WorkerSettings, worker_id: str, shard: int, events: Connection, stops: Connection) -> None:
-    """A publisher process: write its shard of each step's events until the worker closes the pipe."""
+    """A publisher process: write its shard of each step's events until the worker closes the pipe.
+
+    It waits for steps no longer than its next flush is due (``Publisher.wait_s``: at once for a
+    first token or an end, else at the flush interval), takes every step waiting, and flushes
+    what is due; the samples a stop string ended, and those of requests refused (their epoch moved
+    on), go back to the model loop."""
     # Ctrl-C reaches the whole process group; the worker decides when to stop, and this
     # process must still write what the worker's drain produces, so it ignores both signals.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -161,37 +180,35 @@ def run(settings: WorkerSettings, worker_id: str, shard: int, events: Connection
     publisher = Publisher(
         settings, client, tokenizer, worker_id, lambda rid: owner(rid, shards) == shard, lambda: os.getppid() == worker
     )
-    writes = steps_written = most = 0  # how far behind it ran: steps per write
-    while (steps := _next_steps(events)) is not None:
-        last = steps[-1] is None
+    client.ping()  # connected (or failing here, at start, not on the first write)
+    stops.send(READY)
+    flushes = steps_taken = 0
+    while (steps := _next_steps(events, publisher.wait_s())) is not None:
+        last = bool(steps) and steps[-1] is None
         batch = steps[:-1] if last else steps
-        # After the last step (the worker closed the pipe, or died) retries are bounded.
-        stopped = publisher.publish(batch, ORPHAN_RETRY_S if last else None)
-        writes, steps_written, most = writes + 1, steps_written + len(batch), max(most, len(batch))
+        stopped = publisher.record(batch)
+        # After the last step (the worker closed the pipe, or died) everything goes, retries bounded.
+        stopped += publisher.flush(everything=last, give_up_s=ORPHAN_RETRY_S if last else None)
+        flushes, steps_taken = flushes + 1, steps_taken + len(batch)
         if stopped and not last:
-            stops.send(stopped)
+            stops.send(publisher.tagged(stopped))
         if last:
             break
     client.close()
-    log.info(
-        "publisher %d/%d wrote %d steps in %d writes (%.2f a write, at most %d)",
-        shard,
-        shards,
-        steps_written,
-        writes,
-        steps_written / max(1, writes),
-        most,
-    )
+    log.info("publisher %d/%d took %d steps in %d turns", shard, shards, steps_taken, flushes)
 
 
-def _next_steps(events: Connection) -> list | None:
-    """The waiting steps (at least one; blocks for it), or None at the end. A list that ends
-    with None is the last one: the worker closed the pipe after those steps."""
+def _next_steps(events: Connection, wait_s: float | None) -> list | None:
+    """The waiting steps (waiting up to ``wait_s`` for the first; None: as long as it takes), or
+    None at the end. A list that ends with None is the last one: the worker closed the pipe after
+    those steps. An empty list: nothing came in time."""
     steps: list = []
     try:
+        if wait_s is not None and not events.poll(wait_s):
+            return steps
         steps.append(events.recv())
         while steps[-1] is not None and len(steps) < MAX_STEPS_PER_WRITE and events.poll():
             steps.append(events.recv())
     except EOFError:  # the worker is gone: write what arrived, then stop
-        return [*steps, None] if steps else None
+        return [*steps, None]
     return steps

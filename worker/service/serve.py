@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from shared.codec import decode, from_entry
-from shared.config import CANCEL_CHECK_S, WorkerSettings
+from shared.codec import from_entry
+from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP
 from shared.log_limit import LogLimiter
 from shared.model_files import served_name
-from shared.redis import Backoff, ensure_group
-from shared.requeue import hand_back_inbox, requeue
+from shared.redis import Backoff
+from shared.requeue import Death, hand_back_inbox, requeue
 from shared.schemas import GenerateRequest, PreemptAsk, RequestStatus, WorkerLoad
 from worker.engine.engine import Engine
 from worker.engine.events import Ended, Event, Released
@@ -34,6 +34,7 @@ from worker.engine.load import build_load
 from worker.engine.preempt import plan
 from worker.engine.request import Req
 from worker.service.heartbeat import Heartbeat
+from worker.service.intake import Arrivals, Intake
 from worker.service.publisher_process import PublisherDied, PublisherLink
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lightq.worker")
 
-IDLE_BLOCK_MS = 200
+IDLE_WAIT_S = 0.2  # an idle loop waits this long for an arrival
 HELD_WAIT_S = 0.02  # only held requests left: the longest wait for a compile between two inbox reads
 
 
@@ -55,13 +56,21 @@ class WorkerService:
         self.keys = settings.redis.keys
         self.worker_id = worker_id
         self.model = served_name(settings.model.model_dir, settings.model.served_model_name)  # its pool
+        # The LoRA adapters it serves (the worker does not start unless every one loaded): the
+        # router sends a request naming one only to workers whose record lists it.
+        self.adapters = tuple(settings.model.adapter_names)
         self.publisher = publisher  # started by the caller (it loads while the model does)
         self.heartbeat = Heartbeat(client, self.keys, worker_id, settings.heartbeat_s, self.load)
         self.stop_event = threading.Event()
         self.last_inbox_id = "0-0"
-        self._read_id = "0"  # our own pending entries first, then new ones
-        self._next_cancel_check = 0.0
-        self._next_history_read = 0.0
+        self.intake = Intake(
+            client,
+            self.keys,
+            worker_id,
+            lambda: [req.id for req in engine.requests()],
+            lambda: (engine.rule.history.window, engine.rule.settings.history_refresh_s),
+        )
+        self._unstarted: list[tuple[GenerateRequest, str]] = []  # read while draining: going back
         self._backoff = Backoff()
         self._outage_log = LogLimiter(log)
         self.draining = False
@@ -83,13 +92,17 @@ class WorkerService:
             self.model,
             self.settings.max_preemptions,
             self.num_asks_read,  # read before the engine is: a record with the count shows the pauses
+            self.adapters,
         )
 
     def run(self) -> None:
         """Serve until SIGTERM, then drain: no new requests, running ones get
         ``drain_timeout`` to finish, the rest goes back to the ingress stream."""
+        self.publisher.wait_ready()
+        self.intake.start()
         self.heartbeat.start()
         log.info("worker %s serving (pool %d tokens)", self.worker_id, self.engine.limits.max_total_tokens)
+        death: Death | None = None  # a graceful stop hands back counted against nobody
         try:
             while not self.stop_event.is_set():
                 self._serve_once()
@@ -97,29 +110,33 @@ class WorkerService:
         except PublisherDied as exc:  # hand back below, then fail: the worker must not serve on
             log.error("worker %s: %s; handing its requests back and exiting", self.worker_id, exc)
             raise
+        except Exception:  # a step raised: the death is blamed on that step's requests, and it exits
+            blamed = frozenset(r.id for r in self.engine.suspects())
+            death = Death(blamed=blamed, witnesses=blamed)
+            log.exception(
+                "worker %s: a step failed with %s in it; handing back and exiting", self.worker_id, sorted(blamed)
+            )
+            raise
         finally:
+            self.intake.stop()  # nothing is read while the inbox goes back
             self.publisher.close()  # every token so far is in Redis before anything is handed back
-            self._hand_back()
+            self._say_draining()
+            self._hand_back(death)
             self.heartbeat.stop()
             log.info("worker %s stopped", self.worker_id)
 
     def _serve_once(self) -> None:
-        """One turn of the loop; a Redis outage pauses intake, never running requests."""
+        """One turn of the loop: what the intake read (``worker.service.intake``: no Redis wait here
+        unless idle), then a step; a Redis outage pauses intake, never running requests."""
         try:
-            if not self.draining:
-                self._read_inbox()
-            self._check_cancels()
-            self._refresh_history()
+            for found in self.intake.take(wait_s=None if self.engine.has_work else IDLE_WAIT_S):
+                self._arrived(found)
             self._backoff.reset()
             self._outage_log.reset()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except (redis.ConnectionError, redis.TimeoutError) as exc:  # inline intake only (tests)
             self._outage_log.warning("Redis unreachable (%s)", exc)  # not once per step of an outage
             if not self.engine.has_work:
                 time.sleep(self._backoff.next())
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            self._read_id = "0"  # Redis lost our inbox group (restarted empty): recreate it
         self.publisher.check()
         grammars = self.grammars
         if grammars is not None:
@@ -174,11 +191,23 @@ class WorkerService:
         while self.engine.running and time.monotonic() < deadline:
             self._serve_once()
 
+    def _say_draining(self) -> None:
+        """The record says draining (routers send nothing more) before the inbox goes back: a
+        failing worker's requests must not be dispatched to it again while it exits."""
+        if self.draining:
+            return
+        self.draining = True
+        try:
+            self.heartbeat.beat()
+        except redis.RedisError as exc:  # the record expires on its own; the janitor reaps what comes
+            log.warning("could not say draining (%s)", exc)
+
     def _hand_back_unstarted(self) -> None:
         """Requests queued here that never started go back to the ingress stream at once, not after
         the drain (another worker can start them now). Requeued before their inbox entry goes: a
         crash between the two requeues one twice at worst (a duplicate), never loses it."""
-        unstarted = [(req.msg, req.inbox_id) for req in self.engine.take_unstarted()]
+        unstarted = [(req.msg, req.inbox_id) for req in self.engine.take_unstarted()] + self._unstarted
+        self._unstarted = []
         inbox = self.keys.inbox(self.worker_id)
         try:  # and what the inbox holds that this worker never read
             reply = self.client.xreadgroup(WORKER_GROUP, self.worker_id, {inbox: ">"}, count=100_000)
@@ -186,14 +215,7 @@ class WorkerService:
                 (from_entry(GenerateRequest, fields), entry_id) for entry_id, fields in (reply[0][1] if reply else [])
             ]
             for msg, entry_id in unstarted:
-                requeue(
-                    self.client,
-                    self.keys,
-                    msg,
-                    self.settings.redis.request_ttl_s,
-                    self.settings.max_attempts,
-                    count_attempt=False,
-                )
+                requeue(self.client, self.keys, msg, self.settings.redis.request_ttl_s, self.settings.max_attempts)
                 pipe = self.client.pipeline(transaction=True)
                 pipe.xack(inbox, WORKER_GROUP, entry_id)
                 pipe.xdel(inbox, entry_id)
@@ -203,8 +225,9 @@ class WorkerService:
         if unstarted:
             log.info("worker %s handed %d unstarted requests back", self.worker_id, len(unstarted))
 
-    def _hand_back(self) -> None:
-        """Requeue what is still in our inbox (waiting, unfinished, or dispatched late)."""
+    def _hand_back(self, death: Death | None = None) -> None:
+        """Requeue what is still in our inbox (waiting, unfinished, or dispatched late); ``death``:
+        this worker is failing, and says which requests it blames."""
         try:
             count = hand_back_inbox(
                 self.client,
@@ -212,7 +235,7 @@ class WorkerService:
                 self.worker_id,
                 self.settings.redis.request_ttl_s,
                 self.settings.max_attempts,
-                count_attempt=False,
+                death,
             )
         except redis.RedisError as exc:  # the router reaps our inbox once our record expires
             log.warning("hand-back failed (%s): the router will re-dispatch", exc)
@@ -220,30 +243,22 @@ class WorkerService:
         if count:
             log.info("worker %s handed %d requests back", self.worker_id, count)
 
-    def _read_inbox(self) -> None:
-        if self._read_id == "0":  # first turn, or after a Redis restart lost the group
-            ensure_group(self.client, self.keys.inbox(self.worker_id), WORKER_GROUP)
-        block = None if self.engine.has_work or self._read_id == "0" else IDLE_BLOCK_MS
-        inbox, asks = self.keys.inbox(self.worker_id), self.keys.preempt(self.worker_id)
-        # With work here, the routers' preemption asks come in the same round trip (read and
-        # deleted at once); an idle worker has nothing to pause, and an ask expires on its own.
-        if block is None:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.xreadgroup(WORKER_GROUP, self.worker_id, {inbox: self._read_id}, count=1024)
-            pipe.lrange(asks, 0, -1)
-            pipe.delete(asks)
-            reply, raw_asks, _ = pipe.execute()
-        else:
-            reply = self.client.xreadgroup(
-                WORKER_GROUP, self.worker_id, {inbox: self._read_id}, count=1024, block=block
-            )
-            raw_asks = []
-        self._read_id = ">"
-        for entry_id, fields in reply[0][1] if reply else []:
-            self._take(entry_id, from_entry(GenerateRequest, fields))
+    def _arrived(self, found: Arrivals) -> None:
+        for entry_id, msg, epoch in found.entries:
+            if self.draining:  # read before the intake stopped: it goes back, never started here
+                self._unstarted.append((msg, entry_id))
+                continue
+            self._take(entry_id, msg, epoch)
             self.last_inbox_id = entry_id
-        if raw_asks:
-            self._preempt([decode(PreemptAsk, raw) for raw in raw_asks])
+        if found.asks:
+            self._preempt(found.asks)
+        if found.cancelled:
+            cancelled = set(found.cancelled)
+            for req in self.engine.requests():  # a group's every sample
+                if req.id in cancelled:
+                    self.publisher.put(self.engine.cancel(req))
+        if found.history is not None:
+            self.engine.rule.learn(found.history)
 
     def _preempt(self, asks: list[PreemptAsk]) -> None:
         """Pause what the asks need (``worker.engine.preempt``), between two steps; the victims go
@@ -256,14 +271,31 @@ class WorkerService:
         self.num_asks_read += len(asks)  # after the pauses: a record showing the count shows them
         self.heartbeat.poke()  # the asking router waits for the answer and admits against the record
 
-    def _take(self, entry_id: str, msg: GenerateRequest) -> None:
+    def _take(self, entry_id: str, msg: GenerateRequest, epoch: int) -> None:
+        stale = [req for req in self.engine.requests() if req.id == msg.id]
+        if stale:  # an older copy runs here: the pool took it back while this worker was cut off
+            self._requeue_stale(entry_id, msg, stale)
+            return
         error = self._refusal(msg)
         if error is not None:
-            self.publisher.put(
-                [Ended(msg.id, RequestStatus.FAILED, "error", msg.num_emitted, error), Released(msg.id, entry_id)]
-            )
+            ended = Ended(msg.id, RequestStatus.FAILED, "error", msg.num_emitted, error, epoch=epoch)
+            self.publisher.put([ended, Released(msg.id, entry_id)])
             return
-        self.engine.add(Req(msg=msg, inbox_id=entry_id))
+        self.engine.add(Req(msg=msg, inbox_id=entry_id, epoch=epoch))
+
+    def _requeue_stale(self, entry_id: str, msg: GenerateRequest, stale: list) -> None:
+        """A request dispatched here again while its older copy still runs here (the pool gave up on
+        this worker, cut off or frozen, and it came back): the old copy stops (its writes are refused:
+        its epoch moved on) and the new entry goes back to the queue, to start anywhere once the old
+        copy is gone; two copies of one id are never in the engine together."""
+        for req in stale:
+            self.publisher.put(self.engine.stop(req))
+        log.warning("%s came back while its older copy ran here: the copy stops, the request is queued again", msg.id)
+        requeue(self.client, self.keys, msg, self.settings.redis.request_ttl_s, self.settings.max_attempts)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, entry_id)
+        pipe.xdel(self.keys.inbox(self.worker_id), entry_id)
+        pipe.execute()
 
     def _refusal(self, msg: GenerateRequest) -> str | None:
         """Why this worker cannot run ``msg`` (None: it can). A constraint is not compiled here: it
@@ -277,6 +309,8 @@ class WorkerService:
             return "prompt log-probabilities need a worker with --tp 1"
         if msg.params.constraint is not None and self.grammars is None:
             return "this worker cannot apply grammars"
+        if msg.adapter is not None and msg.adapter not in self.adapters:  # the router checks its record
+            return f"LoRA adapter '{msg.adapter}' is not served by this worker"
         return None
 
     def _free_stopped(self) -> None:
@@ -284,28 +318,6 @@ class WorkerService:
         stopped = set(self.publisher.take_stopped())
         if stopped:
             for req in self.engine.requests():
-                if (req.id, req.choice) in stopped:
+                if (req.id, req.choice, req.epoch) in stopped:
                     self.publisher.put(self.engine.stop(req))
             self.heartbeat.poke()
-
-    def _refresh_history(self) -> None:
-        """The output lengths past-future admission estimates from, re-read now and then."""
-        now = time.monotonic()
-        if now < self._next_history_read:
-            return
-        rule = self.engine.rule
-        self._next_history_read = now + rule.settings.history_refresh_s
-        rule.learn(self.client.lrange(self.keys.output_lengths(), 0, rule.history.window - 1))
-
-    def _check_cancels(self) -> None:
-        now = time.monotonic()
-        if now < self._next_cancel_check or not self.engine.has_work:
-            return
-        self._next_cancel_check = now + CANCEL_CHECK_S
-        reqs = self.engine.requests()
-        # One MGET, not an EXISTS per request: with 1,000 requests every 50 ms, the EXISTS
-        # commands alone were a tenth of the model loop's time in a burst.
-        marks = self.client.mget([self.keys.cancel(req.id) for req in reqs])
-        for req, mark in zip(reqs, marks):
-            if mark is not None:
-                self.publisher.put(self.engine.cancel(req))

@@ -15,6 +15,10 @@ query_pos) to the scores (BLOOM); a sliding window W hides keys at
 key_pos <= query_pos - W (Mistral). With a window the block starts at its
 first query's window edge and every tile is masked: a window wider than the
 context (the common case) then costs one masked tile pass, no more.
+
+FP8 pool (``k_scale`` / ``v_scale`` given): as in decode_attention, tiles load as
+e4m3 and convert to q's dtype in registers; key scales multiply score columns
+after the dot, value scales the probabilities before the second.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import triton
 import triton.language as tl
 
 from worker.model.positions import position_scores
+from worker.model.quant import FP8
 
 LOG2E = 1.4426950408889634
 
@@ -45,6 +50,10 @@ def _attend_tiles(
     v_ptr,
     stride_ks,
     stride_vs,
+    ks_ptr,
+    vs_ptr,
+    stride_kss,
+    stride_vss,
     lo,
     hi,
     HEAD_DIM: tl.constexpr,
@@ -52,6 +61,7 @@ def _attend_tiles(
     MASKED: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online-softmax update over pool positions [lo, hi) of one request.
 
@@ -70,7 +80,11 @@ def _attend_tiles(
         else:
             slots = tl.load(slot_ptr + offs_n).to(tl.int64)
         k = tl.load(k_ptr + slots[None, :] * stride_ks + offs_d[:, None])  # [D, BLOCK_N]
-        qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if KV_FP8:  # a masked column's scale may be garbage: its score is masked below
+            k_scale = tl.load(ks_ptr + slots * stride_kss)  # [BLOCK_N]
+            qk = tl.dot(q, k.to(q.dtype)) * (k_scale * qk_scale)[None, :]  # [BLOCK_M, BLOCK_N], log2 units
+        else:
+            qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         rel = offs_n[None, :] - q_pos[:, None]  # key - query position, [BLOCK_M, BLOCK_N]
         if HAS_ALIBI:
             qk += slope * rel.to(tl.float32)
@@ -87,7 +101,14 @@ def _attend_tiles(
             v = tl.load(v_ptr + slots[:, None] * stride_vs + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + slots[:, None] * stride_vs + offs_d[None, :])  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if KV_FP8:
+            if MASKED:
+                v_scale = tl.load(vs_ptr + slots * stride_vss, mask=n_mask, other=0.0)  # [BLOCK_N]
+            else:
+                v_scale = tl.load(vs_ptr + slots * stride_vss)
+            acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -107,6 +128,10 @@ def _context_attention_kernel(
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
     slopes_ptr,
     window,  # ALiBi slopes [Hq] fp32 and the window: read only when HAS_ALIBI / HAS_WINDOW
+    ks_ptr,
+    vs_ptr,  # an FP8 pool's scales [S, Hkv]: read only when KV_FP8
+    stride_kss,
+    stride_vss,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -122,6 +147,7 @@ def _context_attention_kernel(
     BLOCK_N: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -151,6 +177,7 @@ def _context_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     slot_ptr = table_ptr + row * stride_table
     k_head, v_head = k_ptr + kv_h * stride_kh, v_ptr + kv_h * stride_vh
+    ks_head, vs_head = ks_ptr + kv_h, vs_ptr + kv_h  # heads contiguous in the scales
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(slopes_ptr + h) * 1.4426950408889634  # to log2 units, as qk_scale
@@ -172,6 +199,10 @@ def _context_attention_kernel(
             v_head,
             stride_ks,
             stride_vs,
+            ks_head,
+            vs_head,
+            stride_kss,
+            stride_vss,
             lo,
             kv_end,
             HEAD_DIM,
@@ -179,6 +210,7 @@ def _context_attention_kernel(
             True,
             HAS_ALIBI,
             HAS_WINDOW,
+            KV_FP8,
         )
     else:
         # Positions <= cached + start_m are visible to every query of the block
@@ -198,6 +230,10 @@ def _context_attention_kernel(
             v_head,
             stride_ks,
             stride_vs,
+            ks_head,
+            vs_head,
+            stride_kss,
+            stride_vss,
             0,
             full_end,
             HEAD_DIM,
@@ -205,6 +241,7 @@ def _context_attention_kernel(
             False,
             HAS_ALIBI,
             HAS_WINDOW,
+            KV_FP8,
         )
         # The rest, up to the block's last query position: causal mask.
         acc, m_i, l_i = _attend_tiles(
@@ -221,6 +258,10 @@ def _context_attention_kernel(
             v_head,
             stride_ks,
             stride_vs,
+            ks_head,
+            vs_head,
+            stride_kss,
+            stride_vss,
             full_end,
             kv_end,
             HEAD_DIM,
@@ -228,6 +269,7 @@ def _context_attention_kernel(
             True,
             HAS_ALIBI,
             HAS_WINDOW,
+            KV_FP8,
         )
     # Every valid row saw its own position, so l_i > 0 wherever the store is unmasked.
     if HAS_WINDOW:
@@ -259,6 +301,25 @@ def check_position_rules(q: torch.Tensor, alibi_slopes: torch.Tensor | None, win
     assert window is None or window >= 1, f"window {window}: want None or >= 1"
 
 
+def check_kv_scales(q, k_cache, v_cache, k_scale, v_scale) -> None:
+    """The pool's dtype against q's: the same, or FP8 with fp32 scales [S, Hkv] (shared with decode_attention)."""
+    if k_scale is None and v_scale is None:
+        assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache share a dtype (or the cache is FP8)"
+        return
+    assert k_cache.dtype == v_cache.dtype == FP8, f"scales given for a {k_cache.dtype} cache: want FP8"
+    for scale in (k_scale, v_scale):
+        assert scale is not None and scale.shape == k_cache.shape[:2] and scale.dtype == torch.float32, (
+            f"k_scale / v_scale: want fp32 {tuple(k_cache.shape[:2])}"
+        )
+        assert scale.stride(1) == 1 and scale.device == q.device, "scales: heads contiguous, on q's device"
+
+
+def dequantized(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """fp32 [len(slots), Hkv, D] of a pool view [S, Hkv, D]; an FP8 one times its scales [S, Hkv]."""
+    rows = cache[slots].float()
+    return rows if scale is None else rows * scale[slots][:, :, None]
+
+
 def _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table) -> None:
     assert q.dim() == 3 and o.shape == q.shape, f"q {tuple(q.shape)} / o {tuple(o.shape)}: want [T, Hq, D]"
     assert k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "k_cache / v_cache: want equal [S, Hkv, D]"
@@ -267,7 +328,7 @@ def _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table) -> None:
     assert k_cache.shape[2] == head_dim, f"head_dim q {head_dim} vs cache {k_cache.shape[2]}"
     assert num_heads % num_kv_heads == 0, f"Hq {num_heads} not a multiple of Hkv {num_kv_heads}"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: power of two >= 16 (tl.dot)"
-    assert q.dtype == o.dtype == k_cache.dtype == v_cache.dtype, "q, o and the cache share a dtype"
+    assert q.dtype == o.dtype, "q and o share a dtype"
     assert all(t.stride(-1) == 1 for t in (q, o, k_cache, v_cache)), "head dim must be contiguous"
     batch = index_tensors[0].shape[0]
     for t in index_tensors:
@@ -294,15 +355,19 @@ def context_attention(
     window: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """o[T, Hq, D] = causal attention of q over the pool, per request (see module doc).
 
     k_cache / v_cache: [S, Hkv, D] views of one pool layer (pool[:, :Hkv], pool[:, Hkv:]).
     max_q_len (host int) sizes the grid; it must be >= every q_lens[b].
     alibi_slopes [Hq] fp32 / window: the position rules, None for none.
+    k_scale / v_scale: [S, Hkv] fp32 of an FP8 pool (None: the pool is in q's dtype).
     """
     index_tensors = (q_starts, q_lens, cached_lens, seq_lens, req_rows)
     _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table)
+    check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     check_position_rules(q, alibi_slopes, window)
     num_heads, head_dim = q.shape[1:]  # q: [T, Hq, D]
     batch = q_lens.shape[0]
@@ -328,6 +393,10 @@ def context_attention(
         scale * LOG2E,
         q if alibi_slopes is None else alibi_slopes,
         window or 0,
+        q if k_scale is None else k_scale,  # q stands in when the pool is not FP8: never read
+        q if v_scale is None else v_scale,
+        0 if k_scale is None else k_scale.stride(0),
+        0 if v_scale is None else v_scale.stride(0),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -343,6 +412,7 @@ def context_attention(
         BLOCK_N=block_n,
         HAS_ALIBI=alibi_slopes is not None,
         HAS_WINDOW=window is not None,
+        KV_FP8=k_scale is not None,
         **cfg,
     )
 
@@ -360,11 +430,13 @@ def context_attention_ref(
     sm_scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch, one request at a time, in fp32. Returns [T, Hq, D] in q's dtype.
 
     The causal mask, ALiBi and the window come from worker.model.positions.position_scores,
-    the rule the model tests check against transformers.
+    the rule the model tests check against transformers. An FP8 pool is dequantised first.
     """
     num_heads, head_dim = q.shape[1:]
     group = num_heads // k_cache.shape[1]
@@ -373,8 +445,8 @@ def context_attention_ref(
     for b in range(q_lens.shape[0]):
         start, n, cached, seq = (int(x[b]) for x in (q_starts, q_lens, cached_lens, seq_lens))
         slots = req_table[int(req_rows[b]), :seq].long()
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [seq, Hq, D]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        k = dequantized(k_cache, k_scale, slots).repeat_interleave(group, dim=1)  # [seq, Hq, D]
+        v = dequantized(v_cache, v_scale, slots).repeat_interleave(group, dim=1)
         qb = q[start : start + n].float()  # [n, Hq, D]
         scores = torch.einsum("qhd,khd->qhk", qb, k) * scale  # [n, Hq, seq]
         rel = torch.arange(seq)[None, :] - (cached + torch.arange(n))[:, None]  # [n, seq]

@@ -22,6 +22,11 @@ Llama path compiles as before: ALiBi adds slope[h] * (key_pos - query_pos),
 the query sitting at seq_len - 1 (BLOOM); a sliding window W keeps only the
 last W positions, so stage 1 starts at seq_len - W and splits wholly before
 it exit at once, and stage 2 merges only the splits from there on (Mistral).
+
+FP8 pool (``k_scale`` / ``v_scale`` given, ``worker.model.kv_cache``): K and V
+tiles are loaded as e4m3 (half the bytes) and converted to q's dtype in registers
+(exact); a key's scale multiplies its score column after the dot, a value's
+scale its probability before the second dot, so no dequantised tile is formed.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels.context_attention import check_position_rules
+from worker.model.kernels.context_attention import check_kv_scales, check_position_rules, dequantized
 from worker.model.positions import position_scores
 
 LOG2E = 1.4426950408889634
@@ -60,6 +65,10 @@ def _decode_stage1_kernel(
     split_len,
     slopes_ptr,
     window,
+    ks_ptr,
+    vs_ptr,
+    stride_kss,
+    stride_vss,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -79,6 +88,7 @@ def _decode_stage1_kernel(
     HAS_ALIBI: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # HEAD_MAJOR: grid (Hkv, B, splits), so a request's KV groups run side by side and read the
     # same pool rows (K and V of every head share a row) at about the same time.
@@ -119,7 +129,11 @@ def _decode_stage1_kernel(
         k = tl.load(
             k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0
         )  # [D, BLOCK_N]
-        qk = tl.dot(q, k) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        if KV_FP8:
+            k_scale = tl.load(ks_ptr + slots * stride_kss + g, mask=n_mask, other=0.0)  # [BLOCK_N]
+            qk = tl.dot(q, k.to(q.dtype)) * (k_scale * qk_scale)[None, :]  # [BLOCK_H, BLOCK_N], log2 units
+        else:
+            qk = tl.dot(q, k) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         if HAS_ALIBI:
             qk += slopes[:, None] * (offs_n - (seq_len - 1)).to(tl.float32)[None, :]
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
@@ -130,7 +144,11 @@ def _decode_stage1_kernel(
         v = tl.load(
             v_ptr + slots[:, None] * stride_vs + g * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0
         )  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if KV_FP8:
+            v_scale = tl.load(vs_ptr + slots * stride_vss + g, mask=n_mask, other=0.0)  # [BLOCK_N]
+            acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # The split holds >= 1 position, so l_i > 0.
     base = b.to(tl.int64) * stride_pb + heads * stride_ph + s * stride_ps  # [BLOCK_H]
@@ -187,13 +205,13 @@ def _decode_stage2_kernel(
 
 @dataclass(frozen=True)
 class Stage1Tiles:
-    """Stage 1's launch shape (``bench.decode_attention_tune`` sweeps these)."""
+    """Stage 1's launch shape (``bench.engine.decode_attention_tune`` sweeps these)."""
 
     block_n: int = DEFAULT_BLOCK_N
     num_warps: int = 4
     num_stages: int = 3
     # Head-major: 2.8% less time summed over B = 8..768 on the slot layout decoding makes, up to 3% at
-    # B = 256 and 768 (bench.decode_attention_tune on an H200, bench/RESULTS.md, issue 16).
+    # B = 256 and 768 (bench.engine.decode_attention_tune on an H200, bench/RESULTS.md, issue 16).
     head_major: bool = True
 
 
@@ -222,7 +240,7 @@ def _check_inputs(q, k_cache, v_cache, o, req_rows, seq_lens, req_table) -> None
         f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
     )
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: power of two >= 16 (tl.dot)"
-    assert q.dtype == o.dtype == k_cache.dtype == v_cache.dtype, "q, o and the cache share a dtype"
+    assert q.dtype == o.dtype, "q and o share a dtype"
     assert all(t.stride(-1) == 1 for t in (q, o, k_cache, v_cache)), "head dim must be contiguous"
     for t in (req_rows, seq_lens):
         assert t.shape == (batch,) and not t.is_floating_point(), "req_rows / seq_lens: integer [B]"
@@ -245,14 +263,18 @@ def decode_attention(
     window: int | None = None,
     num_splits: int | None = None,
     tiles: Stage1Tiles | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """o[B, Hq, D] = attention of request b's one query over its first seq_lens[b] pool tokens.
 
     k_cache / v_cache: [S, Hkv, D] views of one pool layer. max_seq_len (host
     int, >= every seq_lens[b]) sizes the split grid; no host sync happens here.
     alibi_slopes [Hq] fp32 / window: the position rules, None for none.
+    k_scale / v_scale: [S, Hkv] fp32 of an FP8 pool (None: the pool is in q's dtype).
     """
     _check_inputs(q, k_cache, v_cache, o, req_rows, seq_lens, req_table)
+    check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     check_position_rules(q, alibi_slopes, window)
     batch, num_heads, head_dim = q.shape  # q: [B, Hq, D]
     num_kv_heads = k_cache.shape[1]
@@ -282,6 +304,10 @@ def decode_attention(
         split_len,
         q if alibi_slopes is None else alibi_slopes,
         window or 0,
+        q if k_scale is None else k_scale,  # q stands in when the pool is not FP8: never read
+        q if v_scale is None else v_scale,
+        0 if k_scale is None else k_scale.stride(0),
+        0 if v_scale is None else v_scale.stride(0),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -298,6 +324,7 @@ def decode_attention(
         HAS_ALIBI=alibi_slopes is not None,
         HAS_WINDOW=window is not None,
         HEAD_MAJOR=tiles.head_major,
+        KV_FP8=k_scale is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -330,17 +357,20 @@ def decode_attention_ref(
     sm_scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch in fp32, one request at a time. Returns [B, Hq, D] in q's dtype.
-    ALiBi and the window: worker.model.positions.position_scores, as the model tests check it."""
+    ALiBi and the window: worker.model.positions.position_scores, as the model tests check it.
+    An FP8 pool (k_scale / v_scale [S, Hkv]) is dequantised first: value x its token and head's scale."""
     batch, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     out = torch.empty_like(q)
     for b in range(batch):
         slots = req_table[int(req_rows[b]), : int(seq_lens[b])].long()
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [seq, Hq, D]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        k = dequantized(k_cache, k_scale, slots).repeat_interleave(group, dim=1)  # [seq, Hq, D]
+        v = dequantized(v_cache, v_scale, slots).repeat_interleave(group, dim=1)
         seq = slots.shape[0]
         scores = torch.einsum("hd,khd->hk", q[b].float(), k)[None] * scale  # [1, Hq, seq]
         rel = (torch.arange(seq, device=q.device) - (seq - 1))[None]  # [1, seq]: the query is the last token

@@ -3,7 +3,7 @@
 At M <= 16 rows a matmul is a weight read: its time should be the weight's
 bytes over HBM bandwidth. cuBLAS reached that for wide weights but only 0.47
 of it for Llama-3-8B's qkv_proj (6144x4096) and 0.26 for o_proj (4096x4096)
-on an H200 (bench/gemv.py, RESULTS.md): too few tiles to keep 132 SMs
+on an H200 (bench/engine/gemv.py, RESULTS.md): too few tiles to keep 132 SMs
 reading. Here each program reads a [BLOCK_N, K / SPLIT_K] slice of W
 (K contiguous, so the reads coalesce), and enough programs run at once to
 saturate HBM: ``cdiv(N, BLOCK_N) * SPLIT_K`` of them. With SPLIT_K > 1 the
@@ -13,6 +13,12 @@ greedy decoding gives the same tokens run after run.
 
 x's rows are padded to 16 inside the kernel (``tl.dot``'s minimum): the
 padding costs tensor-core work that is free next to the weight read.
+
+FP8 weights (``weight_scale`` given: W8A16, the small-batch path of
+``worker.model.fp8.Fp8Linear`` on CUDA): each weight tile is converted to x's
+dtype in registers (exact: every e4m3 value is a bf16 / fp16 value) and each
+output column's sum is multiplied by its scale before it is written, so the
+kernel reads one byte per weight and x needs no quantisation.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ class GemvConfig:
 
 
 def default_config(out_features: int, in_features: int, num_sms: int) -> GemvConfig:
-    """Enough programs for about four per SM, each over at least 512 of K (measured in bench/gemv.py)."""
+    """Enough programs for about four per SM, each over at least 512 of K (measured in bench/engine/gemv.py)."""
     block_n, block_k = 32, 128
     tiles = triton.cdiv(out_features, block_n)
     split_k = 1
@@ -45,11 +51,18 @@ def default_config(out_features: int, in_features: int, num_sms: int) -> GemvCon
     return GemvConfig(block_n, block_k, split_k)
 
 
+def fp8_config(out_features: int, in_features: int, num_sms: int) -> GemvConfig:
+    """``default_config`` with BLOCK_K 256: the same bytes per weight row and step as bf16's 128."""
+    config = default_config(out_features, in_features, num_sms)
+    return GemvConfig(config.block_n, 256, max(1, config.split_k // 2), config.num_warps, config.num_stages)
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
+    scale_ptr,
     out_ptr,
     M,
     N,
@@ -60,6 +73,7 @@ def _gemv_kernel(
     stride_os,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -86,7 +100,11 @@ def _gemv_kernel(
             mask=n_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
+        if HAS_SCALE:
+            w = w.to(x.dtype)  # FP8 -> x's dtype, exact
         acc += tl.dot(x, tl.trans(w))
+    if HAS_SCALE:  # per output column; a split's partial sum scaled alike, as the sum is linear
+        acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -123,12 +141,17 @@ def gemv(
     bias: torch.Tensor | None,
     config: GemvConfig,
     out: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 16), weight [N, K], bias [N] or None -> out [M, N] in x's dtype."""
+    """x [M, K] (M <= 16), weight [N, K], bias [N] or None -> out [M, N] in x's dtype.
+    weight_scale [N] fp32: weight is FP8 and each output column is scaled by its entry."""
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
     assert num_rows <= MAX_ROWS, f"{num_rows} rows: at most {MAX_ROWS}"
     assert weight.shape[1] == in_features and x.stride(1) == 1 and weight.stride(1) == 1
+    if weight_scale is not None:
+        assert weight_scale.shape == (weight.shape[0],) and weight_scale.dtype == torch.float32
+        assert weight_scale.stride(0) == 1 and weight.element_size() == 1, "FP8 weight, contiguous fp32 scales"
     if out is None:
         out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     assert out.shape == (num_rows, out_features) and out.dtype == x.dtype and out.stride(1) == 1
@@ -145,6 +168,7 @@ def gemv(
         x,
         weight,
         bias if bias is not None else weight,
+        weight_scale if weight_scale is not None else x,  # x stands in: never read
         target,
         num_rows,
         out_features,
@@ -155,6 +179,7 @@ def gemv(
         target.stride(0) if split_k > 1 else 0,
         target.stride(-2),
         HAS_BIAS=bias is not None and split_k == 1,
+        HAS_SCALE=weight_scale is not None,
         BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -177,6 +202,9 @@ def gemv(
     return out
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     y = x.float() @ weight.float().T
+    y = y if weight_scale is None else y * weight_scale[None, :]
     return (y if bias is None else y + bias.float()).to(x.dtype)

@@ -18,13 +18,16 @@ the whole checkpoint and keeps its slice of every split parameter.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
+from worker.model import fp8
 from worker.model.attention import AttentionBackend
 from worker.model.forward_batch import ForwardBatch
 from worker.model.layers import SINGLE, SmallBatchGemm, TensorParallel, empty_param
+from worker.model.quant import FP8
 
 
 class VocabEmbedding(nn.Module):
@@ -114,6 +117,7 @@ class CausalLM(nn.Module):
         self.head_dim = head_dim
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.backend = backend
+        self.lora = None  # worker.lora.adapter_set.AdapterSet, once adapters are installed
 
     def set_backend(self, backend: AttentionBackend) -> None:
         self.backend = backend
@@ -154,8 +158,9 @@ class CausalLM(nn.Module):
             raise RuntimeError("no attention backend: call set_backend() once the KV cache exists")
         h, extra = self.embed(batch)  # [T, H]
         pending = None
-        for layer in self.decoder_layers():
-            h, pending = layer(h, pending, extra, batch, self.backend)
+        with self.lora.bind(batch) if self.lora is not None else nullcontext():  # LoraLinear reads its slots
+            for layer in self.decoder_layers():
+                h, pending = layer(h, pending, extra, batch, self.backend)
         # Only the last new token of each request is sampled from (unless the batch asks for more,
         # batch.logit_index); the final norm is per token, so selecting first saves the rest.
         last = batch.output_index.long()
@@ -170,6 +175,8 @@ class CausalLM(nn.Module):
         Consumes the iterable one tensor at a time, so the caller can stream
         from disk. Raises KeyError on an unknown name, ValueError on a shape
         mismatch or when a parameter (or a shard of a fused one) was never given.
+        FP8 layers (``worker.model.fp8.prepare``) take FP8 weights as they are, their
+        scales as ``fp8.fit_scale`` shapes them, and full-precision weights quantised.
         """
         params = dict(self.named_parameters())
         filled: dict[str, set[int]] = {}
@@ -183,10 +190,19 @@ class CausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name} matches no parameter of {type(self).__name__}")
             dst = self._shard_view(params[target], target, shard)
             tensor = self._rank_slice(params[target], tensor, dst)
+            scales = None
+            if dst.dtype == FP8:
+                tensor, scales = fp8.fit_weight(name, tensor, dst)
+            elif target.endswith(".weight_scale"):
+                tensor = fp8.fit_scale(tensor, dst)
             if dst.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(tensor)
             filled.setdefault(target, set()).add(shard)
+            if scales is not None:  # a full-precision weight quantised here: its rows' scales too
+                scale_name = target.removesuffix("weight") + "weight_scale"
+                self._shard_view(params[scale_name], scale_name, shard).copy_(scales)
+                filled.setdefault(scale_name, set()).add(shard)
         self._check_filled(params, filled)
 
     def _shard_view(self, param: torch.Tensor, name: str, shard: int) -> torch.Tensor:
@@ -199,7 +215,7 @@ class CausalLM(nn.Module):
     def _rank_slice(self, param: torch.Tensor, tensor: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a whole checkpoint tensor, along the parameter's tp_dim."""
         dim = getattr(param, "tp_dim", None)
-        if dim is None or self.tp.size == 1:
+        if dim is None or self.tp.size == 1 or tensor.dim() <= dim:  # a per-tensor scale: every rank's
             return tensor
         n = dst.shape[dim]
         if tensor.shape[dim] != n * self.tp.size:

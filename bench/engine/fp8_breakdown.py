@@ -1,0 +1,85 @@
+"""Where FP8's error on a model comes from: weights, activations, a layer kind kept in full precision.
+
+    python -m bench.engine.fp8_breakdown [--model default] [--seqs 4] [--seq-len 320]
+
+The model's own linear layers run each variant's arithmetic in its dtype (fp32 on a CPU, the reference
+of ``bench.engine.fp8_accuracy``): a weight quantised per output channel (or per group of ``--group`` along
+its rows) and dequantised, an input quantised per token (or per group) and dequantised, as
+``worker.model.quant.quantize_rows`` does; the KV pool stays full precision. Each variant scores the
+same sampled text as the unquantised model (``bench.engine.fp8_accuracy``'s sampler) and prints one line:
+perplexity against the reference, mean KL(reference || variant) and top-1 agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+from bench.engine.fp8_accuracy import Pool, sample_text
+from shared.model_files import resolve
+from worker.model.layers import Linear
+from worker.model.loader import load_model
+from worker.model.quant import dequantize_rows, quantize_rows
+
+
+def fake(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """x quantised and dequantised per row of its last dim, or per ``group`` of it."""
+    if group is None:
+        return dequantize_rows(*quantize_rows(x))
+    shape = x.shape
+    return dequantize_rows(*quantize_rows(x.reshape(*shape[:-1], shape[-1] // group, group))).reshape(shape)
+
+
+VARIANTS = {  # name -> (weights' group or "none", inputs' group or "none", layer kinds kept full)
+    "weights + inputs (lightq's)": (None, None, ()),
+    "weights only": (None, "none", ()),
+    "inputs only": ("none", None, ()),
+    "weights + inputs, groups of 64": (64, 64, ()),
+    "weights + inputs, down_proj full": (None, None, ("down_proj",)),
+    "weights + inputs, o_proj full": (None, None, ("o_proj",)),
+}
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--seqs", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=320)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device = torch.device("cpu")
+    model, _ = load_model(resolve(args.model), torch.float32, device)
+    pool = Pool(model, torch.float32, args.seqs, args.seq_len, device)
+    text = sample_text(model, pool, args.seqs, args.seq_len, model.config.vocab_size, args.seed)
+    keep = torch.ones_like(text, dtype=torch.bool)
+    keep[:, -1] = False
+    keep, targets = keep.reshape(-1), text[:, 1:].reshape(-1)
+
+    def score() -> torch.Tensor:
+        return torch.log_softmax(pool.prefill(model, text, all_logits=True).float(), -1)[keep]
+
+    ref = score()
+    ref_nll = -float(ref.gather(1, targets[:, None]).mean())
+    linears = {n: (m, m.weight.data.clone()) for n, m in model.named_modules() if isinstance(m, Linear)}
+    print(f"{args.model}: {args.seqs} x {args.seq_len} tokens, reference fp32 ppl {math.exp(ref_nll):.3f}")
+    for name, (w_group, x_group, full) in VARIANTS.items():
+        for layer, (m, weight) in linears.items():
+            kept = any(kind in layer for kind in full)
+            m.weight.data.copy_(weight if kept or w_group == "none" else fake(weight, w_group))
+            inputs = None if kept or x_group == "none" else x_group
+            m.forward = lambda x, m=m, g=inputs, off=kept or x_group == "none": F.linear(
+                x if off else fake(x, g), m.weight, m.bias
+            )
+        logp = score()
+        nll = -float(logp.gather(1, targets[:, None]).mean())
+        kl = float((ref.exp() * (ref - logp)).sum(-1).mean())
+        top1 = float((logp.argmax(-1) == ref.argmax(-1)).float().mean())
+        print(f"fp8_breakdown {name:<34} ppl {math.exp(nll - ref_nll) - 1:+7.2%}  KL {kl:.4f}  top-1 {top1:.2%}")
+
+
+if __name__ == "__main__":
+    main()

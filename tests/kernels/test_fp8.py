@@ -1,0 +1,159 @@
+"""FP8 kernels against PyTorch references that quantise the same way (``worker.model.ops.quantize_rows``).
+
+The activation quantiser, the W8A16 GEMV, the FP8 pool's write (copy_kv) and both
+attention kernels reading an FP8 pool; outputs NaN-poisoned first, and pool slots no
+request owns NaN in values and scales alike. Triton's CPU interpreter loads and stores
+float8 (checked here: every test but the cuBLASLt one runs on the CPU too).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.kernels.helpers import DEVICE, DTYPES, assert_close, make_batch, make_pool, needs_cuda
+from worker.model.kernels.context_attention import context_attention, context_attention_ref
+from worker.model.kernels.copy_kv import copy_kv, copy_kv_ref
+from worker.model.kernels.decode_attention import Stage1Tiles, decode_attention, decode_attention_ref
+from worker.model.kernels.fp8_quant import quantize_rows as quantize_rows_kernel
+from worker.model.kernels.gemv import GemvConfig, gemv, gemv_ref
+from worker.model.ops import TorchOps, TritonOps
+from worker.model.quant import FP8, FP8_MAX, quantize_rows
+from worker.model.triton_attention import TritonAttention
+
+
+def fp8_pool(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool layer [S, 2Hkv, D] quantised per slot and head: NaN slots stay NaN in values and scales."""
+    return quantize_rows(pool)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, k, block_k", [(1, 64, None), (7, 300, 128), (33, 1000, 256), (4, 48, 16)])
+def test_quantize_rows_kernel_matches_reference(rows, k, block_k, dtype):
+    x = (torch.randn(rows, k + 5, device=DEVICE) * torch.logspace(-3, 2, rows, device=DEVICE)[:, None]).to(dtype)
+    x = x[:, :k]  # a strided view, as a projection's split output
+    x[0, 3] = 0 if rows == 1 else x[0, 3]
+    q, scale = quantize_rows_kernel(x, block_k=block_k)
+    q_ref, scale_ref = quantize_rows(x)
+    torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
+    assert q.dtype == FP8 and not q.float().isnan().any()
+    # Same fp32 quotient, same rounding: bit for bit (a tie rounded differently would show here).
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert q.float().abs().amax(-1).eq(FP8_MAX).all()  # each row's largest value lands on 448
+
+
+def test_quantize_rows_of_zeros_is_zeros():
+    q, scale = quantize_rows_kernel(torch.zeros(3, 32, device=DEVICE))
+    assert torch.equal(q.float(), torch.zeros(3, 32, device=DEVICE)) and (scale > 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [GemvConfig(16, 32, 1), GemvConfig(32, 64, 3)], ids=["split1", "split3"])
+@pytest.mark.parametrize("rows, out_features, in_features, bias", [(1, 48, 96, False), (16, 64, 200, True)])
+def test_gemv_fp8_weights_match_reference(rows, out_features, in_features, bias, config, dtype):
+    x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
+    w, scale = quantize_rows(torch.randn(out_features, in_features, device=DEVICE) / in_features**0.5)
+    b = torch.randn(out_features, device=DEVICE).to(dtype) if bias else None
+    out = torch.full((rows, out_features), float("nan"), device=DEVICE, dtype=dtype)
+    gemv(x, w, b, config, out=out, weight_scale=scale)
+    assert_close(out, gemv_ref(x, w, b, scale))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, num_kv_heads, head_dim", [(5, 2, 32), (1, 4, 16), (3, 3, 32)])
+def test_copy_kv_fp8_matches_reference(num_tokens, num_kv_heads, head_dim, dtype):
+    num_slots = 3 * num_tokens + 4
+    kv = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, device=DEVICE).to(dtype)
+    kv[0, 0] = 0  # an all-zero head: zeros and a positive scale, never NaN
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads + 1 :]
+    out_slots = torch.randperm(num_slots, device=DEVICE)[:num_tokens].to(torch.int32)
+    pool = torch.full((num_slots + 1, 2 * num_kv_heads, head_dim), float("nan"), device=DEVICE).to(FP8)
+    scales = torch.full((num_slots + 1, 2 * num_kv_heads), float("nan"), device=DEVICE)
+    expected, expected_scales = pool.clone(), scales.clone()
+    copy_kv(k, v, out_slots, pool, scales)
+    copy_kv_ref(k, v, out_slots, expected, expected_scales)
+    torch.testing.assert_close(scales, expected_scales, atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(pool.view(torch.uint8), expected.view(torch.uint8))  # untouched slots too (NaN bytes)
+    written = out_slots.long()
+    assert not pool[written].float().isnan().any() and not scales[written].isnan().any()
+
+
+DECODE_CASES = [([1, 37, 130], 4, 2, 32, None, 16), ([200, 9, 65], 8, 2, 32, 5, 32), ([50, 3], 4, 4, 16, 1, 16)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens, num_heads, num_kv_heads, head_dim, num_splits, block_n", DECODE_CASES)
+def test_decode_attention_fp8_pool_matches_reference(
+    seq_lens, num_heads, num_kv_heads, head_dim, num_splits, block_n, dtype
+):
+    batch = make_batch([1] * len(seq_lens), [s - 1 for s in seq_lens])
+    pool, scales = fp8_pool(make_pool(batch, num_kv_heads, head_dim, torch.float32))
+    caches = (pool[:, :num_kv_heads], pool[:, num_kv_heads:])
+    kv_scales = dict(k_scale=scales[:, :num_kv_heads], v_scale=scales[:, num_kv_heads:])
+    q = torch.randn(len(seq_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    o = q.new_full(q.shape, float("nan"))
+    index = (batch.req_rows, batch.seq_lens, batch.req_table)
+    tiles = Stage1Tiles(block_n=block_n)
+    decode_attention(q, *caches, o, *index, batch.max_seq_len, num_splits=num_splits, tiles=tiles, **kv_scales)
+    assert_close(o, decode_attention_ref(q, *caches, *index, **kv_scales))
+
+
+CONTEXT_CASES = [([5, 1, 20], [0, 0, 0], 4, 2, 32, 16, 16), ([17, 3], [9, 30], 4, 4, 16, 16, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_m, block_n", CONTEXT_CASES)
+def test_context_attention_fp8_pool_matches_reference(
+    q_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_m, block_n, dtype
+):
+    batch = make_batch(q_lens, cached_lens)
+    pool, scales = fp8_pool(make_pool(batch, num_kv_heads, head_dim, torch.float32))
+    caches = (pool[:, :num_kv_heads], pool[:, num_kv_heads:])
+    kv_scales = dict(k_scale=scales[:, :num_kv_heads], v_scale=scales[:, num_kv_heads:])
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, device=DEVICE).to(dtype)
+    o = q.new_full(q.shape, float("nan"))
+    index = (batch.q_starts, batch.q_lens, batch.cached_lens, batch.seq_lens, batch.req_rows, batch.req_table)
+    context_attention(q, *caches, o, *index, batch.max_q_len, block_m=block_m, block_n=block_n, **kv_scales)
+    assert_close(o, context_attention_ref(q, *caches, *index, **kv_scales))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "q_lens, cached_lens", [([6, 1, 19], [0, 4, 12]), ([1, 1], [0, 40])], ids=["prefill", "decode"]
+)
+def test_triton_attention_on_an_fp8_pool(q_lens, cached_lens, dtype):
+    """The backend's whole step: this step's K/V quantised into the pool, then read back by attention."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    batch = make_batch(q_lens, cached_lens)
+    layer_pool, layer_scales = fp8_pool(make_pool(batch, num_kv_heads, head_dim, torch.float32, poison_new=True))
+    cache = SimpleNamespace(buffer=layer_pool[None].clone(), scales=layer_scales[None].clone())
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, device=DEVICE).to(dtype)
+    k, v = (torch.randn(batch.num_tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype) for _ in range(2))
+    copy_kv_ref(k, v, batch.out_slots, layer_pool, layer_scales)
+    index = (batch.q_starts, batch.q_lens, batch.cached_lens, batch.seq_lens, batch.req_rows, batch.req_table)
+    split = dict(k_scale=layer_scales[:, :num_kv_heads], v_scale=layer_scales[:, num_kv_heads:])
+    ref = context_attention_ref(q, layer_pool[:, :num_kv_heads], layer_pool[:, num_kv_heads:], *index, **split)
+    out = TritonAttention(cache).forward(0, q, k, v, batch)
+    assert_close(out, ref)
+    assert torch.equal(cache.buffer[0].view(torch.uint8), layer_pool.view(torch.uint8))
+    torch.testing.assert_close(cache.scales[0], layer_scales, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 8, 16, 17, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_on_cuda_matches_the_reference(rows, bias):
+    """cuBLASLt's row-wise scaled matmul (more than 16 rows) and the W8A16 GEMV (16 or fewer) against
+    TorchOps' reference: x quantised per token, fp32 products; the GEMV keeps x in bf16, so it is
+    checked against the same reference with x's quantisation error allowed for."""
+    x = torch.randn(rows, 512, device=DEVICE, dtype=torch.bfloat16)
+    w, scale = quantize_rows(torch.randn(384, 512, device=DEVICE) / 512**0.5)
+    b = torch.randn(384, device=DEVICE, dtype=torch.bfloat16) if bias else None
+    out = TritonOps().fp8_linear(x, w, scale, b)
+    if rows > 16:
+        assert_close(out, TorchOps().fp8_linear(x, w, scale, b), (3e-2, 3e-2))
+    else:
+        assert_close(out, gemv_ref(x, w, b, scale), (3e-2, 3e-2))

@@ -1,0 +1,87 @@
+"""The LoRA kernels (SGMV for prefill segments, BGMV for decode tokens) against the PyTorch
+reference (``worker.lora.delta.lora_delta_ref``) on random inputs: slots of different ranks (zero
+padded as ``AdapterSet`` stacks them), slot 0 (no adapter) among them; the fp32 scratch between
+shrink and expand is NaN-poisoned first, so a row the shrink did not write and the expand read
+shows up as NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.helpers import DEVICE, DTYPES, assert_close
+from worker.lora.delta import lora_delta_ref
+from worker.model.kernels.bgmv import bgmv
+from worker.model.kernels.sgmv import sgmv
+
+
+def stacks(num_slots: int, rank: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [S, R, K], B [S, N, R]: slot 0 zeros, slot s of rank R - 3 (s - 1) (at least 1), zero padded."""
+    a = torch.randn(num_slots, rank, k, device=DEVICE) / k**0.5
+    b = torch.randn(num_slots, n, rank, device=DEVICE) / rank**0.5
+    a[0], b[0] = 0, 0
+    for s in range(1, num_slots):
+        used = max(rank - 3 * (s - 1), 1)
+        a[s, used:], b[s, :, used:] = 0, 0
+    return a.to(dtype), b.to(dtype)
+
+
+def poisoned(t: int, r: int) -> torch.Tensor:
+    return torch.full((t, r), float("nan"), dtype=torch.float32, device=DEVICE)
+
+
+def expected(y: torch.Tensor, x, a, b, token_slots) -> torch.Tensor:
+    return y.float() + lora_delta_ref(x, a, b, token_slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "q_lens, slots, rank, k, n",
+    [
+        ([5, 17, 1, 40], [1, 0, 3, 2], 16, 64, 96),  # segments across blocks, one without adapter
+        ([33], [2], 8, 100, 70),  # one request, K and N not block multiples, rank below 16
+        ([3, 3, 3], [3, 3, 1], 48, 72, 130),  # qkv-like stacked rank (3 x 16), two requests alike
+    ],
+)
+def test_sgmv_matches_reference(q_lens, slots, rank, k, n, dtype):
+    t = sum(q_lens)
+    a, b = stacks(4, rank, k, n, dtype)
+    x = torch.randn(t, k, device=DEVICE).to(dtype)
+    y = torch.randn(t, n, device=DEVICE).to(dtype)
+    starts = torch.tensor([sum(q_lens[:i]) for i in range(len(q_lens))], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(q_lens, dtype=torch.int32, device=DEVICE)
+    seg_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    want = expected(y, x, a, b, torch.repeat_interleave(seg_slots, lens.long()))
+    sgmv(y, x, a, b, starts, lens, seg_slots, max(q_lens), v=poisoned(t, rank))
+    assert_close(y, want.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "slots, rank, k, n",
+    [
+        ([1, 0, 2, 3, 1, 0], 16, 64, 96),
+        ([2], 4, 100, 70),
+        ([3, 1, 2, 0, 0, 0, 0, 0], 192, 96, 130),  # rank 3 x 64 (qkv at the limit); padded graph rows
+    ],
+)
+def test_bgmv_matches_reference(slots, rank, k, n, dtype):
+    t = len(slots)
+    a, b = stacks(4, rank, k, n, dtype)
+    x = torch.randn(t, k, device=DEVICE).to(dtype)
+    y = torch.randn(t, n, device=DEVICE).to(dtype)
+    token_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    want = expected(y, x, a, b, token_slots)
+    bgmv(y, x, a, b, token_slots, v=poisoned(t, rank))
+    assert_close(y, want.to(dtype))
+
+
+def test_slot_zero_leaves_y_untouched():
+    a, b = stacks(2, 16, 32, 48, torch.float32)
+    a[0], b[0] = float("nan"), float("nan")  # never read: slot 0 is skipped, not multiplied by zeros
+    x, y = torch.randn(4, 32, device=DEVICE), torch.randn(4, 48, device=DEVICE)
+    before = y.clone()
+    zeros = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    bgmv(y, x, a, b, zeros)
+    sgmv(y, x, a, b, zeros[:1], torch.tensor([4], dtype=torch.int32, device=DEVICE), zeros[:1], 4)
+    assert torch.equal(y, before)

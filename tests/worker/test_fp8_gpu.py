@@ -1,0 +1,104 @@
+"""FP8 on CUDA (runs only where a GPU is present): the model with FP8 weights and an FP8 KV pool, bf16
+elsewhere, against the CPU's FP8 reference path, and decode CUDA graphs against eager steps."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from shared.config import ModelSettings, WorkerSettings
+from shared.model_files import ModelSource
+from shared.schemas import GenerateRequest, SamplingParams
+from tests.worker.model_harness import build_batch
+from tests.worker.test_gpu_backend import tiny_dir  # noqa: F401 (fixture)
+from tests.worker.token_rows import flat
+from worker.engine.events import Token
+from worker.engine.request import Req
+from worker.engine.token_pool import TokenPool
+from worker.main import build_engine
+from worker.model.forward_batch import ForwardBatch
+from worker.model.fp8 import Fp8Linear
+from worker.model.loader import attach_kv_cache, load_model
+from worker.model.quant import FP8
+from worker.runner.req_table import ReqTable
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+
+def greedy(model_dir: str, prompts, max_new: int, graphs: bool, kv: str) -> tuple[list[list[int]], object]:
+    settings = WorkerSettings(
+        model=ModelSettings(model_dir=model_dir, max_req_total_len=512),
+        device="cuda",
+        quantization="fp8",
+        kv_cache_dtype=kv,
+        max_total_token_num=4096,
+        running_max_req_size=32,
+        cuda_graphs=graphs,
+        graph_max_batch_size=32,
+    )
+    engine = build_engine(settings)
+    for i, prompt in enumerate(prompts):
+        msg = GenerateRequest(
+            id=str(i), prompt_ids=prompt, created_ms=0, params=SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        )
+        engine.add(Req(msg=msg, inbox_id=f"{i}-0"))
+    out: dict[str, list[int]] = {}
+    while engine.has_work:
+        for e in flat(engine.step()):
+            if isinstance(e, Token):
+                out.setdefault(e.request_id, []).append(e.token_id)
+    return [out[str(i)] for i in range(len(prompts))], engine
+
+
+def prefill_logits(model_dir, device, prompts, quantization="none", dtype=torch.float32) -> torch.Tensor:
+    """One packed prefill's logits; the weights and the KV pool in FP8 when ``quantization`` is 'fp8'."""
+    model, _ = load_model(ModelSource("hf", model_dir), dtype, device, quantization=quantization)
+    cache = attach_kv_cache(model, 1024, device, FP8 if quantization == "fp8" else None)
+    table, pool = ReqTable(8, 256, cache.hold_slot, device), TokenPool(1024)
+    pool.allocate(7)  # so requests' slots do not start at 0
+    rows, slots = [], []
+    for prompt in prompts:
+        rows.append(table.allocate_row())
+        slots.append(pool.allocate(len(prompt)))
+        table.write(rows[-1], 0, slots[-1])
+    batch = build_batch(table.table, rows, [0] * len(prompts), prompts, slots)
+    moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+    return model.forward(ForwardBatch(**moved)).float().cpu()
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_decode_graphs_give_the_eager_tokens(tiny_dir, kv):  # noqa: F811
+    """3 requests (the GEMV path, <= 16 rows) and 20 (cuBLASLt's FP8 matmul) a step."""
+    for count in (3, 20):
+        prompts = [[1 + i, 5, 9, 200 + i, 13] for i in range(count)]
+        eager, engine = greedy(tiny_dir, prompts, 12, False, kv)
+        graphed, _ = greedy(tiny_dir, prompts, 12, True, kv)
+        assert graphed == eager
+    model = engine.runner.model
+    assert any(isinstance(m, Fp8Linear) for m in model.modules())
+    assert (model.backend.kv_cache.buffer.dtype == FP8) == (kv == "fp8_e4m3")
+
+
+def test_cuda_fp8_logits_match_the_cpu_reference(tiny_dir):  # noqa: F811
+    """A prefill of 66 tokens (cuBLASLt, per-token activation scales) in bf16 against the CPU's fp32
+    reference of the same FP8 arithmetic: bf16's rounding apart, the same numbers."""
+    prompts = [[1, 5, 9, 200, 13], list(range(100, 160)), [7]]
+    cpu = prefill_logits(tiny_dir, "cpu", prompts, quantization="fp8")
+    cuda = prefill_logits(tiny_dir, "cuda", prompts, quantization="fp8", dtype=torch.bfloat16)
+    full = prefill_logits(tiny_dir, "cpu", prompts)
+    assert torch.isfinite(cuda).all()
+    assert (cuda - cpu).abs().max() / cpu.abs().max() < 3e-2
+    assert (cpu - full).abs().max() > 0  # the reference is quantised
+
+
+def test_fp8_weights_take_half_the_bytes(tiny_dir):  # noqa: F811
+    full, _ = load_model(ModelSource("hf", tiny_dir), torch.bfloat16, "cuda")
+    fp8, _ = load_model(ModelSource("hf", tiny_dir), torch.bfloat16, "cuda", quantization="fp8")
+
+    def linear_bytes(model):
+        return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "proj" in n and "weight" in n)
+
+    assert linear_bytes(fp8) < 0.51 * linear_bytes(full)

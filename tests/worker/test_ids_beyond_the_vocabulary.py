@@ -1,0 +1,82 @@
+"""Token ids the model's logits have no column for (issue 34): the producer accepts any id of the
+tokenizer's vocabulary, and the counting stand-in's logits have 4,096 columns against its tokenizer's
+49,152. Penalties and min_new_tokens ignore such ids (the model can never produce them: nothing to
+penalise); before, ``TokenCounts.start`` indexed its [rows, vocab] counts with them and the IndexError
+killed the worker."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shared.config import ModelSettings, WorkerSettings
+from shared.schemas import GenerateRequest, SamplingParams
+from tests.worker.test_penalties import EOS, reference
+from tests.worker.token_rows import flat
+from worker.engine.events import Ended, Token
+from worker.engine.request import Req
+from worker.main import build_engine
+from worker.model.counting_model import COUNTING_VOCAB, expected_tokens
+from worker.runner.penalties import PenaltyBatch, TokenCounts
+
+V = 40
+CPU = torch.device("cpu")
+
+
+def test_ids_outside_the_vocabulary_are_not_counted_and_the_rest_are():
+    counts = TokenCounts(max_rows=4, vocab_size=V, eos_ids={EOS, V + 3}, device=CPU)
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.4, min_new_tokens=3)]
+    prompt, output = [1, V, 7, V + 100, 7, -1], [9, V + 1, 9]  # -1: never sent, but still no crash
+    counts.start(2, prompt, output)
+    logits = torch.randn(1, V) * 3
+    got = counts.apply(logits, PenaltyBatch.build(params, torch.tensor([2]), [2], CPU))
+    inside = [t for t in prompt if 0 <= t < V], [t for t in output if 0 <= t < V]
+    expected = reference(logits[0].tolist(), *inside, params[0])
+    expected[EOS] = -math.inf  # 2 tokens out of min_new_tokens 3 (the reference counts the 2 inside)
+    assert torch.allclose(got[0], torch.tensor(expected), atol=1e-5)
+
+
+def counting_engine():
+    settings = WorkerSettings(model=ModelSettings(model_dir="counting"), device="cpu", max_total_token_num=256)
+    return build_engine(settings, tokenizer=None)
+
+
+def run(engine, prompt: list[int], **params) -> tuple[list[int], list[str | None]]:
+    """The request's tokens and their finish reasons (None but the last)."""
+    msg = GenerateRequest(id="r", prompt_ids=prompt, params=SamplingParams(max_new_tokens=3, **params), created_ms=0)
+    engine.add(Req(msg=msg, inbox_id="1-0"))
+    events = []
+    while engine.has_work:
+        events += flat(engine.step())
+    assert not [e for e in events if isinstance(e, Ended)]  # nothing failed or was cancelled
+    tokens = [e for e in events if isinstance(e, Token)]
+    return [t.token_id for t in tokens], [t.finish_reason for t in tokens]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"repetition_penalty": 1.5},  # the red-team's request (issue 34)
+        {"presence_penalty": 1.0, "frequency_penalty": 0.5},
+        {"min_new_tokens": 2},
+        {"top_logprobs": 5},
+    ],
+)
+def test_the_counting_stand_in_answers_a_prompt_id_beyond_its_logits(params):
+    tokens, reasons = run(counting_engine(), [5, 6160], **params)
+    assert tokens == expected_tokens(6160, 3, COUNTING_VOCAB)
+    assert reasons == [None, None, "length"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="worker/runner/prompt_logprobs.py gathers log_softmax at the prompt's ids (not this task's file; "
+    "reported to the lead): an id past the logits' columns should score FLOOR_LOGPROB, as the model cannot "
+    "produce it",
+)
+def test_prompt_logprobs_of_an_id_beyond_the_logits():
+    tokens, _ = run(counting_engine(), [5, 6160, 7], prompt_logprobs=2)
+    assert tokens == expected_tokens(7, 3, COUNTING_VOCAB)

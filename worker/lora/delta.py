@@ -1,0 +1,57 @@
+"""The batched LoRA delta: y[t] += (x[t] A[s]^T) B[s]^T, s the adapter slot of token t's request.
+
+Every adapter is stacked per layer (``worker.lora.adapter_set``): A [S, R, in], B [S, out, R],
+slot 0 all zeros (no adapter), ranks below R padded with zero rows of A and zero columns of B,
+so one formula serves every request of a batch whatever its adapter and rank. The base matmul
+is not touched: the delta is added to its output.
+
+Two implementations, chosen by device as the rest of the model's kernels are:
+- PyTorch (CPU, and the reference the kernels are tested against): per distinct slot of the
+  batch, its tokens gathered and multiplied, fp32 throughout (slot 0 skipped: its delta is 0);
+- Triton (CUDA): a shrink (v = x A^T, [T, R] fp32) then an expand (y += v B^T), SGMV-style over
+  the requests' segments for a prefill (``worker.model.kernels.sgmv``), BGMV-style per token for a
+  decode (``worker.model.kernels.bgmv``), which reads the slots from a device tensor and so runs
+  inside a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.model.forward_batch import ForwardBatch
+
+
+def token_slots(batch: ForwardBatch) -> torch.Tensor:
+    """[T] each packed token's adapter slot (its request's ``lora_slots``, repeated q_lens times)."""
+    assert batch.lora_slots is not None
+    if batch.is_decode:
+        return batch.lora_slots
+    return torch.repeat_interleave(batch.lora_slots, batch.q_lens.to(batch.lora_slots.device), dim=0)
+
+
+def lora_delta_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The delta [T, out] in fp32 for x [T, in], A [S, R, in], B [S, out, R], slots [T]."""
+    out = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float32, device=x.device)
+    for slot in slots.unique().tolist():
+        if slot == 0:
+            continue  # no adapter: zeros
+        rows = (slots == slot).nonzero().squeeze(1)
+        v = x[rows].float() @ a[slot].float().T  # [t, R]
+        out[rows] = v @ b[slot].float().T  # [t, out]
+    return out
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """y [T, out] plus every token's delta (in place on CUDA; a new tensor on CPU)."""
+    if not x.is_cuda:
+        return y + lora_delta_ref(x, a, b, token_slots(batch)).to(y.dtype)
+    assert batch.lora_slots is not None
+    if batch.is_decode:
+        from worker.model.kernels.bgmv import bgmv
+
+        bgmv(y, x, a, b, batch.lora_slots)
+    else:
+        from worker.model.kernels.sgmv import sgmv
+
+        sgmv(y, x, a, b, batch.q_starts, batch.q_lens, batch.lora_slots, batch.max_q_len)
+    return y

@@ -1,0 +1,41 @@
+"""``LoraLinear``: a linear layer of the model with every adapter's delta added to its output."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from worker.lora.delta import add_lora
+from worker.model.forward_batch import ForwardBatch
+
+
+class BatchSource(Protocol):
+    """Where a forward's batch is bound (``AdapterSet.bind``) for its layers to read."""
+
+    bound: ForwardBatch | None
+
+
+class LoraLinear(nn.Module):
+    """y = base(x) + the delta of each token's adapter (``worker.lora.delta``).
+
+    ``base`` is the layer as it was (``Linear``, ``Fp8Linear``; packed for small batches or not),
+    unchanged. A and B are this layer's stacks of every adapter, [S, R, in] and [S, out, R] (a fused
+    layer's shards side by side, see ``AdapterSet``); the batch's slots come from the set's bound
+    batch, None outside a forward or for a batch without adapters: then this is ``base``.
+    """
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, adapters: BatchSource):
+        super().__init__()
+        self.base = base
+        self.register_buffer("lora_a", a, persistent=False)
+        self.register_buffer("lora_b", b, persistent=False)
+        self.adapters = adapters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)  # [T, out]
+        batch = self.adapters.bound
+        if batch is None or batch.lora_slots is None:
+            return y
+        return add_lora(y, x, self.lora_a, self.lora_b, batch)
