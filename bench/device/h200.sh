@@ -17,7 +17,7 @@
 #   bash bench/device/h200.sh setup fair-step        (the same, the counting model waiting 20 ms a forward as on a device)
 #   bash bench/device/h200.sh setup fair-full        (issue 19 whole, with --preempt, 20 ms forwards then full speed; carry .whl .tok)
 #   python3 -m bench.engine.decode_attention_tune; python3 -m bench.engine.nano_overlap   (issue 16: attention tiles; overlap)
-#   bash bench/device/h200.sh setup cluster-scale   (issue 30: carry .whl .carry/redis7, made here with
+#   bash bench/device/h200.sh setup cluster-scale   (issue 30: carry .whl .tok .carry/redis7, made here with
 #       mkdir -p .carry/redis7/{lib,real,bin}; cp -L /usr/bin/redis-check-rdb .carry/redis7/real/redis-server;
 #       cp -L /usr/bin/redis-cli .carry/redis7/real/; the libraries `ldd` names that the image lacks into lib/
 #       (liblzf jemalloc libsystemd libatomic libcap libgcrypt liblzma libzstd liblz4 libgpg-error), and in bin/
@@ -199,7 +199,7 @@ for part in "$@"; do
       # redis-cli 7 carried in .carry/redis7 (the image has none; built here from the Debian binaries and their
       # libraries, each behind a wrapper that sets LD_LIBRARY_PATH for it alone)
       PATH=$PWD/.carry/redis7/bin:$PATH CUDA_VISIBLE_DEVICES= timeout 400 python3 -m bench.serving.cluster_scale \
-        --workers ${SCALE_WORKERS:-6} --requests ${SCALE_REQUESTS:-600} --new-tokens 300 --repeat 2 2>&1 \
+        --model_dir counting:.tok/smollm2 --workers ${SCALE_WORKERS:-6} --requests ${SCALE_REQUESTS:-600} --new-tokens 300 --repeat 2 2>&1 \
         | tee "$OUT/cluster_scale.log" | grep -E "^cluster_scale|Error|error" | tail -12 ;;
     gemv)   timeout 400 python3 -m bench.engine.gemv --model-shape llama3-8b --batches 1,4,8,16,64 2>&1 | tee "$OUT/gemv.log" ;;
     graph-tests) timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/worker/test_prefill_graphs.py \

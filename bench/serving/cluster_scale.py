@@ -37,7 +37,8 @@ def cpu_s(node) -> float:
 
 def usec(node) -> dict[str, int]:
     """Microseconds each command has cost the node (``INFO commandstats``; a script's own calls count)."""
-    return {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in node.info("commandstats").items()}
+    stats = node.ask("INFO", "commandstats")  # redis-py parses it: {"cmdstat_xadd": {"calls": 3, "usec": 40, ...}}
+    return {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in stats.items()}
 
 
 def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]], str]:
@@ -46,7 +47,7 @@ def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]],
     rq = start_embedded_redis()
     cluster = LocalCluster(primaries=primaries, replicas=0).start()
     log = Path(tempfile.mkdtemp(prefix="lightq-cluster-scale-")) / "serve.log"
-    extra = ["--model_dir", "counting", "--max_total_token_num", "200000", "--redis_rq_url", rq.url]
+    extra = ["--model_dir", args.model_dir, "--max_total_token_num", "200000", "--redis_rq_url", rq.url]
     stack = start_stack(str(log), redis_url=cluster.url, prefix="lightq-scale", workers=args.workers, extra=extra)
     try:
         primary_nodes = cluster.primary_nodes()
@@ -85,6 +86,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--sizes", default="1,3", help="primary counts, in order")
+    parser.add_argument(
+        "--model_dir", default="counting", help="counting, or counting:TOKENIZER_DIR where the embedded model is absent"
+    )
     args = parser.parse_args()
     rates = {}
     for size in (int(s) for s in args.sizes.split(",")):
