@@ -26,6 +26,11 @@ def stacks(num_slots: int, rank: int, k: int, n: int, dtype: torch.dtype) -> tup
     return a.to(dtype), b.to(dtype)
 
 
+# SGMV's two tl.dot products (shrink, then expand) round fp32 inputs to tf32 on a GPU, each once: the
+# H200 saw 1 in 100 elements up to 0.004 off (bf16 and fp16 keep helpers' bounds; the CPU interpreter is exact).
+SGMV_FP32_CUDA = (6e-3, 6e-3)
+
+
 def poisoned(t: int, r: int) -> torch.Tensor:
     return torch.full((t, r), float("nan"), dtype=torch.float32, device=DEVICE)
 
@@ -53,7 +58,7 @@ def test_sgmv_matches_reference(q_lens, slots, rank, k, n, dtype):
     seg_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
     want = expected(y, x, a, b, torch.repeat_interleave(seg_slots, lens.long()))
     sgmv(y, x, a, b, starts, lens, seg_slots, max(q_lens), v=poisoned(t, rank))
-    assert_close(y, want.to(dtype))
+    assert_close(y, want.to(dtype), SGMV_FP32_CUDA if dtype == torch.float32 and DEVICE.type == "cuda" else None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
