@@ -398,7 +398,9 @@ class WorkerSettings(BaseSettings):
         STREAM_FLUSH_MS,
         ge=0,
         description="how long a publisher gathers a request's tokens into one chunk entry (a run) before "
-        "writing it to Redis; a request's first token and its end are written at once (0: every step)",
+        "writing it to Redis; a request's first token and its end are written at once (0: every step, for "
+        "clients that time each token: one H200 at 16 req/s gave a median gap of 5.75 ms against ~0 within runs "
+        "and 52 ms at p99 with 50, for ~3x the Redis work per token)",
     )
     prefix_cache: bool = Field(
         True,
