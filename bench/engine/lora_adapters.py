@@ -51,7 +51,13 @@ def write_adapter(path: Path, shape: dict, rank: int, seed: int) -> None:
             tensors[f"{module}.lora_B.weight"] = (torch.randn(out, rank, generator=generator) * 0.02).bfloat16()
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none", "target_modules": [*ATTENTION, *MLP]}
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "bias": "none",
+        "target_modules": [*ATTENTION, *MLP],
+    }
     (path / "adapter_config.json").write_text(json.dumps(config))  # last: a folder with it is whole
 
 
