@@ -11,7 +11,7 @@ import torch
 
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close
 from worker.lora.delta import lora_delta_ref
-from worker.model.kernels.bgmv import bgmv
+from worker.model.kernels.bgmv import bgmv, shrink_splits
 from worker.model.kernels.sgmv import sgmv
 
 
@@ -68,6 +68,7 @@ def test_sgmv_matches_reference(q_lens, slots, rank, k, n, dtype):
         ([1, 0, 2, 3, 1, 0], 16, 64, 96),
         ([2], 4, 100, 70),
         ([3, 1, 2, 0, 0, 0, 0, 0], 192, 96, 130),  # rank 3 x 64 (qkv at the limit); padded graph rows
+        ([2, 1, 0], 16, 1100, 40),  # K over 2 shrink splits and not a multiple of one
     ],
 )
 def test_bgmv_matches_reference(slots, rank, k, n, dtype):
@@ -77,7 +78,7 @@ def test_bgmv_matches_reference(slots, rank, k, n, dtype):
     y = torch.randn(t, n, device=DEVICE).to(dtype)
     token_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
     want = expected(y, x, a, b, token_slots)
-    bgmv(y, x, a, b, token_slots, v=poisoned(t, rank))
+    bgmv(y, x, a, b, token_slots, v=poisoned(t, rank).expand(shrink_splits(k), t, rank).clone())
     assert_close(y, want.to(dtype))
 
 
