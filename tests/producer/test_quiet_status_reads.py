@@ -18,7 +18,8 @@ async def test_a_quiet_stream_reads_the_status_hash_every_few_quiet_reads(monkey
     for _ in range(2 * STATUS_CHECK_EVERY):
         assert await follower.ending_without_chunk() == []
     assert len(reads) == 2
-    follower.accept("1-0", ChunkRun(request_id="r-1", index=0, token_ids=[1], texts=["a"], logprobs=[None]))  # counts from 0 again
+    run = ChunkRun(request_id="r-1", index=0, token_ids=[1], texts=["a"], logprobs=[None])
+    follower.accept("1-0", run)  # a run: the quiet reads count from 0 again
     for _ in range(STATUS_CHECK_EVERY - 1):
         await follower.ending_without_chunk()
     assert len(reads) == 2

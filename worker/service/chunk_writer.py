@@ -3,11 +3,11 @@
 A flush is one pipeline of scripts (``shared.keys``' two planes): per request group with runs (on
 one server, one for every group), a **data** script that appends each request's run to its chunk
 stream and publishes it where someone listens; per producer woken, an XADD to its wake stream; then
-one **control** script (when the flush has any of these) that sets ``running`` on a start, the final status and TTLs on an end, takes
+one **control** script that sets ``running`` on a start, the final status and TTLs on an end, takes
 a new epoch on a fence, pushes the finished samples' output lengths and acknowledges the inbox
-entries released here. One server runs the pipeline in one round trip; a cluster client sends each
-node its share at once. Data before control: a status hash that says a request ended has its last
-chunk behind it.
+entries released here (a flush with none of these sends none: issue 30's control slot). One
+server runs the pipeline in one round trip; a cluster client sends each node its share at once.
+Data before control: a status hash that says a request ended has its last chunk behind it.
 
 A token costs Redis one share of an XADD (its run's) and nothing per token.
 
