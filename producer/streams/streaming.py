@@ -44,9 +44,10 @@ log = logging.getLogger(__name__)
 Check = Callable[[], Awaitable[bool]]
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # A quiet stream's status-hash read, once per this many quiet reads (``stream_block_ms`` each), not
-# after every one: a queued request's follower read it once a second for as long as it waited (3.4
-# HGETALLs a request in a 200-request burst), each a round trip to the control slot's primary
-# (issue 30). An end without a terminal chunk is a crash's leftover, so the delay costs little.
+# after every one: a queued request's follower read it once a second for as long as it waited, each
+# a round trip to the control slot's primary (issue 30; with the dashboard tracker's reads, 3.4
+# HGETALLs a request in a 200-request burst). An end without a terminal chunk is a crash's
+# leftover, so the delay (up to this many reads) costs little.
 STATUS_CHECK_EVERY = 5
 FINISH_BY_STATUS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED: "stop",

@@ -192,7 +192,7 @@ class ChunkWriter:
             for producer in producers:
                 ids = " ".join(w.request_id for w in writes if w.reply_to == producer and w.runs)
                 pipe.xadd(self.keys.wake(producer), {"r": ids}, maxlen=10_000, approximate=True, nomkstream=True)
-            # A flush of runs alone (most of them, mid-burst) sends no control script: it would
+            # A flush of runs alone (many of them, mid-burst) sends no control script: it would
             # write nothing, and cost the control slot's primary a call per flush (issue 30).
             has_control = bool(control or lengths or released)
             if has_control:
