@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -35,10 +36,21 @@ def cpu_s(node) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-def usec(node) -> dict[str, int]:
-    """Microseconds each command has cost the node (``INFO commandstats``; a script's own calls count)."""
-    stats = node.ask("INFO", "commandstats")  # redis-py parses it: {"cmdstat_xadd": {"calls": 3, "usec": 40, ...}}
-    return {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in stats.items()}
+def usec(node) -> dict[str, tuple[int, int]]:
+    """(calls, microseconds) of each command on the node (``INFO commandstats``). A script's own
+    calls count twice: once as themselves, and inside the EVALSHA's time."""
+    stats = node.ask("INFO", "commandstats")  # parsed by redis-py: {name: {calls, usec, ...}}
+    return {name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items()}
+
+
+def breakdown(before: dict, after: dict, requests: int, tokens: int) -> str:
+    """The commands of a burst on one node, costliest first: µs per token, calls per request."""
+    rows = []
+    for name, (calls, us) in after.items():
+        c0, u0 = before.get(name, (0, 0))
+        if us > u0:
+            rows.append(((us - u0) / tokens, (calls - c0) / requests, name.upper()))
+    return ", ".join(f"{name} {us:.3f} ({calls:.2f}/req)" for us, calls, name in sorted(rows, reverse=True)[:14])
 
 
 def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]], str]:
@@ -48,7 +60,9 @@ def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]],
     cluster = LocalCluster(primaries=primaries, replicas=0).start()
     log = Path(tempfile.mkdtemp(prefix="lightq-cluster-scale-")) / "serve.log"
     extra = ["--model_dir", args.model_dir, "--max_total_token_num", "200000", "--redis_rq_url", rq.url]
-    stack = start_stack(str(log), redis_url=cluster.url, prefix="lightq-scale", workers=args.workers, extra=extra)
+    stack = start_stack(
+        str(log), redis_url=cluster.url, prefix="lightq-scale", workers=args.workers, extra=extra, timeout_s=900
+    )
     try:
         primary_nodes = cluster.primary_nodes()
         control = cluster.owner(stack.keys.requests())
@@ -69,12 +83,13 @@ def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]],
                 per_token = [
                     (n.name, (cpu_s(n) - b) * 1e6 / tokens, n is control) for n, b in zip(primary_nodes, before)
                 ]
-                now = usec(control)
-                costs = sorted(((now[c] - spent.get(c, 0)) / tokens, c) for c in now)[::-1][:6]
-                top = ", ".join(f"{c.upper()} {us:.2f}" for us, c in costs)
+                top = breakdown(spent, usec(control), args.requests, tokens)
         return best, per_token, top
     finally:
-        stack.stop()
+        try:  # a loaded machine can take past the stop's minute: the figures and the nodes go on
+            stack.stop()
+        except subprocess.TimeoutExpired:
+            stack.process.kill()
         cluster.stop()
         rq.stop()
 
@@ -97,7 +112,7 @@ def main() -> None:
         split = ", ".join(f"{name}{' (control)' if control else ''} {us:.2f}" for name, us, control in shards)
         total = sum(us for _, us, _ in shards)
         print(f"cluster_scale: {size} primaries: {rate:,.0f} tok/s; Redis CPU us/token {total:.2f} = {split}")
-        print(f"cluster_scale: {size} primaries: the control primary's costliest commands, us/token: {top}")
+        print(f"cluster_scale: {size} primaries: control primary, us/token (calls/request): {top}")
     if 1 in rates and 3 in rates:
         print(f"cluster_scale: 3 primaries / 1 = {rates[3] / rates[1]:.2f}x delivered tokens/s")
 

@@ -8,8 +8,8 @@ stream; a chunk without a token ends them all). A chunk's event id is its
 entry's id, with ``.k`` for the k-th token of a run when more follow it in
 that entry (``1700000000000-0.3``): SSE ids, so a client resumes with
 ``Last-Event-ID`` exactly after the token it got, even inside a run. When the stream stays quiet it looks at the
-status hash, so a request that ended (or expired) without a terminal chunk
-cannot leave a client waiting forever. A stream that stops early cancels its
+status hash (every ``STATUS_CHECK_EVERY``-th quiet read), so a request that ended (or expired) without a
+terminal chunk cannot leave a client waiting forever. A stream that stops early cancels its
 request only when the client left: when the producer itself stops, its open
 streams end (within a read, before uvicorn's grace runs out and it cancels
 them) and their requests run on; a client resumes one through
@@ -43,6 +43,12 @@ log = logging.getLogger(__name__)
 
 Check = Callable[[], Awaitable[bool]]
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A quiet stream's status-hash read, once per this many quiet reads (``stream_block_ms`` each), not
+# after every one: a queued request's follower read it once a second for as long as it waited, each
+# a round trip to the control slot's primary (issue 30; with the dashboard tracker's reads, 3.4
+# HGETALLs a request in a 200-request burst). An end without a terminal chunk is a crash's
+# leftover, so the delay (up to this many reads) costs little.
+STATUS_CHECK_EVERY = 5
 FINISH_BY_STATUS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED: "stop",
     RequestStatus.CANCELLED: "cancelled",
@@ -75,6 +81,7 @@ class ChunkFollower:
         self.done: set[int] = set()  # choices that ended
         self.finished = False
         self._held: list[tuple[str, TokenChunk]] = []  # a resumed run's rest, delivered first
+        self._quiet = 0  # quiet reads since the last run (``ending_without_chunk``)
 
     async def resume_after(self, event_id: str) -> None:
         """Continue after ``event_id`` (``entry`` or ``entry.k``, as ``event_id`` makes them), as if
@@ -88,6 +95,7 @@ class ChunkFollower:
 
     def accept(self, entry_id: str, run: ChunkRun) -> list[tuple[str, TokenChunk]]:
         """(event id, chunk) to deliver of the entry ``entry_id``'s run, a token at a time."""
+        self._quiet = 0
         tokens = run.tokens()
         last = len(tokens) - 1
         out = []
@@ -165,7 +173,11 @@ class ChunkFollower:
         return await store.read_after(self.redis, self.keys, self.request_id, self.last_id, self.block_ms)
 
     async def ending_without_chunk(self) -> list[TokenChunk]:
-        """Terminal chunks made from the status hash when the stream has none."""
+        """Terminal chunks made from the status hash when the stream has none (after a quiet read;
+        the hash is read on every ``STATUS_CHECK_EVERY``-th one in a row)."""
+        self._quiet += 1
+        if self._quiet % STATUS_CHECK_EVERY:
+            return []
         meta = await store.read_meta(self.redis, self.keys, self.request_id)
         if meta is not None and not meta.status.is_terminal:
             return []

@@ -5,9 +5,9 @@ one server, one for every group), a **data** script that appends each request's 
 stream and publishes it where someone listens; per producer woken, an XADD to its wake stream; then
 one **control** script that sets ``running`` on a start, the final status and TTLs on an end, takes
 a new epoch on a fence, pushes the finished samples' output lengths and acknowledges the inbox
-entries released here. One server runs the pipeline in one round trip; a cluster client sends each
-node its share at once. Data before control: a status hash that says a request ended has its last
-chunk behind it.
+entries released here (a flush with none of these sends none: issue 30's control slot). One
+server runs the pipeline in one round trip; a cluster client sends each node its share at once.
+Data before control: a status hash that says a request ended has its last chunk behind it.
 
 A token costs Redis one share of an XADD (its run's) and nothing per token.
 
@@ -177,7 +177,7 @@ class ChunkWriter:
         refused: set[int] = set()
         for places, reply in zip(groups.values(), replies):
             refused.update(places[p - 1] for p in reply)
-        control_refused, fences = replies[-1]
+        control_refused, fences = replies[-1] if replies[-1] is not None else ([], [])
         refused.update(control[p - 1] for p in control_refused)
         epochs = {control[p - 1]: int(e) for p, e in fences}
         return [Written(place not in refused, epochs.get(place, 0)) for place in range(len(writes))]
@@ -192,7 +192,11 @@ class ChunkWriter:
             for producer in producers:
                 ids = " ".join(w.request_id for w in writes if w.reply_to == producer and w.runs)
                 pipe.xadd(self.keys.wake(producer), {"r": ids}, maxlen=10_000, approximate=True, nomkstream=True)
-            self._control_call(pipe, [writes[p] for p in control], lengths, released)
+            # A flush of runs alone (many of them, mid-burst) sends no control script: it would
+            # write nothing, and cost the control slot's primary a call per flush (issue 30).
+            has_control = bool(control or lengths or released)
+            if has_control:
+                self._control_call(pipe, [writes[p] for p in control], lengths, released)
             try:
                 replies = pipe.execute()
             except redis.exceptions.NoScriptError:
@@ -200,7 +204,7 @@ class ChunkWriter:
                     raise
                 self.client.script_load(DATA_LUA), self.client.script_load(CONTROL_LUA)
                 continue
-            return replies[: len(groups)] + replies[-1:]
+            return replies[: len(groups)] + (replies[-1:] if has_control else [None])
         raise AssertionError("unreachable")
 
     def _data_call(self, pipe, writes: list[RequestWrite]) -> None:
