@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +41,16 @@ REFUSED = {
 }
 
 
+@dataclass(frozen=True)
+class AdapterView:
+    """What the load record says of a worker's adapters, replaced whole after each change: the
+    heartbeat thread reads it while the loop reconciles."""
+
+    serving: tuple[str, ...] = ()  # new requests may name these
+    resident: tuple[str, ...] = ()  # in a device slot (retiring ones too)
+    failed: tuple[tuple[str, str], ...] = ()  # (name, why it did not load)
+
+
 class LoraRegistry(BaseModel):
     """The adapters loaded at run time for one served model (--lora_modules' are not in it)."""
 
@@ -54,7 +66,7 @@ class LoraRegistry(BaseModel):
         return LoraRegistry(version=self.version + 1, adapters=adapters)
 
 
-def config_problem(config: dict, max_rank: int | None = None) -> str | None:
+def config_problem(config: dict[str, Any], max_rank: int | None = None) -> str | None:
     """What in an ``adapter_config.json`` lightq cannot run exactly as PEFT runs it (None: nothing);
     ``max_rank``: its ``r`` checked too (a worker checks each module's rank in the weights instead)."""
     if config.get("peft_type", "LORA") != "LORA":

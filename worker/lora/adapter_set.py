@@ -35,8 +35,8 @@ from torch import nn
 from shared.model_files import load_config, resolve
 from worker.lora.adapter import AdapterError, LoraAdapter, load_adapter, parse_spec
 from worker.lora.linear import LoraLinear
-from worker.model.layers import Linear
 from worker.model.forward_batch import ForwardBatch
+from worker.model.layers import Linear
 from worker.model.models import model_class
 
 
@@ -158,16 +158,17 @@ def load_adapters(specs: list[str], model: nn.Module, max_rank: int, spare: int 
     return adapter_set
 
 
-def check_adapters(specs: list[str], model_dir: str, tp: int, max_rank: int) -> None:
+def check_adapters(specs: list[str], model_dir: str, tp: int, max_rank: int, spare: int = 0) -> None:
     """--lora_modules against the model before anything loads: the model built on the meta device
-    (shapes, no memory), each adapter read and checked; AdapterError names the first problem."""
-    if not specs:
+    (shapes, no memory), each adapter read and checked; AdapterError names the first problem.
+    ``spare`` (--max_loras) needs what adapters need: a real model on one rank."""
+    if not specs and not spare:
         return
     source = resolve(model_dir)
     if source.kind == "counting":
-        raise AdapterError("--lora_modules needs a real model, not the counting stand-in")
+        raise AdapterError("--lora_modules and --max_loras need a real model, not the counting stand-in")
     if tp > 1:
-        raise AdapterError("--lora_modules with --tp above 1 is not supported yet")
+        raise AdapterError("--lora_modules and --max_loras with --tp above 1 are not supported yet")
     config = load_config(source)
     model = model_class(config)(config, dtype=torch.float32, device="meta")
     for spec in specs:
