@@ -48,7 +48,7 @@ class AdapterView:
 
     serving: tuple[str, ...] = ()  # new requests may name these
     resident: tuple[str, ...] = ()  # in a device slot (retiring ones too)
-    failed: tuple[tuple[str, str], ...] = ()  # (name, why it did not load)
+    failed: tuple[tuple[str, str, str], ...] = ()  # (name, folder, why it did not load)
 
 
 class LoraRegistry(BaseModel):

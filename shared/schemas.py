@@ -404,8 +404,8 @@ class WorkerLoad(_Frozen):
     resident_adapters: list[str] = Field(
         default_factory=list, description="the LoRA adapters in device memory now (unloaded ones still in use too)"
     )
-    lora_failed: list[tuple[str, str]] = Field(
-        default_factory=list, description="run-time LoRA adapters this worker could not load: [name, why]"
+    lora_failed: list[tuple[str, str, str]] = Field(
+        default_factory=list, description="run-time LoRA adapters this worker could not load: [name, folder, why]"
     )
     requests: list[tuple[int, int, int, int]] = Field(
         description="per running or waiting request: [prompt + output tokens, output tokens, "

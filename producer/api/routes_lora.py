@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from fastapi import APIRouter, Request
@@ -31,6 +32,7 @@ from producer.api.errors import ApiError, bad_request
 from producer.api.lora import model_loads, read_registry, swap_registry
 from producer.deps import Services, ServicesDep, parse_body
 from shared.lora import NAME, folder_problem
+from shared.schemas import WorkerLoad
 
 router = APIRouter(prefix="/v1")
 POLL_S = 0.05  # how often the load records are read while a load or an unload waits for workers
@@ -70,7 +72,7 @@ async def load_lora_adapter(request: Request, services: ServicesDep) -> JSONResp
         raise bad_request(f"LoRA adapter '{name}': {problem}", param="lora_path", code="invalid_lora_adapter")
     if not await _change(services, name, path):
         raise bad_request(f"The LoRA adapter '{name}' has already been loaded", param="lora_name", code="lora_exists")
-    serving, failed = await _wait(services, lambda load: name in load.adapters, name)
+    serving, failed = await _wait(services, lambda load: name in load.adapters, (name, path))
     if failed is not None:
         await _change(services, name, None, expect=path)  # taken back: no worker can serve it
         raise ApiError(422, f"LoRA adapter '{name}': {failed}", param="lora_path", code="invalid_lora_adapter")
@@ -113,20 +115,27 @@ async def _change(services: Services, name: str, path: str | None, expect: str |
             return True
 
 
-async def _wait(services: Services, lists, name: str | None, until_none: bool = False) -> tuple[list[str], str | None]:
+async def _wait(
+    services: Services, lists: Callable[[WorkerLoad], bool], loading: tuple[str, str] | None, until_none: bool = False
+) -> tuple[list[str], str | None]:
     """Poll the model's live workers for up to --lora_wait_s: (those for which ``lists(load)``, a
-    reason when every live worker failed to load ``name``). Done when some worker lists it (or, with
-    ``until_none``, when none does) or all failed."""
+    reason when every live worker failed to load ``loading``, a name and folder). Done when some
+    worker lists it (or, with ``until_none``, when none does) or all failed."""
     deadline = time.monotonic() + services.settings.lora_wait_s
     while True:
         loads = await model_loads(services)
         listing = sorted(load.worker_id for load in loads if lists(load))
-        errors = [dict(load.lora_failed).get(name) for load in loads] if name is not None else []
+        errors = [_failure(load, loading) for load in loads] if loading is not None else []
         if loads and errors and all(errors):
             return listing, errors[0]
         if bool(listing) != until_none or time.monotonic() >= deadline:
             return listing, None
         await asyncio.sleep(POLL_S)
+
+
+def _failure(load: WorkerLoad, loading: tuple[str, str]) -> str | None:
+    """Why the worker could not load this name from this folder (None: it did not say it could not)."""
+    return next((error for name, path, error in load.lora_failed if (name, path) == loading), None)
 
 
 def _answer(name: str, status: str, workers: list[str]) -> JSONResponse:

@@ -98,11 +98,11 @@ async def test_the_answer_follows_the_live_workers(lora_settings, tokenizer, are
     settings = lora_settings.model_copy(update={"lora_wait_s": 60.0})  # answered by the records, not the clock
     good, bad = make_folder(tmp_path, "good"), make_folder(tmp_path, "bad")
     await live_worker(aredis, keys, "w1", adapters=["good"])
-    await live_worker(aredis, keys, "w2", lora_failed=[("bad", "shapes do not fit")])
+    await live_worker(aredis, keys, "w2", lora_failed=[("bad", bad, "shapes do not fit")])
     async for client in open_client(settings, tokenizer):
         reply = await client.post("/v1/load_lora_adapter", json={"lora_name": "good", "lora_path": good})
         assert reply.status_code == 200 and reply.json() == {"lora_name": "good", "status": "loaded", "workers": ["w1"]}
-        await live_worker(aredis, keys, "w1", lora_failed=[("bad", "shapes do not fit")])
+        await live_worker(aredis, keys, "w1", lora_failed=[("bad", bad, "shapes do not fit")])
         reply = await client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": bad})
         assert reply.status_code == 422, reply.text
         assert "shapes do not fit" in reply.json()["error"]["message"]

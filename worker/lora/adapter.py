@@ -64,7 +64,8 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoraA
     config = _read_config(path, fail)
     alpha = float(config.get("lora_alpha", config["r"]))
     pairs = _read_pairs(path, fail)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    # A layer adapters wrap already (a run-time load: ``LoraLinear``) keeps its Linear as ``.base``.
+    linears = {n.removesuffix(".base"): m for n, m in model.named_modules() if isinstance(m, Linear)}
     modules: dict[str, list[Shard | None]] = {}
     for module, (a, b) in sorted(pairs.items()):
         rank = a.shape[0]

@@ -40,6 +40,10 @@ from worker.model.layers import Linear
 from worker.model.models import model_class
 
 
+class NoFreeSlot(AdapterError):
+    """Every slot holds an adapter: one may free when an unloaded adapter's requests end."""
+
+
 class AdapterSet:
     """``adapters`` in slots 1..N; ``spare`` more slots for adapters loaded at run time (``add``),
     each as large as ``rank`` on every adaptable layer (see the module's docstring)."""
@@ -112,7 +116,7 @@ class AdapterSet:
         used = set(self.slots.values())
         free = [slot for slot in range(1, self.num_slots) if slot not in used]
         if not free:
-            raise AdapterError(f"LoRA adapter {adapter.name!r}: all {self.num_slots - 1} adapter slots are taken")
+            raise NoFreeSlot(f"LoRA adapter {adapter.name!r}: all {self.num_slots - 1} adapter slots are taken")
         for name, shards in adapter.modules.items():
             layer = self.layers.get(name)
             rank = max(s[0].shape[0] for s in shards if s is not None)

@@ -12,7 +12,8 @@ change under it. ``reconcile`` is idempotent and runs again while anything is pe
   with it, and its slot is freed when none is left; a path changed meanwhile loads after that;
 - one that cannot load (shapes that do not fit the model, no free slot, unreadable files) is
   remembered with its error, published in the load record (``WorkerLoad.lora_failed``) and not
-  tried again until its path changes; the worker serves on.
+  tried again until its path changes (one refused for want of a free slot: until a slot frees);
+  the worker serves on.
 
 --lora_modules' adapters are not the registry's: the producer refuses to load or unload them.
 """
@@ -26,7 +27,7 @@ from torch import nn
 
 from shared.lora import AdapterView, LoraRegistry
 from worker.lora.adapter import AdapterError, load_adapter
-from worker.lora.adapter_set import AdapterSet
+from worker.lora.adapter_set import AdapterSet, NoFreeSlot
 
 log = logging.getLogger("lightq.worker")
 
@@ -42,6 +43,7 @@ class AdapterRuntime:
         self.desired: dict[str, str] = {}  # the registry's adapters: name -> folder
         self.loaded: dict[str, str] = {}  # run-time adapters in a slot here (retiring ones too) -> folder
         self.failed: dict[str, tuple[str, str]] = {}  # name -> (folder, why it did not load)
+        self.no_slot: set[str] = set()  # of those, the ones that found every slot taken
         self.dirty = False  # the registry changed since the last reconcile
         self.view = self._view()
 
@@ -55,8 +57,8 @@ class AdapterRuntime:
         """Whether ``reconcile`` has work: a new registry, or a retired adapter still in its slot."""
         return self.dirty or (self.adapters is not None and bool(self.adapters.retiring))
 
-    def failures(self) -> list[tuple[str, str]]:
-        return sorted((name, error) for name, (_, error) in self.failed.items())
+    def failures(self) -> list[tuple[str, str, str]]:
+        return sorted((name, path, error) for name, (path, error) in self.failed.items())
 
     def update(self, registry: LoraRegistry) -> None:
         self.desired = {name: path for name, path in registry.adapters.items() if name not in self.static}
@@ -68,6 +70,7 @@ class AdapterRuntime:
         before = self.view
         self.dirty = False
         self.failed = {n: f for n, f in self.failed.items() if self.desired.get(n) == f[0]}
+        self.no_slot &= set(self.failed)
         if self.adapters is not None:
             self._retire(in_use)
         for name, path in sorted(self.desired.items()):
@@ -85,6 +88,9 @@ class AdapterRuntime:
             if name in self.adapters.retiring and name not in in_use:
                 self.adapters.release(name)
                 del self.loaded[name]
+                for waiting in self.no_slot:  # a slot is free: they are tried again below
+                    self.failed.pop(waiting, None)
+                self.no_slot.clear()
 
     def _load(self, name: str, path: str) -> None:
         if self.adapters is None:
@@ -95,6 +101,8 @@ class AdapterRuntime:
             slot = self.adapters.add(load_adapter(name, path, self.model, self.max_rank))
         except (AdapterError, OSError) as exc:
             self.failed[name] = (path, str(exc))
+            if isinstance(exc, NoFreeSlot):
+                self.no_slot.add(name)
             log.warning("LoRA adapter %r not loaded: %s; the worker serves on", name, exc)
             return
         self.loaded[name] = path
