@@ -22,7 +22,9 @@ RECIPES = [
     AdapterRecipe("attn8", 8, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=21, alpha=16.0),
     AdapterRecipe("mlp4", 4, ("gate_proj", "down_proj"), seed=22, alpha=8.0),
 ]
-RUN_TIME = AdapterRecipe("late8", 8, ("q_proj", "v_proj", "up_proj"), seed=23, alpha=16.0)  # not in --lora_modules
+RUN_TIME = AdapterRecipe(
+    "late8", 8, ("q_proj", "o_proj", "up_proj", "down_proj"), seed=23, alpha=32.0
+)  # not in --lora_modules
 NEW_TOKENS = 12
 
 
