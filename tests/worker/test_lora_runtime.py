@@ -1,8 +1,10 @@
 """LoRA adapters loaded and unloaded at run time, the worker's side (issue 32): a tiny random
 Llama with --lora_modules' adapter and spare slots (--max_loras); adapters from the registry load
 between steps and answer PEFT's greedy tokens in a mixed batch; an unloaded adapter's running
-request ends with it, its slot is freed after and a later adapter reuses it exactly; one that does
-not fit is reported and the worker serves on."""
+request ends with it, its slot is freed after and a later adapter reuses it exactly; more adapters
+than slots are paged in as requests need them (least recently used out, never one a started
+request uses) and still answer PEFT's tokens; one that does not fit is reported and the worker
+serves on."""
 
 from __future__ import annotations
 
@@ -83,17 +85,43 @@ def test_an_unloaded_adapter_finishes_its_requests_and_frees_its_slot(tiny, adap
     runtime.update(LoraRegistry(version=2, adapters={"k2": folders["k2"]}))
     in_use = {req.msg.adapter for req in engine.requests()}
     assert runtime.reconcile(in_use)
-    # no new requests for it; it stays in its slot, the only one: k2 waits for it
-    assert runtime.view.serving == () and runtime.view.resident == ("all16",)
-    assert runtime.view.failed == (("k2", folders["k2"], "LoRA adapter 'k2': all 1 adapter slots are taken"),)
+    # no new requests for all16; it keeps the only slot while its request runs: k2 waits in host memory
+    assert runtime.view == AdapterView(serving=("k2",), resident=("all16",))
     while engine.has_work:
         step(engine, tokens)
         runtime.reconcile({req.msg.adapter for req in engine.requests()})
     assert tokens["running"] == want["all16"][2]  # the unload did not touch it
-    # its slot freed as the request ended, and k2, waiting for one, took it
-    assert runtime.view == AdapterView(serving=("k2",), resident=("k2",))
-    # the slot all16 left is reused: none of its weights remain where k2 has none
+    assert runtime.view == AdapterView(serving=("k2",), resident=())  # its slot freed as the request ended
+    # k2 is paged into the slot all16 left: none of all16's weights remain where k2 has none
     assert run_all(engine, [lora_req("k2", PROMPTS[0], "k2")])["k2"] == want["k2"][0]
+    assert runtime.refresh() and runtime.view.resident == ("k2",)
+
+
+def test_more_adapters_than_slots_are_paged_in_as_requests_need_them(tiny, adapters):  # noqa: F811
+    folders, want = adapters
+    engine, runtime = runtime_engine(tiny[1], {}, spare=1)
+    runtime.update(LoraRegistry(version=1, adapters={n: folders[n] for n in ("qv4", "mlp8", "k2")}))
+    runtime.reconcile(set())
+    assert runtime.view.serving == ("k2", "mlp8", "qv4") and len(runtime.view.resident) == 1
+    # one slot, three adapters in one burst: each waits for the slot in turn, the base goes ahead
+    names = ["qv4", "mlp8", None, "k2"]
+    got = run_all(engine, [lora_req(f"{name}", PROMPTS[1], name) for name in names])
+    for name in names:
+        assert got[f"{name}"] == want[name][1], name
+
+
+def test_the_least_recently_used_unpinned_adapter_is_evicted(tiny, adapters):  # noqa: F811
+    folders, _ = adapters
+    engine, runtime = runtime_engine(tiny[1], {"all16": folders["all16"]}, spare=2)
+    runtime.update(LoraRegistry(version=1, adapters={n: folders[n] for n in ("qv4", "mlp8", "k2")}))
+    runtime.reconcile(set())  # k2 and mlp8 take the two free slots, by name; qv4 waits in host memory
+    cache = runtime.adapters
+    assert set(cache.slots) == {"all16", "k2", "mlp8"}
+    assert cache.make_resident("k2", pinned=())  # used: mlp8 is now the least recent
+    assert cache.make_resident("qv4", pinned=()) and set(cache.slots) == {"all16", "k2", "qv4"}
+    assert cache.make_resident("mlp8", pinned=["qv4"]) and set(cache.slots) == {"all16", "qv4", "mlp8"}
+    assert not cache.make_resident("k2", pinned=["qv4", "mlp8"])  # every run-time slot in use: it waits
+    assert "all16" in cache.slots  # --lora_modules' adapters are never evicted
 
 
 def test_an_adapter_that_does_not_fit_is_reported_and_the_worker_serves_on(tiny, adapters, tmp_path):  # noqa: F811

@@ -14,19 +14,23 @@ and its B block sits at the shard's output rows and the same R columns, zero els
 diagonal). One shrink and one expand then serve a fused layer, at the cost of multiplying the
 zero blocks (n times the expand's work); a per-shard expand would save that (SGLang's).
 
---lora_modules' adapters fill slots 1..N at start. With --max_loras M, M more slots wait for
-adapters loaded at run time (``add``, from ``worker.lora.runtime``), each stack then at least
---max_lora_rank wide on every adaptable layer, allocated once: the stacks never move, so captured
-CUDA graphs stay valid, and a run-time load is a copy into a free slot. An unloaded adapter keeps
-its slot (``retiring``) until no request uses it, then ``release`` frees it. Every adapter loaded
-is on the device: no paging, no eviction (not in this slice).
+--lora_modules' adapters fill slots 1..N at start, for good. With --max_loras M, M more slots
+are a device cache of the adapters loaded at run time (``register``, from ``worker.lora.runtime``),
+each stack then at least --max_lora_rank wide on every adaptable layer, allocated once before the
+KV pool is sized (so admission never counts on that memory): the stacks never move, so captured
+CUDA graphs stay valid. Any number of run-time adapters are kept in host memory; one is copied
+into a slot when a request about to start needs it (``make_resident``, from the runner's
+``prepare``), evicting the least recently used one that no started request uses, and the request
+waits in its place while every slot is in use. An unloaded adapter stays (``retiring``) until no
+request names it, then ``release`` forgets it.
 The forward binds its batch (``bind``) so each ``LoraLinear`` reads the batch's slots; binding
 is scoped and never nested.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -40,17 +44,16 @@ from worker.model.layers import Linear
 from worker.model.models import model_class
 
 
-class NoFreeSlot(AdapterError):
-    """Every slot holds an adapter: one may free when an unloaded adapter's requests end."""
-
-
 class AdapterSet:
-    """``adapters`` in slots 1..N; ``spare`` more slots for adapters loaded at run time (``add``),
-    each as large as ``rank`` on every adaptable layer (see the module's docstring)."""
+    """``adapters`` in slots 1..N; ``spare`` more slots, a cache of the adapters loaded at run time
+    (``register``), each as large as ``rank`` on every adaptable layer (the module's docstring)."""
 
     def __init__(self, adapters: list[LoraAdapter], spare: int = 0, rank: int = 0):
-        self.slots = {a.name: i + 1 for i, a in enumerate(adapters)}
-        self.retiring: set[str] = set()  # unloaded, kept in their slots while requests still use them
+        self.slots = {a.name: i + 1 for i, a in enumerate(adapters)}  # on the device: name -> slot
+        self.host: dict[str, LoraAdapter] = {}  # run-time adapters (host memory), on the device or not
+        self.recent: OrderedDict[str, None] = OrderedDict()  # run-time ones on the device, least recent first
+        self.retiring: set[str] = set()  # unloaded, kept while requests still name them
+        self.changes = 0  # grows when what is on the device changes (the load record follows)
         self.num_slots = len(adapters) + spare + 1
         self.spare_rank = rank if spare else 0
         self.max_rank = max([a.rank for a in adapters] + [self.spare_rank])
@@ -61,12 +64,13 @@ class AdapterSet:
 
     @property
     def names(self) -> list[str]:
-        """The adapters new requests may name (those retiring are not), by slot."""
-        return [name for name, _ in sorted(self.slots.items(), key=lambda kv: kv[1]) if name not in self.retiring]
+        """The adapters new requests may name: --lora_modules', then the run-time ones (not retiring)."""
+        static = [name for name in self.slots if name not in self.host]
+        return static + [name for name in self.host if name not in self.retiring]
 
     def slot(self, name: str | None) -> int:
-        """The slot of adapter ``name`` (None: 0, the base model); KeyError when not served here.
-        A retiring adapter keeps its slot for the requests that still run with it."""
+        """The slot of adapter ``name`` (None: 0, the base model); KeyError when not on the device
+        (a request's adapter is made resident before it starts and stays so until it ends)."""
         if name is None:
             return 0
         if name not in self.slots:
@@ -110,26 +114,58 @@ class AdapterSet:
         self.nbytes = size
         return size
 
-    def add(self, adapter: LoraAdapter) -> int:
-        """Put a run-time adapter (checked against the model: ``load_adapter``) in a free slot; its
-        slot. AdapterError when no slot is free or it adapts a layer or rank the stacks lack."""
-        used = set(self.slots.values())
-        free = [slot for slot in range(1, self.num_slots) if slot not in used]
-        if not free:
-            raise NoFreeSlot(f"LoRA adapter {adapter.name!r}: all {self.num_slots - 1} adapter slots are taken")
+    def register(self, adapter: LoraAdapter) -> None:
+        """Keep a run-time adapter (checked against the model: ``load_adapter``) in host memory,
+        copied to the device now if a slot is free, else when a request needs it (``make_resident``).
+        AdapterError when it adapts a layer or a rank the stacks lack."""
         for name, shards in adapter.modules.items():
             layer = self.layers.get(name)
             rank = max(s[0].shape[0] for s in shards if s is not None)
             if layer is None or rank > layer.rank:
                 raise AdapterError(f"LoRA adapter {adapter.name!r}: {name} at rank {rank} has no room in the stacks")
-        self._write(free[0], adapter)
-        self.slots[adapter.name] = free[0]
-        return free[0]
+        self.host[adapter.name] = adapter
+        free = self._free_slot()
+        if free is not None:
+            self._place(adapter.name, free)
+
+    def make_resident(self, name: str, pinned: Collection[str]) -> bool:
+        """Adapter ``name`` on the device, paged in if it is not, into a free slot or the least
+        recently used one of a run-time adapter no started request uses (``pinned``: those that
+        are); False when every slot is pinned (the request waits). True for a name not served here
+        (``ModelRunner.start`` refuses it)."""
+        if name in self.slots:
+            if name in self.recent:
+                self.recent.move_to_end(name)
+            return True
+        if name not in self.host:
+            return True
+        slot = self._free_slot()
+        if slot is None:
+            victim = next((n for n in self.recent if n not in pinned), None)
+            if victim is None:
+                return False
+            slot = self.slots.pop(victim)
+            del self.recent[victim]
+        self._place(name, slot)
+        return True
 
     def release(self, name: str) -> None:
-        """Forget a retired adapter once no request uses it: its slot is free (``add`` overwrites it)."""
+        """Forget a retired adapter once no request names it: its slot (if it has one) is free."""
+        self.host.pop(name, None)
         self.slots.pop(name, None)
+        self.recent.pop(name, None)
         self.retiring.discard(name)
+        self.changes += 1
+
+    def _free_slot(self) -> int | None:
+        used = set(self.slots.values())
+        return next((slot for slot in range(1, self.num_slots) if slot not in used), None)
+
+    def _place(self, name: str, slot: int) -> None:
+        self._write(slot, self.host[name])
+        self.slots[name] = slot
+        self.recent[name] = None
+        self.changes += 1
 
     @torch.no_grad()
     def _write(self, slot: int, adapter: LoraAdapter) -> None:

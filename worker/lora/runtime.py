@@ -4,16 +4,16 @@ The intake hands the model loop the registry whenever it changed (``worker.servi
 loop calls ``update`` and then ``reconcile`` between two steps, so no forward ever sees a slot
 change under it. ``reconcile`` is idempotent and runs again while anything is pending:
 
-- an adapter the registry gains is read from its folder, checked against the model and copied
-  into a free slot (``AdapterSet.add``); reading it happens on the loop (tens of milliseconds for a
-  rank-16 adapter of an 8B model: a pause of one step, taken once per load);
+- an adapter the registry gains is read from its folder, checked against the model and kept in
+  host memory (``AdapterSet.register``: on the device at once if a slot is free, else paged in
+  when a request needs it); reading it happens on the loop (tens of milliseconds for a rank-16
+  adapter of an 8B model: a pause of one step, taken once per load);
 - one it loses (or whose path changed) retires: new requests for it are refused at once (the load
   record stops listing it, so routers stop sending it), requests already here run to their end
-  with it, and its slot is freed when none is left; a path changed meanwhile loads after that;
-- one that cannot load (shapes that do not fit the model, no free slot, unreadable files) is
-  remembered with its error, published in the load record (``WorkerLoad.lora_failed``) and not
-  tried again until its path changes (one refused for want of a free slot: until a slot frees);
-  the worker serves on.
+  with it, and it is forgotten when none is left; a path changed meanwhile loads after that;
+- one that cannot load (shapes that do not fit the model, unreadable files, a worker without
+  slots) is remembered with its error, published in the load record (``WorkerLoad.lora_failed``)
+  and not tried again until its path changes; the worker serves on.
 
 --lora_modules' adapters are not the registry's: the producer refuses to load or unload them.
 """
@@ -27,7 +27,7 @@ from torch import nn
 
 from shared.lora import AdapterView, LoraRegistry
 from worker.lora.adapter import AdapterError, load_adapter
-from worker.lora.adapter_set import AdapterSet, NoFreeSlot
+from worker.lora.adapter_set import AdapterSet
 
 log = logging.getLogger("lightq.worker")
 
@@ -41,20 +41,29 @@ class AdapterRuntime:
         self.max_rank = max_rank
         self.static = frozenset(static)
         self.desired: dict[str, str] = {}  # the registry's adapters: name -> folder
-        self.loaded: dict[str, str] = {}  # run-time adapters in a slot here (retiring ones too) -> folder
+        self.loaded: dict[str, str] = {}  # run-time adapters registered here (retiring ones too) -> folder
         self.failed: dict[str, tuple[str, str]] = {}  # name -> (folder, why it did not load)
-        self.no_slot: set[str] = set()  # of those, the ones that found every slot taken
         self.dirty = False  # the registry changed since the last reconcile
+        self._changes = 0  # the AdapterSet's ``changes`` the view was made at
         self.view = self._view()
 
+    def refresh(self) -> bool:
+        """The view again if what is on the device changed since (a step paged an adapter in);
+        whether it did."""
+        if self.adapters is None or self.adapters.changes == self._changes:
+            return False
+        before, self.view = self.view, self._view()
+        return self.view != before
+
     def _view(self) -> AdapterView:
+        self._changes = self.adapters.changes if self.adapters is not None else 0
         if self.adapters is None:
             return AdapterView(failed=tuple(self.failures()))
         return AdapterView(tuple(self.adapters.names), tuple(self.adapters.slots), tuple(self.failures()))
 
     @property
     def pending(self) -> bool:
-        """Whether ``reconcile`` has work: a new registry, or a retired adapter still in its slot."""
+        """Whether ``reconcile`` has work: a new registry, or a retired adapter still named by requests."""
         return self.dirty or (self.adapters is not None and bool(self.adapters.retiring))
 
     def failures(self) -> list[tuple[str, str, str]]:
@@ -70,7 +79,6 @@ class AdapterRuntime:
         before = self.view
         self.dirty = False
         self.failed = {n: f for n, f in self.failed.items() if self.desired.get(n) == f[0]}
-        self.no_slot &= set(self.failed)
         if self.adapters is not None:
             self._retire(in_use)
         for name, path in sorted(self.desired.items()):
@@ -84,13 +92,10 @@ class AdapterRuntime:
         for name, path in list(self.loaded.items()):
             if self.desired.get(name) != path and name not in self.adapters.retiring:
                 self.adapters.retiring.add(name)
-                log.info("LoRA adapter %r unloaded: no new requests; its slot frees when its requests end", name)
+                log.info("LoRA adapter %r unloaded: no new requests; it goes when its requests end", name)
             if name in self.adapters.retiring and name not in in_use:
                 self.adapters.release(name)
                 del self.loaded[name]
-                for waiting in self.no_slot:  # a slot is free: they are tried again below
-                    self.failed.pop(waiting, None)
-                self.no_slot.clear()
 
     def _load(self, name: str, path: str) -> None:
         if self.adapters is None:
@@ -98,12 +103,10 @@ class AdapterRuntime:
             log.warning("LoRA adapter %r (%s) not loaded: %s", name, path, NO_SLOTS)
             return
         try:
-            slot = self.adapters.add(load_adapter(name, path, self.model, self.max_rank))
+            self.adapters.register(load_adapter(name, path, self.model, self.max_rank))
         except (AdapterError, OSError) as exc:
             self.failed[name] = (path, str(exc))
-            if isinstance(exc, NoFreeSlot):
-                self.no_slot.add(name)
             log.warning("LoRA adapter %r not loaded: %s; the worker serves on", name, exc)
             return
         self.loaded[name] = path
-        log.info("LoRA adapter %r loaded at run time from %s (slot %d)", name, path, slot)
+        log.info("LoRA adapter %r loaded at run time from %s", name, path)

@@ -168,6 +168,8 @@ class WorkerService:
         started = time.perf_counter()
         events = self.engine.step(hand_over)
         self.on_step([*early, *events], time.perf_counter() - started)
+        if self.lora.refresh():  # an adapter paged in (another out): the routers prefer where it is now
+            self.heartbeat.poke()
         self.publisher.put(events)
         if any(isinstance(e, Released) for e in events):
             self.heartbeat.poke()  # room freed: the routers hear of it now, not at the next period
