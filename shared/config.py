@@ -446,8 +446,9 @@ class WorkerSettings(BaseSettings):
         ge=0,
         le=1024,
         description="adapter slots on the device for LoRA adapters loaded at run time (POST "
-        "/v1/load_lora_adapter), beside --lora_modules' own; each takes --max_lora_rank on every attention "
-        "and MLP projection, allocated at start (0: this worker loads none at run time)",
+        "/v1/load_lora_adapter), beside --lora_modules' own: a cache of the run-time adapters kept in host "
+        "memory (least recently used out); each takes --max_lora_rank on every attention and MLP projection, "
+        "allocated at start (0: this worker loads none at run time)",
     )
     seed: int = Field(0, description="seed for dummy weights")
     counting_step_ms: float = Field(
