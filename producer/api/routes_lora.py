@@ -75,7 +75,8 @@ async def load_lora_adapter(request: Request, services: ServicesDep) -> JSONResp
     serving, failed = await _wait(services, lambda load: name in load.adapters, (name, path))
     if failed is not None:
         await _change(services, name, None, expect=path)  # taken back: no worker can serve it
-        raise ApiError(422, f"LoRA adapter '{name}': {failed}", param="lora_path", code="invalid_lora_adapter")
+        message = f"No live worker could load the LoRA adapter '{name}': {failed}"
+        raise ApiError(422, message, param="lora_path", code="invalid_lora_adapter")
     return _answer(name, "loaded" if serving else "recorded", serving)
 
 
