@@ -39,7 +39,7 @@ class AdapterRuntime:
         self.adapters = adapters  # None: the model has no adapter stacks (no --lora_modules, --max_loras 0)
         self.model = model
         self.max_rank = max_rank
-        self.static = frozenset(static)
+        self.static = tuple(static)  # --lora_modules' names, in their order
         self.desired: dict[str, str] = {}  # the registry's adapters: name -> folder
         self.loaded: dict[str, str] = {}  # run-time adapters registered here (retiring ones too) -> folder
         self.failed: dict[str, tuple[str, str]] = {}  # name -> (folder, why it did not load)
@@ -57,8 +57,8 @@ class AdapterRuntime:
 
     def _view(self) -> AdapterView:
         self._changes = self.adapters.changes if self.adapters is not None else 0
-        if self.adapters is None:
-            return AdapterView(failed=tuple(self.failures()))
+        if self.adapters is None:  # a stand-in model (tests): it serves what it was started with
+            return AdapterView(self.static, self.static, tuple(self.failures()))
         return AdapterView(tuple(self.adapters.names), tuple(self.adapters.slots), tuple(self.failures()))
 
     @property
