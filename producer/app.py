@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
-from producer.api import routes_native, routes_openai, routes_requests
+from producer.api import routes_lora, routes_native, routes_openai, routes_requests
 from producer.api.errors import install_handlers
 from producer.batches import routes as routes_batches
 from producer.deps import Services, batch_client
@@ -98,6 +98,7 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
     app.include_router(routes_native.router)
     app.include_router(routes_requests.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_lora.router)
     app.include_router(dashboard.router)
     app.include_router(routes_batches.router)
     return app

@@ -66,6 +66,12 @@ HIT_WEIGHT = 0.5
 # most SENT_MAX hashes (older ones dropped first).
 SENT_TTL_S = 5.0
 SENT_MAX = 4096
+# Adapter-aware choice (issue 32): a worker holding the request's LoRA adapter in device memory
+# (``WorkerLoad.resident_adapters``, or sent one for it within SENT_TTL_S) counts as a hit of this
+# share in ``cache_aware_fit``: it saves paging the adapter in and evicting another. 0.5 is worth a
+# quarter of the pool in use ratio: the holder wins until its projected use is that far above the
+# least loaded's, then the request goes there and a hot adapter spreads to a second worker.
+ADAPTER_HIT = 0.5
 
 
 def least_loaded_fit(
@@ -123,17 +129,19 @@ def cache_aware_fit(
     return min(scored)[3] if scored else None
 
 
-# Why a worker was chosen: it holds a prefix of the prompt; others did but load won; nobody held
-# any (least loaded); none could take it (the request waits).
-Reason = Literal["prefix_hit", "load_over_hit", "least_loaded", "wait"]
+# Why a worker was chosen: it holds a prefix of the prompt (a LoRA request: its adapter); others did
+# but load won; nobody held any (least loaded); none could take it (the request waits).
+Reason = Literal["prefix_hit", "load_over_hit", "adapter_hit", "load_over_adapter", "least_loaded", "wait"]
 
 
-def reason(chosen: str | None, hits: Mapping[str, float]) -> Reason:
+def reason(chosen: str | None, hits: Mapping[str, float], adapter: bool = False) -> Reason:
     if chosen is None:
         return "wait"
     if chosen in hits:
-        return "prefix_hit"
-    return "load_over_hit" if hits else "least_loaded"
+        return "adapter_hit" if adapter else "prefix_hit"
+    if not hits:
+        return "least_loaded"
+    return "load_over_adapter" if adapter else "load_over_hit"
 
 
 class WorkerView(BatchView):
@@ -190,6 +198,7 @@ class Views:
         self.last_reason: Reason = "wait"  # why the last ``choose`` chose as it did, for the metrics
         self._sent: dict[str, dict[int, tuple[int, float]]] = {}  # worker -> hash -> (tokens, when sent)
         self._held_at_chosen: tuple[str | None, int] = (None, 0)  # the last choice and its discount (``admit``)
+        self._sent_adapters: dict[str, dict[str, float]] = {}  # worker -> LoRA adapter -> when last sent
 
     def clear(self) -> None:
         """Every view goes (their draws came from an older history)."""
@@ -214,6 +223,12 @@ class Views:
             views[worker_id] = view if same else WorkerView(load, reserved, self.policy)
         self._views = views
         self._sent = {worker_id: sent for worker_id, sent in self._sent.items() if worker_id in loads}
+        oldest = self.clock() - SENT_TTL_S  # what a record shows by now needs no memory of a send
+        self._sent_adapters = {
+            worker_id: {a: when for a, when in sent.items() if when >= oldest}
+            for worker_id, sent in self._sent_adapters.items()
+            if worker_id in loads
+        }
 
     def choose(
         self, candidate: Candidate, model: str | None = None, prompt_ids: Sequence[int] = (), adapter: str | None = None
@@ -222,7 +237,8 @@ class Views:
         of ``prompt_ids`` (the ids it may find cached: ``cacheable_prompt``; ``cache_aware_fit``),
         or None: the request waits. Where running requests hold a prefix of them, the candidate
         counts only the rest; only workers that load the LoRA ``adapter`` (None: the base model) are
-        candidates. ``admit`` the chosen worker's candidate next."""
+        candidates, and those holding it on the device are preferred (``ADAPTER_HIT``). ``admit`` the
+        chosen worker's candidate next."""
         views = {worker_id: view for worker_id, view in self._views.items() if view.load.serves(model, adapter)}
         uses = {worker_id: view.use_ratio() for worker_id, view in views.items()}
         # Hashed for the choice, or for a discount (with --no-cache_aware too: that is admission).
@@ -236,12 +252,24 @@ class Views:
             tokens = self._hit(worker_id, view, hashes) if self.cache_aware else 0
             if tokens:
                 hits[worker_id] = tokens / len(prompt_ids)
+        if adapter is not None and self.cache_aware:  # its prompt is never cached: holding its adapter is the hit
+            hits = {w: ADAPTER_HIT for w in views if self._holds(w, adapter)}
         chosen = cache_aware_fit(uses, hits, lambda w: self._views[w].ratio(candidate, held.get(w, 0)))
-        self.last_reason = reason(chosen, hits)
+        self.last_reason = reason(chosen, hits, adapter is not None)
+        if chosen is not None and adapter is not None:
+            self._sent_adapters.setdefault(chosen, {})[adapter] = self.clock()
         self._held_at_chosen = (chosen, held.get(chosen, 0) if chosen is not None else 0)
         if chosen is not None and hashes and self.cache_aware and views[chosen].load.prefix_cache:
             self._remember(chosen, hashes)
         return chosen
+
+    def _holds(self, worker_id: str, adapter: str) -> bool:
+        """The worker holds ``adapter`` on its device, by its record or because this router sent it a
+        request for it lately (its record shows the adapter only after it paged it in)."""
+        if adapter in self._views[worker_id].load.resident_adapters:
+            return True
+        sent = self._sent_adapters.get(worker_id, {})
+        return sent.get(adapter, -math.inf) >= self.clock() - SENT_TTL_S
 
     def _hit(self, worker_id: str, view: WorkerView, hashes: Sequence[int]) -> int:
         """Tokens of the prompt the worker's cache holds, by its record or by what this router sent

@@ -47,7 +47,8 @@ class RouterMetrics:
         self.decisions = Counter(
             "lightq:router_decisions",
             "admission decisions by reason (router.admission.Reason): the chosen worker holds a prefix of "
-            "the prompt, others did but load won, nobody held any, or the request waits",
+            "the prompt (a LoRA request's: its adapter), others did but load won, nobody held any, or the "
+            "request waits",
             ["router", "reason"],
             registry=self.registry,
         )

@@ -91,6 +91,15 @@ class ModelSettings(BaseSettings):
         "'parameters.adapter'); one that does not fit the model stops the worker at start",
     )
 
+    # Here, not the worker's alone: the producer refuses a run-time adapter over it before writing.
+    max_lora_rank: int = Field(
+        64,
+        gt=0,
+        le=256,
+        description="largest LoRA rank an adapter may have (--lora_modules: a larger one stops the worker; "
+        "at run time: 400)",
+    )
+
     @field_validator("lora_modules")
     @classmethod
     def _check_lora_modules(cls, specs: list[str]) -> list[str]:
@@ -166,6 +175,12 @@ class ProducerSettings(BaseSettings):
         description="seconds between reads of the cluster view from Redis; /metrics and /dashboard/data serve the last",
     )
     default_max_new_tokens: int = Field(16, gt=0, description="max_new_tokens when a request gives none")
+    lora_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="seconds POST /v1/load_lora_adapter (and unload) waits for a live worker to list the "
+        "adapter (not to, unloading) before answering 202 instead of 200 (the change is recorded either way)",
+    )
     max_prompts: int = Field(
         64,
         ge=1,
@@ -428,8 +443,14 @@ class WorkerSettings(BaseSettings):
         description="folder where a .gguf's dequantised weights are kept (fp32 safetensors, one file per "
         "GGUF), so later starts skip the dequantisation ('': never kept)",
     )
-    max_lora_rank: int = Field(
-        64, gt=0, le=256, description="largest LoRA rank --lora_modules may load (a larger one stops the worker)"
+    max_loras: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="adapter slots on the device for LoRA adapters loaded at run time (POST "
+        "/v1/load_lora_adapter), beside --lora_modules' own: a cache of the run-time adapters kept in host "
+        "memory (least recently used out); each takes --max_lora_rank on every attention and MLP projection, "
+        "allocated at start (0: this worker loads none at run time)",
     )
     seed: int = Field(0, description="seed for dummy weights")
     counting_step_ms: float = Field(

@@ -49,6 +49,7 @@ of their own slots. One layout for one node and a cluster: a single server holds
 | P:{q}:tenant_queued         | hash          | routers -> metrics ("PRIO:tenant" -> requests queued) |
 | P:{q}:tenant_served         | hash          | routers -> metrics ("PRIO:tenant" -> tokens dispatched) |
 | P:{q}:router_decisions      | hash          | routers -> producer (reason -> admission decisions, every router's) |
+| P:{q}:m:MODEL:lora          | string        | producer -> workers, producers (run-time adapters: shared.lora) |
 
 Routers read a worker's inbox past its load's ``last_inbox_id``: dispatches the load does not show yet.
 Expired batch ids leave an owner's zset when the owner's batches are listed.
@@ -206,6 +207,11 @@ class Keys:
         check of every dispatch. Per model: a request only its model's workers take never holds
         up another model's lower classes. (``{m}``: requests for any worker, ``model`` None.)"""
         return f"{self.prefix}:{{q}}:m:{model}:waiting" if model else f"{self.prefix}:{{q}}:m:waiting"
+
+    def lora_registry(self, model: str | None) -> str:
+        """The LoRA adapters loaded at run time for one served model (``shared.lora.LoraRegistry``):
+        no TTL, the record every worker of the model reconciles against, one started later too."""
+        return f"{self.prefix}:{{q}}:m:{model}:lora" if model else f"{self.prefix}:{{q}}:m:lora"
 
     def order(self, priority: int) -> str:
         return f"{self.prefix}:{{q}}:p:{priority}:order"

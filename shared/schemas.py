@@ -398,7 +398,15 @@ class WorkerLoad(_Frozen):
     draining: bool = False
     model: str | None = Field(None, description="the served model name (None: takes any request)")
     running_max_req_size: int | None = Field(None, description="most requests the worker runs at once")
-    adapters: list[str] = Field(default_factory=list, description="the LoRA adapters it serves (--lora_modules)")
+    adapters: list[str] = Field(
+        default_factory=list, description="the LoRA adapters new requests may name here (--lora_modules', run-time)"
+    )
+    resident_adapters: list[str] = Field(
+        default_factory=list, description="the LoRA adapters in device memory now (unloaded ones still in use too)"
+    )
+    lora_failed: list[tuple[str, str, str]] = Field(
+        default_factory=list, description="run-time LoRA adapters this worker could not load: [name, folder, why]"
+    )
     requests: list[tuple[int, int, int, int]] = Field(
         description="per running or waiting request: [prompt + output tokens, output tokens, "
         "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState), a group's prompt counted once"

@@ -154,9 +154,15 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
     device = rank_device(settings, rank)
     dtype = pick_dtype(settings.dtype, device)
     model, config = load_model_or_stand_in(settings, tokenizer, dtype, device, group.tp if group else SINGLE)
-    if settings.model.lora_modules:  # before the pool is sized: the stacks take their memory first
-        adapters = load_adapters(settings.model.lora_modules, model, settings.max_lora_rank)
-        log.info("LoRA adapters %s: rank <= %d, %.1f MiB", adapters.names, adapters.max_rank, adapters.nbytes / 2**20)
+    if settings.model.lora_modules or settings.max_loras:  # before the pool is sized: the stacks come first
+        adapters = load_adapters(settings.model.lora_modules, model, settings.model.max_lora_rank, settings.max_loras)
+        log.info(
+            "LoRA adapters %s and %d run-time slots: rank <= %d, %.1f MiB",
+            adapters.names,
+            settings.max_loras,
+            adapters.max_rank,
+            adapters.nbytes / 2**20,
+        )
     num_slots = pool_size(settings, model, device)
     if group is not None:
         num_slots = group.min(num_slots)  # every rank's pool the same size: the smallest that fits
@@ -220,7 +226,13 @@ def run(settings: WorkerSettings) -> None:
     setup_logging()
     try:
         check_tp(settings)
-        check_adapters(settings.model.lora_modules, settings.model.model_dir, settings.tp, settings.max_lora_rank)
+        check_adapters(
+            settings.model.lora_modules,
+            settings.model.model_dir,
+            settings.tp,
+            settings.model.max_lora_rank,
+            settings.max_loras,
+        )
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"lightq worker: {exc}")
     group = None

@@ -11,9 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from producer.api.api_types import GenerateParameters
-from producer.api.errors import ApiError, bad_request
+from producer.api.errors import bad_request
 from producer.api.structured import native_constraint
-from shared.config import ModelSettings
 from shared.schemas import SamplingParams
 
 MAX_STOP_SEQUENCES = 10  # LightLLM's MAX_STOP_SEQUENCES
@@ -127,22 +126,4 @@ def native_sampling(p: GenerateParameters, default_max_new_tokens: int, tokenize
         stop_sequences=stop_strings(p.stop_sequences, tokenizer, "parameters.stop_sequences"),
         constraint=native_constraint(p.guided_json, p.regular_constraint, p.guided_grammar),
         prompt_logprobs=p.prompt_logprobs,
-    )
-
-
-def check_adapter(name: str | None, model: ModelSettings, param: str) -> str | None:
-    """A LoRA adapter name, when --lora_modules has it (None: the base model); else a 404
-    ``model_not_found`` before anything is queued. The producer trusts its own --lora_modules (the
-    same flags as the workers' under lightq serve), not the live workers': the answer does not
-    depend on which workers happen to be up, and the router sends the request only to a worker
-    whose load record lists the adapter."""
-    if name is None or name in model.adapter_names:
-        return name
-    served = ", ".join(model.adapter_names) or "none"
-    raise ApiError(
-        404,
-        f"The LoRA adapter '{name}' does not exist; this server's adapters: {served}",
-        param=param,
-        code="model_not_found",
-        reason="unknown_model",
     )

@@ -28,6 +28,7 @@ from producer import store
 from producer.api.api_types import body_doc
 from producer.api.chat import chat_prompt_ids, completion_inputs, prompt_text
 from producer.api.errors import ApiError, bad_request
+from producer.api.lora import adapter_names
 from producer.api.openai_render import Call, StreamRenderer, response
 from producer.api.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from producer.api.params import check_prompt_length
@@ -58,8 +59,9 @@ class PoolModelList(ModelList):
     data: list[PoolModelCard]
 
 
-def _cards(services: Services) -> list[PoolModelCard]:
-    """This producer's model first, then the pool's others by name."""
+async def _cards(services: Services) -> list[PoolModelCard]:
+    """This producer's model first, its adapters (--lora_modules', then run-time ones), then the
+    pool's others by name."""
     snapshot, own = services.metrics.snapshot, services.model_id
     counts = snapshot.workers_by_model(own) if snapshot is not None else {}
     cards = [
@@ -72,7 +74,7 @@ def _cards(services: Services) -> list[PoolModelCard]:
             live_workers=counts.pop(own, 0) if snapshot is not None else None,
         )
     ]
-    for adapter in services.settings.model.adapter_names:  # --lora_modules, served on the same workers
+    for adapter in await adapter_names(services):  # served on the same workers
         cards.append(cards[0].model_copy(update={"id": adapter, "root": adapter, "parent": own}))
     for name, workers in sorted(counts.items()):
         cards.append(
@@ -85,25 +87,28 @@ def _cards(services: Services) -> list[PoolModelCard]:
 
 @router.get("/models")
 async def list_models(services: ServicesDep) -> PoolModelList:
-    return PoolModelList(data=_cards(services))
+    return PoolModelList(data=await _cards(services))
 
 
 @router.get("/models/{model_id:path}", responses={404: ERRORS[404]})
 async def get_model(model_id: str, services: ServicesDep) -> PoolModelCard:
-    cards = _cards(services)
+    cards = await _cards(services)
     for card in cards:
         if card.id == model_id:
             return card
-    check_model(model_id, services)  # 404, unless it names this producer's --model_dir
+    await check_model(model_id, services)  # 404, unless it names this producer's --model_dir
     return cards[0]
 
 
-def check_model(model: str, services: Services) -> str | None:
+async def check_model(model: str, services: Services) -> str | None:
     """The served model answers to its id (and to the ``--model_dir`` it was started with); a LoRA
-    adapter of it to its --lora_modules name, returned (None: the model itself)."""
+    adapter of it to its name (--lora_modules' or run-time: ``producer.api.lora``), returned (None:
+    the model itself)."""
     if model in services.settings.model.adapter_names:
         return model
     if model not in (services.model_id, services.settings.model.model_dir):
+        if model in await adapter_names(services):
+            return model
         snapshot = services.metrics.snapshot
         in_pool = snapshot is not None and model in snapshot.workers_by_model(services.model_id)
         where = f"; '{model}' is served in this pool: send it to a producer of that model" if in_pool else ""
@@ -140,7 +145,7 @@ async def completions(request: Request, services: ServicesDep, caller: CallerDep
 
 async def prepare_completions(body: CompletionRequest, services: Services) -> tuple[list[GenerateRequest], Call]:
     """Every check and the tokenisation of a completion, a request per prompt; nothing is written."""
-    adapter = check_model(body.model, services)
+    adapter = await check_model(body.model, services)
     body.check()
     prompts = completion_inputs(body.prompt, services.settings.max_prompts)
     # max_tokens 0 scores the prompt only: one token is generated and left out of the answer.
@@ -209,7 +214,7 @@ async def chat_completions(request: Request, services: ServicesDep, caller: Call
 
 async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple[GenerateRequest, Call]:
     """Every check and the chat template of a chat completion; nothing is written (batches share it)."""
-    adapter = check_model(body.model, services)
+    adapter = await check_model(body.model, services)
     body.check()
     legacy = body.functions is not None or body.function_call is not None
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, legacy)

@@ -11,11 +11,11 @@ from typing import Any
 from producer import store
 from producer.api.api_types import GenerateBody
 from producer.api.errors import bad_request
-from producer.api.params import check_adapter, check_group, check_prompt_length, native_sampling
+from producer.api.lora import find_adapter
+from producer.api.params import check_group, check_prompt_length, native_sampling
 from producer.api.structured import NATIVE_NAMES, SchemaLimits, check_constraint, check_no_min_tokens
 from producer.deps import Services
 from producer.edge.backlog import Gate
-from shared.config import ProducerSettings
 from shared.request_log import now_ms
 from shared.schemas import DEFAULT_TENANT, MAX_TENANT_CHARS, GenerateRequest, SamplingParams
 
@@ -98,9 +98,10 @@ def user_tenant(user: str | None) -> str:
     return user
 
 
-async def prepare(body: GenerateBody, tokenizer: Any, settings: ProducerSettings) -> GenerateRequest:
+async def prepare(body: GenerateBody, services: Services) -> GenerateRequest:
+    tokenizer, settings = services.tokenizer, services.settings
     n = check_group(body.params.n, body.params.best_of, "parameters.")
-    adapter = check_adapter(body.params.adapter, settings.model, "parameters.adapter")
+    adapter = await find_adapter(body.params.adapter, services, "parameters.adapter")
     params = native_sampling(body.params, settings.default_max_new_tokens, tokenizer)
     if params.constraint is not None:
         param = f"parameters.{NATIVE_NAMES[params.constraint.kind]}"
@@ -137,7 +138,7 @@ async def enqueue(
 
 async def submit(body: GenerateBody, route: str, services: Services, key_hash: str | None = None) -> GenerateRequest:
     """Validate and enqueue; raises ApiError (400) before anything is written."""
-    return await enqueue(await prepare(body, services.tokenizer, services.settings), route, services, key_hash)
+    return await enqueue(await prepare(body, services), route, services, key_hash)
 
 
 async def abandon(services: Services, request_id: str) -> None:

@@ -111,7 +111,7 @@ async def prepare_line(line: BatchLine, services: Services) -> Prepared:
     raw = json.dumps(line.body)
     if line.url == "/generate":
         body = _parse_body(GenerateBody, raw)
-        request = await prepare(body, services.tokenizer, services.settings)
+        request = await prepare(body, services)
         render = functools.partial(_render_native, request.num_prompt_tokens, body.params.return_details, request.n)
         return Prepared(request, render)
     if line.url == "/v1/completions":

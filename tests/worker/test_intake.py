@@ -39,3 +39,28 @@ def test_the_intake_reads_on_after_its_inbox_is_deleted_under_its_blocked_read(r
     finally:
         intake.stop()
         rclient.delete(keys.inbox("w1"), keys.output_lengths())
+
+
+def test_the_lora_registry_is_handed_over_when_it_changes(rclient, keys):
+    """Read inline (no thread): the registry once per change, an unchanged one not again, a deleted
+    key as an empty registry (every run-time adapter goes)."""
+    from shared.codec import encode
+    from shared.lora import LoraRegistry
+
+    key = keys.lora_registry("m")
+    intake = Intake(rclient, keys, "w1", held=list, history=lambda: (10, 60.0), lora_key=key)
+
+    def read() -> LoraRegistry | None:
+        intake.next_lora = 0.0  # due now: the period is not what is tested
+        return intake.read(block_ms=None).lora
+
+    try:
+        assert read() is None  # no key, nothing handed over yet: nothing to reconcile
+        registry = LoraRegistry(version=1, adapters={"sql": "/a/sql"})
+        rclient.set(key, encode(registry))
+        assert read() == registry
+        assert read() is None
+        rclient.delete(key)
+        assert read() == LoraRegistry()
+    finally:
+        rclient.delete(key, keys.inbox("w1"), keys.output_lengths())

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shared.admission import request_states as message_states
+from shared.lora import AdapterView
 from shared.peak import ReqState
 from shared.request_log import now_ms
 from shared.schemas import WorkerLoad, tally_preemptible
@@ -113,6 +114,9 @@ def preemptible_classes(reqs: list[Req], max_preemptions: int) -> list[tuple[int
     return tally_preemptible((priority, sum(s.held for s in states), len(states)) for priority, states in held)
 
 
+NO_ADAPTERS = AdapterView()  # a worker without LoRA adapters
+
+
 def build_load(
     engine: LoadSource,
     worker_id: str,
@@ -122,7 +126,7 @@ def build_load(
     model: str | None = None,
     max_preemptions: int = 0,
     preempt_asks_read: int = 0,
-    adapters: tuple[str, ...] = (),
+    lora: AdapterView = NO_ADAPTERS,
 ) -> WorkerLoad:
     snap = engine.snapshot()
     reqs = engine.requests()
@@ -143,7 +147,9 @@ def build_load(
         last_inbox_id=last_inbox_id,
         draining=draining,
         model=model,
-        adapters=list(adapters),
+        adapters=list(lora.serving),
+        resident_adapters=list(lora.resident),
+        lora_failed=list(lora.failed),
         running_max_req_size=engine.limits.running_max_req_size,
         requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in states],
         preemptible=preemptible_classes(reqs, max_preemptions),

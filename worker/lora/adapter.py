@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shared.lora import CONFIG_FILE, WEIGHTS_FILE, config_problem
 from worker.model.layers import Linear
 
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # base_model.model.<module>.lora_A.weight; PEFT drops the adapter's own name when it saves
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 
@@ -64,7 +64,8 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoraA
     config = _read_config(path, fail)
     alpha = float(config.get("lora_alpha", config["r"]))
     pairs = _read_pairs(path, fail)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    # A layer adapters wrap already (a run-time load: ``LoraLinear``) keeps its Linear as ``.base``.
+    linears = {n.removesuffix(".base"): m for n, m in model.named_modules() if isinstance(m, Linear)}
     modules: dict[str, list[Shard | None]] = {}
     for module, (a, b) in sorted(pairs.items()):
         rank = a.shape[0]
@@ -96,21 +97,9 @@ def _read_config(path: str, fail) -> dict:
             config = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise fail(f"cannot read {CONFIG_FILE}: {exc}") from None
-    if config.get("peft_type", "LORA") != "LORA":
-        raise fail(f"peft_type {config.get('peft_type')!r}, not LORA")
-    refused = {
-        "use_dora": "DoRA",
-        "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)",
-        "modules_to_save": "modules_to_save (whole modules trained beside the adapter)",
-        "alpha_pattern": "alpha_pattern (per-module alphas)",
-    }
-    for key, what in refused.items():
-        if config.get(key):
-            raise fail(f"{what} is not supported")
-    if config.get("bias", "none") != "none":
-        raise fail(f"bias {config['bias']!r} is not supported (only 'none')")
-    if not isinstance(config.get("r"), int):
-        raise fail(f"{CONFIG_FILE} has no rank 'r'")
+    problem = config_problem(config) if isinstance(config, dict) else f"{CONFIG_FILE} is not an object"
+    if problem is not None:
+        raise fail(problem)
     return config
 
 

@@ -6,6 +6,7 @@ Slots (the index a request's adapter has in every stack):
 |---------|-------------------------------|---------------------------------|
 | 0       | no adapter (the base model)   | zeros: its delta is 0           |
 | 1 .. N  | --lora_modules, in their order | the adapter's, zero-padded to R |
+| N+1 ..  | --max_loras run-time slots     | a loaded adapter's, or unused   |
 
 Per adapted layer with n shards (qkv: 3, gate_up: 2, others 1) and R the largest rank any
 adapter has on it, A is [S, n R, in] and B [S, out, n R]: shard k's A rows are k R .. k R + r,
@@ -13,14 +14,23 @@ and its B block sits at the shard's output rows and the same R columns, zero els
 diagonal). One shrink and one expand then serve a fused layer, at the cost of multiplying the
 zero blocks (n times the expand's work); a per-shard expand would save that (SGLang's).
 
-Every adapter is on the device from start to end: no paging, no eviction (not in this slice).
+--lora_modules' adapters fill slots 1..N at start, for good. With --max_loras M, M more slots
+are a device cache of the adapters loaded at run time (``register``, from ``worker.lora.runtime``),
+each stack then at least --max_lora_rank wide on every adaptable layer, allocated once before the
+KV pool is sized (so admission never counts on that memory): the stacks never move, so captured
+CUDA graphs stay valid. Any number of run-time adapters are kept in host memory; one is copied
+into a slot when a request about to start needs it (``make_resident``, from the runner's
+``prepare``), evicting the least recently used one that no started request uses, and the request
+waits in its place while every slot is in use. An unloaded adapter stays (``retiring``) until no
+request names it, then ``release`` forgets it.
 The forward binds its batch (``bind``) so each ``LoraLinear`` reads the batch's slots; binding
 is scoped and never nested.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -30,20 +40,37 @@ from shared.model_files import load_config, resolve
 from worker.lora.adapter import AdapterError, LoraAdapter, load_adapter, parse_spec
 from worker.lora.linear import LoraLinear
 from worker.model.forward_batch import ForwardBatch
+from worker.model.layers import Linear
 from worker.model.models import model_class
 
 
 class AdapterSet:
-    def __init__(self, adapters: list[LoraAdapter]):
-        self.names = [a.name for a in adapters]
-        self.slots = {a.name: i + 1 for i, a in enumerate(adapters)}
-        self.max_rank = max((a.rank for a in adapters), default=0)
+    """``adapters`` in slots 1..N; ``spare`` more slots, a cache of the adapters loaded at run time
+    (``register``), each as large as ``rank`` on every adaptable layer (the module's docstring)."""
+
+    def __init__(self, adapters: list[LoraAdapter], spare: int = 0, rank: int = 0):
+        self.slots = {a.name: i + 1 for i, a in enumerate(adapters)}  # on the device: name -> slot
+        self.host: dict[str, LoraAdapter] = {}  # run-time adapters (host memory), on the device or not
+        self.recent: OrderedDict[str, None] = OrderedDict()  # run-time ones on the device, least recent first
+        self.retiring: set[str] = set()  # unloaded, kept while requests still name them
+        self.changes = 0  # grows when what is on the device changes (the load record follows)
+        self.num_slots = len(adapters) + spare + 1
+        self.spare_rank = rank if spare else 0
+        self.max_rank = max([a.rank for a in adapters] + [self.spare_rank])
         self.bound: ForwardBatch | None = None  # set by ``bind`` for one forward
         self.nbytes = 0  # the stacks' device memory, once installed
+        self.layers: dict[str, LoraLinear] = {}  # adapted layer name -> its wrapper (``install``)
         self._adapters = adapters
 
+    @property
+    def names(self) -> list[str]:
+        """The adapters new requests may name: --lora_modules', then the run-time ones (not retiring)."""
+        static = [name for name in self.slots if name not in self.host]
+        return static + [name for name in self.host if name not in self.retiring]
+
     def slot(self, name: str | None) -> int:
-        """The slot of adapter ``name`` (None: 0, the base model); KeyError when not served here."""
+        """The slot of adapter ``name`` (None: 0, the base model); KeyError when not on the device
+        (a request's adapter is made resident before it starts and stays so until it ends)."""
         if name is None:
             return 0
         if name not in self.slots:
@@ -61,57 +88,127 @@ class AdapterSet:
 
     @torch.no_grad()
     def install(self, model: nn.Module) -> int:
-        """Wrap every layer some adapter adapts in a ``LoraLinear`` holding its stacks (the model's
-        dtype, the layer's device); the stacks' bytes. The model then binds this set in its forward."""
-        names = sorted({name for a in self._adapters for name in a.modules})
+        """Wrap every layer some adapter adapts (with spare slots: every adaptable layer) in a
+        ``LoraLinear`` holding its stacks (the model's dtype, the layer's device); the stacks' bytes.
+        The stacks never move or grow after this: a captured CUDA graph reads them where they are."""
+        names = {name for a in self._adapters for name in a.modules}
+        if self.spare_rank:
+            names |= set(adaptable_layers(model))
         size = 0
-        for name in names:
+        for name in sorted(names):
             base = model.get_submodule(name)
             sizes = model.shard_sizes(f"{name}.weight", base.weight) or [base.weight.shape[0]]
-            a, b = self._stack(name, sizes, base.weight.shape[1], base.weight.device)
-            a, b = a.to(model.dtype), b.to(model.dtype)  # an FP8 layer's too: x comes in the model dtype
+            ranks = [s[0].shape[0] for a in self._adapters for s in a.modules.get(name, ()) if s is not None]
+            rank = max(ranks + [self.spare_rank])
+            shape_a = (self.num_slots, len(sizes) * rank, base.weight.shape[1])
+            a = torch.zeros(shape_a, dtype=model.dtype, device=base.weight.device)
+            b = torch.zeros(self.num_slots, sum(sizes), len(sizes) * rank, dtype=model.dtype, device=base.weight.device)
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, LoraLinear(base, a, b, self))
+            layer = LoraLinear(base, a, b, self, sizes)  # an FP8 layer's too: x comes in the model dtype
+            setattr(model.get_submodule(parent), child, layer)
+            self.layers[name] = layer
             size += a.numel() * a.element_size() + b.numel() * b.element_size()
+        for adapter in self._adapters:
+            self._write(self.slots[adapter.name], adapter)
         model.lora = self
         self.nbytes = size
         return size
 
-    def _stack(self, name: str, sizes: list[int], in_features: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A [S, n R, in] and B [S, out, n R] of layer ``name`` (the table above), fp32."""
-        rank = max(s[0].shape[0] for a in self._adapters for s in a.modules.get(name, ()) if s is not None)
-        n, num_slots = len(sizes), len(self._adapters) + 1
-        a_stack = torch.zeros(num_slots, n * rank, in_features, device=device)
-        b_stack = torch.zeros(num_slots, sum(sizes), n * rank, device=device)
-        for slot, adapter in enumerate(self._adapters, start=1):
-            for k, shard in enumerate(adapter.modules.get(name, [None] * n)):
+    def register(self, adapter: LoraAdapter) -> None:
+        """Keep a run-time adapter (checked against the model: ``load_adapter``) in host memory,
+        copied to the device now if a slot is free, else when a request needs it (``make_resident``).
+        AdapterError when it adapts a layer or a rank the stacks lack."""
+        for name, shards in adapter.modules.items():
+            layer = self.layers.get(name)
+            rank = max(s[0].shape[0] for s in shards if s is not None)
+            if layer is None or rank > layer.rank:
+                raise AdapterError(f"LoRA adapter {adapter.name!r}: {name} at rank {rank} has no room in the stacks")
+        self.host[adapter.name] = adapter
+        free = self._free_slot()
+        if free is not None:
+            self._place(adapter.name, free)
+
+    def make_resident(self, name: str, pinned: Collection[str]) -> bool:
+        """Adapter ``name`` on the device, paged in if it is not, into a free slot or the least
+        recently used one of a run-time adapter no started request uses (``pinned``: those that
+        are); False when every slot is pinned (the request waits). True for a name not served here
+        (``ModelRunner.start`` refuses it)."""
+        if name in self.slots:
+            if name in self.recent:
+                self.recent.move_to_end(name)
+            return True
+        if name not in self.host:
+            return True
+        slot = self._free_slot()
+        if slot is None:
+            victim = next((n for n in self.recent if n not in pinned), None)
+            if victim is None:
+                return False
+            slot = self.slots.pop(victim)
+            del self.recent[victim]
+        self._place(name, slot)
+        return True
+
+    def release(self, name: str) -> None:
+        """Forget a retired adapter once no request names it: its slot (if it has one) is free."""
+        self.host.pop(name, None)
+        self.slots.pop(name, None)
+        self.recent.pop(name, None)
+        self.retiring.discard(name)
+        self.changes += 1
+
+    def _free_slot(self) -> int | None:
+        used = set(self.slots.values())
+        return next((slot for slot in range(1, self.num_slots) if slot not in used), None)
+
+    def _place(self, name: str, slot: int) -> None:
+        self._write(slot, self.host[name])
+        self.slots[name] = slot
+        self.recent[name] = None
+        self.changes += 1
+
+    @torch.no_grad()
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Slot ``slot`` of every layer: the adapter's shards (A rows k R .., B's block at the
+        shard's rows), zeros where it leaves a layer or shard alone (a reused slot's old weights go)."""
+        for name, layer in self.layers.items():
+            layer.lora_a[slot].zero_()
+            layer.lora_b[slot].zero_()
+            for k, shard in enumerate(adapter.modules.get(name, ())):
                 if shard is None:
                     continue
                 a, b = shard
-                r, row = a.shape[0], sum(sizes[:k])
-                a_stack[slot, k * rank : k * rank + r] = a
-                b_stack[slot, row : row + sizes[k], k * rank : k * rank + r] = b
-        return a_stack, b_stack
+                r, row, size = a.shape[0], sum(layer.sizes[:k]), layer.sizes[k]
+                layer.lora_a[slot, k * layer.rank : k * layer.rank + r] = a.to(layer.lora_a.dtype)
+                layer.lora_b[slot, row : row + size, k * layer.rank : k * layer.rank + r] = b.to(layer.lora_b.dtype)
 
 
-def load_adapters(specs: list[str], model: nn.Module, max_rank: int) -> AdapterSet:
-    """--lora_modules' adapters read, checked against ``model`` (its weights loaded) and installed."""
+def adaptable_layers(model: nn.Module) -> list[str]:
+    """The linear layers of the decoder an adapter may target (attention and MLP projections): the
+    model's ``Linear`` modules but its head (embeddings are no ``Linear``)."""
+    return [name for name, m in model.named_modules() if isinstance(m, Linear) and name.rpartition(".")[2] != "lm_head"]
+
+
+def load_adapters(specs: list[str], model: nn.Module, max_rank: int, spare: int = 0) -> AdapterSet:
+    """--lora_modules' adapters read, checked against ``model`` (its weights loaded) and installed,
+    with ``spare`` slots of rank ``max_rank`` for adapters loaded at run time (--max_loras)."""
     adapters = [load_adapter(*parse_spec(spec), model=model, max_rank=max_rank) for spec in specs]
-    adapter_set = AdapterSet(adapters)
+    adapter_set = AdapterSet(adapters, spare, max_rank)
     adapter_set.install(model)
     return adapter_set
 
 
-def check_adapters(specs: list[str], model_dir: str, tp: int, max_rank: int) -> None:
+def check_adapters(specs: list[str], model_dir: str, tp: int, max_rank: int, spare: int = 0) -> None:
     """--lora_modules against the model before anything loads: the model built on the meta device
-    (shapes, no memory), each adapter read and checked; AdapterError names the first problem."""
-    if not specs:
+    (shapes, no memory), each adapter read and checked; AdapterError names the first problem.
+    ``spare`` (--max_loras) needs what adapters need: a real model on one rank."""
+    if not specs and not spare:
         return
     source = resolve(model_dir)
     if source.kind == "counting":
-        raise AdapterError("--lora_modules needs a real model, not the counting stand-in")
+        raise AdapterError("--lora_modules and --max_loras need a real model, not the counting stand-in")
     if tp > 1:
-        raise AdapterError("--lora_modules with --tp above 1 is not supported yet")
+        raise AdapterError("--lora_modules and --max_loras with --tp above 1 are not supported yet")
     config = load_config(source)
     model = model_class(config)(config, dtype=torch.float32, device="meta")
     for spec in specs:

@@ -26,9 +26,13 @@ class LoraLinear(nn.Module):
     batch, None outside a forward or for a batch without adapters: then this is ``base``.
     """
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, adapters: BatchSource):
+    def __init__(
+        self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, adapters: BatchSource, sizes: list[int] | None = None
+    ):
         super().__init__()
         self.base = base
+        self.sizes = sizes or [b.shape[1]]  # rows of each fused shard (qkv: 3), in order
+        self.rank = a.shape[1] // len(self.sizes)  # columns per shard: the widest adapter's rank
         self.register_buffer("lora_a", a, persistent=False)
         self.register_buffer("lora_b", b, persistent=False)
         self.adapters = adapters

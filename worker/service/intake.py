@@ -8,9 +8,10 @@ requests that wait was about a third of the loop's time (py-spy: the loop in
 now does these reads: it blocks on the inbox (an arrival wakes it at once),
 takes the asks after each read, looks up the cancel keys of the requests the
 worker holds every ``CANCEL_CHECK_S``, re-reads the output-length history now
-and then, and hands what it found to the model loop through a queue, which
-the loop drains between steps without waiting (or waits on, when idle). A
-Redis outage stalls the thread, never a step.
+and then and the run-time LoRA registry every ``LORA_CHECK_S``, and hands
+what it found to the model loop through a queue, which the loop drains
+between steps without waiting (or waits on, when idle). A Redis outage
+stalls the thread, never a step.
 
 Without its thread (``start`` not called: tests that turn the loop by hand)
 ``take`` reads inline, once a call, as the loop did.
@@ -31,6 +32,7 @@ from shared.codec import decode, from_entry
 from shared.config import CANCEL_CHECK_S
 from shared.keys import WORKER_GROUP, Keys
 from shared.log_limit import LogLimiter
+from shared.lora import LoraRegistry
 from shared.redis import OUTAGES, Backoff, ensure_group
 from shared.schemas import GenerateRequest, PreemptAsk
 
@@ -39,6 +41,9 @@ log = logging.getLogger("lightq.worker")
 BLOCK_MS = 50  # the thread's longest wait on an empty inbox: asks and cancels are read at least this often
 MAX_ASKS = 1000  # preemption asks taken in one read (routers ask a worker a few at a time)
 MAX_ENTRIES = 1024
+# How often the run-time LoRA registry is read: one GET, so a load reaches every worker within this
+# (plus a step) without a channel to lose messages on.
+LORA_CHECK_S = 0.25
 
 
 @dataclass
@@ -50,9 +55,10 @@ class Arrivals:
     asks: list[PreemptAsk] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     history: list[str] | None = None
+    lora: LoraRegistry | None = None  # the run-time adapters, when the registry changed (shared.lora)
 
     def __bool__(self) -> bool:
-        return bool(self.entries or self.asks or self.cancelled or self.history is not None)
+        return bool(self.entries or self.asks or self.cancelled or self.history is not None or self.lora is not None)
 
 
 class Intake:
@@ -63,13 +69,16 @@ class Intake:
         worker_id: str,
         held: Callable[[], list[str]],
         history: Callable[[], tuple[int, float]],
+        lora_key: str | None = None,
     ):
         self.client, self.keys, self.worker_id = client, keys, worker_id
         self.inbox, self.asks = keys.inbox(worker_id), keys.preempt(worker_id)
         self.held = held  # the ids of the requests the engine holds (thread-safe)
         self.history = history  # the output-length window, and how often it is read
         self.read_id = "0"  # our own pending entries first (after a restart), then new ones
-        self.next_cancels = self.next_history = 0.0
+        self.next_cancels = self.next_history = self.next_lora = 0.0
+        self.lora_key = lora_key  # the model's run-time adapter registry (None: not read)
+        self.lora_seen: bytes | str | None = None  # its value last handed over (None: no key)
         self.arrivals: queue.Queue[Arrivals] = queue.Queue()
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
@@ -130,7 +139,19 @@ class Intake:
             window, every_s = self.history()
             self.next_history = now + every_s
             found.history = self.client.lrange(self.keys.output_lengths(), 0, window - 1)
+        if self.lora_key is not None and now >= self.next_lora:
+            self.next_lora = now + LORA_CHECK_S
+            found.lora = self._lora()
         return found
+
+    def _lora(self) -> LoraRegistry | None:
+        """The registry, when it differs from what was handed over last (a vanished key: empty)."""
+        assert self.lora_key is not None
+        raw = self.client.get(self.lora_key)
+        if raw == self.lora_seen:
+            return None
+        self.lora_seen = raw
+        return LoraRegistry() if raw is None else decode(LoraRegistry, raw)
 
     def _cancelled(self) -> list[str]:
         ids = self.held()

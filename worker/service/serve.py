@@ -33,6 +33,7 @@ from worker.engine.events import Ended, Event, Released
 from worker.engine.load import build_load
 from worker.engine.preempt import plan
 from worker.engine.request import Req
+from worker.lora.runtime import AdapterRuntime
 from worker.service.heartbeat import Heartbeat
 from worker.service.intake import Arrivals, Intake
 from worker.service.publisher_process import PublisherDied, PublisherLink
@@ -56,9 +57,16 @@ class WorkerService:
         self.keys = settings.redis.keys
         self.worker_id = worker_id
         self.model = served_name(settings.model.model_dir, settings.model.served_model_name)  # its pool
-        # The LoRA adapters it serves (the worker does not start unless every one loaded): the
-        # router sends a request naming one only to workers whose record lists it.
-        self.adapters = tuple(settings.model.adapter_names)
+        # The LoRA adapters it serves (--lora_modules': the worker does not start unless every one
+        # loaded; run-time ones from the registry): the router sends a request naming one only to
+        # workers whose record lists it.
+        runner = getattr(engine, "runner", None)  # stand-in engines of tests have none
+        self.lora = AdapterRuntime(
+            getattr(runner, "adapters", None),
+            getattr(runner, "model", None),
+            settings.model.max_lora_rank,
+            settings.model.adapter_names,
+        )
         self.publisher = publisher  # started by the caller (it loads while the model does)
         self.heartbeat = Heartbeat(client, self.keys, worker_id, settings.heartbeat_s, self.load)
         self.stop_event = threading.Event()
@@ -69,6 +77,7 @@ class WorkerService:
             worker_id,
             lambda: [req.id for req in engine.requests()],
             lambda: (engine.rule.history.window, engine.rule.settings.history_refresh_s),
+            self.keys.lora_registry(self.model),
         )
         self._unstarted: list[tuple[GenerateRequest, str]] = []  # read while draining: going back
         self._backoff = Backoff()
@@ -92,7 +101,7 @@ class WorkerService:
             self.model,
             self.settings.max_preemptions,
             self.num_asks_read,  # read before the engine is: a record with the count shows the pauses
-            self.adapters,
+            self.lora.view,
         )
 
     def run(self) -> None:
@@ -137,6 +146,8 @@ class WorkerService:
             self._outage_log.warning("Redis unreachable (%s)", exc)  # not once per step of an outage
             if not self.engine.has_work:
                 time.sleep(self._backoff.next())
+        if self.lora.pending:  # between two steps: no forward sees a slot change
+            self._reconcile_adapters()
         self.publisher.check()
         grammars = self.grammars
         if grammars is not None:
@@ -157,6 +168,8 @@ class WorkerService:
         started = time.perf_counter()
         events = self.engine.step(hand_over)
         self.on_step([*early, *events], time.perf_counter() - started)
+        if self.lora.refresh():  # an adapter paged in (another out): the routers prefer where it is now
+            self.heartbeat.poke()
         self.publisher.put(events)
         if any(isinstance(e, Released) for e in events):
             self.heartbeat.poke()  # room freed: the routers hear of it now, not at the next period
@@ -243,7 +256,15 @@ class WorkerService:
         if count:
             log.info("worker %s handed %d requests back", self.worker_id, count)
 
+    def _reconcile_adapters(self) -> None:
+        """Load and unload run-time adapters (``worker.lora.runtime``); the routers hear of it now."""
+        if self.lora.reconcile({req.msg.adapter for req in self.engine.requests() if req.msg.adapter}):
+            self.heartbeat.poke()
+
     def _arrived(self, found: Arrivals) -> None:
+        if found.lora is not None:  # before the entries: a request may name an adapter just loaded
+            self.lora.update(found.lora)
+            self._reconcile_adapters()
         for entry_id, msg, epoch in found.entries:
             if self.draining:  # read before the intake stopped: it goes back, never started here
                 self._unstarted.append((msg, entry_id))
@@ -309,8 +330,8 @@ class WorkerService:
             return "prompt log-probabilities need a worker with --tp 1"
         if msg.params.constraint is not None and self.grammars is None:
             return "this worker cannot apply grammars"
-        if msg.adapter is not None and msg.adapter not in self.adapters:  # the router checks its record
-            return f"LoRA adapter '{msg.adapter}' is not served by this worker"
+        if msg.adapter is not None and msg.adapter not in self.lora.view.serving:  # the router checks its record
+            return f"LoRA adapter '{msg.adapter}' is not served by this worker (not loaded, or unloaded)"
         return None
 
     def _free_stopped(self) -> None:

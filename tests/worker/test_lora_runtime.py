@@ -1,0 +1,155 @@
+"""LoRA adapters loaded and unloaded at run time, the worker's side (issue 32): a tiny random
+Llama with --lora_modules' adapter and spare slots (--max_loras); adapters from the registry load
+between steps and answer PEFT's greedy tokens in a mixed batch; an unloaded adapter's running
+request ends with it, its slot is freed after and a later adapter reuses it exactly; more adapters
+than slots are paged in as requests need them (least recently used out, never one a started
+request uses) and still answer PEFT's tokens; one that does not fit is reported and the worker
+serves on."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from shared.admission import AdmissionRule
+from shared.config import AdmissionSettings
+from shared.lora import AdapterView, LoraRegistry
+from shared.model_files import ModelSource
+from tests.worker.test_engine import flat, tiny  # noqa: F401 (fixture)
+from tests.worker.test_lora import NEW, POOL, PROMPTS, adapters, lora_req  # noqa: F401 (fixture)
+from worker.engine.engine import Engine, EngineLimits
+from worker.engine.events import Token
+from worker.engine.token_pool import TokenPool
+from worker.lora.adapter_set import load_adapters
+from worker.lora.runtime import NO_SLOTS, AdapterRuntime
+from worker.model.loader import attach_kv_cache, load_model
+from worker.runner.model_runner import ModelRunner
+from worker.runner.req_table import ReqTable
+
+MAX_RANK = 16
+
+
+def runtime_engine(folder: str, static: dict[str, str], spare: int) -> tuple[Engine, AdapterRuntime]:
+    model, config = load_model(ModelSource("hf", folder), torch.float32, "cpu")
+    load_adapters([f"{n}={p}" for n, p in static.items()], model, MAX_RANK, spare)
+    kv = attach_kv_cache(model, POOL, "cpu")
+    table = ReqTable(16, 128, kv.hold_slot, "cpu")
+    runner = ModelRunner(model, TokenPool(POOL), table, config.vocab_size, torch.device("cpu"))
+    rule = AdmissionRule(AdmissionSettings(admission="conservative"))
+    engine = Engine(runner, EngineLimits(POOL, 64, 16), eos_ids=set(), rule=rule)
+    return engine, AdapterRuntime(runner.adapters, model, MAX_RANK, static)
+
+
+def step(engine: Engine, tokens: dict[str, list[int]]) -> None:
+    for event in flat(engine.step()):
+        if isinstance(event, Token):
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+
+
+def run_all(engine: Engine, reqs) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for req in reqs:
+        engine.add(req)
+    while engine.has_work:
+        step(engine, tokens)
+    return tokens
+
+
+def test_run_time_adapters_match_peft_in_a_mixed_batch(tiny, adapters):  # noqa: F811
+    folders, want = adapters
+    engine, runtime = runtime_engine(tiny[1], {"qv4": folders["qv4"]}, spare=2)
+    registry = LoraRegistry(version=1, adapters={"all16": folders["all16"], "mlp8": folders["mlp8"]})
+    runtime.update(registry)
+    assert runtime.reconcile(set())
+    assert runtime.view.serving == ("qv4", "all16", "mlp8") and runtime.view.failed == ()
+    names = ["qv4", "all16", "mlp8", None]
+    reqs = [lora_req(f"{name}-{i}", p, name) for i, p in enumerate(PROMPTS) for name in names]
+    got = run_all(engine, reqs)
+    for i in range(len(PROMPTS)):
+        for name in names:
+            assert got[f"{name}-{i}"] == want[name][i], (name, i)
+    assert not runtime.reconcile(set())  # nothing changed: nothing to publish
+
+
+def test_an_unloaded_adapter_finishes_its_requests_and_frees_its_slot(tiny, adapters):  # noqa: F811
+    folders, want = adapters
+    engine, runtime = runtime_engine(tiny[1], {}, spare=1)
+    runtime.update(LoraRegistry(version=1, adapters={"all16": folders["all16"]}))
+    runtime.reconcile(set())
+    tokens: dict[str, list[int]] = {}
+    engine.add(lora_req("running", PROMPTS[2], "all16"))
+    for _ in range(3):
+        step(engine, tokens)
+    runtime.update(LoraRegistry(version=2, adapters={"k2": folders["k2"]}))
+    in_use = {req.msg.adapter for req in engine.requests()}
+    assert runtime.reconcile(in_use)
+    # no new requests for all16; it keeps the only slot while its request runs: k2 waits in host memory
+    assert runtime.view == AdapterView(serving=("k2",), resident=("all16",))
+    while engine.has_work:
+        step(engine, tokens)
+        runtime.reconcile({req.msg.adapter for req in engine.requests()})
+    assert tokens["running"] == want["all16"][2]  # the unload did not touch it
+    assert runtime.view == AdapterView(serving=("k2",), resident=())  # its slot freed as the request ended
+    # k2 is paged into the slot all16 left: none of all16's weights remain where k2 has none
+    assert run_all(engine, [lora_req("k2", PROMPTS[0], "k2")])["k2"] == want["k2"][0]
+    assert runtime.refresh() and runtime.view.resident == ("k2",)
+
+
+def test_more_adapters_than_slots_are_paged_in_as_requests_need_them(tiny, adapters):  # noqa: F811
+    folders, want = adapters
+    engine, runtime = runtime_engine(tiny[1], {}, spare=1)
+    runtime.update(LoraRegistry(version=1, adapters={n: folders[n] for n in ("qv4", "mlp8", "k2")}))
+    runtime.reconcile(set())
+    assert runtime.view.serving == ("k2", "mlp8", "qv4") and len(runtime.view.resident) == 1
+    # one slot, three adapters in one burst: each waits for the slot in turn, the base goes ahead
+    names = ["qv4", "mlp8", None, "k2"]
+    got = run_all(engine, [lora_req(f"{name}", PROMPTS[1], name) for name in names])
+    for name in names:
+        assert got[f"{name}"] == want[name][1], name
+
+
+def test_the_least_recently_used_unpinned_adapter_is_evicted(tiny, adapters):  # noqa: F811
+    folders, _ = adapters
+    engine, runtime = runtime_engine(tiny[1], {"all16": folders["all16"]}, spare=2)
+    runtime.update(LoraRegistry(version=1, adapters={n: folders[n] for n in ("qv4", "mlp8", "k2")}))
+    runtime.reconcile(set())  # k2 and mlp8 take the two free slots, by name; qv4 waits in host memory
+    cache = runtime.adapters
+    assert set(cache.slots) == {"all16", "k2", "mlp8"}
+    assert cache.make_resident("k2", pinned=())  # used: mlp8 is now the least recent
+    assert cache.make_resident("qv4", pinned=()) and set(cache.slots) == {"all16", "k2", "qv4"}
+    assert cache.make_resident("mlp8", pinned=["qv4"]) and set(cache.slots) == {"all16", "qv4", "mlp8"}
+    assert not cache.make_resident("k2", pinned=["qv4", "mlp8"])  # every run-time slot in use: it waits
+    assert "all16" in cache.slots  # --lora_modules' adapters are never evicted
+
+
+def test_an_adapter_that_does_not_fit_is_reported_and_the_worker_serves_on(tiny, adapters, tmp_path):  # noqa: F811
+    from safetensors.torch import load_file, save_file
+
+    folders, want = adapters
+    bad = str(tmp_path / "bad")
+    shutil.copytree(folders["qv4"], bad)
+    weights = os.path.join(bad, "adapter_model.safetensors")
+    tensors = load_file(weights)
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key] = torch.zeros(3, tensors[key].shape[1])  # rows that fit no layer
+    save_file(tensors, weights)
+    engine, runtime = runtime_engine(tiny[1], {}, spare=2)
+    runtime.update(LoraRegistry(version=1, adapters={"bad": bad, "mlp8": folders["mlp8"]}))
+    assert runtime.reconcile(set())
+    assert runtime.view.serving == ("mlp8",)
+    ((name, path, error),) = runtime.view.failed
+    assert (name, path) == ("bad", bad) and "do not fit" in error
+    assert run_all(engine, [lora_req("m", PROMPTS[1], "mlp8")])["m"] == want["mlp8"][1]
+    runtime.update(LoraRegistry(version=2, adapters={"mlp8": folders["mlp8"]}))  # unloading forgets the failure
+    runtime.reconcile(set())
+    assert runtime.view.failed == ()
+
+
+def test_a_worker_without_slots_reports_every_adapter(tiny, adapters):  # noqa: F811
+    folders, _ = adapters
+    runtime = AdapterRuntime(None, None, MAX_RANK, ())  # type: ignore[arg-type]
+    runtime.update(LoraRegistry(version=1, adapters={"qv4": folders["qv4"]}))
+    assert runtime.reconcile(set())
+    assert runtime.view.failed == (("qv4", folders["qv4"], NO_SLOTS),) and runtime.view.serving == ()
