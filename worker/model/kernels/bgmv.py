@@ -48,9 +48,7 @@ def _shrink(x, a, v, slots, K, R, s_x, s_as, s_ar, s_vs, s_v, CHUNK: tl.constexp
 
 
 @triton.jit
-def _expand(
-    v, b, y, slots, N, R, s_vs, s_v, s_bs, s_bn, s_y, SPLITS: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr
-):
+def _expand(v, b, y, slots, N, R, s_vs, s_v, s_bs, s_bn, s_y, SPLITS: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
     t, nb = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
     if slot == 0:
