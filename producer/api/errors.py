@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from starlette.exceptions import HTTPException
 
 from producer.api.api_types import ErrorBody, ErrorDetail
@@ -105,7 +105,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(exc.status_code, detail, exc.headers)
 
 
-async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
+async def _redis_down(request: Request, exc: RedisError | RedisClusterException) -> JSONResponse:
     # Timeouts on the producer's client (producer.redis_client) make an unreachable Redis end
     # here within seconds; the pool reconnects on the next command once Redis is back.
     # Not counted as a rejection: it may be a status poll, or a request already queued.
@@ -125,4 +125,7 @@ def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValidationError, _pydantic_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RedisError, _redis_down)
+    # A cluster client that reaches no node (a producer host cut off) raises RedisClusterException,
+    # which is no RedisError: without this, a 500 (tests/integration/test_host_faults.py saw one).
+    app.add_exception_handler(RedisClusterException, _redis_down)
     app.add_exception_handler(Exception, _unexpected)

@@ -13,7 +13,7 @@ import os
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from producer.api.api_types import (
     BODY_DOC,
@@ -121,7 +121,7 @@ async def generate_stream(
 async def health(services: ServicesDep) -> JSONResponse:
     try:
         healthy = bool(await asyncio.wait_for(services.redis.ping(), HEALTH_TIMEOUT_S))
-    except (RedisError, OSError, asyncio.TimeoutError):
+    except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError):
         healthy = False
     headers = {PID_HEADER: str(os.getpid())}
     if healthy:
