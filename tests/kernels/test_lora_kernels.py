@@ -12,6 +12,7 @@ import torch
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close
 from worker.lora.delta import lora_delta_ref
 from worker.model.kernels.bgmv import bgmv, shrink_splits
+from worker.model.kernels.bgmv_sorted import SPLIT_K, bgmv_sorted, lora_order
 from worker.model.kernels.sgmv import sgmv
 
 
@@ -82,6 +83,28 @@ def test_bgmv_matches_reference(slots, rank, k, n, dtype):
     assert_close(y, want.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "slots, rank, k, n",
+    [
+        ([3, 1, 0, 2, 1, 3, 0, 2, 1, 1, 3, 2, 0, 1, 2, 3, 1, 2, 0, 3, 1], 16, 64, 96),  # blocks of mixed slots
+        ([2] * 20 + [0] * 12, 4, 100, 70),  # one slot over two blocks; padded graph rows
+        ([3, 1, 2, 1, 0, 3], 192, 96, 130),  # rank 3 x 64 (qkv at the limit)
+        ([2, 1, 0, 3, 3, 1, 2], 16, 1100, 40),  # K over 3 shrink splits and not a multiple of one
+    ],
+)
+def test_sorted_bgmv_matches_reference(slots, rank, k, n, dtype):
+    t = len(slots)
+    a, b = stacks(4, rank, k, n, dtype)
+    x = torch.randn(t, k, device=DEVICE).to(dtype)
+    y = torch.randn(t, n, device=DEVICE).to(dtype)
+    token_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    want = expected(y, x, a, b, token_slots)
+    splits = -(-k // SPLIT_K)
+    bgmv_sorted(y, x, a, b, lora_order(token_slots), v=poisoned(t, rank).expand(splits, t, rank).clone())
+    assert_close(y, want.to(dtype), SGMV_FP32_CUDA if dtype == torch.float32 and DEVICE.type == "cuda" else None)
+
+
 def test_slot_zero_leaves_y_untouched():
     a, b = stacks(2, 16, 32, 48, torch.float32)
     a[0], b[0] = float("nan"), float("nan")  # never read: slot 0 is skipped, not multiplied by zeros
@@ -90,4 +113,5 @@ def test_slot_zero_leaves_y_untouched():
     zeros = torch.zeros(4, dtype=torch.int32, device=DEVICE)
     bgmv(y, x, a, b, zeros)
     sgmv(y, x, a, b, zeros[:1], torch.tensor([4], dtype=torch.int32, device=DEVICE), zeros[:1], 4)
+    bgmv_sorted(y, x, a, b, lora_order(zeros))
     assert torch.equal(y, before)

@@ -19,6 +19,7 @@ from tests.worker.token_rows import flat
 from worker.engine.events import Token
 from worker.engine.request import Req
 from worker.engine.token_pool import TokenPool
+from worker.lora import delta
 from worker.lora.adapter_set import load_adapters
 from worker.main import build_engine
 from worker.model.forward_batch import ForwardBatch
@@ -79,8 +80,13 @@ def greedy(lora_dir, device: str, graphs: bool, dtype: str = "float32") -> dict[
     return out
 
 
+@pytest.mark.parametrize("sorted_from", [None, 1], ids=["per-token-decode", "sorted-decode"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_greedy_tokens_with_adapters_equal_on_gpu_and_cpu(lora_dir, graphs):
+def test_greedy_tokens_with_adapters_equal_on_gpu_and_cpu(lora_dir, graphs, sorted_from, monkeypatch):
+    """16 requests decode together: below delta.SORTED_FROM through BGMV, and (every decode sorted by
+    slot) through bgmv_sorted, in a captured graph too (its sort runs inside the graph)."""
+    if sorted_from is not None:
+        monkeypatch.setattr(delta, "SORTED_FROM", sorted_from)
     cpu = greedy(lora_dir, "cpu", False)
     assert all(cpu[f"{r.name}/{i}"] != cpu[f"None/{i}"] for r in RECIPES for i in range(2))  # adapters matter
     assert greedy(lora_dir, "cuda", graphs) == cpu

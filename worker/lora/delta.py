@@ -10,8 +10,10 @@ Two implementations, chosen by device as the rest of the model's kernels are:
   batch, its tokens gathered and multiplied, fp32 throughout (slot 0 skipped: its delta is 0);
 - Triton (CUDA): a shrink (v = x A^T, [T, R] fp32) then an expand (y += v B^T), SGMV-style over
   the requests' segments for a prefill (``worker.model.kernels.sgmv``), BGMV-style per token for a
-  decode (``worker.model.kernels.bgmv``), which reads the slots from a device tensor and so runs
-  inside a captured CUDA graph.
+  small decode (``worker.model.kernels.bgmv``), and for a decode of ``SORTED_FROM`` tokens or more
+  over the tokens sorted by slot (``worker.model.kernels.bgmv_sorted``: an adapter's weights read
+  once per block of its tokens, not once per token). Both decode kernels read the slots from
+  device tensors and so run inside a captured CUDA graph.
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ from __future__ import annotations
 import torch
 
 from worker.model.forward_batch import ForwardBatch
+
+# From this many decode tokens the sorted kernel is used (bench.engine.lora_kernels on an H100).
+SORTED_FROM = 48
+
+
+def decode_order(slots: torch.Tensor) -> torch.Tensor | None:
+    """A decode batch's ``lora_order`` where the sorted kernel will serve it (CUDA, enough tokens)."""
+    if not slots.is_cuda or slots.shape[0] < SORTED_FROM:
+        return None
+    from worker.model.kernels.bgmv_sorted import lora_order
+
+    return lora_order(slots)
 
 
 def token_slots(batch: ForwardBatch) -> torch.Tensor:
@@ -46,7 +60,11 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if not x.is_cuda:
         return y + lora_delta_ref(x, a, b, token_slots(batch)).to(y.dtype)
     assert batch.lora_slots is not None
-    if batch.is_decode:
+    if batch.is_decode and batch.lora_order is not None:
+        from worker.model.kernels.bgmv_sorted import bgmv_sorted
+
+        bgmv_sorted(y, x, a, b, batch.lora_order)
+    elif batch.is_decode:
         from worker.model.kernels.bgmv import bgmv
 
         bgmv(y, x, a, b, batch.lora_slots)
