@@ -142,12 +142,15 @@ def peer_tree(commit: str, vocab: int = COUNTING_VOCAB) -> Path:
     it stands in for; the peer gets the same small vocabulary, so only the path differs.
     ``vocab``: a stand-in vocabulary of this size instead (``--vocab``: both trees get it)."""
     folder = Path(tempfile.mkdtemp(prefix="lightq-peer-"))
-    subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), commit],
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    if Path(commit).is_dir():  # a tree made beforehand (`git archive COMMIT | tar -x -C DIR`): no git there
+        shutil.copytree(commit, folder, dirs_exist_ok=True)
+    else:
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), commit],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     main = folder / "worker" / "main.py"
     old = "vocab = len(tokenizer) if tokenizer is not None else 49152"
     text = main.read_text()
@@ -167,7 +170,8 @@ def measure_at(commit: str, args, label: str, vocab: int) -> float:
     try:
         return measure(tree, args, label)
     finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+        remove = ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)]
+        subprocess.run(remove, check=False, stderr=subprocess.DEVNULL)  # a copied folder is no worktree
         shutil.rmtree(tree, ignore_errors=True)
 
 
@@ -177,7 +181,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--route", choices=["generate", "generate_stream"], default="generate")
     parser.add_argument("--repeat", type=int, default=2, help="bursts per server; the best counts")
-    parser.add_argument("--peer", help="an older commit to run first, in the same run")
+    parser.add_argument(
+        "--peer", help="an older commit to run first, in the same run (or a folder holding its files, where no git is)"
+    )
     parser.add_argument("--serve-args", default="", help="extra flags for lightq serve (both trees)")
     parser.add_argument(
         "--vocab",
@@ -190,7 +196,7 @@ def main() -> None:
     args.serve_args = args.serve_args.split()
     print(
         f"path_bench: counting model, 1 worker, {args.requests} x {args.new_tokens} tokens at once, "
-        f"/{args.route}, {os.cpu_count()} cores",
+        f"/{args.route}, {os.cpu_count()} cores, serve flags {' '.join(args.serve_args) or '(defaults)'}",
         flush=True,
     )
     peer = measure_at(args.peer, args, f"peer {args.peer}", args.vocab) if args.peer else None
