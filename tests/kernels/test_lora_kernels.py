@@ -12,7 +12,7 @@ import torch
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close
 from worker.lora.delta import lora_delta_ref
 from worker.model.kernels.bgmv import bgmv, shrink_splits
-from worker.model.kernels.bgmv_sorted import SPLIT_K, bgmv_sorted, lora_order
+from worker.model.kernels.bgmv_grouped import BLOCK_M, SPLIT_K, bgmv_grouped, group_tokens
 from worker.model.kernels.sgmv import sgmv
 
 
@@ -93,16 +93,27 @@ def test_bgmv_matches_reference(slots, rank, k, n, dtype):
         ([2, 1, 0, 3, 3, 1, 2], 16, 1100, 40),  # K over 3 shrink splits and not a multiple of one
     ],
 )
-def test_sorted_bgmv_matches_reference(slots, rank, k, n, dtype):
+def test_grouped_bgmv_matches_reference(slots, rank, k, n, dtype):
     t = len(slots)
     a, b = stacks(4, rank, k, n, dtype)
     x = torch.randn(t, k, device=DEVICE).to(dtype)
     y = torch.randn(t, n, device=DEVICE).to(dtype)
     token_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
     want = expected(y, x, a, b, token_slots)
-    splits = -(-k // SPLIT_K)
-    bgmv_sorted(y, x, a, b, lora_order(token_slots), v=poisoned(t, rank).expand(splits, t, rank).clone())
+    groups = group_tokens(token_slots, 4)
+    places = groups.block_slots.shape[0] * BLOCK_M
+    bgmv_grouped(y, x, a, b, groups, v=poisoned(places, rank).expand(-(-k // SPLIT_K), places, rank).clone())
     assert_close(y, want.to(dtype), SGMV_FP32_CUDA if dtype == torch.float32 and DEVICE.type == "cuda" else None)
+
+
+def test_grouping_puts_each_slots_tokens_in_whole_blocks_of_their_own():
+    slots = torch.tensor([3, 1, 0, 3, 1, 1] + [2] * 17, dtype=torch.int32, device=DEVICE)
+    groups = group_tokens(slots, 5)
+    tokens, block_slots = groups.tokens.cpu().view(-1, BLOCK_M), groups.block_slots.cpu()
+    assert block_slots.tolist() == [1, 2, 2, 3, 0, 0]  # cdiv(23, 16) + min(23, 4) blocks; slot 4 has none
+    assert tokens[0, :3].tolist() == [1, 4, 5] and (tokens[0, 3:] == -1).all()  # slot 1, in the batch's order
+    assert tokens[1].tolist() == list(range(6, 22)) and tokens[2, 0] == 22 and (tokens[2, 1:] == -1).all()
+    assert tokens[3, :2].tolist() == [0, 3] and (tokens[4:] == -1).all()  # slot 0's token 2: nowhere
 
 
 def test_slot_zero_leaves_y_untouched():
@@ -113,5 +124,5 @@ def test_slot_zero_leaves_y_untouched():
     zeros = torch.zeros(4, dtype=torch.int32, device=DEVICE)
     bgmv(y, x, a, b, zeros)
     sgmv(y, x, a, b, zeros[:1], torch.tensor([4], dtype=torch.int32, device=DEVICE), zeros[:1], 4)
-    bgmv_sorted(y, x, a, b, lora_order(zeros))
+    bgmv_grouped(y, x, a, b, group_tokens(zeros, 2))
     assert torch.equal(y, before)

@@ -80,13 +80,13 @@ def greedy(lora_dir, device: str, graphs: bool, dtype: str = "float32") -> dict[
     return out
 
 
-@pytest.mark.parametrize("sorted_from", [None, 1], ids=["per-token-decode", "sorted-decode"])
+@pytest.mark.parametrize("grouped_from", [None, 1], ids=["per-token-decode", "grouped-decode"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_greedy_tokens_with_adapters_equal_on_gpu_and_cpu(lora_dir, graphs, sorted_from, monkeypatch):
-    """16 requests decode together: below delta.SORTED_FROM through BGMV, and (every decode sorted by
-    slot) through bgmv_sorted, in a captured graph too (its sort runs inside the graph)."""
-    if sorted_from is not None:
-        monkeypatch.setattr(delta, "SORTED_FROM", sorted_from)
+def test_greedy_tokens_with_adapters_equal_on_gpu_and_cpu(lora_dir, graphs, grouped_from, monkeypatch):
+    """16 requests decode together: below delta.GROUPED_FROM through BGMV, and (every decode grouped
+    by slot) through bgmv_grouped, in a captured graph too (the grouping runs inside the graph)."""
+    if grouped_from is not None:
+        monkeypatch.setattr(delta, "GROUPED_FROM", grouped_from)
     cpu = greedy(lora_dir, "cpu", False)
     assert all(cpu[f"{r.name}/{i}"] != cpu[f"None/{i}"] for r in RECIPES for i in range(2))  # adapters matter
     assert greedy(lora_dir, "cuda", graphs) == cpu

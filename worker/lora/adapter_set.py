@@ -32,16 +32,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from shared.model_files import load_config, resolve
 from worker.lora.adapter import AdapterError, LoraAdapter, load_adapter, parse_spec
+from worker.lora.delta import decode_groups
 from worker.lora.linear import LoraLinear
 from worker.model.forward_batch import ForwardBatch
 from worker.model.layers import Linear
 from worker.model.models import model_class
+
+if TYPE_CHECKING:
+    from worker.model.kernels.bgmv_grouped import TokenGroups
 
 
 class AdapterSet:
@@ -58,6 +63,7 @@ class AdapterSet:
         self.spare_rank = rank if spare else 0
         self.max_rank = max([a.rank for a in adapters] + [self.spare_rank])
         self.bound: ForwardBatch | None = None  # set by ``bind`` for one forward
+        self.groups: TokenGroups | None = None  # the bound decode's tokens by slot (``decode_groups``)
         self.nbytes = 0  # the stacks' device memory, once installed
         self.layers: dict[str, LoraLinear] = {}  # adapted layer name -> its wrapper (``install``)
         self._adapters = adapters
@@ -81,10 +87,11 @@ class AdapterSet:
     def bind(self, batch: ForwardBatch) -> Iterator[None]:
         assert self.bound is None, "an adapter batch is already bound: forwards never nest"
         self.bound = batch
+        self.groups = decode_groups(batch, self.num_slots)  # once for every layer (in the graph too)
         try:
             yield
         finally:
-            self.bound = None
+            self.bound, self.groups = None, None
 
     @torch.no_grad()
     def install(self, model: nn.Module) -> int:

@@ -10,29 +10,36 @@ Two implementations, chosen by device as the rest of the model's kernels are:
   batch, its tokens gathered and multiplied, fp32 throughout (slot 0 skipped: its delta is 0);
 - Triton (CUDA): a shrink (v = x A^T, [T, R] fp32) then an expand (y += v B^T), SGMV-style over
   the requests' segments for a prefill (``worker.model.kernels.sgmv``), BGMV-style per token for a
-  small decode (``worker.model.kernels.bgmv``), and for a decode of ``SORTED_FROM`` tokens or more
-  over the tokens sorted by slot (``worker.model.kernels.bgmv_sorted``: an adapter's weights read
+  small decode (``worker.model.kernels.bgmv``), and for a decode of ``GROUPED_FROM`` tokens or more
+  over the tokens grouped by slot (``worker.model.kernels.bgmv_grouped``: an adapter's weights read
   once per block of its tokens, not once per token). Both decode kernels read the slots from
   device tensors and so run inside a captured CUDA graph.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from worker.model.forward_batch import ForwardBatch
 
-# From this many decode tokens the sorted kernel is used (bench.engine.lora_kernels on an H100).
-SORTED_FROM = 48
+if TYPE_CHECKING:
+    from worker.model.kernels.bgmv_grouped import TokenGroups
+
+# From this many decode tokens the grouped kernel serves (bench.engine.lora_kernels on an H100).
+GROUPED_FROM = 256
 
 
-def decode_order(slots: torch.Tensor) -> torch.Tensor | None:
-    """A decode batch's ``lora_order`` where the sorted kernel will serve it (CUDA, enough tokens)."""
-    if not slots.is_cuda or slots.shape[0] < SORTED_FROM:
+def decode_groups(batch: ForwardBatch, num_slots: int) -> TokenGroups | None:
+    """A decode's tokens grouped by slot where the grouped kernel will serve it (CUDA, enough
+    tokens); done once a forward, before its layers (``AdapterSet.bind``)."""
+    slots = batch.lora_slots
+    if not batch.is_decode or slots is None or not slots.is_cuda or slots.shape[0] < GROUPED_FROM:
         return None
-    from worker.model.kernels.bgmv_sorted import lora_order
+    from worker.model.kernels.bgmv_grouped import group_tokens
 
-    return lora_order(slots)
+    return group_tokens(slots, num_slots)
 
 
 def token_slots(batch: ForwardBatch) -> torch.Tensor:
@@ -55,15 +62,23 @@ def lora_delta_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: tor
     return out
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """y [T, out] plus every token's delta (in place on CUDA; a new tensor on CPU)."""
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    batch: ForwardBatch,
+    groups: TokenGroups | None = None,
+) -> torch.Tensor:
+    """y [T, out] plus every token's delta (in place on CUDA; a new tensor on CPU). ``groups``: the
+    decode's tokens grouped by slot (``decode_groups``), where the grouped kernel serves."""
     if not x.is_cuda:
         return y + lora_delta_ref(x, a, b, token_slots(batch)).to(y.dtype)
     assert batch.lora_slots is not None
-    if batch.is_decode and batch.lora_order is not None:
-        from worker.model.kernels.bgmv_sorted import bgmv_sorted
+    if groups is not None:
+        from worker.model.kernels.bgmv_grouped import bgmv_grouped
 
-        bgmv_sorted(y, x, a, b, batch.lora_order)
+        bgmv_grouped(y, x, a, b, groups)
     elif batch.is_decode:
         from worker.model.kernels.bgmv import bgmv
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -10,11 +10,15 @@ from torch import nn
 from worker.lora.delta import add_lora
 from worker.model.forward_batch import ForwardBatch
 
+if TYPE_CHECKING:
+    from worker.model.kernels.bgmv_grouped import TokenGroups
+
 
 class BatchSource(Protocol):
     """Where a forward's batch is bound (``AdapterSet.bind``) for its layers to read."""
 
     bound: ForwardBatch | None
+    groups: TokenGroups | None  # the bound decode's tokens grouped by slot, where that kernel serves
 
 
 class LoraLinear(nn.Module):
@@ -42,4 +46,4 @@ class LoraLinear(nn.Module):
         batch = self.adapters.bound
         if batch is None or batch.lora_slots is None:
             return y
-        return add_lora(y, x, self.lora_a, self.lora_b, batch)
+        return add_lora(y, x, self.lora_a, self.lora_b, batch, self.adapters.groups)

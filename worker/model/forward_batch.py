@@ -47,9 +47,6 @@ class ForwardBatch:
     # [B] int32: each request's LoRA adapter slot (worker.lora.adapter_set; 0: none). None: the
     # worker serves no adapter. A decode graph reads it from its static inputs (cuda_graphs.py).
     lora_slots: torch.Tensor | None = None
-    # [2, B] int32: a large decode's tokens in the order of their slots, and those slots
-    # (worker.model.kernels.bgmv_sorted.lora_order); None where the per-token kernel serves.
-    lora_order: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:

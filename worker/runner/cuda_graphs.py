@@ -28,7 +28,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from worker.lora.delta import decode_order
 from worker.model.forward_batch import ForwardBatch
 from worker.runner.req_table import ReqTable
 
@@ -121,7 +120,6 @@ class DecodeGraphs:
         self.table.table[rows, positions] = slots.to(torch.int32)
         positions32 = positions.to(torch.int32)
         ones = torch.ones_like(positions32)
-        lora_slots = adapters.to(torch.int32) if getattr(self.model, "lora", None) is not None else None
         batch = ForwardBatch(
             input_ids=input_ids,
             positions=positions,
@@ -135,8 +133,7 @@ class DecodeGraphs:
             max_seq_len=self.table.max_len,
             max_q_len=1,
             is_decode=True,
-            lora_slots=lora_slots,
-            lora_order=None if lora_slots is None else decode_order(lora_slots),  # sorted in the graph
+            lora_slots=adapters.to(torch.int32) if getattr(self.model, "lora", None) is not None else None,
         )
         self.logits[:bs].copy_(self.model.forward(batch))
 

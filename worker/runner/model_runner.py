@@ -40,7 +40,6 @@ from worker.engine.kv_slots import KVSlots
 from worker.engine.radix_cache import NoCache, PrefixCache
 from worker.engine.request import Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
-from worker.lora.delta import decode_order
 from worker.model.forward_batch import ForwardBatch
 from worker.runner import prompt_logprobs
 from worker.runner.grammar import GrammarMask, Grammars
@@ -368,7 +367,6 @@ class ModelRunner:
         seq_lens = cached + q_lens
         q_starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
         rows_on_device = dev(rows)
-        lora = None if lora_slots is None else dev(lora_slots)
         return ForwardBatch(
             # a decode launched before its input ids landed reads them where the sampler left them
             input_ids=self.last_ids[rows_on_device] if ids_on_device else dev(input_ids, torch.int64),
@@ -384,6 +382,5 @@ class ModelRunner:
             max_q_len=int(q_lens.max()),
             is_decode=is_decode,
             logit_index=None if logit_index is None else dev(logit_index, torch.int64),
-            lora_slots=lora,
-            lora_order=decode_order(lora) if is_decode and lora is not None else None,
+            lora_slots=None if lora_slots is None else dev(lora_slots),
         )
