@@ -27,8 +27,10 @@ from worker.model.forward_batch import ForwardBatch
 if TYPE_CHECKING:
     from worker.model.kernels.bgmv_grouped import TokenGroups
 
-# From this many decode tokens the grouped kernel serves (bench.engine.lora_kernels on an H100).
-GROUPED_FROM = 256
+# From this many decode tokens the grouped kernel serves: on an H100 at 100 adapters of rank 16 it
+# took 0.84-0.98x BGMV's time at 64 tokens, 0.65-1.02x at 128, 0.21-0.32x at 768, 1-2x at 16
+# (bench.engine.lora_kernels, bench/RESULTS.md).
+GROUPED_FROM = 64
 
 
 def decode_groups(batch: ForwardBatch, num_slots: int) -> TokenGroups | None:

@@ -44,18 +44,18 @@ def group_tokens(slots: torch.Tensor, num_slots: int) -> TokenGroups:
     slots = slots.long()
     counts = torch.zeros(num_slots, dtype=torch.long, device=dev).scatter_add_(0, slots, torch.ones_like(slots))
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    blocks[0] = 0  # no adapter: no block
+    blocks[:1].zero_()  # no adapter: no block (a fill on the device: nothing copied in a graph's capture)
     block_end = torch.cumsum(blocks, 0)
     sorted_slots, order = torch.sort(slots, stable=True)
     first = torch.cumsum(counts, 0) - counts  # each slot's first index in the sorted order
     rank = torch.arange(t, device=dev) - first[sorted_slots]  # a token's place among its slot's
     place = (block_end - blocks)[sorted_slots] * BLOCK_M + rank
-    place = torch.where(sorted_slots > 0, place, num_blocks * BLOCK_M)  # slot 0: to the spare entry
+    place = place.masked_fill(sorted_slots == 0, num_blocks * BLOCK_M)  # slot 0: to the spare entry
     tokens = torch.full((num_blocks * BLOCK_M + 1,), -1, dtype=torch.int32, device=dev)
     tokens.scatter_(0, place, order.to(torch.int32))
     index = torch.arange(num_blocks, device=dev)
     block_slots = torch.searchsorted(block_end, index, right=True)  # the slot whose blocks hold it
-    block_slots = torch.where(index < block_end[-1], block_slots, 0).to(torch.int32)
+    block_slots = block_slots.masked_fill(index >= block_end[-1], 0).to(torch.int32)
     return TokenGroups(tokens[:-1], block_slots)
 
 
