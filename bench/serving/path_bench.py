@@ -195,7 +195,7 @@ def main() -> None:
     args = parser.parse_args()
     args.serve_args = args.serve_args.split()
     print(
-        f"path_bench: counting model, 1 worker, {args.requests} x {args.new_tokens} tokens at once, "
+        f"path_bench: counting model, {args.requests} x {args.new_tokens} tokens at once, "
         f"/{args.route}, {os.cpu_count()} cores, serve flags {' '.join(args.serve_args) or '(defaults)'}",
         flush=True,
     )
