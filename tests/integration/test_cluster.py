@@ -1,6 +1,7 @@
 """The pool on a real Redis Cluster (3 primaries, 3 replicas: tests/cluster.py) with the counting model,
 whose every token is known: the whole path, sharded pub/sub, a batch, a primary killed mid-burst (the
-control plane's and a data plane's), and a worker frozen past its liveness. ``tests.checker`` judges each
+control plane's and a data plane's), a worker frozen past its liveness, and the chaos suite's
+worker and router SIGKILLed mid-stream. ``tests.checker`` judges each
 burst (lost, duplicated, wrong) and the report line is printed with the time the pool took to recover."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from shared.chunks import parse_run
 from tests.batches.helpers import generate_line, jsonl
 from tests.checker import Burst, Report
+from tests.integration import test_chaos as chaos
 from tests.waiting import MUST_HAPPEN_S
 from worker.model.counting_model import COUNTING_VOCAB, expected_tokens
 
@@ -174,3 +176,8 @@ def test_a_frozen_worker_past_its_liveness_writes_nothing_for_requests_that_move
     while "moved on (epoch" not in stack.test_log():
         assert time.monotonic() < deadline, "the thawed worker's writes were not refused"
         time.sleep(0.5)
+
+
+def test_killing_a_worker_and_the_router_mid_stream_on_the_cluster_loses_and_repeats_nothing(stack):
+    """test_chaos.py's test, on the cluster: every one of 200 streams exact, both restarted."""
+    chaos.test_killing_a_worker_and_the_router_mid_stream_loses_and_repeats_nothing(stack)
