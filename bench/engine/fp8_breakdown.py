@@ -33,14 +33,36 @@ def fake(x: torch.Tensor, group: int | None) -> torch.Tensor:
     return dequantize_rows(*quantize_rows(x.reshape(*shape[:-1], shape[-1] // group, group))).reshape(shape)
 
 
-VARIANTS = {  # name -> (weights' group or "none", inputs' group or "none", layer kinds kept full)
-    "weights + inputs (lightq's)": (None, None, ()),
-    "weights only": (None, "none", ()),
-    "inputs only": ("none", None, ()),
-    "weights + inputs, groups of 64": (64, 64, ()),
-    "weights + inputs, down_proj full": (None, None, ("down_proj",)),
-    "weights + inputs, o_proj full": (None, None, ("o_proj",)),
+VARIANTS = {  # name -> (weights' group or "none", inputs' group or "none", layer kinds kept full, smoothing alpha)
+    "weights + inputs (lightq's)": (None, None, (), None),
+    "weights only": (None, "none", (), None),
+    "inputs only": ("none", None, (), None),
+    "weights + inputs, groups of 64": (64, 64, (), None),
+    "weights + inputs, down_proj full": (None, None, ("down_proj",), None),
+    "weights + inputs, o_proj full": (None, None, ("o_proj",), None),
+    "weights + inputs, smoothed a=0.5": (None, None, (), 0.5),
+    "weights + inputs, smoothed a=0.7": (None, None, (), 0.7),
+    "weights + inputs, smoothed a=0.5, down_proj full": (None, None, ("down_proj",), 0.5),
 }
+
+
+def input_amax(model, pool: Pool, text: torch.Tensor, linears: dict) -> dict[str, torch.Tensor]:
+    """Each linear's largest |input| per input channel over ``text`` (a calibration text)."""
+    seen: dict[str, torch.Tensor] = {}
+    for name, (m, _) in linears.items():
+        m.forward = lambda x, m=m, name=name: (
+            seen.__setitem__(name, torch.maximum(seen.get(name, x.new_zeros(x.shape[-1])), x.abs().amax(0))),
+            F.linear(x, m.weight, m.bias),
+        )[1]
+    pool.prefill(model, text, all_logits=False)
+    return seen
+
+
+def smoothing(xmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors s (x / s and W * s multiply to the same product): they
+    move part of the activations' outliers into the weights, where per-channel scales absorb them."""
+    wmax = weight.abs().amax(0).clamp(min=1e-5)
+    return (xmax.clamp(min=1e-5) ** alpha / wmax ** (1 - alpha)).clamp(min=1e-5)
 
 
 @torch.inference_mode()
@@ -66,19 +88,22 @@ def main(argv: list[str] | None = None) -> None:
     ref_nll = -float(ref.gather(1, targets[:, None]).mean())
     linears = {n: (m, m.weight.data.clone()) for n, m in model.named_modules() if isinstance(m, Linear)}
     print(f"{args.model}: {args.seqs} x {args.seq_len} tokens, reference fp32 ppl {math.exp(ref_nll):.3f}")
-    for name, (w_group, x_group, full) in VARIANTS.items():
+    calibration = sample_text(model, pool, args.seqs, args.seq_len, model.config.vocab_size, args.seed + 1)
+    xmax = input_amax(model, pool, calibration, linears)  # another text than the one scored
+    for name, (w_group, x_group, full, alpha) in VARIANTS.items():
         for layer, (m, weight) in linears.items():
             kept = any(kind in layer for kind in full)
-            m.weight.data.copy_(weight if kept or w_group == "none" else fake(weight, w_group))
+            s = smoothing(xmax[layer], weight, alpha) if alpha is not None and not kept else torch.ones(1)
+            m.weight.data.copy_(weight if kept or w_group == "none" else fake(weight * s, w_group))
             inputs = None if kept or x_group == "none" else x_group
-            m.forward = lambda x, m=m, g=inputs, off=kept or x_group == "none": F.linear(
-                x if off else fake(x, g), m.weight, m.bias
+            m.forward = lambda x, m=m, g=inputs, off=kept or x_group == "none", s=s: F.linear(
+                x if off else fake(x / s, g), m.weight, m.bias
             )
         logp = score()
         nll = -float(logp.gather(1, targets[:, None]).mean())
         kl = float((ref.exp() * (ref - logp)).sum(-1).mean())
         top1 = float((logp.argmax(-1) == ref.argmax(-1)).float().mean())
-        print(f"fp8_breakdown {name:<34} ppl {math.exp(nll - ref_nll) - 1:+7.2%}  KL {kl:.4f}  top-1 {top1:.2%}")
+        print(f"fp8_breakdown {name:<50} ppl {math.exp(nll - ref_nll) - 1:+7.2%}  KL {kl:.4f}  top-1 {top1:.2%}")
 
 
 if __name__ == "__main__":
