@@ -43,19 +43,58 @@ VARIANTS = {  # name -> (weights' group or "none", inputs' group or "none", laye
     "weights + inputs, smoothed a=0.5": (None, None, (), 0.5),
     "weights + inputs, smoothed a=0.7": (None, None, (), 0.7),
     "weights + inputs, smoothed a=0.5, down_proj full": (None, None, ("down_proj",), 0.5),
+    "weights GPTQ-rounded only": ("gptq", "none", (), None),
+    "weights GPTQ-rounded + inputs": ("gptq", None, (), None),
 }
 
 
-def input_amax(model, pool: Pool, text: torch.Tensor, linears: dict) -> dict[str, torch.Tensor]:
-    """Each linear's largest |input| per input channel over ``text`` (a calibration text)."""
-    seen: dict[str, torch.Tensor] = {}
+def gptq(weight: torch.Tensor, gram: torch.Tensor, block: int = 128, damp: float = 0.01) -> torch.Tensor:
+    """``weight`` [N, K] rounded to FP8 (per-row scales as lightq's) column by column, each column's
+    rounding error spread over the columns not yet rounded as the inputs' Gram matrix ``gram`` [K, K]
+    says (GPTQ, Frantar et al. 2022, its blocked form): the layer's output error, not each weight's,
+    is what the rounding minimises. Returns the dequantised weight."""
+    w = weight.float().clone()
+    h = gram.clone()
+    dead = h.diagonal() == 0
+    h[dead, dead], w[:, dead] = 1.0, 0.0
+    h += damp * h.diagonal().mean() * torch.eye(h.shape[0])
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    _, scale = quantize_rows(w)
+    out = torch.empty_like(w)
+    for start in range(0, w.shape[1], block):
+        end = min(start + block, w.shape[1])
+        wb, errs = w[:, start:end].clone(), torch.empty(w.shape[0], end - start)
+        for j in range(end - start):
+            col = wb[:, j]
+            q = dequantize_rows(*quantize_scaled(col, scale))[:, 0]
+            out[:, start + j] = q
+            err = (col - q) / hinv[start + j, start + j]
+            wb[:, j:] -= err[:, None] * hinv[start + j, start + j : end][None, :]
+            errs[:, j] = err
+        w[:, end:] -= errs @ hinv[start:end, end:]
+    return out
+
+
+def quantize_scaled(col: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One column [N] of a weight rounded to FP8 with its rows' fixed scales [N] (as ``quantize_rows``)."""
+    return (col / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)[:, None], scale
+
+
+def input_stats(model, pool: Pool, text: torch.Tensor, linears: dict) -> tuple[dict, dict]:
+    """Each linear's largest |input| per input channel, and its inputs' Gram matrix X^T X / n, over
+    ``text`` (a calibration text)."""
+    amax: dict[str, torch.Tensor] = {}
+    gram: dict[str, torch.Tensor] = {}
+
+    def seen(name: str, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        amax[name] = torch.maximum(amax.get(name, x.new_zeros(x.shape[-1])), x.abs().amax(0))
+        gram[name] = gram.get(name, 0) + x.T @ x / len(text.reshape(-1))
+
     for name, (m, _) in linears.items():
-        m.forward = lambda x, m=m, name=name: (
-            seen.__setitem__(name, torch.maximum(seen.get(name, x.new_zeros(x.shape[-1])), x.abs().amax(0))),
-            F.linear(x, m.weight, m.bias),
-        )[1]
+        m.forward = lambda x, m=m, name=name: (seen(name, x), F.linear(x, m.weight, m.bias))[1]
     pool.prefill(model, text, all_logits=False)
-    return seen
+    return amax, gram
 
 
 def smoothing(xmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -89,12 +128,18 @@ def main(argv: list[str] | None = None) -> None:
     linears = {n: (m, m.weight.data.clone()) for n, m in model.named_modules() if isinstance(m, Linear)}
     print(f"{args.model}: {args.seqs} x {args.seq_len} tokens, reference fp32 ppl {math.exp(ref_nll):.3f}")
     calibration = sample_text(model, pool, args.seqs, args.seq_len, model.config.vocab_size, args.seed + 1)
-    xmax = input_amax(model, pool, calibration, linears)  # another text than the one scored
+    xmax, gram = input_stats(model, pool, calibration, linears)  # another text than the one scored
+    rounded: dict[str, torch.Tensor] = {}
     for name, (w_group, x_group, full, alpha) in VARIANTS.items():
+        if w_group == "gptq" and not rounded:
+            rounded = {layer: gptq(weight, gram[layer]) for layer, (_, weight) in linears.items()}
         for layer, (m, weight) in linears.items():
             kept = any(kind in layer for kind in full)
             s = smoothing(xmax[layer], weight, alpha) if alpha is not None and not kept else torch.ones(1)
-            m.weight.data.copy_(weight if kept or w_group == "none" else fake(weight * s, w_group))
+            if w_group == "gptq":
+                m.weight.data.copy_(rounded[layer])
+            else:
+                m.weight.data.copy_(weight if kept or w_group == "none" else fake(weight * s, w_group))
             inputs = None if kept or x_group == "none" else x_group
             m.forward = lambda x, m=m, g=inputs, off=kept or x_group == "none", s=s: F.linear(
                 x if off else fake(x / s, g), m.weight, m.bias
