@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +80,25 @@ def workload(args: argparse.Namespace) -> list[tuple[float, str, list[int]]]:
         at += rng.expovariate(args.request_rate)
         out.append((at, name, [rng.randrange(3, args.vocab) for _ in range(args.prompt_len)]))
     return out
+
+
+def lru_bound(names: list[str], workers: int, slots: int, aware: bool, seed: int = 0) -> float:
+    """Adapter loads per request of ``names`` over ``workers`` LRU caches of ``slots`` adapters: each
+    request to a worker holding its adapter (``aware``: an ideal adapter-aware router, records never
+    late, never spreading) or to a random one (load-only, when every request costs the same);
+    a miss to a random worker. The workload's yardstick: the router's figures against it."""
+    rng, caches, loads = random.Random(seed), [OrderedDict[str, None]() for _ in range(workers)], 0
+    for name in names:
+        holders = [cache for cache in caches if name in cache] if aware else []
+        cache = holders[0] if holders else rng.choice(caches)
+        if name in cache:
+            cache.move_to_end(name)
+            continue
+        loads += 1
+        if len(cache) >= slots:
+            cache.popitem(last=False)
+        cache[name] = None
+    return loads / len(names)
 
 
 def model_dir(args: argparse.Namespace) -> str:
@@ -210,12 +230,18 @@ def run_arm(args: argparse.Namespace, key: str, folder: str, specs: list[str], c
     return arm
 
 
-def compare(arms: dict[str, Arm]) -> list[str]:
+def compare(arms: dict[str, Arm], bounds: tuple[float, float] | None = None) -> list[str]:
+    """The goals' lines; ``bounds``: ``lru_bound``'s (aware, load-only) loads per request."""
     lines = []
     for arm in arms.values():
         per = f"{arm.loads_per_request:.3f}" if arm.loads_per_request is not None else "-"
         ttft = f"{arm.median_ttft_ms:.1f} ms" if arm.median_ttft_ms is not None else "-"
         lines.append(f"{arm.name:>13}: {arm.loads:.0f} adapter loads, {per} per request; median TTFT {ttft}")
+    if bounds is not None:
+        lines.append(
+            f"{'LRU yardstick':>13}: an ideal adapter-aware router {bounds[0]:.3f} loads per request, "
+            f"random spread {bounds[1]:.3f} ({bounds[0] / bounds[1]:.2f})"
+        )
     aware, least = arms.get("aware"), arms.get("least")
     if aware and least and aware.loads_per_request is not None and least.loads_per_request:
         ratio = aware.loads_per_request / least.loads_per_request
@@ -267,7 +293,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     args.vocab = args.vocab or config["vocab_size"]
     specs = adapter_specs(args, folder.removeprefix("dummy:"))
     arms = {key: run_arm(args, key, folder, specs, clock) for key in args.arms.split(",")}
-    lines = compare(arms)
+    names = [name for _, name, _ in workload(args)]
+    bounds = tuple(lru_bound(names, args.workers, args.max_loras, aware) for aware in (True, False))
+    lines = compare(arms, (bounds[0], bounds[1]))
     print("\n".join(lines))
     return lines
 
