@@ -4,9 +4,9 @@ per request as load-only routing, and median TTFT is no worse").
 
     # on a CPU (the tiny shape: the routing and the slots, not the kernels); nice'd beside other work
     nice -n 5 .venv/bin/python -m bench.serving.lora_route_bench --deadline-s 420
-    # four workers sharing one GPU (the device host: python3 with torch; SmolLM2's shape, random weights)
-    python3 -m bench.serving.lora_route_bench --shape smollm2 --requests 2000 --request-rate 40 \\
-        --prompt-len 512 --max-tokens 64 --rank 16 --deadline-s 560 --out /tmp/lora_route
+    # four workers sharing one GPU: SmolLM2's shape, random weights (bench/device/h200.sh lora-route: carry .whl .tok)
+    python3 -m bench.serving.lora_route_bench --config-dir .tok/smollm2 --requests 2000 --request-rate 40 \\
+        --prompt-len 512 --max-tokens 64 --rank 16 --max-loras 16 --deadline-s 560 --out /tmp/lora_route
 
 Per arm, a fresh ``lightq serve --workers N`` (its own embedded Redis; workers on one GPU share it,
 ``lightq.launcher``) on ``dummy:`` weights of ``--shape``, with ``--max_loras`` device slots a worker
@@ -49,8 +49,6 @@ from bench.serving.route_bench import Clock, stop, verdict
 
 ARMS = {"aware": ("adapter-aware", []), "least": ("load-only", ["--no-cache_aware"])}
 LOADS = "lightq:worker_lora_loads_total"
-# the device host's SmolLM2 config and tokenizer (bench/device/h200.sh's .tok/smollm2)
-SHAPE_DIRS = {"smollm2": ".tok/smollm2"}
 
 
 @dataclass
@@ -60,6 +58,7 @@ class Arm:
     ttfts: list[float] = field(default_factory=list)  # seconds, successful requests
     errors: list[str] = field(default_factory=list)
     decisions: dict[str, float] = field(default_factory=dict)
+    served: dict[str, float] = field(default_factory=dict)  # worker -> requests it ended (the spread)
 
     @property
     def loads_per_request(self) -> float | None:
@@ -102,22 +101,25 @@ def lru_bound(names: list[str], workers: int, slots: int, aware: bool, seed: int
 
 
 def model_dir(args: argparse.Namespace) -> str:
-    """``dummy:`` a folder with the shape's config.json and a tokenizer."""
-    if args.shape in SHAPE_DIRS:
-        return f"dummy:{SHAPE_DIRS[args.shape]}"
+    """``dummy:`` a folder with a config.json and a tokenizer: ``--config-dir``, else the shape's."""
+    if args.config_dir:
+        return f"dummy:{args.config_dir}"
     from bench.engine.shapes import config_dir
 
     return f"dummy:{config_dir(args.shape, os.path.join(args.out, f'model-{args.shape}'), tokenizer=True)}"
 
 
 def adapter_specs(args: argparse.Namespace, folder: str) -> list[str]:
+    """The adapters' NAME=PATH, written for the model in ``folder`` (its config's sizes)."""
     from bench.engine.lora_adapters import write_adapters
     from bench.engine.shapes import SHAPES
 
-    if args.shape not in SHAPES:  # a real config (smollm2): its sizes as a shape of its own
-        config = json.loads((Path(folder) / "config.json").read_text())
-        SHAPES[args.shape] = {k: config[k] for k in config if k.endswith(("_size", "_layers", "_heads"))}
-    return write_adapters(args.shape, args.adapters, args.rank, Path(args.out) / "adapters")
+    config = json.loads((Path(folder) / "config.json").read_text())
+    shape = f"config-{config['hidden_size']}x{config['num_hidden_layers']}"
+    SHAPES.setdefault(
+        shape, {k: v for k, v in config.items() if k.endswith(("_size", "_layers", "_heads", "head_dim"))}
+    )
+    return write_adapters(shape, args.adapters, args.rank, Path(args.out) / "adapters")
 
 
 def start(args: argparse.Namespace, arm: str, folder: str, clock: Clock) -> subprocess.Popen[bytes] | None:
@@ -197,8 +199,9 @@ async def drive(args: argparse.Namespace, specs: list[str], arm: Arm, clock: Clo
 
 
 def scrape(args: argparse.Namespace, arm: Arm) -> float:
-    """The workers' adapter loads so far (and the router's decisions into ``arm``, replaced)."""
-    loads, arm.decisions = 0.0, {}
+    """The workers' adapter loads so far (and the router's decisions and the requests each worker
+    ended into ``arm``, replaced)."""
+    loads, arm.decisions, arm.served = 0.0, {}, {}
     for port in range(args.metrics_port, args.metrics_port + args.workers + 4):
         try:
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -210,6 +213,9 @@ def scrape(args: argparse.Namespace, arm: Arm) -> float:
             elif sample.name == "lightq:router_decisions_total":
                 reason = sample.labels["reason"]
                 arm.decisions[reason] = arm.decisions.get(reason, 0) + sample.value
+            elif sample.name == "lightq:worker_requests_ended_total":
+                worker = sample.labels["worker"]
+                arm.served[worker] = arm.served.get(worker, 0) + sample.value
     return loads
 
 
@@ -226,7 +232,8 @@ def run_arm(args: argparse.Namespace, key: str, folder: str, specs: list[str], c
         stop(process)
     decisions = ", ".join(f"{reason} {n:.0f}" for reason, n in sorted(arm.decisions.items()))
     print(f"{arm.name}: {len(arm.ttfts)} requests, {len(arm.errors)} failed {arm.errors[:2]}; "
-          f"{arm.loads:.0f} adapter loads; router decisions: {decisions or '-'}", flush=True)  # fmt: skip
+          f"{arm.loads:.0f} adapter loads; router decisions: {decisions or '-'}; requests a worker: "
+          f"{'/'.join(f'{n:.0f}' for n in sorted(arm.served.values(), reverse=True))}", flush=True)  # fmt: skip
     return arm
 
 
@@ -236,6 +243,8 @@ def compare(arms: dict[str, Arm], bounds: tuple[float, float] | None = None) -> 
     for arm in arms.values():
         per = f"{arm.loads_per_request:.3f}" if arm.loads_per_request is not None else "-"
         ttft = f"{arm.median_ttft_ms:.1f} ms" if arm.median_ttft_ms is not None else "-"
+        if len(arm.ttfts) > 1:
+            ttft += f" (p90 {1000 * statistics.quantiles(arm.ttfts, n=10)[-1]:.1f} ms)"
         lines.append(f"{arm.name:>13}: {arm.loads:.0f} adapter loads, {per} per request; median TTFT {ttft}")
     if bounds is not None:
         lines.append(
@@ -259,7 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--arms", default="aware,least", help=f"comma-separated, of {', '.join(ARMS)}")
-    p.add_argument("--shape", default="tiny", help="a bench.engine.shapes shape, or smollm2 (.tok/smollm2)")
+    p.add_argument("--shape", default="tiny", help="a bench.engine.shapes shape (random weights)")
+    p.add_argument("--config-dir", default="", help="instead: a folder with config.json and a tokenizer")
     p.add_argument("--adapters", type=int, default=200)
     p.add_argument("--rank", type=int, default=8, help="every adapter's rank (and --max_lora_rank)")
     p.add_argument("--max-loras", type=int, default=8, help="device slots a worker (--max_loras)")
