@@ -260,19 +260,24 @@ class Views:
                 hits[worker_id] = tokens / len(prompt_ids)
         spare = False  # a LoRA miss: the hits are the workers that lose the least by paging it in
         if adapter is not None and self.cache_aware:  # its prompt is never cached: holding its adapter is the hit
-            hits = {w: ADAPTER_HIT for w in views if self._holds(w, adapter)}
-            if not hits:
-                hits = spare_hits(self.popularity, {w: v.load.resident_adapters for w, v in views.items()})
-                spare = True
-            self.popularity.count(adapter)
+            hits, spare = self._adapter_hits(views, adapter)
         chosen = cache_aware_fit(uses, hits, lambda w: self._views[w].ratio(candidate, held.get(w, 0)))
         self.last_reason = "adapter_spare" if spare and chosen in hits else reason(chosen, hits, adapter is not None)
         if chosen is not None and adapter is not None:
             self._sent_adapters.setdefault(chosen, {})[adapter] = self.clock()
+            self.popularity.count(adapter)  # once a request (a waiting one is chosen for again and again)
         self._held_at_chosen = (chosen, held.get(chosen, 0) if chosen is not None else 0)
         if chosen is not None and hashes and self.cache_aware and views[chosen].load.prefix_cache:
             self._remember(chosen, hashes)
         return chosen
+
+    def _adapter_hits(self, views: Mapping[str, WorkerView], adapter: str) -> tuple[dict[str, float], bool]:
+        """The hits of a LoRA request: the workers holding ``adapter`` (``ADAPTER_HIT``), else those
+        that would lose the least popular adapter paging it in (``spare_hits``; True then)."""
+        hits = {w: ADAPTER_HIT for w in views if self._holds(w, adapter)}
+        if hits:
+            return hits, False
+        return spare_hits(self.popularity, {w: v.load.resident_adapters for w, v in views.items()}), True
 
     def _holds(self, worker_id: str, adapter: str) -> bool:
         """The worker holds ``adapter`` on its device, by its record or because this router sent it a
