@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import shlex
 import statistics
 import subprocess
@@ -38,7 +37,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +44,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.serving.route_bench import Clock, stop, verdict
+from bench.workloads.lora_mix import lru_bound, workload
 
 ARMS = {"aware": ("adapter-aware", []), "least": ("load-only", ["--no-cache_aware"])}
 LOADS = "lightq:worker_lora_loads_total"
@@ -67,37 +66,6 @@ class Arm:
     @property
     def median_ttft_ms(self) -> float | None:
         return 1000 * statistics.median(self.ttfts) if self.ttfts else None
-
-
-def workload(args: argparse.Namespace) -> list[tuple[float, str, list[int]]]:
-    """(send at, seconds from the start; adapter; prompt ids): the same in every arm."""
-    rng = random.Random(args.seed)
-    weights = [1 / (k + 1) ** args.zipf_a for k in range(args.adapters)]
-    names = rng.choices([f"a{k}" for k in range(args.adapters)], weights, k=args.requests)
-    at, out = 0.0, []
-    for name in names:
-        at += rng.expovariate(args.request_rate)
-        out.append((at, name, [rng.randrange(3, args.vocab) for _ in range(args.prompt_len)]))
-    return out
-
-
-def lru_bound(names: list[str], workers: int, slots: int, aware: bool, seed: int = 0) -> float:
-    """Adapter loads per request of ``names`` over ``workers`` LRU caches of ``slots`` adapters: each
-    request to a worker holding its adapter (``aware``: an ideal adapter-aware router, records never
-    late, never spreading) or to a random one (load-only, when every request costs the same);
-    a miss to a random worker. The workload's yardstick: the router's figures against it."""
-    rng, caches, loads = random.Random(seed), [OrderedDict[str, None]() for _ in range(workers)], 0
-    for name in names:
-        holders = [cache for cache in caches if name in cache] if aware else []
-        cache = holders[0] if holders else rng.choice(caches)
-        if name in cache:
-            cache.move_to_end(name)
-            continue
-        loads += 1
-        if len(cache) >= slots:
-            cache.popitem(last=False)
-        cache[name] = None
-    return loads / len(names)
 
 
 def model_dir(args: argparse.Namespace) -> str:

@@ -4,7 +4,8 @@ request at most half of load-only routing's, median TTFT no worse)."""
 
 from collections import Counter
 
-from bench.serving.lora_route_bench import Arm, compare, parse_args, workload
+from bench.serving.lora_route_bench import Arm, compare, parse_args
+from bench.workloads.lora_mix import workload
 
 
 def test_the_workload_is_zipf_and_the_same_in_every_arm():
