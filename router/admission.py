@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
+from router.adapter_popularity import Popularity, spare_hits
 from shared.batch_view import BatchView, Candidate, Policy
 from shared.peak import ReqState
 from shared.prefix_hash import PREFIX_BLOCK, prefix_hashes
@@ -130,8 +131,12 @@ def cache_aware_fit(
 
 
 # Why a worker was chosen: it holds a prefix of the prompt (a LoRA request: its adapter); others did
-# but load won; nobody held any (least loaded); none could take it (the request waits).
-Reason = Literal["prefix_hit", "load_over_hit", "adapter_hit", "load_over_adapter", "least_loaded", "wait"]
+# but load won (a LoRA miss: others would lose a less popular adapter); nobody held any (least
+# loaded; a LoRA miss: the worker losing the least popular adapter, ``router.adapter_popularity``);
+# none could take it (the request waits).
+Reason = Literal[
+    "prefix_hit", "load_over_hit", "adapter_hit", "load_over_adapter", "adapter_spare", "least_loaded", "wait"
+]
 
 
 def reason(chosen: str | None, hits: Mapping[str, float], adapter: bool = False) -> Reason:
@@ -199,6 +204,7 @@ class Views:
         self._sent: dict[str, dict[int, tuple[int, float]]] = {}  # worker -> hash -> (tokens, when sent)
         self._held_at_chosen: tuple[str | None, int] = (None, 0)  # the last choice and its discount (``admit``)
         self._sent_adapters: dict[str, dict[str, float]] = {}  # worker -> LoRA adapter -> when last sent
+        self.popularity = Popularity()  # LoRA requests per adapter, recent ones weighing most (a miss's choice)
 
     def clear(self) -> None:
         """Every view goes (their draws came from an older history)."""
@@ -252,16 +258,26 @@ class Views:
             tokens = self._hit(worker_id, view, hashes) if self.cache_aware else 0
             if tokens:
                 hits[worker_id] = tokens / len(prompt_ids)
+        spare = False  # a LoRA miss: the hits are the workers that lose the least by paging it in
         if adapter is not None and self.cache_aware:  # its prompt is never cached: holding its adapter is the hit
-            hits = {w: ADAPTER_HIT for w in views if self._holds(w, adapter)}
+            hits, spare = self._adapter_hits(views, adapter)
         chosen = cache_aware_fit(uses, hits, lambda w: self._views[w].ratio(candidate, held.get(w, 0)))
-        self.last_reason = reason(chosen, hits, adapter is not None)
+        self.last_reason = "adapter_spare" if spare and chosen in hits else reason(chosen, hits, adapter is not None)
         if chosen is not None and adapter is not None:
             self._sent_adapters.setdefault(chosen, {})[adapter] = self.clock()
+            self.popularity.count(adapter)  # once a request (a waiting one is chosen for again and again)
         self._held_at_chosen = (chosen, held.get(chosen, 0) if chosen is not None else 0)
         if chosen is not None and hashes and self.cache_aware and views[chosen].load.prefix_cache:
             self._remember(chosen, hashes)
         return chosen
+
+    def _adapter_hits(self, views: Mapping[str, WorkerView], adapter: str) -> tuple[dict[str, float], bool]:
+        """The hits of a LoRA request: the workers holding ``adapter`` (``ADAPTER_HIT``), else those
+        that would lose the least popular adapter paging it in (``spare_hits``; True then)."""
+        hits = {w: ADAPTER_HIT for w in views if self._holds(w, adapter)}
+        if hits:
+            return hits, False
+        return spare_hits(self.popularity, {w: v.load.resident_adapters for w, v in views.items()}), True
 
     def _holds(self, worker_id: str, adapter: str) -> bool:
         """The worker holds ``adapter`` on its device, by its record or because this router sent it a

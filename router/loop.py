@@ -30,6 +30,7 @@ from router import liveness
 from router.admission import Views, cacheable_prompt
 from router.dispatch import Dispatcher, Item
 from router.janitor import reap_dead_worker
+from router.lora import adapter_gone
 from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_weights, reserved_slots
 from router.preempt import Preempter, heads
 from router.registry import read_registry
@@ -42,6 +43,7 @@ from shared.codec import entry, from_entry
 from shared.config import CANCEL_CHECK_S, RouterSettings
 from shared.keys import ROUTER_GROUP
 from shared.log_limit import LogLimiter
+from shared.lora import gone_error
 from shared.redis import Backoff, ensure_group
 from shared.request_log import end_request, now_ms
 from shared.schemas import DeadLetter, GenerateRequest, RequestStatus
@@ -231,6 +233,11 @@ class Router:
             started = time.perf_counter()
             worker_id = self._choose(request)
             self.on_decision(request, worker_id, time.perf_counter() - started)
+            if worker_id is None and adapter_gone(self.client, self.keys, request, loads):
+                # unloaded while it waited: no worker will ever take it (router.lora)
+                self._finish(entry_id, request, RequestStatus.FAILED, "error", gone_error(request.adapter or ""))
+                self._pop()
+                continue
             if worker_id is None:
                 run += self._preempt_for(loads)
                 break
@@ -322,8 +329,10 @@ class Router:
     def on_finish(self, request: GenerateRequest, status: RequestStatus) -> None:
         """Hook for metrics: a request ended here without reaching a worker."""
 
-    def _finish(self, entry_id: str, request: GenerateRequest, status: RequestStatus, reason) -> None:
-        """End a request that never reached a worker (cancelled or past its deadline)."""
+    def _finish(
+        self, entry_id: str, request: GenerateRequest, status: RequestStatus, reason, error: str | None = None
+    ) -> None:
+        """End a request that never reached a worker (cancelled, past its deadline, its adapter gone)."""
         end_request(  # fenced: refused if it ended meanwhile; acknowledged either way
             self.client,
             self.keys,
@@ -332,6 +341,7 @@ class Router:
             reason=reason,
             num_output=request.num_emitted,
             ttl_s=self.settings.redis.request_ttl_s,
+            error=error,
         )
         pipe = self.client.pipeline(transaction=True)
         stream, raw_id = ingress.locate(self.keys, entry_id)  # the stream it was read from

@@ -32,6 +32,22 @@ TARGETS = frozenset(
     {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     | {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}
 )
+# A request whose adapter went (unloaded) before it started ends with an error that starts with this
+# code and ": " (the router's ``router.lora``, a worker's refusal): the producer answers 404
+# ``model_not_found``, as it answers a request naming an unknown adapter.
+GONE = "model_not_found"
+
+
+def gone_error(name: str) -> str:
+    """The error a request for adapter ``name`` ends with when the adapter went before it started."""
+    return f"{GONE}: The LoRA adapter '{name}' was unloaded before the request started"
+
+
+def is_gone(error: str | None) -> bool:
+    """Whether a request's ``error`` says its adapter went (``gone_error``)."""
+    return (error or "").startswith(f"{GONE}: ")
+
+
 # PEFT features this slice does not compute: refused, never silently dropped.
 REFUSED = {
     "use_dora": "DoRA",

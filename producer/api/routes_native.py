@@ -26,10 +26,12 @@ from producer.api.api_types import (
 )
 from producer.api.errors import ApiError, bad_request
 from producer.api.params import check_group
+from producer.api.structured import failure
 from producer.api.submit import abandon, submit
 from producer.deps import GenerateBodyDep, ServicesDep
 from producer.edge.auth import CallerDep
 from producer.streams.streaming import EventStream, collect, follower, sse
+from shared.lora import is_gone
 from shared.schemas import TokenChunk
 
 router = APIRouter()
@@ -51,6 +53,8 @@ async def generate(request: Request, body: GenerateBodyDep, services: ServicesDe
     if queued.params.prompt_logprobs is not None:
         result = result.model_copy(update={"prompt_logprobs": prompt_details(queued.prompt_ids, chunks)})
     if failed(result):
+        if is_gone(result.error):  # its LoRA adapter was unloaded while it waited
+            raise failure(result.error)
         raise ApiError(500, result.error or "generation failed", code="generation_failed", kind="server_error")
     return Response(dump_without_empty_error(result), media_type="application/json")
 

@@ -64,3 +64,28 @@ def test_a_burst_for_one_adapter_meets_the_worker_it_was_just_sent_to():
     # w2 a little less loaded now, and neither record shows sql yet: the one it was sent to wins
     again = choose([serving("w1", held=100), serving("w2", held=50)], sql.model_copy(update={"id": "b"}), views=views)
     assert again == "w1" and views.last_reason == "adapter_hit"
+
+
+def test_a_miss_goes_where_the_least_popular_adapter_would_be_evicted():
+    views = Views(POLICIES["conservative"](estimator(), 0.05))
+    for adapter in ["hot"] * 5 + ["warm"] * 2 + ["cold"]:
+        views.popularity.count(adapter)
+    assert views.popularity.value("hot") > views.popularity.value("warm") > views.popularity.value("cold") > 0
+    sql = message("a", list(range(100, 140))).model_copy(update={"adapter": "sql"})
+    keeps_hot = serving("w1", resident=["hot", "warm"])
+    loses_cold = serving("w2", held=50, resident=["hot", "cold"])  # a little busier: the spare slot wins
+    assert choose([keeps_hot, loses_cold], sql, "adapter_spare", views) == "w2"
+    # far busier (over 5% of the pool above): load decides
+    busy = serving("w2", held=400, resident=["hot", "cold"]).model_copy(update={"seq": 2})  # a newer record
+    assert choose([keeps_hot, busy], sql.model_copy(update={"adapter": "poems"}), "load_over_adapter", views) == "w1"
+
+
+def test_popularity_decays_and_stays_bounded():
+    from router.adapter_popularity import Popularity
+
+    popularity = Popularity()
+    popularity.count("old")
+    for _ in range(30_000):  # past a rescaling: the old count fades, the recent one leads
+        popularity.count("new")
+    assert popularity.value("new") > 100 * popularity.value("old") >= 0
+    assert popularity.cheapest(["new", "old"]) == popularity.value("old") and popularity.cheapest([]) == -1.0

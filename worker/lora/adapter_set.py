@@ -59,6 +59,7 @@ class AdapterSet:
         self.recent: OrderedDict[str, None] = OrderedDict()  # run-time ones on the device, least recent first
         self.retiring: set[str] = set()  # unloaded, kept while requests still name them
         self.changes = 0  # grows when what is on the device changes (the load record follows)
+        self.loads = 0  # run-time adapters copied into a device slot (/metrics: worker_lora_loads_total)
         self.num_slots = len(adapters) + spare + 1
         self.spare_rank = rank if spare else 0
         self.max_rank = max([a.rank for a in adapters] + [self.spare_rank])
@@ -173,6 +174,7 @@ class AdapterSet:
         self.slots[name] = slot
         self.recent[name] = None
         self.changes += 1
+        self.loads += 1
 
     @torch.no_grad()
     def _write(self, slot: int, adapter: LoraAdapter) -> None:

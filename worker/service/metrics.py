@@ -180,6 +180,15 @@ class WorkerCollector(Collector):
             self.engine.num_discarded,
         )
         yield from _prefix_cache(snap.cache, w)
+        adapters = getattr(self.engine.runner, "adapters", None)  # worker.lora.adapter_set.AdapterSet, or None
+        yield _counter(
+            "lightq:worker_lora_loads",
+            "LoRA adapters loaded at run time copied into a device slot (--max_loras), on loading or when a "
+            "request needed one that was not there (evicting the least recently used): adapter-aware routing "
+            "keeps this low",
+            w,
+            adapters.loads if adapters is not None else 0,
+        )
         yield from self._inbox()
 
     def _inbox(self) -> Iterable[Metric]:

@@ -24,6 +24,7 @@ from shared.codec import from_entry
 from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP
 from shared.log_limit import LogLimiter
+from shared.lora import gone_error
 from shared.model_files import served_name
 from shared.redis import Backoff
 from shared.requeue import Death, hand_back_inbox, requeue
@@ -331,7 +332,7 @@ class WorkerService:
         if msg.params.constraint is not None and self.grammars is None:
             return "this worker cannot apply grammars"
         if msg.adapter is not None and msg.adapter not in self.lora.view.serving:  # the router checks its record
-            return f"LoRA adapter '{msg.adapter}' is not served by this worker (not loaded, or unloaded)"
+            return gone_error(msg.adapter)  # unloaded after the router sent it here: a 404 to the client
         return None
 
     def _free_stopped(self) -> None:
