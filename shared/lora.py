@@ -40,7 +40,7 @@ GONE = "model_not_found"
 
 def gone_error(name: str) -> str:
     """The error a request for adapter ``name`` ends with when the adapter went before it started."""
-    return f"{GONE}: The LoRA adapter '{name}' was unloaded before the request started"
+    return f"{GONE}: The LoRA adapter '{name}' is not served: unloaded before the request started, or never loaded"
 
 
 def is_gone(error: str | None) -> bool:
