@@ -53,9 +53,9 @@ def breakdown(before: dict, after: dict, requests: int, tokens: int) -> str:
     return ", ".join(f"{name} {us:.3f} ({calls:.2f}/req)" for us, calls, name in sorted(rows, reverse=True)[:14])
 
 
-def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]], str]:
+def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]], str, str]:
     """(best tokens/s, per primary (name, Redis CPU us per token, holds the control plane), the control
-    primary's costliest commands per token)."""
+    primary's costliest commands per token, and a data primary's (none with one primary))."""
     rq = start_embedded_redis()
     cluster = LocalCluster(primaries=primaries, replicas=0).start()
     log = Path(tempfile.mkdtemp(prefix="lightq-cluster-scale-")) / "serve.log"
@@ -66,10 +66,12 @@ def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]],
     try:
         primary_nodes = cluster.primary_nodes()
         control = cluster.owner(stack.keys.requests())
+        data = next((n for n in primary_nodes if n is not control), None)
         asyncio.run(Burst(stack.http, requests=8, new_tokens=16, first_token=10).run())  # warm
-        best, per_token, top = 0.0, [], ""
+        best, per_token, top, top_data = 0.0, [], "", ""
         for repeat in range(args.repeat):
             before, spent = [cpu_s(n) for n in primary_nodes], usec(control)
+            spent_data = usec(data) if data is not None else {}
             burst = Burst(stack.http, requests=args.requests, new_tokens=args.new_tokens, first_token=100 + repeat)
             t0 = time.monotonic()
             asyncio.run(burst.run())
@@ -84,7 +86,9 @@ def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]],
                     (n.name, (cpu_s(n) - b) * 1e6 / tokens, n is control) for n, b in zip(primary_nodes, before)
                 ]
                 top = breakdown(spent, usec(control), args.requests, tokens)
-        return best, per_token, top
+                if data is not None:
+                    top_data = breakdown(spent_data, usec(data), args.requests, tokens)
+        return best, per_token, top, top_data
     finally:
         try:  # a loaded machine can take past the stop's minute: the figures and the nodes go on
             stack.stop()
@@ -107,12 +111,14 @@ def main() -> None:
     args = parser.parse_args()
     rates = {}
     for size in (int(s) for s in args.sizes.split(",")):
-        rate, shards, top = measure(size, args)
+        rate, shards, top, top_data = measure(size, args)
         rates[size] = rate
         split = ", ".join(f"{name}{' (control)' if control else ''} {us:.2f}" for name, us, control in shards)
         total = sum(us for _, us, _ in shards)
         print(f"cluster_scale: {size} primaries: {rate:,.0f} tok/s; Redis CPU us/token {total:.2f} = {split}")
         print(f"cluster_scale: {size} primaries: control primary, us/token (calls/request): {top}")
+        if top_data:
+            print(f"cluster_scale: {size} primaries: a data primary, us/token (calls/request): {top_data}")
     if 1 in rates and 3 in rates:
         print(f"cluster_scale: 3 primaries / 1 = {rates[3] / rates[1]:.2f}x delivered tokens/s")
 
