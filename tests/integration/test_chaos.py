@@ -129,20 +129,33 @@ def test_redis_restart_mid_load_leaves_no_request_hanging(stack, counting_trio):
     assert len(finished) == len(ids)  # with append-only persistence nothing is lost
 
 
+def a_worker_running_one(stack, request_ids: list[str]) -> str | None:
+    """A worker that has started one of ``request_ids`` (its status hash says running, and where)."""
+    client = stack.client()
+    try:
+        pipe = client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.hmget(stack.keys.meta(request_id), "status", "worker")
+        return next((worker for status, worker in pipe.execute() if status == "running" and worker), None)
+    finally:
+        client.close()
+
+
 def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
     ids, prompts, new_tokens = [], [], 1000  # far more than a 0.5 s drain can finish
     for i in range(40):
         prompts.append([500 + i])
         body = {"inputs": prompts[-1], "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
         ids.append(httpx.post(f"{stack.http}/v1/requests", json=body, timeout=30).json()["id"])
-    victim = sorted(stack.live_workers())[0]
-    # Stop it as soon as its heartbeat shows it holds a request far from done (the counting model
-    # makes 1,000 tokens in about a second: a fixed wait, or a scan of 40 statuses over HTTP on a
-    # loaded machine, could let everything finish before the signal; CI once saw that).
+    # Stop the first worker that starts one, at once (the counting model makes 1,000 tokens in about
+    # a second: a fixed wait, or a scan of 40 statuses over HTTP on a loaded machine, could let
+    # everything finish before the signal; CI once saw that). The status hashes, read in one round
+    # trip, say it the moment a worker starts a request; a worker's heartbeat (every 0.5 s) lagged
+    # a quiet machine's run, and waiting for it to show a young request once timed out.
     deadline = time.monotonic() + MUST_HAPPEN_S
-    while not any(out < new_tokens // 4 for _, out, _, _ in getattr(stack.live_workers().get(victim), "requests", [])):
-        assert time.monotonic() < deadline, "no request reached the worker"
-        time.sleep(0.01)
+    while (victim := a_worker_running_one(stack, ids)) is None:
+        assert time.monotonic() < deadline, "no worker started a request"
+        time.sleep(0.005)
     os.kill(pid_of(victim), signal.SIGTERM)
     finals = []
     for request_id in ids:
