@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from shared.chunks import parse_run
 from shared.embedded_redis import start_embedded_redis
 from tests.integration.stack import start_stack
 from tests.waiting import MUST_HAPPEN_S
@@ -129,16 +130,23 @@ def test_redis_restart_mid_load_leaves_no_request_hanging(stack, counting_trio):
     assert len(finished) == len(ids)  # with append-only persistence nothing is lost
 
 
-def a_worker_running_one(stack, request_ids: list[str]) -> str | None:
-    """A worker that has started one of ``request_ids`` (its status hash says running, and where)."""
+def a_worker_with_a_young_request(stack, request_ids: list[str], young: int) -> str | None:
+    """A worker running one of ``request_ids`` that has emitted fewer than ``young`` tokens (its status
+    hash says where it runs, its chunk stream's last run how far it is), read in one round trip."""
     client = stack.client()
     try:
         pipe = client.pipeline(transaction=False)
         for request_id in request_ids:
             pipe.hmget(stack.keys.meta(request_id), "status", "worker")
-        return next((worker for status, worker in pipe.execute() if status == "running" and worker), None)
+            pipe.xrevrange(stack.keys.chunks(request_id), count=1)
+        replies = pipe.execute()
     finally:
         client.close()
+    for (status, worker), last in zip(replies[::2], replies[1::2]):
+        run = parse_run(last[0][1]) if last else None
+        if status == "running" and worker and (run is None or run.index + len(run.token_ids) < young):
+            return worker
+    return None
 
 
 def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
@@ -147,14 +155,15 @@ def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
         prompts.append([500 + i])
         body = {"inputs": prompts[-1], "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
         ids.append(httpx.post(f"{stack.http}/v1/requests", json=body, timeout=30).json()["id"])
-    # Stop the first worker that starts one, at once (the counting model makes 1,000 tokens in about
-    # a second: a fixed wait, or a scan of 40 statuses over HTTP on a loaded machine, could let
-    # everything finish before the signal; CI once saw that). The status hashes, read in one round
-    # trip, say it the moment a worker starts a request; a worker's heartbeat (every 0.5 s) lagged
-    # a quiet machine's run, and waiting for it to show a young request once timed out.
+    # Stop a worker that runs a request with fewer than a tenth of its tokens out, at once: the
+    # 0.5 s drain cannot finish that one, so the rest must be handed back. The counting model makes
+    # 1,000 tokens in about a second: a fixed wait, or a scan of 40 statuses over HTTP on a loaded
+    # machine, let everything finish before the signal (CI once saw that); a worker's heartbeat
+    # (every 0.5 s) lagged a quiet machine's run; and a request merely started could be half done
+    # when its status said so, and end within the drain (both seen in full runs).
     deadline = time.monotonic() + MUST_HAPPEN_S
-    while (victim := a_worker_running_one(stack, ids)) is None:
-        assert time.monotonic() < deadline, "no worker started a request"
+    while (victim := a_worker_with_a_young_request(stack, ids, new_tokens // 10)) is None:
+        assert time.monotonic() < deadline, "no worker ran a young request"
         time.sleep(0.005)
     os.kill(pid_of(victim), signal.SIGTERM)
     finals = []
