@@ -60,6 +60,14 @@ def group_tokens(slots: torch.Tensor, num_slots: int) -> TokenGroups:
 
 
 @triton.jit
+def _block_rows(tokens, blk, BM: tl.constexpr):
+    """Block ``blk``'s grouped positions, the tokens there, and which are tokens (not padding)."""
+    pos = blk * BM + tl.arange(0, BM)
+    tok = tl.load(tokens + pos).to(tl.int64)
+    return pos, tok, tok >= 0
+
+
+@triton.jit
 def _shrink(
     x, a, v, tokens, block_slots, K, R, s_x, s_as, s_ar, s_vs, s_v, CHUNK: tl.constexpr, BM: tl.constexpr,
     BR: tl.constexpr, BK: tl.constexpr,
@@ -68,9 +76,7 @@ def _shrink(
     slot = tl.load(block_slots + blk).to(tl.int64)
     if slot == 0:
         return
-    pos = blk * BM + tl.arange(0, BM)
-    tok = tl.load(tokens + pos).to(tl.int64)
-    ok = tok >= 0
+    pos, tok, ok = _block_rows(tokens, blk, BM)
     ranks = tl.arange(0, BR)
     acc = tl.zeros((BM, BR), dtype=tl.float32)
     for k0 in range(split * CHUNK, split * CHUNK + CHUNK, BK):
@@ -90,9 +96,7 @@ def _expand(
     slot = tl.load(block_slots + blk).to(tl.int64)
     if slot == 0:
         return
-    pos = blk * BM + tl.arange(0, BM)
-    tok = tl.load(tokens + pos).to(tl.int64)
-    ok = tok >= 0
+    pos, tok, ok = _block_rows(tokens, blk, BM)
     cols = nb * BN + tl.arange(0, BN)
     rs = tl.arange(0, BR)
     vs = tl.load(v + pos[:, None] * s_v + rs[None, :], mask=ok[:, None] & (rs[None, :] < R), other=0.0)
