@@ -215,6 +215,14 @@ class ProducerSettings(BaseSettings):
         description="deepest nesting of objects and arrays in a JSON schema a request sends (a schema level "
         "is about two: properties, then the property); 400 past it",
     )
+    max_schema_pattern_cost: int = Field(
+        4_000_000,
+        ge=0,
+        description="most a JSON schema's regex patterns (pattern, patternProperties) may cost the producer's "
+        "parse: the sum, over their counted repetitions ({n}, {m,}, {m,n}), of the largest count squared "
+        "(xgrammar's conversion grows with that square: ~0.2 us a unit, so the default is under a second); 400 "
+        "past it",
+    )
     max_batch_body_bytes: int = Field(
         200 * 1024 * 1024, gt=0, description="largest batch file upload (POST /v1/batches; OpenAI's limit)"
     )

@@ -2,11 +2,13 @@
 as a wire ``Constraint``, checked and parsed before anything is queued.
 
 The check first bounds what a parse may cost, without parsing: a spec longer than
-``--max_schema_chars``, or a JSON schema nested deeper than ``--max_schema_depth``, is a 400
+``--max_schema_chars``, a JSON schema nested deeper than ``--max_schema_depth``, or one whose
+regex patterns ask for more counted repetition than ``--max_schema_pattern_cost``, is a 400
 naming the limit (xgrammar's conversion of a schema grows much faster than its nesting: 4 ms at
-64 levels of JSON, 3 s at 400). Then xgrammar parses it (``Grammar.from_json_schema``,
-``from_regex``, ``from_ebnf``; no tokenizer needed, off the event loop): a bad one is a 400
-naming the parameter and xgrammar's reason. The parse travels with the request as
+64 levels of JSON, 3 s at 400; and with the square of a pattern's counts: 7 s for one
+``[a-z]{3,6400}``, a minute for a thousand patterns of a few hundred). Then xgrammar parses it
+(``Grammar.from_json_schema``, ``from_regex``, ``from_ebnf``; no tokenizer needed, off the event
+loop): a bad one is a 400 naming the parameter and xgrammar's reason. The parse travels with the request as
 ``Constraint.grammar`` (xgrammar's EBNF text), so the worker compiles exactly what was checked
 here and never converts the schema again.
 """
@@ -27,6 +29,8 @@ from shared.lora import GONE, is_gone
 from shared.schemas import Constraint
 
 XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[01:02:03] /x/y.cc:12: " before the reason
+COUNTED = re.compile(r"\{(\d+)(?:,(\d*))?\}")  # {n}, {m,} and {m,n}: their largest count
+DEEP = object()  # json_value of a text nested past Python's parser
 WHAT = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}
 
 
@@ -36,10 +40,11 @@ class SchemaLimits:
 
     chars: int  # --max_schema_chars
     depth: int  # --max_schema_depth
+    pattern_cost: int  # --max_schema_pattern_cost
 
     @classmethod
     def of(cls, settings: ProducerSettings) -> SchemaLimits:
-        return cls(settings.max_schema_chars, settings.max_schema_depth)
+        return cls(settings.max_schema_chars, settings.max_schema_depth, settings.max_schema_pattern_cost)
 
 
 class _Request(BaseModel):
@@ -99,16 +104,21 @@ def native_constraint(
 NATIVE_NAMES = {"json_schema": "guided_json", "regex": "regular_constraint", "ebnf": "guided_grammar"}
 
 
-def json_depth(text: str, bound: int) -> int:
-    """How deep ``text`` nests JSON objects and arrays, counted up to ``bound + 1`` (the walk stops
-    there); 0 when it is not JSON (the parse then says why). Python's own parser (linear) reads it:
-    past about a thousand levels it gives up (RecursionError), which is deeper than any bound."""
+def json_value(text: str) -> Any:
+    """``text`` as JSON; ``DEEP`` past about a thousand levels (Python's parser gives up there, deeper
+    than any bound), ``None`` when it is not JSON (the parse then says why)."""
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except RecursionError:
-        return bound + 1
+        return DEEP
     except ValueError:
-        return 0
+        return None
+
+
+def json_depth(value: Any, bound: int) -> int:
+    """How deep ``value`` nests JSON objects and arrays, counted up to ``bound + 1`` (the walk stops there)."""
+    if value is DEEP:
+        return bound + 1
     deepest, stack = 0, [(value, 0)]
     while stack and deepest <= bound:
         node, depth = stack.pop()
@@ -119,6 +129,24 @@ def json_depth(text: str, bound: int) -> int:
     return deepest
 
 
+def pattern_cost(value: Any) -> int:
+    """What the regexes of schema ``value`` (each ``pattern`` string, each ``patternProperties`` key)
+    ask of xgrammar's conversion: over their counted repetitions, the largest count squared (the
+    conversion's time grows with it). An escaped brace counts too: an overestimate, never a miss."""
+    cost, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            regexes = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+            if isinstance(node.get("patternProperties"), dict):
+                regexes += list(node["patternProperties"])
+            cost += sum(max(int(m), int(n or 0)) ** 2 for regex in regexes for m, n in COUNTED.findall(regex))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return cost
+
+
 def check_cost(constraint: Constraint, param: str, limits: SchemaLimits) -> None:
     """A 400 naming the limit when ``constraint`` may cost more to parse than the limits allow."""
     if len(constraint.spec) > limits.chars:
@@ -127,11 +155,21 @@ def check_cost(constraint: Constraint, param: str, limits: SchemaLimits) -> None
             param=param,
             code="constraint_too_large",
         )
-    if constraint.kind == "json_schema" and json_depth(constraint.spec, limits.depth) > limits.depth:
+    if constraint.kind != "json_schema":
+        return
+    value = json_value(constraint.spec)
+    if json_depth(value, limits.depth) > limits.depth:
         raise bad_request(
             f"{param}: objects and arrays nested more than max_schema_depth ({limits.depth}) levels deep",
             param=param,
             code="schema_too_deep",
+        )
+    if value is not DEEP and (cost := pattern_cost(value)) > limits.pattern_cost:
+        raise bad_request(
+            f"{param}: its patterns' counted repetitions cost {cost} (the sum of each largest count squared), "
+            f"more than max_schema_pattern_cost ({limits.pattern_cost}); ask for shorter counts or fewer patterns",
+            param=param,
+            code="constraint_too_costly",
         )
 
 

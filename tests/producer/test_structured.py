@@ -10,6 +10,7 @@ import json
 import pytest
 import xgrammar as xgr
 
+from producer.api.structured import json_value, pattern_cost
 from shared.schemas import RequestStatus
 
 openai = pytest.importorskip("openai")
@@ -77,6 +78,10 @@ BAD = [
     (CHAT, chat(guided_json="[" * 400 + "]" * 400), "guided_json", "schema_too_deep"),
     (GEN, native(guided_json='{"a":' * 65 + "1" + "}" * 65), "parameters.guided_json", "schema_too_deep"),
     (CHAT, chat(guided_regex="a" * 200_001), "guided_regex", "constraint_too_large"),
+    # ... and 7 s for one pattern of [a-z]{3,6400}: a pattern's counts cost their square
+    (CHAT, chat(guided_json={"type": "string", "pattern": "[a-z]{3,2001}"}), "guided_json", "constraint_too_costly"),
+    (GEN, native(guided_json={"type": "object", "patternProperties": {"^a{2001}$": {}}}), "parameters.guided_json", "constraint_too_costly"),  # noqa: E501
+    (CHAT, chat(guided_json={"anyOf": [{"pattern": "x{1000,}"}] * 5}), "guided_json", "constraint_too_costly"),
 ]  # fmt: skip
 
 
@@ -87,6 +92,25 @@ async def test_bad_structure_is_a_400_before_anything_is_queued(client, aredis, 
     error = response.json()["error"]
     assert error["param"] == param and (code is None or error["code"] == code), error
     assert await aredis.xlen(keys.requests()) == 0
+
+
+def test_a_patterns_cost_is_its_counts_squared_wherever_the_schema_holds_it():
+    schema = {
+        "properties": {"a": {"pattern": "^[a-z]{3,20}-\\d{4}$"}, "b": {"items": {"pattern": "x{7,}"}}},
+        "patternProperties": {"^k{5}$": {"pattern": "y{2,3}z{1000}"}},
+        "anyOf": [{"pattern": 5}, {"description": "{9}"}],  # not a regex: no cost
+    }
+    assert pattern_cost(schema) == 20**2 + 4**2 + 7**2 + 5**2 + 3**2 + 1000**2
+    assert pattern_cost(json_value('"x"')) == pattern_cost(json_value("not json")) == 0
+
+
+async def test_a_pattern_at_the_cost_bound_is_parsed_and_queued(oai, worker):
+    """2000 squared is the default bound itself: accepted (2001 is refused above)."""
+    schema = {"type": "string", "pattern": "[a-z]{3,2000}"}
+    async with worker.answering(reply_with(['"abc"'])) as seen:
+        out = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"guided_json": schema})
+    assert out.choices[0].message.content == '"abc"'
+    assert [r.params.constraint.spec for r in seen] == [json.dumps(schema)]
 
 
 def reply_with(texts):
