@@ -67,7 +67,14 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
             tokenizer=tok,
             metrics=metrics,
             model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
-            gate=Gate(redis, keys, settings.max_queue_tokens, settings.reject_without_workers),
+            # a request's writes get a command's timeout and one retry's, on one server or a cluster
+            gate=Gate(
+                redis,
+                keys,
+                settings.max_queue_tokens,
+                settings.reject_without_workers,
+                deadline_s=2 * settings.redis_timeout_s,
+            ),
             api_key_hashes=key_hashes(settings.api_keys),
             key_tenants=key_tenants(settings.api_keys),
             batch_redis=batches,

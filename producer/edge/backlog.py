@@ -13,11 +13,13 @@ tokens ever enqueued less tokens queued is what has left the queue.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
 
 import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from producer import store
 from producer.api.errors import retry_later
@@ -77,10 +79,24 @@ class DrainRate:
 
 
 class Gate:
-    """What a producer checks before it writes a request (one per app; state is per replica)."""
+    """What a producer checks before it writes a request (one per app; state is per replica).
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, max_queue_tokens: int, require_workers: bool) -> None:
-        self.redis, self.keys = redis, keys
+    ``deadline_s`` bounds the checks and the write together: past it the request is a 503
+    (``RedisTimeout``). A single server's client already fails within about that (a timeout and one
+    retry), but a cluster client reaching no node tries every seed node in turn, each with its connect
+    timeout, and retries that: 7-14 s with the producer's host cut off. A write cut short may still
+    have queued the request: it runs unread and expires, as a request whose client left does.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        max_queue_tokens: int,
+        require_workers: bool,
+        deadline_s: float | None = None,
+    ) -> None:
+        self.redis, self.keys, self.deadline_s = redis, keys, deadline_s
         self.max_queue_tokens, self.require_workers = max_queue_tokens, require_workers
         self.drain = DrainRate()
         self._mean_len: float | None = None
@@ -118,6 +134,13 @@ class Gate:
 
     async def enqueue(self, request: GenerateRequest, ttl_s: int, key_hash: str | None) -> None:
         """Write the request, or raise 429 ``queue_full`` when the backlog has no room for it."""
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                await self._enqueue(request, ttl_s, key_hash)
+        except TimeoutError as exc:
+            raise RedisTimeout(f"Redis did not take the request within {self.deadline_s:g} s") from exc
+
+    async def _enqueue(self, request: GenerateRequest, ttl_s: int, key_hash: str | None) -> None:
         await self.check_workers()
         # A group's samples share the prompt: it is counted once, each sample's output once.
         cost = request.num_prompt_tokens + estimated_output(request, await self.mean_output_length())

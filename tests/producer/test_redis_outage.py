@@ -10,8 +10,11 @@ import time
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from producer.app import create_app
+from producer.edge.backlog import Gate
+from shared.schemas import GenerateRequest, SamplingParams
 from tests.waiting import MUST_HAPPEN_S
 
 
@@ -58,6 +61,23 @@ async def test_a_silent_redis_is_a_503_not_a_hang(proxied, proxy):
     started = time.monotonic()
     assert_unavailable(await proxied.post("/generate", json={"inputs": "hi"}))
     assert time.monotonic() - started < 5
+
+
+async def test_the_gate_bounds_a_request_s_writes_whatever_the_client_s_own_timeouts(proxy, keys):
+    """A cluster client reaching no node retries through every seed for many times its timeout (7-14 s with
+    a producer's host cut off): the gate's deadline ends the checks and the write together, a 503. The
+    client here would wait 60 s: only the deadline can answer within this test's error message."""
+    await proxy.cut()
+    proxy.blackhole = True
+    await proxy.start()
+    client = aioredis.from_url(proxy.url, socket_timeout=60, socket_connect_timeout=60)
+    gate = Gate(client, keys, max_queue_tokens=1000, require_workers=True, deadline_s=0.3)
+    request = GenerateRequest(id="d" * 32, prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=2), created_ms=1)
+    try:
+        with pytest.raises(RedisError, match=r"did not take the request within 0.3 s"):
+            await gate.enqueue(request, ttl_s=60, key_hash=None)
+    finally:
+        await client.aclose(close_connection_pool=True)
 
 
 async def blocked_reader(redis_url: str, timeout_s: float = MUST_HAPPEN_S) -> None:
