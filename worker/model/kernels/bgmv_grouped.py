@@ -130,9 +130,11 @@ def bgmv_grouped(
     v = torch.empty(splits, places, r, dtype=torch.float32, device=x.device) if v is None else v
     assert v.shape == (splits, places, r) and v.stride(2) == 1
     block_r = max(triton.next_power_of_2(r), 16)
+    # fp32 tiles half as long: at rank 96 the pipelined [BR, BK] tiles asked 278 KB of shared memory, over an H100's 227
+    block_k = BLOCK_K if a.element_size() <= 2 else BLOCK_K // 2
     _shrink[(blocks, splits)](
         x, a, v, groups.tokens, groups.block_slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0),
-        v.stride(1), CHUNK=SPLIT_K, BM=BLOCK_M, BR=block_r, BK=BLOCK_K,
+        v.stride(1), CHUNK=SPLIT_K, BM=BLOCK_M, BR=block_r, BK=block_k,
     )  # fmt: skip
     total = v[0] if splits == 1 else v.sum(0)  # the splits added once (a fixed-order reduction)
     _expand[(blocks, triton.cdiv(n, BLOCK_N))](
