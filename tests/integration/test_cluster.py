@@ -1,7 +1,7 @@
 """The pool on a real Redis Cluster (3 primaries, 3 replicas: tests/cluster.py) with the counting model,
 whose every token is known: the whole path, sharded pub/sub, a batch, a primary killed mid-burst (the
 control plane's and a data plane's), a worker frozen past its liveness, and the chaos suite's
-worker and router SIGKILLed mid-stream. ``tests.checker`` judges each
+worker and router SIGKILLed mid-stream and its SIGTERM drain. ``tests.checker`` judges each
 burst (lost, duplicated, wrong) and the report line is printed with the time the pool took to recover."""
 
 from __future__ import annotations
@@ -181,3 +181,10 @@ def test_a_frozen_worker_past_its_liveness_writes_nothing_for_requests_that_move
 def test_killing_a_worker_and_the_router_mid_stream_on_the_cluster_loses_and_repeats_nothing(stack):
     """test_chaos.py's test, on the cluster: every one of 200 streams exact, both restarted."""
     chaos.test_killing_a_worker_and_the_router_mid_stream_loses_and_repeats_nothing(stack)
+
+
+def test_sigterm_drains_a_worker_on_the_cluster_and_hands_the_rest_back(stack):
+    """test_chaos.py's SIGTERM drain, on the cluster: every request ends with all its tokens, the drained
+    worker hands back what it could not finish (its hand-back writes to inboxes and the ingress on
+    other slots than its own records) and exits with 0."""
+    chaos.test_sigterm_drains_a_worker_and_hands_the_rest_back(stack)

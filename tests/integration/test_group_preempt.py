@@ -6,7 +6,9 @@ One worker whose pool a group of 3 samples nearly fills (conservative admission:
 tokens); once every sample has sent tokens, a class-0 request that fits nowhere arrives. Without a
 pause it could start only when the group ended. With one, the class-0 request ends first, and the
 group, sent back with each sample's tokens, resumes and ends with every sample's 240 tokens exact:
-in the chunk stream each (choice, index) once, and the client's answer the same."""
+in the chunk stream each (choice, index) once, and the client's answer the same. On one Redis node and
+on a Redis Cluster (the pause's hand-back crosses slots: the worker's records, the group's keys, the
+ingress)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import pytest
 
 from shared.chunks import parse_run
 from shared.schemas import RequestMeta, RequestStatus, TokenChunk
-from tests.integration.stack import start_stack
+from tests.integration.stack import remove_prefix_keys, start_stack
 from tests.waiting import MUST_HAPPEN_S
 
 pytestmark = pytest.mark.slow
@@ -29,22 +31,30 @@ PROMPT = [100] * 8  # the counting model answers 101, 102, ...
 EXPECTED = [101 + i for i in range(GROUP_NEW)]
 
 
-@pytest.fixture
-def stack(tmp_path, redis_settings):
+@pytest.fixture(params=["node", "cluster"])
+def stack(request, tmp_path, redis_settings):
+    """On one Redis node, and on the session's 3+3 Redis Cluster (flushed before and after; rq's queue
+    on the plain node, as a cluster deployment has it)."""
     extra = ["--model_dir", "counting", "--preempt", "--admission", "conservative"]
     extra += ["--max_total_token_num", str(POOL), "--max_req_total_len", "256"]
     extra += ["--counting_step_ms", "25"]  # a step as a GPU's might take: the group runs for seconds
+    url = redis_settings.url
+    if request.param == "cluster":
+        url = request.getfixturevalue("clean_cluster").url
+        extra += ["--redis_rq_url", redis_settings.url]
     stack = start_stack(
-        str(tmp_path / "serve.log"),
-        redis_url=redis_settings.url,
-        prefix=redis_settings.key_prefix,
-        workers=1,
-        extra=extra,
+        str(tmp_path / "serve.log"), redis_url=url, prefix=redis_settings.key_prefix, workers=1, extra=extra
     )
     try:
         yield stack
     finally:
-        stack.close()
+        if request.param == "node":
+            stack.close()
+        else:  # clean_cluster flushes the cluster; rq's keys are on the plain node
+            try:
+                assert stack.stop() == 0, open(stack.log_path).read()[-3000:]
+            finally:
+                remove_prefix_keys(redis_settings.url, redis_settings.key_prefix)
 
 
 def generate(http: str, max_new: int, priority: int, n: int = 1) -> dict:
