@@ -289,6 +289,23 @@ def clean_cluster(redis_cluster):
     redis_cluster.flush()
 
 
+@pytest.fixture(params=["node", "cluster"])
+def any_redis(request) -> tuple[RedisSettings, redis.Redis]:
+    """Settings and a client for a test run on each backend: the test Redis (``redis_settings`` and
+    ``rclient``), then the session's 3+3 cluster, whole and flushed (``clean_cluster``; skipped where
+    no redis-server >= 7 is installed). Issue 30: the router's order, prefix routing and preemption
+    asks on both."""
+    if request.param == "node":
+        return request.getfixturevalue("redis_settings"), request.getfixturevalue("rclient")
+    from shared.redis import sync_client
+
+    cluster = request.getfixturevalue("clean_cluster")
+    settings = RedisSettings(url=cluster.url, key_prefix=f"lightq-test-{uuid.uuid4().hex[:10]}")
+    client = sync_client(settings)
+    request.addfinalizer(client.close)
+    return settings, client
+
+
 # The embedded SmolLM2, for the tests of several modules: each load costs seconds (the tokenizer is built
 # from the GGUF's vocabulary, the weights dequantised), the same objects every time.
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from router.admission import HIT_WEIGHT, Views, cache_aware_fit, least_loaded_fi
 from shared.admission import POLICIES, request_states
 from shared.batch_view import Candidate
 from shared.codec import encode
+from shared.keys import Keys
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
 from tests.router.helpers import inbox_ids
@@ -101,7 +102,9 @@ def publish(client, keys, load: WorkerLoad) -> None:
     client.zadd(keys.workers(), {load.worker_id: now_ms()})
 
 
-def test_the_router_sends_a_conversations_next_turn_to_its_worker(redis_settings, rclient, keys):
+def test_the_router_sends_a_conversations_next_turn_to_its_worker(any_redis):
+    redis_settings, rclient = any_redis
+    keys = Keys(redis_settings.key_prefix)
     from shared.codec import entry
 
     publish(rclient, keys, record("w1"))

@@ -9,7 +9,7 @@ from router.loop import Router
 from shared import ingress
 from shared.codec import entry, from_entry
 from shared.config import RouterSettings
-from shared.keys import ROUTER_GROUP
+from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import ensure_group
 from shared.schemas import GenerateRequest
 from tests.router.helpers import inbox_ids, publish_load, submit
@@ -23,7 +23,9 @@ def pending(rclient, stream: str) -> int:
     return rclient.xpending(stream, ROUTER_GROUP)["pending"]
 
 
-def test_a_flood_larger_than_the_window_does_not_hide_a_better_class(redis_settings, rclient, keys):
+def test_a_flood_larger_than_the_window_does_not_hide_a_better_class(any_redis):
+    redis_settings, rclient = any_redis
+    keys = Keys(redis_settings.key_prefix)
     flood = [submit(rclient, keys, f"low{i}", priority=1) for i in range(12)]
     submit(rclient, keys, "urgent", priority=0)  # arrives after 12 class-1 requests; the window is 4
     router = make_router(redis_settings, rclient, order_window=4, read_batch=4)

@@ -7,7 +7,7 @@ from router.loop import Router
 from shared.chunks import emitted_chunks
 from shared.codec import from_entry
 from shared.config import AdmissionSettings, RouterSettings
-from shared.keys import ROUTER_GROUP
+from shared.keys import ROUTER_GROUP, Keys
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
 from tests.chunks import append_chunk
 from tests.router.helpers import finished_lengths, inbox_ids, publish_load, start_on, submit
@@ -21,7 +21,9 @@ def make_router(redis_settings, rclient, name="r1", **settings):
     return router
 
 
-def test_dispatches_in_order_to_the_least_loaded_and_acks(redis_settings, rclient, keys):
+def test_dispatches_in_order_to_the_least_loaded_and_acks(any_redis):
+    redis_settings, rclient = any_redis
+    keys = Keys(redis_settings.key_prefix)
     publish_load(rclient, keys, "w1", max_total=100, committed=30)
     publish_load(rclient, keys, "w2", max_total=100)
     router = make_router(redis_settings, rclient)

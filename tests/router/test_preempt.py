@@ -8,7 +8,7 @@ from router.loop import Router
 from router.preempt import victim_worker, within
 from shared.codec import decode, encode
 from shared.config import RouterSettings
-from shared.keys import ROUTER_GROUP
+from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import ensure_group
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, PreemptAsk, SamplingParams, WorkerLoad
@@ -70,7 +70,9 @@ def test_the_worker_with_the_worst_class_is_asked():
     assert victim_worker(request(0), two, {"a": (50, 0), "e": (60, 0)}) is None
 
 
-def test_an_ask_only_when_the_best_request_fits_nowhere_and_a_worse_class_runs(redis_settings, rclient, keys):
+def test_an_ask_only_when_the_best_request_fits_nowhere_and_a_worse_class_runs(any_redis):
+    redis_settings, rclient = any_redis
+    keys = Keys(redis_settings.key_prefix)
     router = make_router(redis_settings, rclient)
     publish(rclient, keys, load("w1", 95, [(0, 95, 1)]))  # full, of the request's own class
     submit(rclient, keys, "urgent", 5, 5, priority=0)
