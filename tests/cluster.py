@@ -17,6 +17,7 @@ reachable from this process, which runs ``redis-cli`` and the checks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import redis
 from redis.cluster import ClusterNode, RedisCluster, key_slot
 
 from tests.cluster_node import (
@@ -185,6 +187,20 @@ class LocalCluster:
         one promoted in its place) and the cluster converges with it."""
         self.kill(node)
         self._launch(node)
+        self.wait_converged()
+
+    def restart_all(self, down_s: float = 2.0) -> None:
+        """Every node shut down (SHUTDOWN: an append-only cluster keeps every acknowledged write), down
+        for ``down_s``, then started again from its folder: the same nodes, slots and roles (their
+        nodes.conf), converged. A whole cluster's restart, as one server's in tests/integration/test_chaos.py."""
+        for node in self.nodes:
+            if node.alive():
+                with contextlib.suppress(redis.RedisError):  # it closes the connection as it goes
+                    node.ask("SHUTDOWN")
+                node.process.wait(self.timeout_s)
+        time.sleep(down_s)
+        for node in self.nodes:
+            self._launch(node)
         self.wait_converged()
 
     def heal(self) -> None:

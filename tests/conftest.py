@@ -212,7 +212,7 @@ def counting_cluster(tmp_path_factory, redis_url):
     from tests.integration.stack import SharedStack, remove_prefix_keys, start_stack
 
     try:
-        cluster = LocalCluster()
+        cluster = LocalCluster(appendonly=True)  # the whole-cluster restart keeps every request
     except RuntimeError as exc:
         pytest.skip(str(exc))
     log = str(tmp_path_factory.mktemp("counting-cluster") / "serve.log")

@@ -1,8 +1,9 @@
 """The pool on a real Redis Cluster (3 primaries, 3 replicas: tests/cluster.py) with the counting model,
 whose every token is known: the whole path, sharded pub/sub, a batch, a primary killed mid-burst (the
 control plane's and a data plane's), a worker frozen past its liveness, and the chaos suite's
-worker and router SIGKILLed mid-stream and its SIGTERM drain. ``tests.checker`` judges each
-burst (lost, duplicated, wrong) and the report line is printed with the time the pool took to recover."""
+worker and router SIGKILLed mid-stream, its SIGTERM drain and its Redis restart (every node).
+``tests.checker`` judges each burst (lost, duplicated, wrong) and the report line is printed with the
+time the pool took to recover."""
 
 from __future__ import annotations
 
@@ -188,3 +189,31 @@ def test_sigterm_drains_a_worker_on_the_cluster_and_hands_the_rest_back(stack):
     worker hands back what it could not finish (its hand-back writes to inboxes and the ingress on
     other slots than its own records) and exits with 0."""
     chaos.test_sigterm_drains_a_worker_and_hands_the_rest_back(stack)
+
+
+def final_status(http: str, request_id: str) -> dict:
+    """The request's status once it ended; 503s (the cluster still coming back) are waited through."""
+    deadline = time.monotonic() + MUST_HAPPEN_S
+    while True:
+        response = httpx.get(f"{http}/v1/requests/{request_id}", timeout=10)
+        assert response.status_code in (200, 503), response.text
+        if response.status_code == 200 and response.json()["status"] not in ("queued", "running"):
+            return response.json()
+        assert time.monotonic() < deadline, f"{request_id} never ended: {response.text}"
+        time.sleep(0.3)
+
+
+def test_the_whole_cluster_restarted_mid_load_leaves_no_request_hanging(stack, cluster):
+    """test_chaos.py's Redis restart, on the cluster: every node shut down mid-load (append-only), down
+    2 s, started again; every request ends, each with all its tokens."""
+    ids = []
+    for i in range(60):
+        body = {"inputs": [300 + i], "parameters": {"max_new_tokens": chaos.NEW_TOKENS, "ignore_eos": True}}
+        ids.append(httpx.post(f"{stack.http}/v1/requests", json=body, timeout=30).json()["id"])
+    time.sleep(1.0)
+    started = time.monotonic()
+    cluster.restart_all()
+    final = {request_id: final_status(stack.http, request_id) for request_id in ids}
+    print(f"cluster, every node restarted: {len(final)} of {len(ids)} ended in {time.monotonic() - started:.1f} s")
+    assert [f["status"] for f in final.values()] == ["finished"] * len(ids), final
+    assert all(f["output_tokens"] == chaos.NEW_TOKENS for f in final.values())
