@@ -56,7 +56,9 @@ async def generate(request: Request, body: GenerateBodyDep, services: ServicesDe
         if is_gone(result.error):  # its LoRA adapter was unloaded while it waited
             raise failure(result.error)
         raise ApiError(500, result.error or "generation failed", code="generation_failed", kind="server_error")
-    return Response(dump_without_empty_error(result), media_type="application/json")
+    # The id its status stays under (GET /v1/requests/{id}: where it ran, its timings), as streams say it
+    headers = {"X-Request-Id": queued.id}
+    return Response(dump_without_empty_error(result), media_type="application/json", headers=headers)
 
 
 def failed(result: GenerateResult) -> bool:

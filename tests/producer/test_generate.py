@@ -54,6 +54,7 @@ async def test_generate_result_format(client, worker, tokenizer, aredis, keys):
         "prompt_tokens": len(prompt_ids),
     }
     assert request.prompt_ids == prompt_ids and len(request.id) == 32
+    assert response.headers["X-Request-Id"] == request.id  # its status stays under this id
     assert request.params.max_new_tokens == 3 and request.params.top_k == 50 and request.params.seed == 7
     assert meta.prompt_tokens == len(prompt_ids) and meta.max_new_tokens == 3 and meta.created_ms > 0
     assert ttl == -1  # no TTL while the request lives: it starts when the request ends
