@@ -124,6 +124,27 @@ def test_the_least_recently_used_unpinned_adapter_is_evicted(tiny, adapters):  #
     assert "all16" in cache.slots  # --lora_modules' adapters are never evicted
 
 
+def test_while_every_slot_is_pinned_askers_are_refused_without_a_walk_until_a_pin_goes(tiny, adapters):  # noqa: F811
+    """AdapterPins: one refusal (every run-time slot pinned) answers the next askers at once, without
+    asking the adapter set; a released pin lets the next asker page its adapter in."""
+    folders, _ = adapters
+    engine, runtime = runtime_engine(tiny[1], {}, spare=1)
+    runtime.update(LoraRegistry(version=1, adapters={n: folders[n] for n in ("qv4", "mlp8", "k2")}))
+    runtime.reconcile(set())
+    pins, cache = engine.runner.pins, runtime.adapters
+    (resident,) = cache.slots
+    pins.pin(0, resident)
+    waiting = [n for n in ("qv4", "mlp8", "k2") if n != resident]
+    assert not pins.page_in(waiting[0])  # asked the set: every slot pinned
+    asked = []
+    cache.make_resident = lambda *a: asked.append(a) or False  # the next askers must not get this far
+    assert not pins.page_in(waiting[1]) and asked == []
+    del cache.make_resident
+    assert pins.page_in(resident)  # on the device: answered by the set (it touches its order)
+    pins.unpin(0)
+    assert pins.page_in(waiting[1]) and set(cache.slots) == {waiting[1]}
+
+
 def test_an_adapter_that_does_not_fit_is_reported_and_the_worker_serves_on(tiny, adapters, tmp_path):  # noqa: F811
     from safetensors.torch import load_file, save_file
 

@@ -40,6 +40,7 @@ from worker.engine.kv_slots import KVSlots
 from worker.engine.radix_cache import NoCache, PrefixCache
 from worker.engine.request import Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
+from worker.lora.pins import AdapterPins
 from worker.model.forward_batch import ForwardBatch
 from worker.runner import prompt_logprobs
 from worker.runner.grammar import GrammarMask, Grammars
@@ -116,7 +117,7 @@ class ModelRunner:
         # Per table row, the id its last sampling drew: the next decode's input (see ``StepInputs.ids_on_device``).
         self.last_ids = torch.zeros(table.hold_row + 1, dtype=torch.int64, device=device)
         self.adapters = getattr(model, "lora", None)  # worker.lora.adapter_set.AdapterSet, or None
-        self._pinned: dict[int, str] = {}  # table row -> the LoRA adapter its started request runs with
+        self.pins = AdapterPins(self.adapters) if self.adapters is not None else None
 
     def lora_slots(self, reqs: list[Req]) -> np.ndarray | None:
         """[B] each request's adapter slot, None when this worker serves no adapter (a request naming one
@@ -128,8 +129,7 @@ class ModelRunner:
     def prepare(self, req: Req) -> bool:
         """Whether ``req`` can start now: False while its grammar compiles (``Grammars.prepare``), or
         while its LoRA adapter cannot be paged in (every adapter slot used by started requests)."""
-        adapter, adapters = req.msg.adapter, self.adapters
-        if adapter is not None and adapters is not None and not adapters.make_resident(adapter, self._pinned.values()):
+        if req.msg.adapter is not None and self.pins is not None and not self.pins.page_in(req.msg.adapter):
             return False
         return self.grammars is None or self.grammars.prepare(req)
 
@@ -137,8 +137,8 @@ class ModelRunner:
         if req.msg.adapter is not None and (self.adapters is None or req.msg.adapter not in self.adapters.slots):
             raise ValueError(f"{req.id}: LoRA adapter {req.msg.adapter!r} is not served by this worker")
         req.row = self.table.allocate_row()
-        if req.msg.adapter is not None:
-            self._pinned[req.row] = req.msg.adapter  # its adapter stays on the device until it ends
+        if req.msg.adapter is not None and self.pins is not None:
+            self.pins.pin(req.row, req.msg.adapter)  # its adapter stays on the device until it ends
         req.slot_ids = np.empty(req.max_len, dtype=np.int64)
         req.num_cached = req.num_shared = 0
         self._start_counts(req)
@@ -160,7 +160,8 @@ class ModelRunner:
     def finish(self, req: Req) -> None:
         """Free the request's row and own slots; a group's prompt slots go with their last holder."""
         self.slots.release(req)
-        self._pinned.pop(req.row, None)
+        if self.pins is not None:
+            self.pins.unpin(req.row)
         self.table.free_row(req.row)
         if self.grammars is not None:
             self.grammars.finish(req)

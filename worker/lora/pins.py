@@ -1,0 +1,52 @@
+"""``AdapterPins``: the LoRA adapters started requests run with, and paging one in for a request
+about to start.
+
+A started request pins its adapter: it keeps its device slot until the request ends. A waiting
+request's adapter is paged in (``AdapterSet.make_resident``) into a free slot or one holding an
+adapter no started request uses. With a thousand adapters over a few dozen slots, hundreds of
+waiting requests may ask in one admission pass while every slot is pinned: each asking meant a walk
+of the slots checking every pin (O(slots^2), 0.1 s or more a pass). After one refusal, the others
+are refused at once until a pin is released or the set of adapters changes, since nothing else frees
+a slot: a pass costs O(waiting).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.lora.adapter_set import AdapterSet
+
+
+class AdapterPins:
+    def __init__(self, adapters: AdapterSet):
+        self.adapters = adapters
+        self.rows: dict[int, str] = {}  # table row -> the adapter its started request runs with
+        self.counts: Counter[str] = Counter()  # adapter -> started requests running with it
+        self.releases = 0  # pins released so far (a slot may have become free)
+        self._full_at: tuple[int, int] | None = None  # (adapters.changes, releases) at the last refusal
+
+    def page_in(self, name: str) -> bool:
+        """Whether adapter ``name`` is on the device now, paged in if a slot can take it; True for a
+        name this worker does not serve (``ModelRunner.start`` refuses it)."""
+        adapters, stamp = self.adapters, (self.adapters.changes, self.releases)
+        if name in adapters.host and name not in adapters.slots and self._full_at == stamp:
+            return False  # every slot was pinned at the last asking, and none has been freed since
+        if adapters.make_resident(name, self.counts):
+            return True
+        self._full_at = stamp
+        return False
+
+    def pin(self, row: int, name: str) -> None:
+        self.rows[row] = name
+        self.counts[name] += 1
+
+    def unpin(self, row: int) -> None:
+        name = self.rows.pop(row, None)
+        if name is None:
+            return
+        self.counts[name] -= 1
+        if not self.counts[name]:
+            del self.counts[name]
+        self.releases += 1
