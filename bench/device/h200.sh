@@ -18,6 +18,7 @@
 #   bash bench/device/h200.sh setup fair-full        (issue 19 whole, with --preempt, 20 ms forwards then full speed; carry .whl .tok)
 #   python3 -m bench.engine.decode_attention_tune; python3 -m bench.engine.nano_overlap   (issue 16: attention tiles; overlap)
 #   bash bench/device/h200.sh setup lora-offline    (issue 32: 0 then 100 adapters of rank 16; written on the host, not carried)
+#   bash bench/device/h200.sh setup lora-offline lora-1000   (then 1,000 registered, 64 resident, over those 100 files)
 #   bash bench/device/h200.sh setup lora-route      (issue 32: four workers on one GPU, 200 adapters in a Zipf mix,
 #       adapter-aware vs load-only routing; SmolLM2's shape, random weights; carry .whl .tok)
 #   bash bench/device/h200.sh setup cluster-scale   (issue 30: carry .whl .tok .carry/redis7, made here with
@@ -208,6 +209,11 @@ for part in "$@"; do
       for n in 0 ${LORA_ADAPTERS:-100}; do timeout 280 python3 -m bench.engine.offline --model-shape llama3-8b \
         --lora-adapters $n --lora-rank 16 --timeline 2>&1 | tr '\r' '\n' | tee "$OUT/offline_lora$n.log" \
         | grep -E "^(lightq|LoRA|with prefill|decode, batch)"; done ;;
+    lora-1000)  # issue 32: 1,000 adapters registered, at most 64 on the GPU (paged in as requests start), over
+      # the 100 files lora-offline wrote (names share a file's host tensors, each its own slot); after lora-offline
+      timeout 400 python3 -m bench.engine.offline --model-shape llama3-8b --lora-adapters 1000 --lora-files 100 \
+        --lora-resident 64 --lora-rank 16 --timeline 2>&1 | tr '\r' '\n' | tee "$OUT/offline_lora1000.log" \
+        | grep -E "^(lightq|LoRA|with prefill|decode, batch)" ;;
     cluster-scale)  # issue 30 item 5 on the host's 16 cores (no GPU used): 1 then 3 primaries; redis-server and
       # redis-cli 7 carried in .carry/redis7 (the image has none; built here from the Debian binaries and their
       # libraries, each behind a wrapper that sets LD_LIBRARY_PATH for it alone)

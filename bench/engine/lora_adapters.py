@@ -1,5 +1,6 @@
 """Random LoRA adapters in PEFT's format for a shape of ``bench.engine.shapes``: what
-``bench.engine.offline --lora-adapters N`` serves (issue 32's throughput goal: 100 adapters of rank 16).
+``bench.engine.offline --lora-adapters N`` serves (issue 32's throughput goals: 100 adapters of rank 16,
+and 1,000 registered with at most 64 resident, ``register_many``).
 
 Each adapter is a folder as PEFT saves one: ``adapter_config.json`` and
 ``adapter_model.safetensors`` with ``lora_A`` [r, in] and ``lora_B`` [out, r] for every attention
@@ -11,14 +12,18 @@ seed) are kept, so a second run in one machine's life skips the writing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 from tqdm import tqdm
 
 from bench.engine.shapes import SHAPES
+from worker.lora.adapter import load_adapter, parse_spec
+from worker.lora.adapter_set import AdapterSet
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -70,3 +75,17 @@ def write_adapters(shape_name: str, count: int, rank: int, root: Path, seed: int
             write_adapter(path, SHAPES[shape_name], rank, seed + i)
         specs.append(f"a{i}={path}")
     return specs
+
+
+def register_many(adapters: AdapterSet, model: nn.Module, specs: list[str], count: int, max_rank: int) -> list[str]:
+    """``count`` run-time adapters, ``r0`` .. ``r<count-1>``, over the files of ``specs`` in turn (name
+    i: file i mod len(specs)), registered in ``adapters`` (host memory; paged into its slots as
+    requests need them). Names of one file share its host tensors but are distinct adapters to the
+    worker, each paged into a slot of its own: the device's work is that of ``count`` adapters, while
+    the host holds len(specs) (1,000 of Llama-3-8B's shape at rank 16 are 84 GB of files, 168 GB of
+    fp32 host memory: over the benchmark host's disk and memory)."""
+    loaded = [load_adapter(*parse_spec(spec), model, max_rank) for spec in specs]
+    names = [f"r{i}" for i in range(count)]
+    for i, name in enumerate(tqdm(names, desc="registering", unit="adapter", mininterval=2)):
+        adapters.register(dataclasses.replace(loaded[i % len(loaded)], name=name))
+    return names

@@ -27,6 +27,9 @@ one, and the two lines compare.
 ``--lora-adapters N`` serves N random adapters of ``--lora-rank`` on every attention and MLP
 projection (``bench.engine.lora_adapters``, written under ``--lora-dir`` once) and gives each
 request one of them, drawn uniformly (seeded): compare with a run without it in the same call.
+``--lora-resident M`` registers them at run time instead, at most M on the device (paged in as
+requests start, least recently used out), over ``--lora-files`` distinct files (``register_many``):
+issue 32's 1,000 adapters with 64 resident is ``--lora-adapters 1000 --lora-files 100 --lora-resident 64``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.engine.lora_adapters import write_adapters
+from bench.engine.lora_adapters import register_many, write_adapters
 from bench.engine.shapes import SHAPES, config_dir
 from bench.workloads.sharegpt import describe, sharegpt_lengths
 from shared.config import ModelSettings, WorkerSettings
@@ -96,13 +99,18 @@ def run_lightq(args, work, tally: Tally) -> float:
     # the grammar's tokenizer must fit the logits: a smaller shape's vocabulary is widened to it
     vocab = args.vocab_size or SHAPES[args.model_shape]["vocab_size"]
     vocab = max(vocab, len(tokenizer)) if tokenizer is not None else vocab
-    loras = write_adapters(args.model_shape, args.lora_adapters, args.lora_rank, Path(args.lora_dir))
+    # --lora-resident M: the adapters are registered at run time (slots: a cache of M), over
+    # --lora-files distinct files; else each is one of --lora_modules', all on the device
+    files = (args.lora_files or args.lora_adapters) if args.lora_resident else args.lora_adapters
+    loras = write_adapters(args.model_shape, files, args.lora_rank, Path(args.lora_dir))
     settings = WorkerSettings(
         model=ModelSettings(
             model_dir=f"dummy:{config_dir(args.model_shape, vocab_size=vocab)}",
             max_req_total_len=2048,
-            lora_modules=loras,
+            lora_modules=[] if args.lora_resident else loras,
+            max_lora_rank=max(args.lora_rank, 1),
         ),
+        max_loras=args.lora_resident,
         device=args.device,
         max_total_token_num=args.max_total_token_num,
         batch_max_tokens=args.batch_max_tokens,
@@ -122,9 +130,13 @@ def run_lightq(args, work, tally: Tally) -> float:
         print(
             f"lightq: KV pool {engine.limits.max_total_tokens} tokens, graphs {engine.runner.graphs is not None},"
             f" tp {args.tp}, vocabulary {vocab:,}, constraint {args.json_schema},"
-            f" quantization {args.quantization}, KV {args.kv_cache_dtype}, LoRA adapters {len(loras)}"
+            f" quantization {args.quantization}, KV {args.kv_cache_dtype}, LoRA adapters {args.lora_adapters}"
         )
         names = [spec.split("=", 1)[0] for spec in loras]
+        if args.lora_resident:
+            runner = engine.runner
+            names = register_many(runner.adapters, runner.model, loras, args.lora_adapters, args.lora_rank)
+            print(f"LoRA: {len(names)} adapters over {len(loras)} files, at most {args.lora_resident} resident")
         warm = [(ids[:16], 4) for ids, _ in work[:8]]
         # the grammar and the LoRA kernels compile here, once
         drive(engine, warm, progress=False, constraint=constraint, adapters=names)
@@ -132,6 +144,8 @@ def run_lightq(args, work, tally: Tally) -> float:
         seconds = drive(
             engine, work, progress=True, timeline=timeline, constraint=constraint, tally=tally, adapters=names
         )
+        if args.lora_resident:
+            print(f"LoRA: {engine.runner.adapters.loads} adapters paged in (warm-up's included)")
     finally:
         if group is not None:
             group.close()
@@ -257,6 +271,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-adapters", type=int, default=0, help="serve this many random LoRA adapters")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--lora-dir", default="/tmp/lightq-bench-lora", help="where the adapters are written, once")
+    parser.add_argument(
+        "--lora-resident",
+        type=int,
+        default=0,
+        help="register the adapters at run time, at most this many on the device",
+    )
+    parser.add_argument("--lora-files", type=int, default=0, help="with --lora-resident: distinct files (0: one each)")
     args = parser.parse_args(argv)
     if args.peer is not None and (args.json_schema is not None or args.vocab_size is not None):
         parser.error("--peer runs the shape as it is: compare --json-schema with a run of lightq alone")
@@ -273,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     name += " fp8" if args.quantization == "fp8" else ""
     name += " fp8-kv" if args.kv_cache_dtype == "fp8_e4m3" else ""
     name += f" lora {args.lora_adapters}x r{args.lora_rank}" if args.lora_adapters else ""
+    name += f" resident {args.lora_resident}" if args.lora_resident else ""
     ours = report(name, work, seconds, tally)
     if args.peer == "hf":
         gc.collect()  # the engine (weights, KV pool, graphs) must be gone before the peer loads
