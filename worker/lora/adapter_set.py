@@ -18,8 +18,8 @@ zero blocks (n times the expand's work); a per-shard expand would save that (SGL
 are a device cache of the adapters loaded at run time (``register``, from ``worker.lora.runtime``),
 each stack then at least --max_lora_rank wide on every adaptable layer, allocated once before the
 KV pool is sized (so admission never counts on that memory): the stacks never move, so captured
-CUDA graphs stay valid. Any number of run-time adapters are kept in host memory; one is copied
-into a slot when a request about to start needs it (``make_resident``, from the runner's
+CUDA graphs stay valid. Any number of run-time adapters are kept in host memory (the model's dtype,
+pinned on a GPU); one is copied into a slot when a request about to start needs it (``make_resident``, from the runner's
 ``prepare``), evicting the least recently used one that no started request uses, and the request
 waits in its place while every slot is in use. An unloaded adapter stays (``retiring``) until no
 request names it, then ``release`` forgets it.
@@ -186,10 +186,10 @@ class AdapterSet:
             for k, shard in enumerate(adapter.modules.get(name, ())):
                 if shard is None:
                     continue
-                a, b = shard
+                a, b = shard  # pinned host memory on a GPU (load_adapter): asynchronous, ordered on the stream
                 r, row, size = a.shape[0], sum(layer.sizes[:k]), layer.sizes[k]
-                layer.lora_a[slot, k * layer.rank : k * layer.rank + r] = a.to(layer.lora_a.dtype)
-                layer.lora_b[slot, row : row + size, k * layer.rank : k * layer.rank + r] = b.to(layer.lora_b.dtype)
+                layer.lora_a[slot, k * layer.rank : k * layer.rank + r].copy_(a, non_blocking=True)
+                layer.lora_b[slot, row : row + size, k * layer.rank : k * layer.rank + r].copy_(b, non_blocking=True)
 
 
 def adaptable_layers(model: nn.Module) -> list[str]:
