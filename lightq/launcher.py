@@ -29,14 +29,12 @@ import time
 import urllib.request
 from typing import Any
 
-import redis
-
 from lightq.children import FAILURES, Child, RestartPolicy, failed_at_start_up, spawn, stop_all
 from lightq.serve_redis import ServeRedis, open_redis
 from router.registry import read_registry
 from shared.config import ProducerSettings, RedisSettings, ServeSettings, WorkerSettings
 from shared.flags import as_env, build
-from shared.redis import cluster_seeds, is_cluster, sync_client
+from shared.redis import REDIS_FAILURES, cluster_seeds, is_cluster, sync_client
 
 log = logging.getLogger("lightq.serve")
 
@@ -174,7 +172,7 @@ class Readiness:
             return
         try:
             live = len(read_registry(self.client, self.keys).live)
-        except redis.RedisError:  # Redis restarting: ask again next time
+        except REDIS_FAILURES:  # Redis restarting: ask again next time
             return
         if live < self.num_workers:  # the producer is asked once the workers are up, not every turn
             return
@@ -206,7 +204,7 @@ class Readiness:
             return
         try:
             beats = self.client.zmscore(self.keys.workers(), [c.worker_id() for c in waiting])
-        except redis.RedisError:  # Redis restarting: ask again next turn
+        except REDIS_FAILURES:  # Redis restarting: ask again next turn
             return
         for child, beat in zip(waiting, beats, strict=True):
             if beat is not None and beat >= child.started_ms:

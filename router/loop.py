@@ -44,7 +44,7 @@ from shared.config import CANCEL_CHECK_S, RouterSettings
 from shared.keys import ROUTER_GROUP
 from shared.log_limit import LogLimiter
 from shared.lora import gone_error
-from shared.redis import Backoff, ensure_group
+from shared.redis import OUTAGES, REDIS_FAILURES, Backoff, ensure_group
 from shared.request_log import end_request, now_ms
 from shared.schemas import DeadLetter, GenerateRequest, RequestStatus
 
@@ -87,11 +87,11 @@ class Router:
                     self.step()
                     backoff.reset()
                     outage_log.reset()
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except OUTAGES as exc:
                     outage_log.warning("Redis unreachable (%s): retrying in %.1f s", exc, backoff.delay)
                     self.stop_event.wait(backoff.next())
         finally:
-            with contextlib.suppress(redis.RedisError):  # entries we hold become claimable by others at once
+            with contextlib.suppress(*REDIS_FAILURES):  # entries we hold become claimable by others at once
                 liveness.forget(self.client, self.keys, self.router_id)
 
     def step(self) -> int:

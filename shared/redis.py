@@ -33,6 +33,11 @@ OUTAGES: tuple[type[BaseException], ...] = (
     rexc.RedisClusterUnreachableError,  # a cluster client that reached no node (a host cut off)
     OSError,
 )
+# Any failure of a Redis command, a cluster's own included: redis-py's RedisClusterException family
+# (a cluster client that reached no node, a slot with no owner) is no RedisError. What a loop that
+# must outlive Redis catches: a worker's heartbeat thread that caught RedisError alone died when a
+# whole cluster restarted, and the worker served on without a record, unseen by the routers.
+REDIS_FAILURES: tuple[type[BaseException], ...] = (rexc.RedisError, rexc.RedisClusterException)
 
 
 def stream_keys(args: tuple[Any, ...]) -> tuple[Any, ...] | None:

@@ -43,7 +43,7 @@ from rq.utils import now
 
 from shared.config import RqWorkerSettings
 from shared.housekeeping import run_all
-from shared.redis import answers, sync_client
+from shared.redis import OUTAGES, REDIS_FAILURES, answers, sync_client
 from shared.service import setup_logging
 
 log = logging.getLogger("lightq.rq")
@@ -165,7 +165,7 @@ def work_through_outages(url: str, make_worker, **work_args) -> None:
         try:
             worker = make_worker()
             worker.work(logging_level=os.environ.get("LIGHTQ_LOG_LEVEL", "INFO"), **work_args)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except OUTAGES as exc:
             log.warning("rq worker: Redis unreachable (%s): starting again when it answers", exc)
         if worker is not None and worker._shutdown_requested_date is not None:  # SIGTERM/SIGINT (rq's own)
             return
@@ -176,7 +176,7 @@ def work_through_outages(url: str, make_worker, **work_args) -> None:
             # Its scheduler died with it; its lock (persisted, a minute's TTL) would keep the next out.
             try:
                 worker.scheduler.release_locks()
-            except redis.RedisError:
+            except REDIS_FAILURES:
                 pass
 
 

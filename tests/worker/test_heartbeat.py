@@ -75,3 +75,26 @@ def test_the_early_beat_gap_follows_what_a_beat_costs(rclient, keys):
         assert short.early_gap_s == 0.1
     finally:
         rclient.delete(keys.load("hb"), keys.workers())
+
+
+def test_the_thread_beats_on_through_a_whole_cluster_restart(clean_cluster, caplog):
+    """Every node of a Redis Cluster down for a second: the cluster client raises what is no RedisError
+    (RedisClusterUnreachableError); the thread logs it and beats on, and its record is written again
+    once the cluster is back (the thread once died of it, and its worker served on unseen by routers)."""
+    from shared.config import RedisSettings
+    from shared.keys import Keys
+    from shared.redis import sync_client
+
+    settings = RedisSettings(url=clean_cluster.url, key_prefix="lightq-hb-cluster")
+    client, keys = sync_client(settings), Keys(settings.key_prefix)
+    heartbeat = Heartbeat(client, keys, "hb", 0.1, load)
+    heartbeat.start()
+    try:
+        clean_cluster.restart_all(down_s=1.0)
+        assert heartbeat.thread.is_alive()
+        assert "heartbeat failed" in caplog.text
+        after = heartbeat.seq
+        assert wait_for(lambda: record_seq(client, keys, "hb") > after, timeout_s=60)
+    finally:
+        heartbeat.stop()
+        client.close()

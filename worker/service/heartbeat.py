@@ -22,6 +22,7 @@ import redis
 
 from shared.codec import encode
 from shared.keys import Keys
+from shared.redis import REDIS_FAILURES
 from shared.request_log import now_ms
 from shared.schemas import WorkerLoad
 
@@ -74,7 +75,7 @@ class Heartbeat:
             self._poked.clear()
             try:
                 self.beat()
-            except redis.RedisError as exc:  # keep beating; the TTL covers a short outage
+            except REDIS_FAILURES as exc:  # keep beating; the TTL covers a short outage
                 log.warning("heartbeat failed: %s", exc)
             if poked and self.stop_event.wait(self.early_gap_s):  # at most one early beat per gap
                 return

@@ -26,7 +26,7 @@ from shared.keys import WORKER_GROUP
 from shared.log_limit import LogLimiter
 from shared.lora import gone_error
 from shared.model_files import served_name
-from shared.redis import Backoff
+from shared.redis import OUTAGES, REDIS_FAILURES, Backoff
 from shared.requeue import Death, hand_back_inbox, requeue
 from shared.schemas import GenerateRequest, PreemptAsk, RequestStatus, WorkerLoad
 from worker.engine.engine import Engine
@@ -143,7 +143,7 @@ class WorkerService:
                 self._arrived(found)
             self._backoff.reset()
             self._outage_log.reset()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:  # inline intake only (tests)
+        except OUTAGES as exc:  # inline intake only (tests)
             self._outage_log.warning("Redis unreachable (%s)", exc)  # not once per step of an outage
             if not self.engine.has_work:
                 time.sleep(self._backoff.next())
@@ -213,7 +213,7 @@ class WorkerService:
         self.draining = True
         try:
             self.heartbeat.beat()
-        except redis.RedisError as exc:  # the record expires on its own; the janitor reaps what comes
+        except REDIS_FAILURES as exc:  # the record expires on its own; the janitor reaps what comes
             log.warning("could not say draining (%s)", exc)
 
     def _hand_back_unstarted(self) -> None:
@@ -234,7 +234,7 @@ class WorkerService:
                 pipe.xack(inbox, WORKER_GROUP, entry_id)
                 pipe.xdel(inbox, entry_id)
                 pipe.execute()
-        except redis.RedisError as exc:  # those not requeued are still in the inbox: handed back at exit
+        except REDIS_FAILURES as exc:  # those not requeued are still in the inbox: handed back at exit
             log.warning("handing back unstarted requests failed (%s): they go back at exit", exc)
         if unstarted:
             log.info("worker %s handed %d unstarted requests back", self.worker_id, len(unstarted))
@@ -251,7 +251,7 @@ class WorkerService:
                 self.settings.max_attempts,
                 death,
             )
-        except redis.RedisError as exc:  # the router reaps our inbox once our record expires
+        except REDIS_FAILURES as exc:  # the router reaps our inbox once our record expires
             log.warning("hand-back failed (%s): the router will re-dispatch", exc)
             return
         if count:
