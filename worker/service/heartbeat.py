@@ -77,6 +77,8 @@ class Heartbeat:
                 self.beat()
             except REDIS_FAILURES as exc:  # keep beating; the TTL covers a short outage
                 log.warning("heartbeat failed: %s", exc)
+            except Exception:  # never a silent death: a worker that stops beating serves on, unseen by routers
+                log.exception("heartbeat: a beat failed; beating on")
             if poked and self.stop_event.wait(self.early_gap_s):  # at most one early beat per gap
                 return
 
