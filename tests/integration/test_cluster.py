@@ -1,7 +1,8 @@
 """The pool on a real Redis Cluster (3 primaries, 3 replicas: tests/cluster.py) with the counting model,
 whose every token is known: the whole path, sharded pub/sub, a batch, a primary killed mid-burst (the
 control plane's and a data plane's), a worker frozen past its liveness, and the chaos suite's
-worker and router SIGKILLed mid-stream, its SIGTERM drain and its Redis restart (every node).
+worker and router SIGKILLed mid-stream, its producer SIGKILLed, its SIGTERM drain and its Redis
+restart (every node).
 ``tests.checker`` judges each burst (lost, duplicated, wrong) and the report line is printed with the
 time the pool took to recover."""
 
@@ -217,3 +218,9 @@ def test_the_whole_cluster_restarted_mid_load_leaves_no_request_hanging(stack, c
     print(f"cluster, every node restarted: {len(final)} of {len(ids)} ended in {time.monotonic() - started:.1f} s")
     assert [f["status"] for f in final.values()] == ["finished"] * len(ids), final
     assert all(f["output_tokens"] == chaos.NEW_TOKENS for f in final.values())
+
+
+def test_killing_the_producer_on_the_cluster_loses_no_request(stack):
+    """test_chaos.py's producer SIGKILL, on the cluster: serve starts another, every request queued
+    before the kill finishes with all its tokens, and a reader replays one from its first token."""
+    chaos.test_killing_the_producer_loses_no_request(stack)
