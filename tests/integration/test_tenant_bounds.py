@@ -1,10 +1,12 @@
-"""10,000 one-token requests, each with an OpenAI ``user`` never seen before, through ``lightq serve``
+"""5,000 one-token requests, each with an OpenAI ``user`` never seen before, through ``lightq serve``
 (counting model, no API keys: every ``user`` is a tenant) leave bounded per-tenant state (issue 34
 item 2, docs/api.md "Priorities and fair shares"): while they run and after, the fair-share records and
 the queued counts hold at most ``--max_tenants`` + 2 fields per class, the tokens-dispatched counters
 at most 2 x ``--max_tenants`` + 3, Redis gains no key without a TTL, and ``/metrics`` shows at most
-``--metrics_tenants`` + 1 series per tenant family and class: its line count after 10,000 users is
-what it was after a handful, give or take the workers' and rates' own lines."""
+``--metrics_tenants`` + 1 series per tenant family and class: its line count after 5,000 users is
+what it was after a handful, give or take the workers' and rates' own lines. (Issue 34 asked 10,000
+users past the default bound; this runs 5,000 past a bound of 100, the same 50 times over, in half the
+CI time.)"""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from tests.integration.stack import start_stack
 
 pytestmark = pytest.mark.slow
 
-USERS = 10_000
-MAX_TENANTS = 200  # below the default (1,000), so that 10,000 users pass it many times over
+USERS = 5_000
+MAX_TENANTS = 100  # below the default (1,000), so that 5,000 users pass it 50 times over
 METRICS_TENANTS = 16  # the default
 CONCURRENCY = 32
 ALWAYS_OWN = 2  # default and other (and the --tenant_weights tenants, none here): always a record
@@ -95,7 +97,7 @@ def tenant_lines(lines: list[str]) -> dict[str, int]:
     return {name: sum(line.startswith(name) for line in lines) for name in names}
 
 
-def test_ten_thousand_new_users_leave_bounded_state(stack):
+def test_thousands_of_new_users_leave_bounded_state(stack):
     model = httpx.get(f"{stack.http}/v1/models").json()["data"][0]["id"]
     assert model == "counting"
     assert set(asyncio.run(completions(stack.http, range(5)))) == {200}
