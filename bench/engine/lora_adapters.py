@@ -82,8 +82,8 @@ def register_many(adapters: AdapterSet, model: nn.Module, specs: list[str], coun
     i: file i mod len(specs)), registered in ``adapters`` (host memory; paged into its slots as
     requests need them). Names of one file share its host tensors but are distinct adapters to the
     worker, each paged into a slot of its own: the device's work is that of ``count`` adapters, while
-    the host holds len(specs) (1,000 of Llama-3-8B's shape at rank 16 are 84 GB of files, 168 GB of
-    fp32 host memory: over the benchmark host's disk and memory)."""
+    the host holds len(specs) (1,000 of Llama-3-8B's shape at rank 16 are 84 GB of files and as much
+    host memory in bf16: over the benchmark host's disk)."""
     loaded = [load_adapter(*parse_spec(spec), model, max_rank) for spec in specs]
     names = [f"r{i}" for i in range(count)]
     for i, name in enumerate(tqdm(names, desc="registering", unit="adapter", mininterval=2)):

@@ -108,7 +108,7 @@ def run_lightq(args, work, tally: Tally) -> float:
             model_dir=f"dummy:{config_dir(args.model_shape, vocab_size=vocab)}",
             max_req_total_len=2048,
             lora_modules=[] if args.lora_resident else loras,
-            max_lora_rank=max(args.lora_rank, 1),
+            max_lora_rank=args.lora_rank,
         ),
         max_loras=args.lora_resident,
         device=args.device,

@@ -8,9 +8,9 @@ naming the limit (xgrammar's conversion of a schema grows much faster than its n
 64 levels of JSON, 3 s at 400; and with the square of a pattern's counts: 7 s for one
 ``[a-z]{3,6400}``, a minute for a thousand patterns of a few hundred). Then xgrammar parses it
 (``Grammar.from_json_schema``, ``from_regex``, ``from_ebnf``; no tokenizer needed, off the event
-loop): a bad one is a 400 naming the parameter and xgrammar's reason. The parse travels with the request as
-``Constraint.grammar`` (xgrammar's EBNF text), so the worker compiles exactly what was checked
-here and never converts the schema again.
+loop): a bad one is a 400 naming the parameter and xgrammar's reason. The parse travels with the
+request as ``Constraint.grammar`` (xgrammar's EBNF text), so the worker compiles exactly what was
+checked here and never converts the schema again.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def check_cost(constraint: Constraint, param: str, limits: SchemaLimits) -> None
             param=param,
             code="schema_too_deep",
         )
-    if value is not DEEP and (cost := pattern_cost(value)) > limits.pattern_cost:
+    if (cost := pattern_cost(value)) > limits.pattern_cost:
         raise bad_request(
             f"{param}: its patterns' counted repetitions cost {cost} (the sum of each largest count squared), "
             f"more than max_schema_pattern_cost ({limits.pattern_cost}); ask for shorter counts or fewer patterns",

@@ -19,10 +19,10 @@ are a device cache of the adapters loaded at run time (``register``, from ``work
 each stack then at least --max_lora_rank wide on every adaptable layer, allocated once before the
 KV pool is sized (so admission never counts on that memory): the stacks never move, so captured
 CUDA graphs stay valid. Any number of run-time adapters are kept in host memory (the model's dtype,
-pinned on a GPU); one is copied into a slot when a request about to start needs it (``make_resident``, from the runner's
-``prepare``), evicting the least recently used one that no started request uses, and the request
-waits in its place while every slot is in use. An unloaded adapter stays (``retiring``) until no
-request names it, then ``release`` forgets it.
+pinned on a GPU); one is copied into a slot when a request about to start needs it
+(``make_resident``, from the runner's ``prepare``), evicting the least recently used one that no
+started request uses, and the request waits in its place while every slot is in use. An unloaded
+adapter stays (``retiring``) until no request names it, then ``release`` forgets it.
 The forward binds its batch (``bind``) so each ``LoraLinear`` reads the batch's slots; binding
 is scoped and never nested.
 """

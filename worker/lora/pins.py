@@ -6,9 +6,8 @@ request's adapter is paged in (``AdapterSet.make_resident``) into a free slot or
 adapter no started request uses. With a thousand adapters over a few dozen slots, hundreds of
 waiting requests may ask in one admission pass while every slot is pinned: each asking meant a walk
 of the slots checking every pin (O(slots^2): 37 ms a pass of 1,000 askers over 64 slots on a sandbox
-core, twice a decode step). After one refusal, the others
-are refused at once until a pin is released or the set of adapters changes, since nothing else frees
-a slot: a pass costs O(waiting).
+core, twice a decode step). After one refusal, the others are refused at once until a pin is
+released or the set of adapters changes, since nothing else frees a slot: a pass costs O(waiting).
 """
 
 from __future__ import annotations
