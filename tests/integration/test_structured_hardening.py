@@ -317,7 +317,7 @@ def patterns(nonce: str, count: int, low: int, high: int) -> dict:
 
 def costly(nonce: str) -> dict:
     """Cheap for the producer's parse (its patterns cost ~2e6 of max_schema_pattern_cost's 4e6, ~0.2 s)
-    and a minute or more for the worker's compile (30 such patterns took 39 s on a 2-core machine)."""
+    and a minute or more for the worker's compile (60 such patterns took 39 s on a 2-core machine)."""
     return patterns(nonce, 100, 60, 30)
 
 
