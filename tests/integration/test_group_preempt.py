@@ -109,7 +109,8 @@ def test_a_low_priority_group_is_paused_for_high_priority_work_and_completes_exa
     assert [m.status for m in metas.values()] == [RequestStatus.FINISHED] * 2
     group_meta = metas.pop(stack.keys.meta(group_id))
     (urgent_meta,) = metas.values()
-    assert urgent_meta.finished_ms < group_meta.finished_ms  # the group made room: it was paused
+    # the group made room: it was paused
+    assert urgent_meta.finished_ms < group_meta.finished_ms, stack.test_log()[-6000:]
     assert group_meta.output_tokens == N * GROUP_NEW
     assert f"paused ['{group_id}']" in stack.test_log()
     (record,) = stack.live_workers().values()

@@ -78,6 +78,28 @@ def test_group_holds_the_prompt_once_while_decoding(tiny):
     assert states == [ReqState(len(PROMPT) + 2, 2, 20, 0), ReqState(2, 2, 20, 0), ReqState(2, 2, 20, 0)]
 
 
+def test_the_load_counts_every_sample_while_the_fork_is_under_way(tiny):
+    """The heartbeat thread summarises the engine's requests at any moment: one taken between the
+    runner's fork (before the prefill's forward) and the engine's listing of the members (after
+    it) still counts the whole group. It once showed the leader alone there (248 of 728 tokens in
+    the preemption test's pool), and a router sent a better class to a worker it did not fit."""
+    _, folder = tiny
+    engine = make_engine(folder)
+    seen: list[list[ReqState]] = []
+    prefill = engine.runner.prefill
+
+    def forking(reqs, num_new, completing, forks=None):
+        pending = prefill(reqs, num_new, completing, forks)  # forked, members not listed yet
+        seen.append(request_states(engine.requests()))  # what a beat on another thread reads
+        return pending
+
+    engine.runner.prefill = forking
+    engine.add(group("g", PROMPT, 20, n=3))
+    engine.step()
+    assert seen == [group_states(len(PROMPT), [0, 0, 0], 20, 0)]
+    assert len(request_states(engine.requests())) == 3  # listed: each sample counts itself
+
+
 def test_seeded_group_is_reproducible_and_its_samples_differ(tiny):
     _, folder = tiny
     params = dict(do_sample=True, temperature=1.5, seed=1234)

@@ -323,6 +323,7 @@ class Engine:
             for leader, members in forks.items():
                 assert leader.group is not None, "only a group's leader forks"
                 leader.group.live += len(members)
+                leader.group.joined = True  # from now on each sample counts itself (Req.counted_group)
                 for member in members:
                     member.phase = Phase.RUNNING
                     self.running.append(member)

@@ -78,7 +78,7 @@ def request_states(reqs: list[Req]) -> list[ReqState]:
             continue
         seen.add(id(req))
         params = req.msg.params
-        group = req.unforked_group
+        group = req.counted_group
         if group is not None:  # every open sample, as the router counted the group's message
             first, *rest = message_states(group.msg)
             states += [first._replace(held=first.held - _counted_before(req.lease, counted)), *rest]

@@ -65,6 +65,11 @@ class Group:
     size: int
     live: int  # samples not ended yet (the unforked leader stands for all): the inbox entry goes with the last
     forked: bool = False
+    # Its members are in the engine's lists (``Engine._join_forks``, under the engine's lock). The
+    # runner forks before the prefill's forward and the engine lists the members after it: until
+    # then the leader still stands for every sample in the load the heartbeat thread publishes
+    # (``counted_group``), or a record built in between shows the group as its leader alone.
+    joined: bool = False
     prompt_slots: np.ndarray | None = None  # the leader's prompt slots, from the fork on
     holders: int = 0  # members whose table rows point at prompt_slots
     lease: Lease | None = None  # the prefix cache's hold on the prompt's cached part (worker.engine.kv_slots)
@@ -129,6 +134,12 @@ class Req:
     def unforked_group(self) -> Group | None:
         """The group this request still stands for whole (as its leader, before the fork), else None."""
         return self.group if self.group is not None and not self.group.forked else None
+
+    @property
+    def counted_group(self) -> Group | None:
+        """The group this request stands for whole in a load summary (``worker.engine.load``): as
+        ``unforked_group``, and on until its members are listed beside it (``Group.joined``)."""
+        return self.group if self.group is not None and not self.group.joined else None
 
     @property
     def is_unforked_leader(self) -> bool:
