@@ -12,7 +12,7 @@ from shared.model_files import ModelSource, resolve
 from tests.worker.model_harness import PoolRunner, build_batch
 from worker.model.attention import make_backend
 from worker.model.kv_cache import KVCache
-from worker.model.layers import rope_inv_freq, rope_parameters
+from worker.model.layers import packs, rope_inv_freq, rope_parameters
 from worker.model.loader import attach_kv_cache, load_model
 from worker.model.models import model_class
 from worker.model.models.llama import LlamaForCausalLM
@@ -46,7 +46,9 @@ CONFIGS = {
 PROMPT_LENS = (5, 11, 1, 8)
 
 
-def _pair(config_kw: dict, tmp_path) -> tuple[transformers.LlamaForCausalLM, LlamaForCausalLM]:
+def _pair(
+    config_kw: dict, tmp_path, dtype: torch.dtype = torch.float32
+) -> tuple[transformers.LlamaForCausalLM, LlamaForCausalLM]:
     """A seeded transformers model, saved, and lightq's loaded from the save via the loader."""
     config = transformers.LlamaConfig(**{**BASE, **config_kw}, architectures=["LlamaForCausalLM"])
     torch.manual_seed(0)
@@ -57,8 +59,8 @@ def _pair(config_kw: dict, tmp_path) -> tuple[transformers.LlamaForCausalLM, Lla
                 p.add_(0.1 * torch.randn_like(p))
     ref.config._attn_implementation = "eager"
     ref.save_pretrained(tmp_path)
-    model, _ = load_model(ModelSource("hf", str(tmp_path)), torch.float32, "cpu")
-    return ref, model
+    model, _ = load_model(ModelSource("hf", str(tmp_path)), dtype, "cpu")
+    return ref.to(dtype), model
 
 
 @torch.no_grad()
@@ -90,6 +92,28 @@ def test_matches_transformers(name, tmp_path):
         for b, t in enumerate(new):
             seqs[b].append(t)
             _assert_close(logits[b], _ref_last(ref, seqs[b]))
+
+
+def test_bf16_on_the_cpu_matches_transformers_in_bf16(tmp_path):
+    """``--dtype bfloat16`` on a CPU (its decode matmuls on packed bf16 weights where the CPU runs
+    bf16: ``SmallBatchGemm``) against transformers in bf16 on the same weights, to bf16's precision."""
+    ref, model = _pair(CONFIGS["gqa-tied-headdim"], tmp_path, torch.bfloat16)
+    packed = [m.small is not None for m in model.modules() if hasattr(m, "small")]
+    assert packed and all(packed) == packs(torch.bfloat16)  # the packed path runs where the CPU has bf16
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(ref.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    runner = PoolRunner(model)
+    seqs = [list(p) for p in prompts]
+    logits = runner.step(dict(enumerate(prompts)))
+    for step in range(3):
+        for b, ids in enumerate(seqs):
+            want = _ref_last(ref, ids)
+            got = logits[b].float()
+            torch.testing.assert_close(got, want, atol=3e-2 * max(want.abs().max().item(), 1.0), rtol=3e-2)
+        new = torch.randint(ref.config.vocab_size, (len(seqs),), generator=gen).tolist()
+        for b, t in enumerate(new):
+            seqs[b].append(t)
+        logits = runner.step({b: [t] for b, t in enumerate(new)})
 
 
 def test_chunked_prefill_with_new_request(tmp_path):

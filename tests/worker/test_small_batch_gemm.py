@@ -24,10 +24,10 @@ def _filled(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 class Two(torch.nn.Module):
-    def __init__(self, tp: TensorParallel = layers.SINGLE):
+    def __init__(self, tp: TensorParallel = layers.SINGLE, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.proj = Linear(24, 40, True, torch.float32, "cpu")
-        self.head = VocabHead(24, 96, torch.float32, "cpu", tp)
+        self.proj = Linear(24, 40, True, dtype, "cpu")
+        self.head = VocabHead(24, 96, dtype, "cpu", tp)
 
 
 @needs_onednn
@@ -59,7 +59,23 @@ def test_only_small_inputs_take_the_packed_path(monkeypatch):
     assert calls == [SMALL_BATCH_ROWS, 500]
 
 
-def test_nothing_is_packed_off_the_cpu_fp32_single_process_path(monkeypatch):
+@needs_onednn
+@pytest.mark.skipif(not layers.packs(torch.bfloat16), reason="this CPU has no native bf16 for oneDNN")
+def test_bf16_weights_are_packed_where_the_cpu_runs_bf16_and_agree():
+    model = _filled(Two(dtype=torch.bfloat16))
+    assert pack_for_small_batches(model) == (40 * 24 + 96 * 24) * 2
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 7, SMALL_BATCH_ROWS):
+        x = torch.randn(rows, 24, generator=gen).to(torch.bfloat16)
+        got = model.proj(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, F.linear(x, model.proj.weight, model.proj.bias), rtol=2e-2, atol=5e-2)
+        torch.testing.assert_close(model.head(x), F.linear(x, model.head.weight), rtol=2e-2, atol=5e-2)
+
+
+def test_nothing_is_packed_off_the_cpu_fp32_or_bf16_single_process_path(monkeypatch):
+    assert SmallBatchGemm.make(torch.ones(4, 4, dtype=torch.float16), None, 8) is None
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # a CPU without bf16
     assert SmallBatchGemm.make(torch.ones(4, 4, dtype=torch.bfloat16), None, 8) is None
     assert SmallBatchGemm.make(torch.ones(4, 4, device="meta"), None, 8) is None
     tp_model = _filled(Two(TensorParallel(rank=0, size=2)))
