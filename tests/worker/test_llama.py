@@ -105,7 +105,7 @@ def test_bf16_on_the_cpu_matches_transformers_in_bf16(tmp_path):
     runner = PoolRunner(model)
     seqs = [list(p) for p in prompts]
     logits = runner.step(dict(enumerate(prompts)))
-    for step in range(3):
+    for _ in range(3):  # the prefill, then two decode steps
         for b, ids in enumerate(seqs):
             want = _ref_last(ref, ids)
             got = logits[b].float()
