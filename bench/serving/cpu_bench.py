@@ -385,9 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         alone = engine_in_worker_env([a for a in (argv or sys.argv[1:]) if a != "--engine"])
         line += f" (engine alone {alone:.1f}, {ours / alone:.2f} of it)"
     if not args.skip_transformers:
-        static, cb = run_transformers(
-            work, threads, args.batch_size, args.generate_batch, args.repeat, args.dtype
-        )
+        static, cb = run_transformers(work, threads, args.batch_size, args.generate_batch, args.repeat, args.dtype)
         line += f", transformers static-{args.batch_size} {static:.1f} out tok/s ({ours / static:.2f}x)"
         if cb is not None:
             line += f", generate_batch {cb:.1f} out tok/s ({ours / cb:.2f}x)"
