@@ -227,14 +227,25 @@ def test_killing_the_producer_loses_no_request(stack):
     assert "producer (pid" in stack.test_log()
 
 
+@pytest.fixture(params=["node", "cluster"])
+def backend(request, redis_server) -> tuple[str, list[str]]:
+    """The Redis URL and serve flags of a stack of its own: a fresh embedded node, or the session's 3+3
+    cluster, whole and flushed (``clean_cluster``), with rq's queue on the node as a cluster
+    deployment has it (issue 30: the backlog's 429 and the tight pools on both)."""
+    if request.param == "node":
+        return redis_server.url, []
+    return request.getfixturevalue("clean_cluster").url, ["--redis_rq_url", redis_server.url]
+
+
 @pytest.fixture
-def small_backlog_stack(redis_server, tmp_path):
+def small_backlog_stack(backend, tmp_path):
+    url, flags = backend
     stack = start_stack(
         str(tmp_path / "serve.log"),
-        redis_url=redis_server.url,
+        redis_url=url,
         prefix="lightq-burst",
         workers=1,
-        extra=["--model_dir", "counting", "--max_total_token_num", "60000", "--max_queue_tokens", "2000"],
+        extra=["--model_dir", "counting", "--max_total_token_num", "60000", "--max_queue_tokens", "2000", *flags],
     )
     yield stack
     stack.stop()
@@ -258,12 +269,13 @@ def test_a_burst_past_the_backlog_gets_429_and_every_accepted_request_completes(
 
 
 @pytest.fixture
-def tight_pool_stack(redis_server, tmp_path):
+def tight_pool_stack(backend, tmp_path):
     # Pools far smaller than the burst's conservative need: past-future admission (the
     # default) and the workers' pausing must carry it without running out of KV tokens.
+    url, flags = backend
     stack = start_stack(
         str(tmp_path / "serve.log"),
-        redis_url=redis_server.url,
+        redis_url=url,
         prefix="lightq-tight",
         workers=2,
         extra=[
@@ -275,6 +287,7 @@ def tight_pool_stack(redis_server, tmp_path):
             "1024",
             "--history_prior",
             "50",
+            *flags,
         ],
     )
     yield stack
