@@ -7,16 +7,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.config import (
-    ProducerSettings,
-    RedisSettings,
-    RouterSettings,
-    RqWorkerSettings,
-    ServeSettings,
-    WorkerSettings,
-)
+from shared.config import RedisSettings, RouterSettings, RqWorkerSettings, ServeSettings
 from shared.flags import add_flags, add_version, build, given
+from shared.producer_settings import ProducerSettings
 from shared.service import setup_logging
+from shared.worker_settings import WorkerSettings
 
 SERVICES = {
     "producer": ProducerSettings,

@@ -10,9 +10,9 @@ names are read from the ``lightq`` parser itself. A test
 (``tests/shared/test_configuration_doc.py``) fails when the committed file
 differs from ``render()``.
 
-Defaults computed from the machine when ``shared.config`` is imported (the
-core count) are written as the rule, never as this machine's number, so the
-file is the same on every machine (``MACHINE_DEFAULTS``; the test renders
+Defaults computed from the machine when the settings modules are imported
+(the core count) are written as the rule, never as this machine's number, so
+the file is the same on every machine (``MACHINE_DEFAULTS``; the test renders
 with 1 core and with 64 cores and compares).
 """
 
@@ -31,7 +31,9 @@ COMMAND = ".venv/bin/python -m lightq.config_doc > docs/configuration.md"
 
 # Settings whose default is computed from the machine at import: (class, field) -> the rule.
 MACHINE_DEFAULTS = {
-    ("WorkerSettings", "publishers"): "1; 2 on hosts with 16 cores or more (`shared.config.default_publishers`)",
+    ("WorkerSettings", "publishers"): (
+        "1; 2 on hosts with 16 cores or more (`shared.worker_settings.default_publishers`)"
+    ),
     ("WorkerSettings", "weights_cache"): "`$XDG_CACHE_HOME/lightq/weights`, `~/.cache/lightq/weights` without it",
 }
 
@@ -170,7 +172,8 @@ def render() -> str:
     lines = [
         "# Configuration",
         "",
-        f"<!-- Generated from shared/config.py by `{COMMAND}`; do not edit by hand. -->",
+        f"<!-- Generated from shared/config.py, shared/producer_settings.py and shared/worker_settings.py by "
+        f"`{COMMAND}`; do not edit by hand. -->",
         "",
         "Every setting is a command-line flag and an environment variable: the flag's name is the "
         f"variable's without `{PREFIX}`, lower-cased (`--max_total_token_num` is "
@@ -180,7 +183,8 @@ def render() -> str:
         "`--no-cuda_graphs`; in the environment `true` or `false`); a list is several values after "
         "the flag (`--eos_id 2 7`) or JSON in the environment (`[2, 7]`).",
         "",
-        "The settings are grouped by the class that holds them in `shared/config.py`, as "
+        "The settings are grouped by the class that holds them (in `shared/config.py`, `shared/producer_settings.py` "
+        "or `shared/worker_settings.py`), as "
         "`lightq <command> --help` groups them; a group shared by several services (Redis, model, "
         "admission) is listed once, with the commands that take it.",
         "",

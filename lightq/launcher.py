@@ -32,9 +32,11 @@ from typing import Any
 from lightq.children import FAILURES, Child, RestartPolicy, failed_at_start_up, spawn, stop_all
 from lightq.serve_redis import ServeRedis, open_redis
 from router.registry import read_registry
-from shared.config import ProducerSettings, RedisSettings, ServeSettings, WorkerSettings
+from shared.config import RedisSettings, ServeSettings
 from shared.flags import as_env, build
+from shared.producer_settings import ProducerSettings
 from shared.redis import REDIS_FAILURES, cluster_seeds, is_cluster, sync_client
+from shared.worker_settings import WorkerSettings
 
 log = logging.getLogger("lightq.serve")
 

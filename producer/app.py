@@ -32,9 +32,9 @@ from producer.monitoring.cluster_view import ClusterView
 from producer.monitoring.metrics import ProducerMetrics
 from producer.redis_client import producer_client
 from producer.streams.stream_hub import StreamHub
-from shared.config import ProducerSettings
 from shared.flags import build
 from shared.model_files import load_tokenizer, resolve, served_name
+from shared.producer_settings import ProducerSettings
 from shared.service import default_id, setup_logging
 
 # Set by producer.main for --producers N (prometheus_client reads the same variable at import

@@ -16,8 +16,9 @@ from producer.api.errors import bad_request, from_validation, not_found
 from producer.edge.backlog import Gate
 from producer.monitoring.metrics import ProducerMetrics
 from producer.streams.stream_hub import StreamHub
-from shared.config import ProducerSettings, RedisSettings
+from shared.config import RedisSettings
 from shared.keys import Keys
+from shared.producer_settings import ProducerSettings
 from shared.redis import async_client
 
 Body = TypeVar("Body", bound=BaseModel)

@@ -44,8 +44,8 @@ import uvicorn.config
 from pydantic import SecretStr
 
 from producer.app import MULTIPROC_ENV, PARENT_ENV, create_app
-from shared.config import ProducerSettings, default_producers
 from shared.flags import add_flags, as_env, build, flat_fields, given
+from shared.producer_settings import ProducerSettings, default_producers
 from shared.service import setup_logging
 
 GRACEFUL_SHUTDOWN_S = 5

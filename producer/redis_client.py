@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from shared.config import ProducerSettings
+from shared.producer_settings import ProducerSettings
 from shared.redis import OUTAGES, async_client
 
 log = logging.getLogger(__name__)

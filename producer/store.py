@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from shared import codec
+from shared.chunk_schemas import ChunkRun
 from shared.chunks import parse_run
 from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import client_is_cluster, xread_spread
-from shared.schemas import ChunkRun, GenerateRequest, RequestMeta, RequestStatus
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus
 
 StreamEntry = tuple[str, ChunkRun]  # (stream entry id, its run of chunks; a format-1 entry is a run of one)
 

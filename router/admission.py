@@ -55,7 +55,8 @@ from router.adapter_popularity import Popularity, spare_hits
 from shared.batch_view import BatchView, Candidate, Policy
 from shared.peak import ReqState
 from shared.prefix_hash import PREFIX_BLOCK, prefix_hashes
-from shared.schemas import GenerateRequest, WorkerLoad
+from shared.schemas import GenerateRequest
+from shared.worker_load import WorkerLoad
 
 CHOICES = 2
 # Cache-aware choice (``cache_aware_fit``): how many of the workers with the longest hits are asked

@@ -27,7 +27,8 @@ import redis
 from shared.codec import decode
 from shared.keys import Keys
 from shared.lora import LoraRegistry
-from shared.schemas import GenerateRequest, WorkerLoad
+from shared.schemas import GenerateRequest
+from shared.worker_load import WorkerLoad
 
 
 def adapter_gone(client: redis.Redis, keys: Keys, request: GenerateRequest, loads: Mapping[str, WorkerLoad]) -> bool:

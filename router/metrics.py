@@ -23,8 +23,9 @@ from shared import ingress
 from shared.keys import ROUTER_GROUP, split_class_tenant_field
 from shared.peak import ReqState
 from shared.redis import group_backlog
-from shared.schemas import GenerateRequest, WorkerLoad
+from shared.schemas import GenerateRequest
 from shared.tenant_series import top_tenants
+from shared.worker_load import WorkerLoad
 
 DECISIONS_FLUSH_S = 1.0
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)

@@ -4,7 +4,7 @@ When the head of the queue (the best class this router holds) fits no
 worker, waiting for running requests of worse classes to finish is what
 made a better class's time to first token several times its unloaded value
 at overload (bench/RESULTS.md). So the router asks one worker to pause
-enough of them (``shared.schemas.PreemptAsk`` on its ``{q}:w:ID:preempt``
+enough of them (``shared.worker_load.PreemptAsk`` on its ``{q}:w:ID:preempt``
 list): the one whose record lists the worst class (``WorkerLoad.preemptible``;
 ties: more tokens in classes worse than the request's, then the lesser id).
 An ask makes room for the head and up to ``ASK_MOST - 1`` requests of its
@@ -41,7 +41,8 @@ from shared.admission import request_states
 from shared.codec import encode
 from shared.keys import Keys
 from shared.request_log import now_ms
-from shared.schemas import GenerateRequest, PreemptAsk, WorkerLoad
+from shared.schemas import GenerateRequest
+from shared.worker_load import PreemptAsk, WorkerLoad
 
 ASK_TTL_MS = 2000  # an ask its worker never read (it went idle, or died) goes with the key
 WAIT_S = 1.0

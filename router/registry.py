@@ -17,7 +17,7 @@ import redis
 from shared.codec import decode
 from shared.keys import Keys
 from shared.request_log import now_ms
-from shared.schemas import WorkerLoad
+from shared.worker_load import WorkerLoad
 
 
 @dataclass(frozen=True)

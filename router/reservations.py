@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 from shared.admission import request_states
 from shared.peak import ReqState
-from shared.schemas import GenerateRequest, WorkerLoad, stream_id, tally_preemptible
+from shared.schemas import GenerateRequest
+from shared.worker_load import WorkerLoad, stream_id, tally_preemptible
 
 
 class Pausable(NamedTuple):

@@ -16,9 +16,9 @@ from typing import Annotated, Any
 import redis
 from pydantic import Field, TypeAdapter
 
+from shared.chunk_schemas import ChunkRun, TokenChunk
 from shared.codec import FIELD
 from shared.keys import Keys
-from shared.schemas import ChunkRun, TokenChunk
 
 _ENTRY: TypeAdapter[ChunkRun | TokenChunk] = TypeAdapter(Annotated[ChunkRun | TokenChunk, Field(discriminator="kind")])
 

@@ -25,7 +25,8 @@ from shared import ingress
 from shared.keys import Keys
 from shared.redis import primaries
 from shared.request_log import now_ms
-from shared.schemas import RequestMeta, stream_id
+from shared.schemas import RequestMeta
+from shared.worker_load import stream_id
 
 # Atomic: a worker that came back (load record) or still holds requests (inbox) stays.
 DROP_WORKER = """

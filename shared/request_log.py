@@ -25,10 +25,11 @@ import time
 
 import redis
 
+from shared.chunk_schemas import ChunkRun
 from shared.codec import FIELD, encode
 from shared.keys import FENCE_TTL_S, Keys
 from shared.redis import publish_command
-from shared.schemas import ChunkRun, FinishReason, RequestMeta, RequestStatus
+from shared.schemas import FinishReason, RequestMeta, RequestStatus
 
 TERMINAL = tuple(s.value for s in RequestStatus if s.is_terminal)
 ENDED, LOST = -1, -2  # what ``fence`` returns instead of an epoch

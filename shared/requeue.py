@@ -32,11 +32,12 @@ from dataclasses import dataclass
 
 import redis
 
+from shared.chunk_schemas import TokenChunk
 from shared.chunks import emitted_chunks, has_ended
 from shared.codec import FIELD, encode, entry, from_entry
 from shared.keys import Keys
 from shared.request_log import ENDED, LOST, end_request, fence, mark_finished, now_ms
-from shared.schemas import DeadLetter, GenerateRequest, RequestStatus, TokenChunk
+from shared.schemas import DeadLetter, GenerateRequest, RequestStatus
 
 DEATHS_PER_ATTEMPT = 2
 

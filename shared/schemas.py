@@ -5,15 +5,17 @@ worker --ChunkRun--> {rN-K}:ID:chunks (durable) and {rN-K}:ID:tokens (pub/sub); 
 worker --WorkerLoad--> {q}:w:ID:load (heartbeat with TTL)
 router, worker --DeadLetter--> {q}:dead (read by ``lightq dead-letters``)
 router --PreemptAsk--> {q}:w:ID:preempt --> worker
+
+The chunk stream's messages (``ChunkRun``, ``TokenChunk``) are in ``shared.chunk_schemas``, a worker's
+load record and the router's preemption ask (``WorkerLoad``, ``PreemptAsk``) in ``shared.worker_load``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from enum import Enum
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_TOP_LOGPROBS = 20  # OpenAI chat's limit (completions' is 5)
 # Priorities are small integers: each one in use is a sorted set of its own in Redis (router.ordering).
@@ -205,271 +207,6 @@ class GenerateRequest(_Frozen):
         return len(self.prompt_ids) + self.n * self.params.max_new_tokens
 
 
-class TokenChunk(_Frozen):
-    """One generated token; ``index`` is its 0-based position in the output
-    of sample ``choice`` (always 0 unless the request is a group, n > 1).
-
-    The last chunk of a sample has ``finished`` set; a request is done when
-    every choice is. A request that ends without a token of its own
-    (cancelled, failed, expired) gets a chunk whose ``token_id`` is None,
-    ``text`` empty and ``index`` the count of tokens before it: such a chunk
-    ends every choice of the request that has not finished. Readers drop a
-    chunk whose (choice, index) they already delivered.
-
-    ``top_logprobs``: when the request asked for alternatives
-    (``SamplingParams.top_logprobs``), the most likely tokens at this
-    position as (token id, logprob), most likely first, from the same
-    distribution as ``logprob``; absent from the JSON otherwise.
-    """
-
-    kind: Literal["chunk"] = "chunk"
-    request_id: str
-    index: int
-    choice: int = 0
-    token_id: int | None
-    text: str = ""
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    # With the first token of a request that asked (SamplingParams.prompt_logprobs): per prompt
-    # token after the first, (its logprob, (id, logprob) alternatives most likely first).
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-
-    @classmethod
-    def built(cls, values: dict[str, Any]) -> TokenChunk:
-        """A chunk from values a validated ``ChunkRun`` holds (every field given): what
-        ``model_construct`` does without its per-field pass, a fifth of its time. A reader makes
-        one per token delivered."""
-        chunk = cls.__new__(cls)
-        object.__setattr__(chunk, "__dict__", values)
-        object.__setattr__(chunk, "__pydantic_fields_set__", set(values))
-        object.__setattr__(chunk, "__pydantic_extra__", None)
-        object.__setattr__(chunk, "__pydantic_private__", None)
-        return chunk
-
-    @model_serializer(mode="wrap")
-    def _without_empty_top(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """One chunk per token goes over Redis: no ``top_logprobs: null`` on every one."""
-        data: dict[str, Any] = handler(self)
-        for key in ("top_logprobs", "prompt_logprobs"):
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
-
-
-CHUNK_FORMAT: Literal[2] = 2  # the chunk entries workers write: 1, a TokenChunk per token; 2, a ChunkRun per run
-
-
-class ChunkRun(_Frozen):
-    """A chunk stream entry of format 2: consecutive tokens of one sample, written at once.
-
-    The tokens are ``index``, ``index + 1``, ... of sample ``choice``; ``token_ids``,
-    ``texts`` and ``logprobs`` have one item each (``top_logprobs`` too, when the request
-    asked for alternatives). A run with ``finished`` set ends its sample with its last
-    token; a run without tokens is an end of its own (cancelled, failed, expired: see
-    ``TokenChunk``, which is what readers make of a run, one per token, ``tokens()``).
-    Format 1 entries (a ``TokenChunk`` each) are read as runs of one (``shared.chunks``).
-    """
-
-    kind: Literal["run"] = "run"
-    v: Literal[2] = CHUNK_FORMAT
-    request_id: str
-    choice: int = 0
-    index: int = Field(ge=0, description="the first token's index (the tokens before it, for a run without tokens)")
-    token_ids: list[int] = Field(default_factory=list)
-    texts: list[str] = Field(default_factory=list)
-    logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # with the sample's token 0
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-
-    @model_validator(mode="after")
-    def _check_columns(self) -> ChunkRun:
-        n = len(self.token_ids)
-        tops = n if self.top_logprobs is None else len(self.top_logprobs)
-        if len(self.texts) != n or len(self.logprobs) != n or tops != n:
-            raise ValueError("a run has one text, logprob (and top_logprobs entry) per token id")
-        if n == 0 and not self.finished:
-            raise ValueError("a run without tokens must end its sample")
-        return self
-
-    @model_serializer(mode="wrap")
-    def _without_empty(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        for key in ("top_logprobs", "prompt_logprobs", "finish_reason", "error"):
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
-
-    def tokens(self) -> list[TokenChunk]:
-        """The run as readers take it: a chunk per token (the last one ``finished`` when the run
-        is), or the one tokenless chunk of an end without a token."""
-        rid, choice, first = self.request_id, self.choice, self.index
-        if not self.token_ids:
-            return [TokenChunk.built(_chunk(rid, first, choice, None, "", None, None, None, True, self))]
-        last = len(self.token_ids) - 1
-        tops, texts, logprobs = self.top_logprobs, self.texts, self.logprobs
-        prompt = self.prompt_logprobs if first == 0 else None
-        return [
-            TokenChunk.built(
-                _chunk(
-                    rid,
-                    first + i,
-                    choice,
-                    token_id,
-                    texts[i],
-                    logprobs[i],
-                    tops[i] if tops is not None else None,
-                    prompt if i == 0 else None,
-                    self.finished and i == last,
-                    self if i == last else None,
-                )
-            )
-            for i, token_id in enumerate(self.token_ids)
-        ]
-
-    @classmethod
-    def of(cls, chunk: TokenChunk) -> ChunkRun:
-        """A format-1 entry as the run of its one token (or its tokenless end)."""
-        has_token = chunk.token_id is not None
-        return cls.model_construct(
-            kind="run",
-            v=CHUNK_FORMAT,
-            request_id=chunk.request_id,
-            choice=chunk.choice,
-            index=chunk.index,
-            token_ids=[chunk.token_id] if chunk.token_id is not None else [],
-            texts=[chunk.text] if has_token else [],
-            logprobs=[chunk.logprob] if has_token else [],
-            top_logprobs=[chunk.top_logprobs] if has_token and chunk.top_logprobs is not None else None,
-            prompt_logprobs=chunk.prompt_logprobs,
-            finished=chunk.finished,
-            finish_reason=chunk.finish_reason,
-            error=chunk.error,
-        )
-
-
-def _chunk(
-    request_id: str,
-    index: int,
-    choice: int,
-    token_id: int | None,
-    text: str,
-    logprob: float | None,
-    top: list[tuple[int, float]] | None,
-    prompt: list[tuple[float, list[tuple[int, float]]]] | None,
-    finished: bool,
-    end: ChunkRun | None,
-) -> dict[str, Any]:
-    """A ``TokenChunk``'s fields, every one of them; ``end``: the run whose end this token carries."""
-    return {
-        "kind": "chunk",
-        "request_id": request_id,
-        "index": index,
-        "choice": choice,
-        "token_id": token_id,
-        "text": text,
-        "logprob": logprob,
-        "top_logprobs": top,
-        "prompt_logprobs": prompt,
-        "finished": finished,
-        "finish_reason": end.finish_reason if end is not None else None,
-        "error": end.error if end is not None else None,
-    }
-
-
-class WorkerLoad(_Frozen):
-    """A worker's heartbeat: enough for the router's admission check."""
-
-    kind: Literal["load"] = "load"
-    worker_id: str
-    seq: int
-    ts_ms: int
-    max_total_tokens: int
-    used_tokens: int
-    committed_tokens: int = Field(description="sum of prompt + max_new_tokens over running and waiting requests")
-    num_running: int
-    num_waiting: int
-    last_inbox_id: str = Field("0-0", description="newest inbox entry the worker has taken in")
-    draining: bool = False
-    model: str | None = Field(None, description="the served model name (None: takes any request)")
-    running_max_req_size: int | None = Field(None, description="most requests the worker runs at once")
-    adapters: list[str] = Field(
-        default_factory=list, description="the LoRA adapters new requests may name here (--lora_modules', run-time)"
-    )
-    resident_adapters: list[str] = Field(
-        default_factory=list, description="the LoRA adapters in device memory now (unloaded ones still in use too)"
-    )
-    lora_failed: list[tuple[str, str, str]] = Field(
-        default_factory=list, description="run-time LoRA adapters this worker could not load: [name, folder, why]"
-    )
-    requests: list[tuple[int, int, int, int]] = Field(
-        description="per running or waiting request: [prompt + output tokens, output tokens, "
-        "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState), a group's prompt counted once"
-    )
-    prefix_cache: bool = Field(False, description="the worker keeps a prefix cache (off: --no-prefix_cache)")
-    cached_tokens: int = Field(0, description="tokens the prefix cache holds (0: off)")
-    prefixes: list[tuple[int, int]] = Field(
-        default_factory=list,
-        description="what the prefix cache holds, bounded: [prefix hash, tokens it covers] "
-        "(shared.prefix_hash), the most recently used first",
-    )
-    held_prefixes: list[int] = Field(
-        default_factory=list,
-        description="indexes into prefixes of the entries whose tokens running requests hold (counted "
-        "in requests): a request starting with one adds only the rest here (router.admission); the "
-        "other entries are evictable, and a request that hits them holds them again",
-    )
-    prefix_asked_tokens: int = Field(0, description="tokens of admitted requests looked up in the cache, since start")
-    prefix_hit_tokens: int = Field(0, description="of those, tokens found cached (not prefilled)")
-    prefix_evicted_tokens: int = Field(0, description="cached tokens evicted to make room, since start")
-
-    preemptible: list[tuple[int, int, int]] = Field(
-        default_factory=list,
-        description="per priority class with requests this worker would pause for a better class "
-        "(worker.engine.preempt): [priority, tokens they hold, request slots (a group's samples each)], "
-        "the worst (largest) class first",
-    )
-    max_preemptions: int = Field(0, description="times this worker pauses one request at most (--max_preemptions)")
-    preempt_asks_read: int = Field(
-        0, description="preemption asks the worker has read and answered (a router waits for its own)"
-    )
-    preempted_requests: int = Field(0, description="started requests paused for a better class, since start")
-    preempted_kv_tokens: int = Field(0, description="their K/V tokens, computed again on resume (the cost)")
-
-    def serves(self, model: str | None, adapter: str | None = None) -> bool:
-        """Whether a request for ``model`` (and LoRA ``adapter``) may come here: one pool per served
-        model name, and an adapter only where the worker has loaded it."""
-        if adapter is not None and adapter not in self.adapters:
-            return False
-        return model is None or self.model is None or self.model == model
-
-
-class PreemptAsk(_Frozen):
-    """A router's ask to a worker ({q}:w:ID:preempt): pause enough requests of a class worse than
-    ``priority`` that the requests ``request_ids`` fit, as many of them as can, the first first,
-    and hand them back to the queue (worker.engine.preempt). ``states``: their
-    ``shared.peak.ReqState`` summaries, ``sizes[i]`` of them for the i-th request. The router
-    dispatches them to the worker with the ask, so they may be in its queue already."""
-
-    kind: Literal["preempt"] = "preempt"
-    request_ids: list[str] = Field(min_length=1)
-    priority: int
-    states: list[tuple[int, int, int, int]]
-    sizes: list[int]
-    asked_ms: int
-
-    @model_validator(mode="after")
-    def _check_sizes(self) -> PreemptAsk:
-        if len(self.sizes) != len(self.request_ids) or sum(self.sizes) != len(self.states):
-            raise ValueError("sizes: one per request, adding up to the states")
-        return self
-
-
 class DeadLetter(_Frozen):
     """An entry of the dead-letter stream: a request whose workers died ``max_attempts``
     times, as it was when it was parked (``lightq dead-letters requeue`` sends it back), or an
@@ -486,22 +223,6 @@ class DeadLetter(_Frozen):
         if (self.request is None) == (self.raw is None):
             raise ValueError("a dead letter holds either its request or the raw fields of an unreadable entry")
         return self
-
-
-def tally_preemptible(items: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """``WorkerLoad.preemptible`` from (priority, tokens, requests) items: summed per class, the
-    worst (largest) class first."""
-    held: dict[int, tuple[int, int]] = {}
-    for priority, tokens, count in items:
-        total, requests = held.get(priority, (0, 0))
-        held[priority] = (total + tokens, requests + count)
-    return [(p, tokens, count) for p, (tokens, count) in sorted(held.items(), reverse=True)]
-
-
-def stream_id(entry_id: str) -> tuple[int, int]:
-    """A stream entry id as a comparable (milliseconds, sequence) pair."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 class RequestMeta(BaseModel):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import redis
 
 from shared import codec
+from shared.chunk_schemas import ChunkRun, TokenChunk
 from shared.keys import Keys
-from shared.schemas import ChunkRun, TokenChunk
 
 
 def append_run(pipe: redis.client.Pipeline, keys: Keys, run: ChunkRun) -> None:

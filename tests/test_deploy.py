@@ -25,9 +25,9 @@ from kubernetes_validate.utils import latest_version
 
 from lightq.cli import SERVICES, parser
 from lightq.launcher import DRAIN_MARGIN_S
-from shared.config import WorkerSettings
 from shared.flags import flat_fields
 from shared.keys import ROUTER_GROUP, Keys
+from shared.worker_settings import WorkerSettings
 from tests import hosts, hosts_compose
 from tests.cluster import redis_binaries
 from tests.waiting import MUST_HAPPEN_S

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import torch
 
 from shared.admission import AdmissionRule
-from shared.config import WorkerSettings
 from shared.metrics_server import serve_metrics
 from shared.model_files import load_config, load_tokenizer, resolve
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
+from shared.worker_settings import WorkerSettings
 from worker.engine.engine import Engine, EngineLimits
 from worker.engine.radix_cache import RadixCache
 from worker.engine.token_pool import TokenPool

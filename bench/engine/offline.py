@@ -48,9 +48,10 @@ from tqdm import tqdm
 from bench.engine.lora_adapters import register_many, write_adapters
 from bench.engine.shapes import SHAPES, config_dir
 from bench.workloads.sharegpt import describe, sharegpt_lengths
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
 from shared.model_files import load_tokenizer, resolve
 from shared.schemas import Constraint, GenerateRequest, SamplingParams
+from shared.worker_settings import WorkerSettings
 from worker.engine.events import Tokens
 from worker.engine.request import Req
 from worker.main import build_engine, follower, rank_device

@@ -27,8 +27,9 @@ from bench.engine.offline import sync
 from bench.engine.shapes import SHAPES, config_dir
 from bench.engine.step_profile import Timed
 from bench.workloads.sharegpt import sharegpt_lengths
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
 from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_settings import WorkerSettings
 from worker.engine.request import Req
 from worker.main import build_engine
 

@@ -211,8 +211,9 @@ def run_engine(work: Workload, threads: int, repeat: int, dtype: str = "float32"
     CPU worker (threads, malloc settings): every request added at once, stepped to the end."""
     import torch
 
-    from shared.config import ModelSettings, WorkerSettings
+    from shared.config import ModelSettings
     from shared.schemas import GenerateRequest, SamplingParams
+    from shared.worker_settings import WorkerSettings
     from worker.engine.request import Req
     from worker.main import build_engine
 

@@ -34,10 +34,10 @@ import redis
 
 from bench.serving.path_bench import REPO, start_serve
 from bench.sim.fair_sim import jain
+from shared.chunk_schemas import TokenChunk
 from shared.codec import from_entry
 from shared.embedded_redis import free_port, start_embedded_redis
 from shared.keys import Keys
-from shared.schemas import TokenChunk
 
 KEYS = {"hi": "k-hi-0123456789", "lo": "k-lo-0123456789"}
 

@@ -103,10 +103,11 @@ def build_worker(redis_url: str, prefix: str):
     import torch
 
     from shared.admission import AdmissionRule
-    from shared.config import AdmissionSettings, ModelSettings, RedisSettings, WorkerSettings
+    from shared.config import AdmissionSettings, ModelSettings, RedisSettings
     from shared.keys import WORKER_GROUP
     from shared.model_files import load_tokenizer, resolve
     from shared.redis import ensure_group
+    from shared.worker_settings import WorkerSettings
     from worker.engine.engine import Engine, EngineLimits
     from worker.engine.token_pool import TokenPool
     from worker.model.counting_model import CountingModel
@@ -209,10 +210,11 @@ def build_model_worker(redis_url: str, prefix: str, model_dir: str):
     from whichever tree runs."""
     import redis
 
-    from shared.config import AdmissionSettings, ModelSettings, RedisSettings, WorkerSettings
+    from shared.config import AdmissionSettings, ModelSettings, RedisSettings
     from shared.keys import WORKER_GROUP
     from shared.model_files import load_tokenizer, resolve
     from shared.redis import ensure_group
+    from shared.worker_settings import WorkerSettings
     from worker.main import build_engine
     from worker.service.serve import WorkerService
 

@@ -28,9 +28,10 @@ from producer.api.submit import new_request
 from producer.app import create_app
 from producer.monitoring.metrics import ProducerMetrics
 from shared import codec
-from shared.config import ModelSettings, ProducerSettings, RedisSettings
+from shared.config import ModelSettings, RedisSettings
 from shared.embedded_redis import free_port
 from shared.keys import Keys
+from shared.producer_settings import ProducerSettings
 from shared.redis import async_client
 from shared.schemas import RequestMeta, RequestStatus, SamplingParams
 

@@ -21,7 +21,8 @@ from bench.sim.fair_sim import TimedWorker
 from shared.codec import decode, from_entry
 from shared.keys import WORKER_GROUP
 from shared.requeue import send_back
-from shared.schemas import GenerateRequest, PreemptAsk, tally_preemptible
+from shared.schemas import GenerateRequest
+from shared.worker_load import PreemptAsk, tally_preemptible
 
 MAX_PREEMPTIONS = 2
 RESUMED: dict[str, int] = {}  # request id -> tokens it generated before its pause (shared by the sim's workers)

@@ -35,7 +35,8 @@ from shared.config import AdmissionSettings, RedisSettings, RouterSettings
 from shared.keys import Keys
 from shared.peak import ReqState, check
 from shared.request_log import now_ms
-from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
+from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_load import WorkerLoad
 
 REPUBLISH_S = 0.2
 

@@ -37,7 +37,8 @@ from shared.config import AdmissionSettings, RedisSettings, RouterSettings
 from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys
 from shared.redis import ensure_group
 from shared.request_log import end_request, now_ms
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, WorkerLoad
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
+from shared.worker_load import WorkerLoad
 from worker.service.heartbeat import MIN_EARLY_GAP_S
 
 

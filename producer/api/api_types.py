@@ -14,7 +14,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 from pydantic_core import PydanticCustomError
 
-from shared.schemas import MAX_PRIORITY, MIN_PRIORITY, FinishReason, RequestStatus, TokenChunk
+from shared.chunk_schemas import TokenChunk
+from shared.schemas import MAX_PRIORITY, MIN_PRIORITY, FinishReason, RequestStatus
 
 
 class _Request(BaseModel):

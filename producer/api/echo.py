@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from producer.api.openai_types import CompletionLogprobs
-from shared.schemas import TokenChunk
+from shared.chunk_schemas import TokenChunk
 
 
 def prompt_part(

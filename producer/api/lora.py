@@ -13,7 +13,7 @@ from producer.api.errors import ApiError
 from producer.deps import Services
 from shared.codec import decode, encode
 from shared.lora import LoraRegistry
-from shared.schemas import WorkerLoad
+from shared.worker_load import WorkerLoad
 
 # Compare-and-set of the registry: written only if it still holds what the producer read (ARGV[1],
 # '' for no key), so two producers changing it at once never lose one's change; the loser reads

@@ -39,7 +39,7 @@ from producer.api.openai_types import (
 from producer.api.structured import failure
 from producer.api.tool_render import ToolStream, chat_message
 from producer.api.tools import ToolPlan
-from shared.schemas import TokenChunk
+from shared.chunk_schemas import TokenChunk
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # "abort": vLLM's name
 NO_LOGPROB = -9999.0  # what OpenAI reports for a log-probability too small to show

@@ -32,7 +32,7 @@ from producer.api.errors import ApiError, bad_request
 from producer.api.lora import model_loads, read_registry, swap_registry
 from producer.deps import Services, ServicesDep, parse_body
 from shared.lora import NAME, folder_problem
-from shared.schemas import WorkerLoad
+from shared.worker_load import WorkerLoad
 
 router = APIRouter(prefix="/v1")
 POLL_S = 0.05  # how often the load records are read while a load or an unload waits for workers

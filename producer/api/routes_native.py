@@ -31,8 +31,8 @@ from producer.api.submit import abandon, submit
 from producer.deps import GenerateBodyDep, ServicesDep
 from producer.edge.auth import CallerDep
 from producer.streams.streaming import EventStream, collect, follower, sse
+from shared.chunk_schemas import TokenChunk
 from shared.lora import is_gone
-from shared.schemas import TokenChunk
 
 router = APIRouter()
 HEALTH_TIMEOUT_S = 2.0

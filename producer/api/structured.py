@@ -24,8 +24,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from producer.api.errors import ApiError, bad_request
-from shared.config import ProducerSettings
 from shared.lora import GONE, is_gone
+from shared.producer_settings import ProducerSettings
 from shared.schemas import Constraint
 
 XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[01:02:03] /x/y.cc:12: " before the reason

@@ -35,11 +35,11 @@ from producer.batches.records import (
 from producer.deps import Services, batch_client
 from producer.monitoring.metrics import ProducerMetrics
 from producer.streams.streaming import ChunkFollower
-from shared.config import ProducerSettings
+from shared.chunk_schemas import TokenChunk
 from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve, served_name
+from shared.producer_settings import ProducerSettings
 from shared.redis import async_client
-from shared.schemas import TokenChunk
 
 log = logging.getLogger("lightq.batch")
 

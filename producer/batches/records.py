@@ -30,7 +30,8 @@ from producer.api.routes_native import failed, generate_result
 from producer.api.routes_openai import prepare_chat, prepare_completion
 from producer.api.submit import prepare
 from producer.deps import Services
-from shared.schemas import GenerateRequest, TokenChunk
+from shared.chunk_schemas import TokenChunk
+from shared.schemas import GenerateRequest
 
 URLS = ("/v1/completions", "/v1/chat/completions", "/generate")
 Url = Literal["/v1/completions", "/v1/chat/completions", "/generate"]

@@ -33,7 +33,7 @@ from producer.batches.records import (
 )
 from producer.deps import Services, ServicesDep
 from producer.edge.auth import Caller, CallerDep
-from shared.config import ProducerSettings
+from shared.producer_settings import ProducerSettings
 from shared.schemas import RequestStatus
 
 router = APIRouter(prefix="/v1/batches")

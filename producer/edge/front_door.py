@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from producer.api.errors import REJECT_REASON_HEADER, ApiError, error_response, retry_later
 from producer.edge.auth import SCOPE_KEY, hash_key, key_hashes, open_paths, unauthorized
-from shared.config import ProducerSettings
+from shared.producer_settings import ProducerSettings
 
 BROWSER_PAGES = ("/dashboard", "/docs", "/redoc")  # their 401 asks the browser for the key (HTTP Basic)
 JSON_TYPES = frozenset({"application/json"})

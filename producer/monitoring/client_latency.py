@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from producer.monitoring.metrics import ProducerMetrics
-from shared.schemas import ChunkRun
+from shared.chunk_schemas import ChunkRun
 
 REPLAY_SLACK_MS = 1000
 START = "0-0"

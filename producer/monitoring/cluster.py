@@ -38,7 +38,8 @@ from producer.monitoring.recent import WINDOW_S, RecentRequest, RequestTracker
 from shared import ingress
 from shared.codec import from_entry
 from shared.keys import ROUTER_GROUP, WORKER_GROUP, Keys, split_class_tenant_field
-from shared.schemas import GenerateRequest, RequestStatus, WorkerLoad
+from shared.schemas import GenerateRequest, RequestStatus
+from shared.worker_load import WorkerLoad
 
 QUEUE_SCAN_MAX = 10_000  # queued entries whose tokens are counted
 HISTORY_LEN = 200  # output lengths the estimate averages

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from producer import store
 from producer.redis_client import with_reconnect
 from producer.streams.streaming import Check, ChunkFollower
-from shared.schemas import ChunkRun, TokenChunk
+from shared.chunk_schemas import ChunkRun, TokenChunk
 
 
 class MergedFollower:

@@ -47,10 +47,10 @@ import redis.asyncio as aioredis
 from producer import store
 from producer.monitoring.client_latency import ClientLatency
 from producer.redis_client import OUTAGE_ERRORS
+from shared.chunk_schemas import ChunkRun
 from shared.chunks import parse_run
 from shared.keys import Keys
 from shared.redis import client_is_cluster, node_client, xread_spread
-from shared.schemas import ChunkRun
 
 log = logging.getLogger(__name__)
 

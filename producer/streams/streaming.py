@@ -36,8 +36,9 @@ from producer.deps import Services
 from producer.redis_client import with_reconnect
 from producer.streams.stream_hub import StreamHub
 from shared import codec
+from shared.chunk_schemas import ChunkRun, TokenChunk
 from shared.keys import Keys
-from shared.schemas import ChunkRun, FinishReason, RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import FinishReason, RequestMeta, RequestStatus
 
 log = logging.getLogger(__name__)
 

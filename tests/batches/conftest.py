@@ -15,7 +15,8 @@ from rq.serializers import JSONSerializer
 
 from producer.batches import job as batch_job
 from producer.batches.rq_worker import queue
-from shared.config import BatchSettings, HousekeepingSettings, ModelSettings, ProducerSettings, RqWorkerSettings
+from shared.config import BatchSettings, HousekeepingSettings, ModelSettings, RqWorkerSettings
+from shared.producer_settings import ProducerSettings
 from tests.batches.helpers import ThreadWorker
 
 # The producer's app, client, async Redis and fake-worker fixtures, on this folder's settings.

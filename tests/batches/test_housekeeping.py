@@ -7,12 +7,13 @@ import time
 from rq.registry import ScheduledJobRegistry
 
 from producer.batches.rq_worker import housekeeping, housekeeping_job_id, queue, schedule_housekeeping
+from shared.chunk_schemas import TokenChunk
 from shared.codec import entry
 from shared.housekeeping import drop_stale_workers, sweep_request_records, trim_ingress
 from shared.keys import ROUTER_GROUP
 from shared.redis import ensure_group
 from shared.request_log import now_ms
-from shared.schemas import RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import RequestMeta, RequestStatus
 
 
 def test_trim_keeps_every_entry_a_consumer_group_still_needs(rclient, keys):

@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
+from shared.chunk_schemas import ChunkRun, TokenChunk
 from shared.codec import decode
-from shared.schemas import ChunkRun, TokenChunk
 from tests.waiting import MUST_HAPPEN_S
 
 pytestmark = pytest.mark.slow

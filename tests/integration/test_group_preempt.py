@@ -18,8 +18,9 @@ import time
 import httpx
 import pytest
 
+from shared.chunk_schemas import TokenChunk
 from shared.chunks import parse_run
-from shared.schemas import RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import RequestMeta, RequestStatus
 from tests.integration.stack import remove_prefix_keys, start_stack
 from tests.waiting import MUST_HAPPEN_S
 

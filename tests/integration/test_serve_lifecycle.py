@@ -264,7 +264,7 @@ def test_housekeeping_survives_a_redis_restart(tmp_path):
 def test_joining_a_pool_says_what_already_serves_it(redis_settings, rclient, caplog):
     from lightq.serve_redis import open_redis
     from shared import codec
-    from shared.schemas import WorkerLoad
+    from shared.worker_load import WorkerLoad
 
     keys = Keys(redis_settings.key_prefix)
     load = WorkerLoad(

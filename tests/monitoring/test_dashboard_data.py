@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from shared.schemas import WorkerLoad
+from shared.worker_load import WorkerLoad
 from tests.monitoring.conftest import parse, refresh
 from tests.monitoring.test_producer_metrics import generate_with
 

@@ -13,9 +13,9 @@ from producer.app import create_app
 from producer.monitoring.cluster import read_cluster
 from producer.monitoring.recent import RequestTracker
 from shared import codec
+from shared.chunk_schemas import TokenChunk
 from shared.keys import ROUTER_GROUP
 from shared.redis import ensure_group_async
-from shared.schemas import TokenChunk
 from tests.monitoring.conftest import parse, refresh
 
 BODY = {"inputs": [1, 2, 3], "parameters": {"max_new_tokens": 4}}

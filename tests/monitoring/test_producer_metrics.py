@@ -9,7 +9,7 @@ import pytest
 
 from shared.keys import ROUTER_GROUP, WORKER_GROUP
 from shared.redis import ensure_group_async
-from shared.schemas import WorkerLoad
+from shared.worker_load import WorkerLoad
 
 NAMES = [
     "lightq:ingress_queue_depth",

@@ -8,7 +8,7 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 
 from router.metrics import MeteredRouter, RouterCollector, RouterMetrics
-from shared.config import AdmissionSettings, RouterSettings, WorkerSettings
+from shared.config import AdmissionSettings, RouterSettings
 from shared.embedded_redis import free_port
 from shared.keys import ROUTER_GROUP, WORKER_GROUP
 from shared.metrics_server import serve_metrics as serve_router_metrics
@@ -16,6 +16,7 @@ from shared.metrics_server import serve_metrics as serve_worker_metrics
 from shared.redis import ensure_group
 from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_settings import WorkerSettings
 from tests.monitoring.conftest import parse
 from tests.router.helpers import publish_load, submit
 from tests.worker.token_rows import pack

@@ -13,7 +13,7 @@ from shared.codec import encode
 from shared.keys import ROUTER_GROUP
 from shared.redis import ensure_group
 from shared.request_log import now_ms
-from shared.schemas import WorkerLoad
+from shared.worker_load import WorkerLoad
 from tests.router.helpers import submit
 
 

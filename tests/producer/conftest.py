@@ -7,8 +7,9 @@ import httpx
 import pytest
 
 from producer.app import create_app
-from shared.config import ModelSettings, ProducerSettings
+from shared.config import ModelSettings
 from shared.keys import Keys
+from shared.producer_settings import ProducerSettings
 from shared.redis import async_client
 from tests.producer.fake_worker import FakeWorker, serving
 

@@ -19,10 +19,11 @@ import uvicorn
 
 from producer.app import create_app
 from shared import codec, ingress
+from shared.chunk_schemas import ChunkRun, TokenChunk
 from shared.embedded_redis import free_port
 from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import ensure_group_async
-from shared.schemas import ChunkRun, FinishReason, GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus
 from tests.waiting import MUST_HAPPEN_S
 
 Reply = Callable[[GenerateRequest], tuple[list[str], FinishReason]]

@@ -10,7 +10,7 @@ from pydantic import SecretStr
 
 from producer.app import create_app
 from producer.edge.auth import key_hashes
-from shared.config import ProducerSettings
+from shared.producer_settings import ProducerSettings
 
 KEY_A, KEY_B = "sk-alpha-0123456789", "sk-bravo-9876543210"
 BODY = {"inputs": "hello", "parameters": {"max_new_tokens": 2}}

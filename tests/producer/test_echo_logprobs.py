@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from shared.schemas import TokenChunk
+from shared.chunk_schemas import TokenChunk
 
 openai = pytest.importorskip("openai")
 

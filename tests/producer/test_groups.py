@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from producer.streams.streaming import ChunkFollower
+from shared.chunk_schemas import TokenChunk
 from shared.keys import Keys
-from shared.schemas import TokenChunk
 
 openai = pytest.importorskip("openai")
 

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from shared.config import ModelSettings, ProducerSettings
+from shared.config import ModelSettings
+from shared.producer_settings import ProducerSettings
 
 GREEDY = [
     {"temperature": 0, "top_k": 0, "do_sample": False},

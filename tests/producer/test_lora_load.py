@@ -14,10 +14,11 @@ from pydantic import SecretStr
 
 from producer.app import create_app
 from shared.codec import decode, encode
-from shared.config import ModelSettings, ProducerSettings
+from shared.config import ModelSettings
 from shared.lora import LoraRegistry
+from shared.producer_settings import ProducerSettings
 from shared.request_log import now_ms
-from shared.schemas import WorkerLoad
+from shared.worker_load import WorkerLoad
 from tests.producer.conftest import JSON_HEADERS
 from tests.producer.test_lora_select import BASE, queued
 

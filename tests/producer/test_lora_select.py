@@ -11,7 +11,8 @@ import pytest
 
 from producer.app import create_app
 from shared.codec import from_entry
-from shared.config import ModelSettings, ProducerSettings
+from shared.config import ModelSettings
+from shared.producer_settings import ProducerSettings
 from shared.schemas import GenerateRequest
 from tests.producer.conftest import JSON_HEADERS
 

@@ -6,10 +6,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from producer.app import create_app
-from shared.config import ProducerSettings, RedisSettings
+from shared.config import RedisSettings
 from shared.keys import ROUTER_GROUP, WORKER_GROUP
+from shared.producer_settings import ProducerSettings
 from shared.redis import ensure_group_async
-from shared.schemas import WorkerLoad
+from shared.worker_load import WorkerLoad
 
 
 async def scrape(client, app) -> dict[tuple[str, tuple], float]:

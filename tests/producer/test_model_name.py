@@ -8,8 +8,10 @@ import pytest
 
 from producer.app import create_app
 from shared.codec import from_entry
-from shared.config import ModelSettings, ProducerSettings, WorkerSettings
+from shared.config import ModelSettings
+from shared.producer_settings import ProducerSettings
 from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_settings import WorkerSettings
 from tests.producer.conftest import JSON_HEADERS
 from worker.engine.engine import LoadSnapshot
 from worker.engine.load import build_load

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from producer.app import create_app
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
+from shared.worker_settings import WorkerSettings
 from tests.producer.conftest import JSON_HEADERS
 from tests.producer.fake_worker import serving
 from tests.producer.test_model_name import _Idle

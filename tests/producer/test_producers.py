@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from producer.main import settings_env
-from shared.config import BatchSettings, ModelSettings, ProducerSettings, RedisSettings
+from shared.config import BatchSettings, ModelSettings, RedisSettings
 from shared.embedded_redis import free_port
 from shared.flags import build
+from shared.producer_settings import ProducerSettings
 from tests.monitoring.conftest import parse
 
 PRODUCERS = 2

@@ -2,8 +2,9 @@
 
 from producer import store
 from producer.streams.streaming import STATUS_CHECK_EVERY, ChunkFollower
+from shared.chunk_schemas import ChunkRun
 from shared.keys import Keys
-from shared.schemas import ChunkRun, RequestMeta, RequestStatus
+from shared.schemas import RequestMeta, RequestStatus
 
 
 async def test_a_quiet_stream_reads_the_status_hash_every_few_quiet_reads(monkeypatch):

@@ -16,7 +16,8 @@ import pytest
 
 from producer import store
 from producer.api import routes_requests
-from shared.config import ProducerSettings, RedisSettings
+from shared.config import RedisSettings
+from shared.producer_settings import ProducerSettings
 from shared.request_log import end_request
 from shared.requeue import requeue
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams

@@ -13,8 +13,9 @@ import redis
 
 from producer.app import create_app
 from producer.redis_client import producer_client
-from shared.config import ProducerSettings, RedisSettings
+from shared.config import RedisSettings
 from shared.embedded_redis import free_port
+from shared.producer_settings import ProducerSettings
 from shared.redis import sync_client
 from tests.waiting import MUST_HAPPEN_S
 

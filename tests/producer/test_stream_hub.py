@@ -8,9 +8,9 @@ import redis
 import redis.asyncio as aioredis
 
 from producer.streams.stream_hub import StreamHub, hub_name
+from shared.chunk_schemas import TokenChunk
 from shared.codec import entry
 from shared.keys import Keys
-from shared.schemas import TokenChunk
 
 LONG_BLOCK_MS = 60_000  # a stream that joined must not wait for this: the hub unblocks its read
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from producer.api.openai_render import Call, response
-from shared.schemas import TokenChunk
+from shared.chunk_schemas import TokenChunk
 from tests.producer.fake_worker import fake_top
 
 openai = pytest.importorskip("openai")

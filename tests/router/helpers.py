@@ -6,7 +6,8 @@ from shared import ingress
 from shared.codec import encode
 from shared.keys import Keys
 from shared.request_log import now_ms
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, WorkerLoad
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
+from shared.worker_load import WorkerLoad
 
 
 def publish_load(

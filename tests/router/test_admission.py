@@ -8,7 +8,8 @@ from shared.admission import POLICIES, PastFuture, request_state, request_states
 from shared.batch_view import Candidate
 from shared.history import Estimator, OutputLengthHistory
 from shared.peak import ReqState, check
-from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
+from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_load import WorkerLoad
 
 
 def load(

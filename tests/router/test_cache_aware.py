@@ -10,7 +10,8 @@ from shared.batch_view import Candidate
 from shared.codec import encode
 from shared.keys import Keys
 from shared.request_log import now_ms
-from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
+from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_load import WorkerLoad
 from tests.router.helpers import inbox_ids
 from tests.router.test_admission import estimator
 from tests.router.test_loop import make_router

@@ -5,10 +5,11 @@ import sys
 
 from lightq.dead_letters import list_dead, requeue_dead
 from router.loop import Router
+from shared.chunk_schemas import TokenChunk
 from shared.chunks import parse_run
 from shared.codec import entry, from_entry
 from shared.config import RouterSettings
-from shared.schemas import DeadLetter, GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
+from shared.schemas import DeadLetter, GenerateRequest, RequestMeta, RequestStatus, SamplingParams
 from tests.chunks import append_chunk
 from tests.router.helpers import publish_load, start_on, submit
 

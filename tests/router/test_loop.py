@@ -4,11 +4,12 @@ import pytest
 
 from router.janitor import reap_dead_worker
 from router.loop import Router
+from shared.chunk_schemas import TokenChunk
 from shared.chunks import emitted_chunks
 from shared.codec import from_entry
 from shared.config import AdmissionSettings, RouterSettings
 from shared.keys import ROUTER_GROUP, Keys
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, TokenChunk
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus
 from tests.chunks import append_chunk
 from tests.router.helpers import finished_lengths, inbox_ids, publish_load, start_on, submit
 

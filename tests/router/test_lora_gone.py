@@ -10,7 +10,8 @@ from shared.chunks import emitted_chunks
 from shared.codec import decode, encode
 from shared.lora import LoraRegistry, gone_error
 from shared.request_log import now_ms
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, WorkerLoad
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
+from shared.worker_load import WorkerLoad
 from tests.router.helpers import inbox_ids, publish_load
 from tests.router.test_loop import make_router
 

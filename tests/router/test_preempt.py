@@ -11,7 +11,8 @@ from shared.config import RouterSettings
 from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import ensure_group
 from shared.request_log import now_ms
-from shared.schemas import GenerateRequest, PreemptAsk, SamplingParams, WorkerLoad
+from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_load import PreemptAsk, WorkerLoad
 from tests.router.helpers import inbox_ids, submit
 
 

@@ -8,8 +8,9 @@ import argparse
 import pytest
 
 from lightq.cli import main, parser
-from shared.config import ProducerSettings, WorkerSettings
 from shared.flags import add_flags, as_env, build, given
+from shared.producer_settings import ProducerSettings
+from shared.worker_settings import WorkerSettings
 
 
 def parse(argv: list[str], settings_cls=WorkerSettings) -> dict:

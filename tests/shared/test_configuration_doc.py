@@ -11,7 +11,7 @@ from lightq.config_doc import COMMAND, render
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
 
-# render() in a fresh interpreter that sees `cores` cores when shared.config computes its defaults.
+# render() in a fresh interpreter that sees `cores` cores when the settings modules compute their defaults.
 RENDER_WITH_CORES = """
 import json, os, sys
 cores = int(sys.argv[1])
@@ -41,7 +41,7 @@ def test_committed_configuration_doc_is_rendered_from_the_settings():
             committed.splitlines(), rendered.splitlines(), "docs/configuration.md", "render()", lineterm="", n=0
         )
         raise AssertionError(
-            f"docs/configuration.md differs from the settings classes in shared/config.py; "
+            f"docs/configuration.md differs from the settings classes (shared/config.py, shared/*_settings.py); "
             f"regenerate it with: {COMMAND}\n" + "\n".join(list(diff)[:20])
         )
 

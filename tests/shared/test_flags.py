@@ -1,7 +1,8 @@
 import argparse
 
-from shared.config import RouterSettings, WorkerSettings
+from shared.config import RouterSettings
 from shared.flags import add_flags, as_env, build, given
+from shared.worker_settings import WorkerSettings
 
 
 def parse(argv):

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from lightq.dead_letters import requeue_dead
+from shared.chunk_schemas import TokenChunk
 from shared.chunks import emitted_chunks, has_ended
 from shared.codec import entry, from_entry
 from shared.requeue import Death, hand_back_inbox, requeue
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
 from tests.chunks import append_chunk
 
 RID = "g"

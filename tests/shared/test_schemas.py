@@ -1,8 +1,10 @@
 import pytest
 from pydantic import ValidationError
 
+from shared.chunk_schemas import TokenChunk
 from shared.codec import decode, encode, entry, from_entry
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk, stream_id
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
+from shared.worker_load import stream_id
 
 
 def test_request_round_trips_through_a_stream_entry():

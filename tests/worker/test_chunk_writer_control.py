@@ -1,6 +1,6 @@
 """A flush's control script only where it has control work (issue 30: the control slot's primary)."""
 
-from shared.schemas import ChunkRun
+from shared.chunk_schemas import ChunkRun
 from worker.service.chunk_writer import ChunkWriter, RequestWrite
 
 

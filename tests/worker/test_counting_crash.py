@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
+from shared.worker_settings import WorkerSettings
 from worker.main import load_model_or_stand_in
 from worker.model.counting_model import CRASH_EXIT_CODE, InjectedCrash
 

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
+from shared.worker_settings import WorkerSettings
 from worker.main import load_model_or_stand_in
 from worker.model import counting_model
 

@@ -7,10 +7,11 @@ import torch
 from shared import ingress
 from shared.admission import AdmissionRule
 from shared.codec import entry, from_entry
-from shared.config import AdmissionSettings, ModelSettings, WorkerSettings
+from shared.config import AdmissionSettings, ModelSettings
 from shared.keys import WORKER_GROUP
 from shared.redis import ensure_group
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
+from shared.worker_settings import WorkerSettings
 from worker.engine.engine import Engine, EngineLimits
 from worker.engine.token_pool import TokenPool
 from worker.model.counting_model import CountingModel

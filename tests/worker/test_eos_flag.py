@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
+from shared.worker_settings import WorkerSettings
 from worker.main import build_engine
 
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
-from shared.config import WorkerSettings
 from shared.model_files import ModelSource
+from shared.worker_settings import WorkerSettings
 from tests.worker.model_harness import PoolRunner
 from worker.main import pool_size
 from worker.model import fp8

@@ -6,9 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
 from shared.model_files import ModelSource
 from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_settings import WorkerSettings
 from tests.worker.model_harness import build_batch
 from tests.worker.test_gpu_backend import tiny_dir  # noqa: F401 (fixture)
 from tests.worker.token_rows import flat

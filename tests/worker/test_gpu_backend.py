@@ -9,9 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
 from shared.model_files import ModelSource, resolve
 from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_settings import WorkerSettings
 from tests.worker.model_harness import build_batch, tiny_gpu_llama
 from tests.worker.token_rows import flat
 from worker.engine.events import Token

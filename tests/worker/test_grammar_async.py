@@ -20,10 +20,11 @@ from prometheus_client import generate_latest
 from shared import ingress
 from shared.admission import AdmissionRule
 from shared.codec import entry, from_entry
-from shared.config import AdmissionSettings, ModelSettings, WorkerSettings
+from shared.config import AdmissionSettings, ModelSettings
 from shared.keys import ROUTER_GROUP, WORKER_GROUP
 from shared.redis import ensure_group
 from shared.schemas import Constraint, GenerateRequest, RequestMeta, RequestStatus, SamplingParams
+from shared.worker_settings import WorkerSettings
 from tests.monitoring.conftest import parse
 from tests.worker.grammar_gate import CRASH, Gate, wait_gone
 from tests.worker.token_rows import flat

@@ -11,10 +11,11 @@ import pytest
 
 from shared import ingress
 from shared.admission import request_states as router_states
+from shared.chunk_schemas import TokenChunk
 from shared.codec import from_entry
 from shared.peak import ReqState
 from shared.requeue import Death, requeue
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
 from tests.chunks import append_chunk
 from tests.worker.test_engine import POOL, make_engine, tiny  # noqa: F401 (fixture)
 from tests.worker.test_engine_groups import count_prefill_tokens, run

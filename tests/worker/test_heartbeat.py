@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from shared.codec import decode
-from shared.schemas import WorkerLoad
+from shared.worker_load import WorkerLoad
 from worker.service.heartbeat import EARLY_GAP_COST, MIN_EARLY_GAP_S, Heartbeat
 
 PERIOD_S = 60.0  # far longer than any wait below: only a poke can cause a second beat

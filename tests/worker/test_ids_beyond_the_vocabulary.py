@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
 from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_settings import WorkerSettings
 from tests.worker.test_penalties import EOS, reference
 from tests.worker.token_rows import flat
 from worker.engine.events import Ended, Token

@@ -2,9 +2,10 @@
 
 from router.registry import read_registry
 from shared.codec import decode, encode
-from shared.config import WorkerSettings
 from shared.history import Estimator, OutputLengthHistory
-from shared.schemas import GenerateRequest, SamplingParams, WorkerLoad
+from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_load import WorkerLoad
+from shared.worker_settings import WorkerSettings
 from tests.router.test_admission import choose
 from worker.engine.engine import EngineLimits, LoadSnapshot
 from worker.engine.load import build_load, request_states

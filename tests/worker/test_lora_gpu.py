@@ -10,9 +10,10 @@ import dataclasses
 import pytest
 import torch
 
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
 from shared.model_files import ModelSource
 from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_settings import WorkerSettings
 from tests.worker.lora_helpers import AdapterRecipe, make_adapter
 from tests.worker.model_harness import build_batch, tiny_gpu_llama
 from tests.worker.token_rows import flat

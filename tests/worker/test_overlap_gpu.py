@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
+from shared.worker_settings import WorkerSettings
 from tests.worker.test_gpu_backend import tiny_dir  # noqa: F401 (fixture)
 from tests.worker.test_overlap import count_device_id_decodes, run, workload
 from worker.main import build_engine

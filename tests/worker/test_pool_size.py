@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shared.config import WorkerSettings
+from shared.worker_settings import WorkerSettings
 from worker.main import pool_size
 from worker.model.kv_cache import KVCache
 

@@ -10,14 +10,17 @@ import torch
 
 from shared import ingress
 from shared.admission import AdmissionRule, request_states
+from shared.chunk_schemas import TokenChunk
 from shared.chunks import parse_run
 from shared.codec import encode, entry, from_entry
-from shared.config import AdmissionSettings, ModelSettings, WorkerSettings
+from shared.config import AdmissionSettings, ModelSettings
 from shared.keys import ROUTER_GROUP, WORKER_GROUP
 from shared.model_files import load_tokenizer, resolve
 from shared.redis import ensure_group
 from shared.request_log import now_ms
-from shared.schemas import GenerateRequest, PreemptAsk, RequestMeta, RequestStatus, SamplingParams, TokenChunk
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
+from shared.worker_load import PreemptAsk
+from shared.worker_settings import WorkerSettings
 from worker.engine.engine import Engine, EngineLimits
 from worker.engine.token_pool import TokenPool
 from worker.model.counting_model import CountingModel

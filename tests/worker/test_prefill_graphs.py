@@ -105,8 +105,9 @@ def test_a_replayed_prefill_graph_gives_the_eager_logits(tiny_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prefills_arriving_one_at_a_time_decode_the_cpu_tokens(tiny_dir):
-    from shared.config import ModelSettings, WorkerSettings
+    from shared.config import ModelSettings
     from shared.schemas import GenerateRequest, SamplingParams
+    from shared.worker_settings import WorkerSettings
     from tests.worker.token_rows import flat
     from worker.engine.events import Token
     from worker.engine.request import Req

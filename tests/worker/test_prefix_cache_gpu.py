@@ -5,8 +5,9 @@ cached prefix, decode graphs; greedy tokens with the cache on equal those with i
 import pytest
 import torch
 
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
 from shared.schemas import GenerateRequest, SamplingParams
+from shared.worker_settings import WorkerSettings
 from tests.worker.token_rows import flat
 from worker.engine.events import Token
 from worker.engine.request import Req

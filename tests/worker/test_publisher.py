@@ -12,13 +12,15 @@ from multiprocessing.connection import wait
 import pytest
 import redis
 
+from shared.chunk_schemas import TokenChunk
 from shared.chunks import parse_run
-from shared.config import ModelSettings, RedisSettings, WorkerSettings
+from shared.config import ModelSettings, RedisSettings
 from shared.embedded_redis import start_embedded_redis
 from shared.keys import WORKER_GROUP
 from shared.redis import ensure_group, sync_client
 from shared.request_log import fence
-from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams, TokenChunk
+from shared.schemas import GenerateRequest, RequestMeta, RequestStatus, SamplingParams
+from shared.worker_settings import WorkerSettings
 from tests.waiting import MUST_HAPPEN_S
 from tests.worker.token_rows import pack, rows
 from worker.engine.events import Ended, Event, Released, Started, Token, Tokens

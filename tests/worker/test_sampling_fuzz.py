@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, given, note
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
 from shared.schemas import MAX_TOP_LOGPROBS, GenerateRequest, SamplingParams
+from shared.worker_settings import WorkerSettings
 from worker.engine.events import Ended, Tokens
 from worker.engine.request import Req
 from worker.main import build_engine

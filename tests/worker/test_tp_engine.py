@@ -16,7 +16,8 @@ import pytest
 import torch
 import transformers
 
-from shared.config import ModelSettings, WorkerSettings
+from shared.config import ModelSettings
+from shared.worker_settings import WorkerSettings
 from tests.waiting import MUST_HAPPEN_S
 from tests.worker.test_engine import reference_greedy, req, run_to_end
 from tests.worker.token_rows import flat

@@ -32,7 +32,7 @@ from shared.admission import request_states as message_states
 from shared.lora import AdapterView
 from shared.peak import ReqState
 from shared.request_log import now_ms
-from shared.schemas import WorkerLoad, tally_preemptible
+from shared.worker_load import WorkerLoad, tally_preemptible
 from worker.engine.kv_slots import CacheStats
 from worker.engine.radix_cache import Lease, held_hashes, lease_path
 from worker.engine.request import Phase, Req, by_request

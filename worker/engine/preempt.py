@@ -2,7 +2,7 @@
 
 A router with ``--preempt`` whose best waiting request fits nowhere asks
 the worker whose record lists the worst class (``WorkerLoad.preemptible``)
-to make room (``shared.schemas.PreemptAsk``). The worker answers between
+to make room (``shared.worker_load.PreemptAsk``). The worker answers between
 two steps: the victims are requests of classes strictly worse than the
 ask's, the worst class first and inside it the newest first (the least
 work lost; a waiting one that never started loses none), and only those
@@ -37,7 +37,8 @@ from typing import Protocol
 from shared.admission import AdmissionRule
 from shared.batch_view import BatchView, Candidate
 from shared.peak import ReqState
-from shared.schemas import GenerateRequest, PreemptAsk
+from shared.schemas import GenerateRequest
+from shared.worker_load import PreemptAsk
 from worker.engine.load import Limits, request_states
 from worker.engine.request import Group, Phase, Req, by_request
 

@@ -24,7 +24,7 @@ from shared.codec import encode
 from shared.keys import Keys
 from shared.redis import REDIS_FAILURES
 from shared.request_log import now_ms
-from shared.schemas import WorkerLoad
+from shared.worker_load import WorkerLoad
 
 log = logging.getLogger("lightq.worker")
 

@@ -34,7 +34,8 @@ from shared.keys import WORKER_GROUP, Keys
 from shared.log_limit import LogLimiter
 from shared.lora import LoraRegistry
 from shared.redis import OUTAGES, Backoff, ensure_group
-from shared.schemas import GenerateRequest, PreemptAsk
+from shared.schemas import GenerateRequest
+from shared.worker_load import PreemptAsk
 
 log = logging.getLogger("lightq.worker")
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from shared.schemas import ChunkRun, FinishReason, GenerateRequest
+from shared.chunk_schemas import ChunkRun
+from shared.schemas import FinishReason, GenerateRequest
 from worker.service.chunk_writer import RequestWrite
 
 TopLogprobs = list[tuple[int, float]]

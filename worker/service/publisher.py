@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 
 import redis
 
-from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP
 from shared.redis import OUTAGES, Backoff
 from shared.request_log import now_ms
 from shared.requeue import send_back
 from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus
+from shared.worker_settings import WorkerSettings
 from worker.engine.events import Ended, Event, Preempted, Released, Started, Token, Tokens
 from worker.service.chunk_writer import ChunkWriter, RequestWrite, Written
 from worker.service.pending import Pending, Waiting

@@ -34,11 +34,11 @@ import zlib
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from shared.config import WorkerSettings
 from shared.model_files import load_tokenizer, resolve
 from shared.redis import sync_client
 from shared.request_log import now_ms
 from shared.service import setup_logging
+from shared.worker_settings import WorkerSettings
 from worker.engine.events import Event
 from worker.service.publisher import ORPHAN_RETRY_S, Publisher
 

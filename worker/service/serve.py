@@ -21,14 +21,15 @@ from typing import TYPE_CHECKING
 import redis
 
 from shared.codec import from_entry
-from shared.config import WorkerSettings
 from shared.keys import WORKER_GROUP
 from shared.log_limit import LogLimiter
 from shared.lora import gone_error
 from shared.model_files import served_name
 from shared.redis import OUTAGES, REDIS_FAILURES, Backoff
 from shared.requeue import Death, hand_back_inbox, requeue
-from shared.schemas import GenerateRequest, PreemptAsk, RequestStatus, WorkerLoad
+from shared.schemas import GenerateRequest, RequestStatus
+from shared.worker_load import PreemptAsk, WorkerLoad
+from shared.worker_settings import WorkerSettings
 from worker.engine.engine import Engine
 from worker.engine.events import Ended, Event, Released
 from worker.engine.load import build_load

@@ -1,0 +1,118 @@
+"""A worker's load record and the router's preemption ask, serialised as JSON by ``shared.codec``.
+
+worker --WorkerLoad--> {q}:w:ID:load (heartbeat with TTL)
+router --PreemptAsk--> {q}:w:ID:preempt --> worker
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from shared.schemas import _Frozen
+
+
+class WorkerLoad(_Frozen):
+    """A worker's heartbeat: enough for the router's admission check."""
+
+    kind: Literal["load"] = "load"
+    worker_id: str
+    seq: int
+    ts_ms: int
+    max_total_tokens: int
+    used_tokens: int
+    committed_tokens: int = Field(description="sum of prompt + max_new_tokens over running and waiting requests")
+    num_running: int
+    num_waiting: int
+    last_inbox_id: str = Field("0-0", description="newest inbox entry the worker has taken in")
+    draining: bool = False
+    model: str | None = Field(None, description="the served model name (None: takes any request)")
+    running_max_req_size: int | None = Field(None, description="most requests the worker runs at once")
+    adapters: list[str] = Field(
+        default_factory=list, description="the LoRA adapters new requests may name here (--lora_modules', run-time)"
+    )
+    resident_adapters: list[str] = Field(
+        default_factory=list, description="the LoRA adapters in device memory now (unloaded ones still in use too)"
+    )
+    lora_failed: list[tuple[str, str, str]] = Field(
+        default_factory=list, description="run-time LoRA adapters this worker could not load: [name, folder, why]"
+    )
+    requests: list[tuple[int, int, int, int]] = Field(
+        description="per running or waiting request: [prompt + output tokens, output tokens, "
+        "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState), a group's prompt counted once"
+    )
+    prefix_cache: bool = Field(False, description="the worker keeps a prefix cache (off: --no-prefix_cache)")
+    cached_tokens: int = Field(0, description="tokens the prefix cache holds (0: off)")
+    prefixes: list[tuple[int, int]] = Field(
+        default_factory=list,
+        description="what the prefix cache holds, bounded: [prefix hash, tokens it covers] "
+        "(shared.prefix_hash), the most recently used first",
+    )
+    held_prefixes: list[int] = Field(
+        default_factory=list,
+        description="indexes into prefixes of the entries whose tokens running requests hold (counted "
+        "in requests): a request starting with one adds only the rest here (router.admission); the "
+        "other entries are evictable, and a request that hits them holds them again",
+    )
+    prefix_asked_tokens: int = Field(0, description="tokens of admitted requests looked up in the cache, since start")
+    prefix_hit_tokens: int = Field(0, description="of those, tokens found cached (not prefilled)")
+    prefix_evicted_tokens: int = Field(0, description="cached tokens evicted to make room, since start")
+
+    preemptible: list[tuple[int, int, int]] = Field(
+        default_factory=list,
+        description="per priority class with requests this worker would pause for a better class "
+        "(worker.engine.preempt): [priority, tokens they hold, request slots (a group's samples each)], "
+        "the worst (largest) class first",
+    )
+    max_preemptions: int = Field(0, description="times this worker pauses one request at most (--max_preemptions)")
+    preempt_asks_read: int = Field(
+        0, description="preemption asks the worker has read and answered (a router waits for its own)"
+    )
+    preempted_requests: int = Field(0, description="started requests paused for a better class, since start")
+    preempted_kv_tokens: int = Field(0, description="their K/V tokens, computed again on resume (the cost)")
+
+    def serves(self, model: str | None, adapter: str | None = None) -> bool:
+        """Whether a request for ``model`` (and LoRA ``adapter``) may come here: one pool per served
+        model name, and an adapter only where the worker has loaded it."""
+        if adapter is not None and adapter not in self.adapters:
+            return False
+        return model is None or self.model is None or self.model == model
+
+
+class PreemptAsk(_Frozen):
+    """A router's ask to a worker ({q}:w:ID:preempt): pause enough requests of a class worse than
+    ``priority`` that the requests ``request_ids`` fit, as many of them as can, the first first,
+    and hand them back to the queue (worker.engine.preempt). ``states``: their
+    ``shared.peak.ReqState`` summaries, ``sizes[i]`` of them for the i-th request. The router
+    dispatches them to the worker with the ask, so they may be in its queue already."""
+
+    kind: Literal["preempt"] = "preempt"
+    request_ids: list[str] = Field(min_length=1)
+    priority: int
+    states: list[tuple[int, int, int, int]]
+    sizes: list[int]
+    asked_ms: int
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> PreemptAsk:
+        if len(self.sizes) != len(self.request_ids) or sum(self.sizes) != len(self.states):
+            raise ValueError("sizes: one per request, adding up to the states")
+        return self
+
+
+def tally_preemptible(items: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``WorkerLoad.preemptible`` from (priority, tokens, requests) items: summed per class, the
+    worst (largest) class first."""
+    held: dict[int, tuple[int, int]] = {}
+    for priority, tokens, count in items:
+        total, requests = held.get(priority, (0, 0))
+        held[priority] = (total + tokens, requests + count)
+    return [(p, tokens, count) for p, (tokens, count) in sorted(held.items(), reverse=True)]
+
+
+def stream_id(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as a comparable (milliseconds, sequence) pair."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
