@@ -142,20 +142,52 @@ def smollm2_pair_stack(smollm2_pair, request):
 
 @pytest.fixture(scope="session")
 def smollm2_single(tmp_path_factory, redis_url, smollm2_weights):
-    """``lightq serve`` with 1 worker on the embedded SmolLM2 and the test Redis, for the real clients
-    (tests/integration/test_openai_stack.py, test_structured_stack.py); its keys go afterwards."""
-    from tests.integration.stack import SharedStack, Stack, start_stack
+    """``lightq serve`` with 1 worker on the embedded SmolLM2, for the real clients
+    (tests/integration/test_openai_stack.py, test_structured_stack.py, test_structured_hardening.py,
+    test_readme_clients.py), on a Redis Cluster of 3 primaries of its own (issue 30: the SmolLM2 path on a
+    cluster, where ``smollm2_pair``'s e2e suite keeps one node; not the session's ``redis_cluster``,
+    whose tests flush it and kill its nodes), rq's queue on the test Redis as a cluster deployment has
+    it. Where no redis-server >= 7 is installed, on the test Redis. Its keys and cluster go afterwards."""
+    from tests.cluster import LocalCluster
+    from tests.integration.stack import COMPILE_TIMEOUT_S, SharedStack, Stack, remove_prefix_keys, start_stack
 
     log = str(tmp_path_factory.mktemp("smollm2-single") / "serve.log")
+    try:
+        cluster: LocalCluster | None = LocalCluster(replicas=0)
+    except RuntimeError as exc:  # no redis-server >= 7: the cluster tests skip, this stack takes a node
+        print(f"smollm2_single on the test Redis: {exc}")
+        cluster = None
+    prefix = f"lightq-oai-{uuid.uuid4().hex[:8]}"
 
     def start():
         extra = ["--max_total_token_num", "8192", "--max_req_total_len", "1024"]
-        prefix = f"lightq-oai-{uuid.uuid4().hex[:8]}"
-        return start_stack(log, redis_url=redis_url, prefix=prefix, workers=1, extra=extra)
+        # A compile past 10 s fails (serve's default: 30): test_structured_hardening's costly schemas
+        # compiled in under 30 s on a fast 2-core machine and were not refused; the others' take ms.
+        extra += ["--grammar_compile_timeout_s", str(COMPILE_TIMEOUT_S)]
+        if cluster is None:
+            return start_stack(log, redis_url=redis_url, prefix=prefix, workers=1, extra=extra)
+        if not cluster.nodes:
+            cluster.start()
+        extra += ["--redis_rq_url", redis_url]
+        return start_stack(log, redis_url=cluster.url, prefix=prefix, workers=1, extra=extra)
 
-    shared = SharedStack(start, Stack.close, workers=1)
+    def close(stack):
+        if cluster is None:
+            return Stack.close(stack)
+        try:
+            assert stack.stop() == 0, open(log).read()[-3000:]
+        finally:
+            remove_prefix_keys(redis_url, prefix)  # rq's; the cluster's keys go with it
+            cluster.stop()
+            cluster.nodes.clear()
+
+    shared = SharedStack(start, close, workers=1)
     yield shared
-    shared.close()
+    try:
+        shared.close()
+    finally:
+        if cluster is not None and cluster.nodes:  # the stack never started on it
+            cluster.stop()
 
 
 @pytest.fixture

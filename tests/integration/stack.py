@@ -19,6 +19,8 @@ from shared.embedded_redis import free_port
 from shared.keys import Keys
 from shared.redis import answers, sync_client
 
+COMPILE_TIMEOUT_S = 10  # the SmolLM2 stack's --grammar_compile_timeout_s (tests/conftest.py's smollm2_single)
+
 
 @dataclass
 class Stack:
