@@ -202,14 +202,15 @@ def counting_trio(tmp_path_factory):
     """``lightq serve`` with 3 workers on the counting model (every output known in advance) and an
     append-only embedded Redis of its own (``counting_trio.redis_server``, which a test restarts), for
     the chaos tests (tests/integration/test_chaos.py, test_publisher_crash.py)."""
-    from tests.integration.stack import SharedStack, start_stack
+    from tests.integration.stack import COUNTING_STEP_MS, DRAIN_TIMEOUT_S, SharedStack, start_stack
 
     log = str(tmp_path_factory.mktemp("counting-trio") / "serve.log")
 
     def start():
         shared.redis_server = start_embedded_redis(appendonly=True)
         extra = ["--model_dir", "counting", "--max_total_token_num", "60000", "--max_req_total_len", "1100"]
-        extra += ["--liveness_ttl_s", "1.5", "--drain_timeout", "0.5"]
+        extra += ["--liveness_ttl_s", "1.5", "--drain_timeout", str(DRAIN_TIMEOUT_S)]
+        extra += ["--counting_step_ms", str(COUNTING_STEP_MS)]
         try:
             return start_stack(log, redis_url=shared.redis_server.url, prefix="lightq-chaos", workers=3, extra=extra)
         except BaseException:
@@ -241,7 +242,7 @@ def counting_cluster(tmp_path_factory, redis_url):
     plain Redis (``--redis_rq_url``), for tests/integration/test_cluster.py. Skipped where no
     redis-server >= 7 is installed."""
     from tests.cluster import LocalCluster
-    from tests.integration.stack import SharedStack, remove_prefix_keys, start_stack
+    from tests.integration.stack import COUNTING_STEP_MS, DRAIN_TIMEOUT_S, SharedStack, remove_prefix_keys, start_stack
 
     try:
         cluster = LocalCluster(appendonly=True)  # the whole-cluster restart keeps every request
@@ -253,7 +254,8 @@ def counting_cluster(tmp_path_factory, redis_url):
     def start():
         cluster.start()
         extra = ["--model_dir", "counting", "--max_total_token_num", "60000", "--max_req_total_len", "1100"]
-        extra += ["--liveness_ttl_s", "3", "--drain_timeout", "0.5", "--redis_rq_url", redis_url]
+        extra += ["--liveness_ttl_s", "3", "--drain_timeout", str(DRAIN_TIMEOUT_S), "--redis_rq_url", redis_url]
+        extra += ["--counting_step_ms", str(COUNTING_STEP_MS)]
         try:
             return start_stack(log, redis_url=cluster.url, prefix=prefix, workers=2, extra=extra)
         except BaseException:

@@ -20,6 +20,14 @@ from shared.keys import Keys
 from shared.redis import answers, sync_client
 
 COMPILE_TIMEOUT_S = 10  # the SmolLM2 stack's --grammar_compile_timeout_s (tests/conftest.py's smollm2_single)
+# The shared counting stacks' --drain_timeout and --counting_step_ms. A step of at least 1 ms (a
+# fast GPU's is several) keeps a request of 1,000 tokens running for a second or more on any machine,
+# and the drain far too short for one that has emitted fewer than 100 (test_chaos.py's SIGTERM drain).
+# Without the step, on a fast 2-core machine the counting model ran ~2,000 steps a second: eight such
+# requests all finished within a 0.5 s drain, and in another run the test's scan never caught a
+# request young enough before all 40 had ended.
+DRAIN_TIMEOUT_S = 0.1
+COUNTING_STEP_MS = 1
 
 
 @dataclass
