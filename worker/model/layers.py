@@ -152,7 +152,12 @@ class SmallBatchGemm:
 def packs(dtype: torch.dtype) -> bool:
     """Whether ``SmallBatchGemm`` takes weights of ``dtype``: fp32, and bf16 where this CPU has native
     bf16 (elsewhere oneDNN emulates it, and the old AVX2 sandbox ran bf16 matmuls at a seventh of fp32's)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float32:
+        return True
+    try:  # a private op: a torch without it packs no bf16
+        return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 SMALL_BATCH_ROWS = 64  # a Linear's decode-sized inputs: at 128 rows MKL was as fast for some shapes
