@@ -20,14 +20,15 @@ from shared.keys import Keys
 from shared.redis import answers, sync_client
 
 COMPILE_TIMEOUT_S = 10  # the SmolLM2 stack's --grammar_compile_timeout_s (tests/conftest.py's smollm2_single)
-# The shared counting stacks' --drain_timeout and --counting_step_ms. A step of at least 1 ms (a
-# fast GPU's is several) keeps a request of 1,000 tokens running for a second or more on any machine,
-# and the drain far too short for one that has emitted fewer than 100 (test_chaos.py's SIGTERM drain).
-# Without the step, on a fast 2-core machine the counting model ran ~2,000 steps a second: eight such
-# requests all finished within a 0.5 s drain, and in another run the test's scan never caught a
-# request young enough before all 40 had ended.
+# The shared counting stacks' --drain_timeout and --counting_step_ms. A step of at least 5 ms (a GPU's
+# is 6-25) keeps the chaos tests' requests running for a second or more on any machine: 200 tokens
+# outlast a heartbeat period or two (the mid-stream kill picks its victim from the workers' records,
+# every 0.5 s), 1,000 tokens outlast the drain many times over (the SIGTERM drain). Without the step, on
+# a fast 2-core machine the counting model ran ~2,000 steps a second: eight such requests all ended
+# within a 0.5 s drain, the SIGTERM test's scan once never caught a young request, and at 1 ms a step
+# the mid-stream kill's burst ended between two records (each a 5-minute wait, then a failure).
 DRAIN_TIMEOUT_S = 0.1
-COUNTING_STEP_MS = 1
+COUNTING_STEP_MS = 5
 
 
 @dataclass

@@ -157,7 +157,8 @@ def test_sigterm_drains_a_worker_and_hands_the_rest_back(stack):
         ids.append(httpx.post(f"{stack.http}/v1/requests", json=body, timeout=30).json()["id"])
     # Stop a worker that runs a request with fewer than a tenth of its tokens out, at once: the
     # 0.1 s drain cannot finish that one, so the rest must be handed back. The counting model makes
-    # 1,000 tokens in half a second to a second: a fixed wait, or a scan of 40 statuses over HTTP on a loaded
+    # 1,000 tokens in 5 s or more (its 5 ms step: tests.integration.stack.COUNTING_STEP_MS); without
+    # the step, a fixed wait, or a scan of 40 statuses over HTTP on a loaded
     # machine, let everything finish before the signal (CI once saw that); a worker's heartbeat
     # (every 0.5 s) lagged a quiet machine's run; and a request merely started could be half done
     # when its status said so, and end within the drain (both seen in full runs).
