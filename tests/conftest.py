@@ -166,10 +166,13 @@ def smollm2_single(tmp_path_factory, redis_url, smollm2_weights):
         extra += ["--grammar_compile_timeout_s", str(COMPILE_TIMEOUT_S)]
         if cluster is None:
             return start_stack(log, redis_url=redis_url, prefix=prefix, workers=1, extra=extra)
-        if not cluster.nodes:
-            cluster.start()
+        cluster.start()
         extra += ["--redis_rq_url", redis_url]
-        return start_stack(log, redis_url=cluster.url, prefix=prefix, workers=1, extra=extra)
+        try:
+            return start_stack(log, redis_url=cluster.url, prefix=prefix, workers=1, extra=extra)
+        except BaseException:
+            cluster.stop()
+            raise
 
     def close(stack):
         if cluster is None:
@@ -177,17 +180,12 @@ def smollm2_single(tmp_path_factory, redis_url, smollm2_weights):
         try:
             assert stack.stop() == 0, open(log).read()[-3000:]
         finally:
-            remove_prefix_keys(redis_url, prefix)  # rq's; the cluster's keys go with it
             cluster.stop()
-            cluster.nodes.clear()
+            remove_prefix_keys(redis_url, prefix)  # rq's; the cluster's keys went with it
 
     shared = SharedStack(start, close, workers=1)
     yield shared
-    try:
-        shared.close()
-    finally:
-        if cluster is not None and cluster.nodes:  # the stack never started on it
-            cluster.stop()
+    shared.close()
 
 
 @pytest.fixture
