@@ -26,6 +26,7 @@
 #       cp -L /usr/bin/redis-cli .carry/redis7/real/; the libraries `ldd` names that the image lacks into lib/
 #       (liblzf jemalloc libsystemd libatomic libcap libgcrypt liblzma libzstd liblz4 libgpg-error), and in bin/
 #       a wrapper per binary: LD_LIBRARY_PATH=$D/lib exec $D/real/NAME "$@")
+#   bash bench/device/h200.sh setup fp8-tune   (issue 31: the FP8 GEMV's tiles and weight conversions; the FP8 pool's attention tiles)
 #   bash bench/device/h200.sh setup fp8-carry-a fp8-tests fp8-offline; bash bench/device/h200.sh fp8-carry-b fp8-step fp8-accuracy
 #       (issue 31, FP8: the part `fp8` is all four; two back-to-back calls, the first carrying .whl and .carry/fp8a,
 #       the second .carry/fp8b, made here with
@@ -220,6 +221,12 @@ for part in "$@"; do
       PATH=$PWD/.carry/redis7/bin:$PATH CUDA_VISIBLE_DEVICES= timeout 400 python3 -m bench.serving.cluster_scale \
         --model_dir counting:.tok/smollm2 --workers ${SCALE_WORKERS:-6} --requests ${SCALE_REQUESTS:-600} --new-tokens 300 --repeat 2 2>&1 \
         | tee "$OUT/cluster_scale.log" | grep -E "^cluster_scale|Error|error" | tail -12 ;;
+    fp8-tune)  # issue 31: the FP8 GEMV by tile and weight conversion; the FP8 pool's decode attention tiles
+      timeout 300 python3 -m bench.engine.fp8_gemv --model-shape llama3-8b 2>&1 | grep -v Warning | tee "$OUT/fp8_gemv.log" | grep -v "^  "
+      timeout 150 python3 -m bench.engine.decode_attention_tune --kv fp8 --layouts decode --batches 256,768 --context 512 2>&1 \
+        | grep -v Warning | tee "$OUT/attn_fp8_512.log"
+      timeout 120 python3 -m bench.engine.decode_attention_tune --kv fp8 --layouts decode --batches 64 --context 8192 2>&1 \
+        | grep -v Warning | tee "$OUT/attn_fp8_8192.log" ;;
     gemv)   timeout 400 python3 -m bench.engine.gemv --model-shape llama3-8b --batches 1,4,8,16,64 2>&1 | tee "$OUT/gemv.log" ;;
     graph-tests) timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/worker/test_prefill_graphs.py \
                tests/worker/test_gpu_backend.py -m "not slow" 2>&1 | tee "$OUT/graph-tests.log" | tail -8 ;;

@@ -1,6 +1,6 @@
 """Decode attention's stage-1 tiles against where the engine really puts K/V (issue 16).
 
-    python3 -m bench.engine.decode_attention_tune --batches 8,64,256,768 --context 512
+    python3 -m bench.engine.decode_attention_tune --batches 8,64,256,768 --context 512 [--kv fp8]
 
 TokenAttention gives a decode step's new tokens one slot each from the top of
 the free stack, so the B requests of a step get B consecutive slots: a
@@ -26,6 +26,7 @@ import torch
 
 from bench.engine.decode_step import time_cuda
 from worker.model.kernels.decode_attention import Stage1Tiles, decode_attention, decode_attention_ref
+from worker.model.quant import quantize_rows
 
 HQ, HKV, D, COPIES = 32, 8, 128, 8
 
@@ -43,36 +44,52 @@ def table_for(layout: str, batch: int, context: int) -> torch.Tensor:
     return torch.cat([head, tail], dim=1)
 
 
+def fp8_pool(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 pool layer as worker.model.kv_cache keeps one: e4m3 [rows, 2 Hkv, D], a scale per token and head."""
+    values, scales = quantize_rows(torch.randn(rows * 2 * HKV, D, device="cuda"))
+    return values.view(rows, 2 * HKV, D), scales.view(rows, 2 * HKV)
+
+
 class Case:
-    def __init__(self, layout: str, batch: int, context: int):
-        self.batch, self.context = batch, context
+    def __init__(self, layout: str, batch: int, context: int, kv: str = "bf16"):
+        self.batch, self.context, self.kv = batch, context, kv
         self.table = table_for(layout, batch, context).cuda()
-        self.pools = [
-            torch.randn(batch * context, 2 * HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)
-        ]
+        rows = batch * context
+        if kv == "fp8":
+            self.pools = [fp8_pool(rows) for _ in range(COPIES)]
+        else:
+            self.pools = [(torch.randn(rows, 2 * HKV, D, device="cuda", dtype=torch.bfloat16), None) for _ in range(COPIES)]
         self.q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
         self.o = torch.empty_like(self.q)
         self.rows = torch.arange(batch, device="cuda", dtype=torch.int32)
         self.seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
 
-    def call(self, pool: torch.Tensor, tiles: Stage1Tiles) -> None:
+    def call(self, pool: tuple[torch.Tensor, torch.Tensor | None], tiles: Stage1Tiles) -> None:
+        values, scales = pool
         decode_attention(
             self.q,
-            pool[:, :HKV],
-            pool[:, HKV:],
+            values[:, :HKV],
+            values[:, HKV:],
             self.o,
             self.rows,
             self.seq_lens,
             self.table,
             self.context,
             tiles=tiles,
+            **self.scale_views(scales),
         )
+
+    @staticmethod
+    def scale_views(scales: torch.Tensor | None) -> dict:
+        return {} if scales is None else {"k_scale": scales[:, :HKV], "v_scale": scales[:, HKV:]}
 
     def check(self, tiles: Stage1Tiles) -> None:
         self.o.fill_(float("nan"))
         self.call(self.pools[0], tiles)
-        pool = self.pools[0]
-        want = decode_attention_ref(self.q, pool[:, :HKV], pool[:, HKV:], self.rows, self.seq_lens, self.table)
+        values, scales = self.pools[0]
+        want = decode_attention_ref(
+            self.q, values[:, :HKV], values[:, HKV:], self.rows, self.seq_lens, self.table, **self.scale_views(scales)
+        )
         torch.testing.assert_close(self.o.float(), want.float(), atol=2e-2, rtol=2e-2)
 
     def seconds(self, tiles: Stage1Tiles) -> float:
@@ -89,7 +106,7 @@ class Case:
         return statistics.median(time_cuda(graph.replay, repeat=10)) / COPIES
 
     def cell(self, seconds: float) -> str:
-        rate = self.batch * self.context * 2 * HKV * D * 2 / seconds / 1e12  # K/V read
+        rate = self.batch * self.context * 2 * HKV * D * (1 if self.kv == "fp8" else 2) / seconds / 1e12  # K/V read
         return f"{seconds * 1e6:7.1f} us {rate:.2f} TB/s"
 
 
@@ -98,13 +115,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="8,64,256,768")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--layouts", default="contiguous,decode,random")
+    p.add_argument("--kv", choices=["bf16", "fp8"], default="bf16", help="the pool's dtype (fp8: e4m3 and scales)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    grid = [
-        Stage1Tiles(block_n=n, num_warps=w, num_stages=s, head_major=h)
-        for n, w, s, h in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (False, True))
-    ]
-    probe = Case("random", 8, args.context)
+    if args.kv == "fp8":  # half the bytes a tile: longer tiles, and the dots in fp16 or bf16
+        grid = [
+            Stage1Tiles(block_n=n, num_warps=w, num_stages=s, head_major=True, fp16_dot=f)
+            for n, w, s, f in itertools.product((64, 128, 256), (4, 8), (2, 3, 4), (False, True))
+        ]
+    else:
+        grid = [
+            Stage1Tiles(block_n=n, num_warps=w, num_stages=s, head_major=h)
+            for n, w, s, h in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (False, True))
+        ]
+    probe = Case("random", 8, args.context, args.kv)
     for tiles in grid:
         probe.check(tiles)
     print(f"{torch.cuda.get_device_name()}: {len(grid)} tiles checked against the reference; context {args.context}")
@@ -112,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     default = Stage1Tiles()
     for layout in args.layouts.split(","):
         for batch in map(int, args.batches.split(",")):
-            case = Case(layout, batch, args.context)
+            case = Case(layout, batch, args.context, args.kv)
             times = {tiles: case.seconds(tiles) for tiles in grid}
             best = min(times, key=times.get)
             if layout == "decode":

@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         default=0,
         help="also time steps that each take in a new request of this many prompt tokens",
     )
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the worker's --quantization")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     traced = {int(b) for b in args.trace.split(",") if b}
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         overlap="off",  # the split steps; measure_overlapped turns it on for its own
         running_max_req_size=max(batches) + room,
         graph_max_batch_size=max(batches) + room,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = build_engine(settings)
     vocab, rng = SHAPES[args.model_shape]["vocab_size"], np.random.default_rng(0)

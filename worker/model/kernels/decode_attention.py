@@ -89,6 +89,7 @@ def _decode_stage1_kernel(
     HAS_WINDOW: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
     KV_FP8: tl.constexpr,
+    KV_F16: tl.constexpr,
 ):
     # HEAD_MAJOR: grid (Hkv, B, splits), so a request's KV groups run side by side and read the
     # same pool rows (K and V of every head share a row) at about the same time.
@@ -114,6 +115,8 @@ def _decode_stage1_kernel(
         mask=h_mask[:, None],
         other=0.0,
     )  # [BLOCK_H, D]
+    if KV_FP8 and KV_F16:  # the dots in fp16: e4m3 -> fp16 is one hardware conversion for two values
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if HAS_ALIBI:
         # log2 units, as qk_scale; padding rows get slope 0 (their output is never stored).
         slopes = tl.load(slopes_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634  # [BLOCK_H]
@@ -146,7 +149,7 @@ def _decode_stage1_kernel(
         )  # [BLOCK_N, D]
         if KV_FP8:
             v_scale = tl.load(vs_ptr + slots * stride_vss + g, mask=n_mask, other=0.0)  # [BLOCK_N]
-            acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype))  # q's: fp16 if KV_F16
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -213,6 +216,9 @@ class Stage1Tiles:
     # Head-major: 2.8% less time summed over B = 8..768 on the slot layout decoding makes, up to 3% at
     # B = 256 and 768 (bench.engine.decode_attention_tune on an H200, bench/RESULTS.md, issue 16).
     head_major: bool = True
+    # An FP8 pool only: the dots in fp16 (q and the probabilities converted once, K and V by the
+    # hardware's e4m3 -> fp16) rather than in q's dtype (bf16: two conversions a K/V value on sm90).
+    fp16_dot: bool = False
 
 
 @functools.cache
@@ -325,6 +331,7 @@ def decode_attention(
         HAS_WINDOW=window is not None,
         HEAD_MAJOR=tiles.head_major,
         KV_FP8=k_scale is not None,
+        KV_F16=tiles.fp16_dot,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
