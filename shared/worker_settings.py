@@ -125,6 +125,13 @@ class WorkerSettings(BaseSettings):
         "memory (least recently used out); each takes --max_lora_rank on every attention and MLP projection, "
         "allocated at start (0: this worker loads none at run time)",
     )
+    lora_page_batch: int = Field(
+        8,
+        ge=1,
+        description="once every --max_loras slot is held by running requests, page adapters in again only when "
+        "this many slots are free, so the waiting requests start together in one prefill step rather than one "
+        "a step (1: page in as each slot frees)",
+    )
     seed: int = Field(0, description="seed for dummy weights")
     counting_step_ms: float = Field(
         0.0,

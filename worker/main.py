@@ -155,7 +155,13 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
     dtype = pick_dtype(settings.dtype, device)
     model, config = load_model_or_stand_in(settings, tokenizer, dtype, device, group.tp if group else SINGLE)
     if settings.model.lora_modules or settings.max_loras:  # before the pool is sized: the stacks come first
-        adapters = load_adapters(settings.model.lora_modules, model, settings.model.max_lora_rank, settings.max_loras)
+        adapters = load_adapters(
+            settings.model.lora_modules,
+            model,
+            settings.model.max_lora_rank,
+            settings.max_loras,
+            settings.lora_page_batch,
+        )
         log.info(
             "LoRA adapters %s and %d run-time slots: rank <= %d, %.1f MiB",
             adapters.names,

@@ -112,6 +112,7 @@ def run_lightq(args, work, tally: Tally) -> float:
             max_lora_rank=args.lora_rank,
         ),
         max_loras=args.lora_resident,
+        lora_page_batch=args.lora_page_batch,
         device=args.device,
         max_total_token_num=args.max_total_token_num,
         batch_max_tokens=args.batch_max_tokens,
@@ -279,6 +280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="register the adapters at run time, at most this many on the device",
     )
     parser.add_argument("--lora-files", type=int, default=0, help="with --lora-resident: distinct files (0: one each)")
+    parser.add_argument("--lora-page-batch", type=int, default=8, help="the worker's --lora_page_batch")
     args = parser.parse_args(argv)
     if args.peer is not None and (args.json_schema is not None or args.vocab_size is not None):
         parser.error("--peer runs the shape as it is: compare --json-schema with a run of lightq alone")

@@ -31,9 +31,11 @@ from worker.runner.req_table import ReqTable
 MAX_RANK = 16
 
 
-def runtime_engine(folder: str, static: dict[str, str], spare: int) -> tuple[Engine, AdapterRuntime]:
+def runtime_engine(
+    folder: str, static: dict[str, str], spare: int, page_batch: int = 1
+) -> tuple[Engine, AdapterRuntime]:
     model, config = load_model(ModelSource("hf", folder), torch.float32, "cpu")
-    load_adapters([f"{n}={p}" for n, p in static.items()], model, MAX_RANK, spare)
+    load_adapters([f"{n}={p}" for n, p in static.items()], model, MAX_RANK, spare, page_batch)
     kv = attach_kv_cache(model, POOL, "cpu")
     table = ReqTable(16, 128, kv.hold_slot, "cpu")
     runner = ModelRunner(model, TokenPool(POOL), table, config.vocab_size, torch.device("cpu"))
@@ -143,6 +145,38 @@ def test_while_every_slot_is_pinned_askers_are_refused_without_a_walk_until_a_pi
     assert pins.page_in(resident)  # on the device: answered by the set (it touches its order)
     pins.unpin(0)
     assert pins.page_in(waiting[1]) and set(cache.slots) == {waiting[1]}
+
+
+def test_once_every_slot_was_pinned_adapters_are_paged_in_a_batch_at_a_time(tiny, adapters):  # noqa: F811
+    """--lora_page_batch 2 over two run-time slots: after a refusal, one freed slot is not enough (the
+    set is not even asked); the second lets the waiting adapter in. And the engine's tokens are still
+    PEFT's when requests wait for a batch of slots."""
+    folders, want = adapters
+    engine, runtime = runtime_engine(tiny[1], {}, spare=2, page_batch=2)
+    runtime.update(LoraRegistry(version=1, adapters={n: folders[n] for n in ("qv4", "mlp8", "k2")}))
+    runtime.reconcile(set())
+    pins, cache = engine.runner.pins, runtime.adapters
+    first, second = sorted(cache.slots)
+    (third,) = {"qv4", "mlp8", "k2"} - {first, second}
+    pins.pin(0, first)
+    pins.pin(1, second)
+    assert not pins.page_in(third)  # both slots pinned: refused
+    pins.unpin(0)
+    asked = []
+    cache.make_resident = lambda *a: asked.append(a) or False
+    assert not pins.page_in(third) and asked == []  # one free slot of the two it waits for
+    del cache.make_resident
+    assert pins.page_in(second)  # a resident adapter is never held back
+    pins.unpin(1)
+    assert pins.page_in(third) and third in cache.slots
+
+    engine, runtime = runtime_engine(tiny[1], {}, spare=2, page_batch=2)
+    runtime.update(LoraRegistry(version=1, adapters={n: folders[n] for n in ("qv4", "mlp8", "k2")}))
+    runtime.reconcile(set())
+    names = ["qv4", "mlp8", "k2", None, "qv4", "k2", "mlp8"]
+    got = run_all(engine, [lora_req(f"{i}", PROMPTS[i % 2], name) for i, name in enumerate(names)])
+    for i, name in enumerate(names):
+        assert got[f"{i}"] == want[name][i % 2], (i, name)
 
 
 def test_an_adapter_that_does_not_fit_is_reported_and_the_worker_serves_on(tiny, adapters, tmp_path):  # noqa: F811

@@ -53,7 +53,7 @@ class AdapterSet:
     """``adapters`` in slots 1..N; ``spare`` more slots, a cache of the adapters loaded at run time
     (``register``), each as large as ``rank`` on every adaptable layer (the module's docstring)."""
 
-    def __init__(self, adapters: list[LoraAdapter], spare: int = 0, rank: int = 0):
+    def __init__(self, adapters: list[LoraAdapter], spare: int = 0, rank: int = 0, page_batch: int = 1):
         self.slots = {a.name: i + 1 for i, a in enumerate(adapters)}  # on the device: name -> slot
         self.host: dict[str, LoraAdapter] = {}  # run-time adapters (host memory), on the device or not
         self.recent: OrderedDict[str, None] = OrderedDict()  # run-time ones on the device, least recent first
@@ -61,6 +61,9 @@ class AdapterSet:
         self.changes = 0  # grows when what is on the device changes (the load record follows)
         self.loads = 0  # run-time adapters copied into a device slot (/metrics: worker_lora_loads_total)
         self.num_slots = len(adapters) + spare + 1
+        self.spare = spare
+        # Once every run-time slot was pinned, page in again only when this many are free (AdapterPins).
+        self.page_batch = max(1, min(page_batch, spare))
         self.spare_rank = rank if spare else 0
         self.max_rank = max([a.rank for a in adapters] + [self.spare_rank])
         self.bound: ForwardBatch | None = None  # set by ``bind`` for one forward
@@ -198,11 +201,14 @@ def adaptable_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, Linear) and name.rpartition(".")[2] != "lm_head"]
 
 
-def load_adapters(specs: list[str], model: nn.Module, max_rank: int, spare: int = 0) -> AdapterSet:
+def load_adapters(
+    specs: list[str], model: nn.Module, max_rank: int, spare: int = 0, page_batch: int = 1
+) -> AdapterSet:
     """--lora_modules' adapters read, checked against ``model`` (its weights loaded) and installed,
-    with ``spare`` slots of rank ``max_rank`` for adapters loaded at run time (--max_loras)."""
+    with ``spare`` slots of rank ``max_rank`` for adapters loaded at run time (--max_loras), paged
+    in ``page_batch`` at a time once they were all pinned (--lora_page_batch)."""
     adapters = [load_adapter(*parse_spec(spec), model=model, max_rank=max_rank) for spec in specs]
-    adapter_set = AdapterSet(adapters, spare, max_rank)
+    adapter_set = AdapterSet(adapters, spare, max_rank, page_batch)
     adapter_set.install(model)
     return adapter_set
 

@@ -8,6 +8,13 @@ waiting requests may ask in one admission pass while every slot is pinned: each 
 of the slots checking every pin (O(slots^2): 37 ms a pass of 1,000 askers over 64 slots on a sandbox
 core, twice a decode step). After one refusal, the others are refused at once until a pin is
 released or the set of adapters changes, since nothing else frees a slot: a pass costs O(waiting).
+
+Refilling in batches (``AdapterSet.page_batch``, --lora_page_batch): with every run-time slot pinned,
+requests end one at a time, and paging in the next adapter as each slot frees made nearly every
+step a prefill step of one request beside the running batch (1,000 adapters over 64 slots on an
+H100: 2,162 such steps of 20 ms against 10 ms for a decode step, 0.46x of the base model). So after
+a refusal nothing is paged in until ``page_batch`` run-time slots are unpinned; then the waiting
+requests start together, in one prefill step. Below full occupancy nothing changes.
 """
 
 from __future__ import annotations
@@ -26,17 +33,31 @@ class AdapterPins:
         self.counts: Counter[str] = Counter()  # adapter -> started requests running with it
         self.releases = 0  # pins released so far (a slot may have become free)
         self._full_at: tuple[int, int] | None = None  # (adapters.changes, releases) at the last refusal
+        self._refilling = False  # refused since the last batch was paged in: wait for page_batch free slots
+        self._unpinned: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (stamp, run-time slots no pin holds)
 
     def page_in(self, name: str) -> bool:
         """Whether adapter ``name`` is on the device now, paged in if a slot can take it; True for a
         name this worker does not serve (``ModelRunner.start`` refuses it)."""
         adapters, stamp = self.adapters, (self.adapters.changes, self.releases)
-        if name in adapters.host and name not in adapters.slots and self._full_at == stamp:
-            return False  # every slot was pinned at the last asking, and none has been freed since
+        if name in adapters.host and name not in adapters.slots:
+            if self._full_at == stamp:
+                return False  # every slot was pinned at the last asking, and none has been freed since
+            if self._refilling and self._free_runtime_slots(stamp) < adapters.page_batch:
+                return False
+            self._refilling = False
         if adapters.make_resident(name, self.counts):
             return True
         self._full_at = stamp
+        self._refilling = True
         return False
+
+    def _free_runtime_slots(self, stamp: tuple[int, int]) -> int:
+        """Run-time slots no started request pins (free, or holding an adapter idle), once a stamp."""
+        if self._unpinned[0] != stamp:
+            pinned = sum(1 for name in self.counts if name in self.adapters.host)
+            self._unpinned = (stamp, self.adapters.spare - pinned)
+        return self._unpinned[1]
 
     def pin(self, row: int, name: str) -> None:
         self.rows[row] = name
