@@ -52,7 +52,7 @@ from shared.config import ModelSettings
 from shared.model_files import load_tokenizer, resolve
 from shared.schemas import Constraint, GenerateRequest, SamplingParams
 from shared.worker_settings import WorkerSettings
-from worker.engine.events import Tokens
+from worker.engine.events import Started, Tokens
 from worker.engine.request import Req
 from worker.main import build_engine, follower, rank_device
 from worker.runner import tp as tensor_parallel
@@ -181,11 +181,15 @@ def drive(
     while engine.has_work:
         if timeline is not None:
             decoding = sum(r.is_prefilled for r in engine.running)
-            prefilling = bool(engine.waiting) or decoding < len(engine.running)
+            chunking = decoding < len(engine.running)  # a prefill under way goes on
             began = time.perf_counter()
-        bar.update(tally.add(engine.step()))
+        events = engine.step()
+        bar.update(tally.add(events))
         if timeline is not None:
-            timeline.append((time.perf_counter() - began, decoding, prefilling))
+            # a prefill step: one went on, or one began (a request started); requests merely waiting
+            # (for an adapter slot, say) leave it a decode step
+            started = any(isinstance(event, Started) for event in events)
+            timeline.append((time.perf_counter() - began, decoding, chunking or started))
     sync()
     bar.close()
     return time.perf_counter() - start
