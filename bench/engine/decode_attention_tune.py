@@ -58,7 +58,9 @@ class Case:
         if kv == "fp8":
             self.pools = [fp8_pool(rows) for _ in range(COPIES)]
         else:
-            self.pools = [(torch.randn(rows, 2 * HKV, D, device="cuda", dtype=torch.bfloat16), None) for _ in range(COPIES)]
+            self.pools = [
+                (torch.randn(rows, 2 * HKV, D, device="cuda", dtype=torch.bfloat16), None) for _ in range(COPIES)
+            ]
         self.q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
         self.o = torch.empty_like(self.q)
         self.rows = torch.arange(batch, device="cuda", dtype=torch.int32)

@@ -1,17 +1,18 @@
-"""The FP8 small-batch matmuls against their weight-read floor, by tile and weight conversion (issue 31).
+"""The FP8 small-batch matmuls against their weight-read floor, by tile (issue 31).
 
     python3 -m bench.engine.fp8_gemv --model-shape llama3-8b
 
 For each FP8 linear of one Llama decoder layer at M rows (M <= 16: a decode step of a
-few requests), times lightq's W8A16 GEMV (``worker/model/kernels/gemv.py``) for each way
-of turning an FP8 weight tile into a tl.dot operand (``CONVERTS``) over a grid of tiles,
-against ``torch._scaled_mm`` on x padded to 16 rows (W8A8, x quantised per token first,
+few requests), times lightq's W8A16 GEMV (``worker/model/kernels/gemv.py``) over a grid
+of tiles, against ``torch._scaled_mm`` on x padded to 16 rows (W8A8, x quantised per token first,
 as the large-batch path does) and bf16 cuBLAS. Each timed config is first checked against
 an fp32 product of the same FP8 values on a poisoned output, with ordinary inputs and with
-inputs 1,000 times smaller (where flushed tiny products would show). Timing: 32 calls in a
+inputs 1,000 times smaller. (Commit 4bc7507 also timed two other ways of turning an FP8
+weight tile into a tl.dot operand, fp16 dots and a bit shuffle into bf16: 3% at most, not
+kept; bench/RESULTS.md.) Timing: 32 calls in a
 CUDA graph, each on a different copy of the weight (>= 1 GiB in all, so nothing is in L2),
 median of 30 replays. Prints a row per layer and M, then one line: the summed time of the
-four linears at M = 8 as a share of the FP8 weight-read floor, default config against best.
+four linears as a share of the FP8 weight-read floor, default config against best.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from bench.engine.decode_step import copy_bandwidth, time_cuda
 from bench.engine.gemv import graphed, layer_shapes
 from worker.model.kernels.fp8_quant import quantize_rows as quantize_activations
-from worker.model.kernels.gemv import CONVERTS, GemvConfig, fp8_config, gemv
+from worker.model.kernels.gemv import GemvConfig, fp8_config, gemv
 from worker.model.quant import quantize_rows
 
 COPIES_BYTES = 1 << 30
@@ -78,24 +79,18 @@ class Shape:
         return self.seconds(lambda _w, _s: F.linear(x, w))  # one weight: an under-estimate (L2), a reference
 
 
-def grid(convert: str) -> list[GemvConfig]:
-    return [
-        GemvConfig(n, k, s, w, st, convert)
-        for n, k, s, w, st in itertools.product((32, 64, 128), (256, 512), (1, 2, 4, 8), (4, 8), (4,))
-    ]
+GRID = [GemvConfig(n, k, s, w) for n, k, s, w in itertools.product((32, 64, 128), (256, 512), (1, 2, 4, 8), (4, 8))]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-shape", default="llama3-8b")
     parser.add_argument("--rows", default="1,8")
-    parser.add_argument("--converts", default=",".join(CONVERTS))
     args = parser.parse_args()
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {bandwidth / 1e12:.2f} TB/s, {num_sms} SMs")
-    converts = args.converts.split(",")
     rows = [int(r) for r in args.rows.split(",")]
     totals: dict[str, float] = {}
     for name, n, k in layer_shapes(args.model_shape)[:4]:  # the LM head stays bf16
@@ -109,19 +104,18 @@ def main() -> None:
             t = shape.gemv_time(m, default)
             totals[f"default M={m}"] = totals.get(f"default M={m}", 0.0) + t
             line += f" | default {t * 1e6:6.1f} ({floor / t:.2f})"
-            for convert in converts:
-                times = {}
-                for config in grid(convert):
-                    try:
-                        shape.check(m, config)
-                    except Exception as error:  # noqa: BLE001 -- a wrong tile, or one over shared memory, is not timed
-                        print(f"  {name} M={m} {config}: {str(error).splitlines()[0][:100]}")
-                        continue
-                    times[config] = shape.gemv_time(m, config)
-                best = min(times, key=times.get)
-                totals[f"{convert} M={m}"] = totals.get(f"{convert} M={m}", 0.0) + times[best]
-                label = f"n{best.block_n} k{best.block_k} s{best.split_k} w{best.num_warps}"
-                line += f" | {convert} {times[best] * 1e6:6.1f} ({floor / times[best]:.2f}) {label}"
+            times = {}
+            for config in GRID:
+                try:
+                    shape.check(m, config)
+                except Exception as error:  # noqa: BLE001 -- a wrong tile, or one over shared memory, is not timed
+                    print(f"  {name} M={m} {config}: {str(error).splitlines()[0][:100]}")
+                    continue
+                times[config] = shape.gemv_time(m, config)
+            best = min(times, key=times.get)
+            totals[f"best M={m}"] = totals.get(f"best M={m}", 0.0) + times[best]
+            label = f"n{best.block_n} k{best.block_k} s{best.split_k} w{best.num_warps}"
+            line += f" | best {times[best] * 1e6:6.1f} ({floor / times[best]:.2f}) {label}"
             print(line, flush=True)
         totals["floor"] = totals.get("floor", 0.0) + floor
         del shape

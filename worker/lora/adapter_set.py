@@ -201,9 +201,7 @@ def adaptable_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, Linear) and name.rpartition(".")[2] != "lm_head"]
 
 
-def load_adapters(
-    specs: list[str], model: nn.Module, max_rank: int, spare: int = 0, page_batch: int = 1
-) -> AdapterSet:
+def load_adapters(specs: list[str], model: nn.Module, max_rank: int, spare: int = 0, page_batch: int = 1) -> AdapterSet:
     """--lora_modules' adapters read, checked against ``model`` (its weights loaded) and installed,
     with ``spare`` slots of rank ``max_rank`` for adapters loaded at run time (--max_loras), paged
     in ``page_batch`` at a time once they were all pinned (--lora_page_batch)."""

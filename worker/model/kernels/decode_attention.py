@@ -147,9 +147,9 @@ def _decode_stage1_kernel(
         v = tl.load(
             v_ptr + slots[:, None] * stride_vs + g * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0
         )  # [BLOCK_N, D]
-        if KV_FP8:
+        if KV_FP8:  # q's dtype: fp16 with KV_F16
             v_scale = tl.load(vs_ptr + slots * stride_vss + g, mask=n_mask, other=0.0)  # [BLOCK_N]
-            acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype))  # q's: fp16 if KV_F16
+            acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype))
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new

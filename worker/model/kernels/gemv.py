@@ -39,8 +39,6 @@ class GemvConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
-    # FP8 weights only: how a weight tile becomes a tl.dot operand (CONVERTS).
-    convert: str = "cast"
 
 
 def default_config(out_features: int, in_features: int, num_sms: int) -> GemvConfig:
@@ -57,15 +55,6 @@ def fp8_config(out_features: int, in_features: int, num_sms: int) -> GemvConfig:
     """``default_config`` with BLOCK_K 256: the same bytes per weight row and step as bf16's 128."""
     config = default_config(out_features, in_features, num_sms)
     return GemvConfig(config.block_n, 256, max(1, config.split_k // 2), config.num_warps, config.num_stages)
-
-
-# How an FP8 weight tile becomes a tl.dot operand. "cast": to x's dtype (e4m3 -> bf16 goes through
-# fp16 and fp32 on sm90: about two conversions an element, at 16 a clock an SM the GEMV's limit,
-# ~2 TB/s on an H200). "f16": the hardware's e4m3x2 -> f16x2 (exact: every e4m3 value is an fp16
-# one) and x in fp16, the dot in fp16. "bits": e4m3's bits moved into
-# a bf16 (sign, then exponent and mantissa four places down: the value times 2^-120, exact, tiny
-# values flushed), the 2^120 folded into the column scale.
-CONVERTS = {"cast": 0, "f16": 1, "bits": 2}
 
 
 @triton.jit
@@ -85,7 +74,6 @@ def _gemv_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    CONVERT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -113,22 +101,10 @@ def _gemv_kernel(
             other=0.0,
         )
         if HAS_SCALE:
-            if CONVERT == 1:
-                # fp16 has bf16's precision and more down to 6e-5, but not its range: a bf16 input
-                # past 65,504 is clamped (no linear layer's input reaches that in the models served)
-                x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-                w = w.to(tl.float16)
-            elif CONVERT == 2:
-                bits = w.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: s s s s s eeee mmm
-                w = ((bits << 4) & -30736).to(tl.bfloat16, bitcast=True)  # & 0x87F0: s 0000 eeee mmm 0000
-            else:
-                w = w.to(x.dtype)  # FP8 -> x's dtype, exact
+            w = w.to(x.dtype)  # FP8 -> x's dtype, exact
         acc += tl.dot(x, tl.trans(w))
     if HAS_SCALE:  # per output column; a split's partial sum scaled alike, as the sum is linear
-        col_scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
-        if CONVERT == 2:
-            col_scale = col_scale * 1.329227995784916e36  # 2^120
-        acc *= col_scale[None, :]
+        acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -204,7 +180,6 @@ def gemv(
         target.stride(-2),
         HAS_BIAS=bias is not None and split_k == 1,
         HAS_SCALE=weight_scale is not None,
-        CONVERT=CONVERTS[config.convert],
         BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
