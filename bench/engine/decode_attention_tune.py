@@ -118,23 +118,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--layouts", default="contiguous,decode,random")
     p.add_argument("--kv", choices=["bf16", "fp8"], default="bf16", help="the pool's dtype (fp8: e4m3 and scales)")
-    p.add_argument("--small-grid", action="store_true", help="bf16: 8 tiles near the default, not the whole grid")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     if args.kv == "fp8":  # half the bytes a tile: longer tiles, and the dots in fp16 or bf16
         grid = [
-            Stage1Tiles(block_n=n, num_warps=w, num_stages=s, head_major=True, fp16_dot=f, k_rows=r)
-            for n, w, s, f, r in itertools.product((64, 128), (4, 8), (3, 4), (False, True), (False, True))
-        ]
-    elif args.small_grid:  # the bf16 default's neighbourhood, K loaded both ways
-        grid = [
-            Stage1Tiles(block_n=n, num_warps=4, num_stages=s, head_major=True, k_rows=r)
-            for n, s, r in itertools.product((64, 128), (2, 3), (False, True))
+            Stage1Tiles(block_n=n, num_warps=w, num_stages=s, head_major=True, fp16_dot=f)
+            for n, w, s, f in itertools.product((64, 128, 256), (4, 8), (2, 3, 4), (False, True))
         ]
     else:
         grid = [
-            Stage1Tiles(block_n=n, num_warps=w, num_stages=s, head_major=h, k_rows=r)
-            for n, w, s, h, r in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (False, True), (False, True))
+            Stage1Tiles(block_n=n, num_warps=w, num_stages=s, head_major=h)
+            for n, w, s, h in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (False, True))
         ]
     probe = Case("random", 8, args.context, args.kv)
     for tiles in grid:

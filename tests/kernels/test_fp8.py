@@ -83,12 +83,11 @@ def test_copy_kv_fp8_matches_reference(num_tokens, num_kv_heads, head_dim, dtype
 DECODE_CASES = [([1, 37, 130], 4, 2, 32, None, 16), ([200, 9, 65], 8, 2, 32, 5, 32), ([50, 3], 4, 4, 16, 1, 16)]
 
 
-@pytest.mark.parametrize("k_rows", [False, True], ids=["k-transposed", "k-rows"])
 @pytest.mark.parametrize("fp16_dot", [False, True], ids=["dots-in-q-dtype", "fp16-dots"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seq_lens, num_heads, num_kv_heads, head_dim, num_splits, block_n", DECODE_CASES)
 def test_decode_attention_fp8_pool_matches_reference(
-    seq_lens, num_heads, num_kv_heads, head_dim, num_splits, block_n, dtype, fp16_dot, k_rows
+    seq_lens, num_heads, num_kv_heads, head_dim, num_splits, block_n, dtype, fp16_dot
 ):
     batch = make_batch([1] * len(seq_lens), [s - 1 for s in seq_lens])
     pool, scales = fp8_pool(make_pool(batch, num_kv_heads, head_dim, torch.float32))
@@ -97,7 +96,7 @@ def test_decode_attention_fp8_pool_matches_reference(
     q = torch.randn(len(seq_lens), num_heads, head_dim, device=DEVICE).to(dtype)
     o = q.new_full(q.shape, float("nan"))
     index = (batch.req_rows, batch.seq_lens, batch.req_table)
-    tiles = Stage1Tiles(block_n=block_n, fp16_dot=fp16_dot, k_rows=k_rows)  # FP8 pools: fp16 dots (FP8_POOL_TILES)
+    tiles = Stage1Tiles(block_n=block_n, fp16_dot=fp16_dot)  # fp16 dots: an FP8 pool's default (FP8_POOL_TILES)
     decode_attention(q, *caches, o, *index, batch.max_seq_len, num_splits=num_splits, tiles=tiles, **kv_scales)
     assert_close(o, decode_attention_ref(q, *caches, *index, **kv_scales))
 

@@ -90,7 +90,6 @@ def _decode_stage1_kernel(
     HEAD_MAJOR: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_F16: tl.constexpr,
-    K_ROWS: tl.constexpr,
 ):
     # HEAD_MAJOR: grid (Hkv, B, splits), so a request's KV groups run side by side and read the
     # same pool rows (K and V of every head share a row) at about the same time.
@@ -130,21 +129,14 @@ def _decode_stage1_kernel(
         n_mask = offs_n < split_end
         # Masked columns read slot 0, a valid pool row; their scores are masked below.
         slots = tl.load(table_ptr + row * stride_table + offs_n, mask=n_mask, other=0).to(tl.int64)
-        if K_ROWS:  # K as it lies in the pool, [BLOCK_N, D], the scores' tile transposed after the dot
-            k = tl.load(
-                k_ptr + slots[:, None] * stride_ks + g * stride_kh + offs_d[None, :], mask=n_mask[:, None], other=0.0
-            )  # [BLOCK_N, D]
-            qk = tl.trans(tl.dot(k.to(q.dtype), tl.trans(q)))  # [BLOCK_H, BLOCK_N]
-        else:
-            k = tl.load(
-                k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0
-            )  # [D, BLOCK_N]
-            qk = tl.dot(q, k.to(q.dtype))  # [BLOCK_H, BLOCK_N]
+        k = tl.load(
+            k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0
+        )  # [D, BLOCK_N]
         if KV_FP8:
             k_scale = tl.load(ks_ptr + slots * stride_kss + g, mask=n_mask, other=0.0)  # [BLOCK_N]
-            qk = qk * (k_scale * qk_scale)[None, :]  # log2 units
+            qk = tl.dot(q, k.to(q.dtype)) * (k_scale * qk_scale)[None, :]  # [BLOCK_H, BLOCK_N], log2 units
         else:
-            qk = qk * qk_scale  # log2 units
+            qk = tl.dot(q, k) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         if HAS_ALIBI:
             qk += slopes[:, None] * (offs_n - (seq_len - 1)).to(tl.float32)[None, :]
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
@@ -227,9 +219,6 @@ class Stage1Tiles:
     # An FP8 pool only: the dots in fp16 (q and the probabilities converted once, K and V by the
     # hardware's e4m3 -> fp16) rather than in q's dtype (bf16: two conversions a K/V value on sm90).
     fp16_dot: bool = False
-    # K loaded as the pool lays it out ([BLOCK_N, D], each token's head one contiguous row) and the
-    # scores computed as K q^T, rather than loaded transposed ([D, BLOCK_N]) for q K^T.
-    k_rows: bool = False
 
 
 # An FP8 pool: the dots in fp16, four stages. 10% less time than bf16 dots at B=64 x 8,192 tokens
@@ -349,7 +338,6 @@ def decode_attention(
         HEAD_MAJOR=tiles.head_major,
         KV_FP8=k_scale is not None,
         KV_F16=tiles.fp16_dot,
-        K_ROWS=tiles.k_rows,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
