@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from shared.schemas import FinishReason, _Frozen
+from shared.schemas import FinishReason, FrozenModel
 
 
-class TokenChunk(_Frozen):
+class TokenChunk(FrozenModel):
     """One generated token; ``index`` is its 0-based position in the output
     of sample ``choice`` (always 0 unless the request is a group, n > 1).
 
@@ -69,7 +69,7 @@ class TokenChunk(_Frozen):
 CHUNK_FORMAT: Literal[2] = 2  # the chunk entries workers write: 1, a TokenChunk per token; 2, a ChunkRun per run
 
 
-class ChunkRun(_Frozen):
+class ChunkRun(FrozenModel):
     """A chunk stream entry of format 2: consecutive tokens of one sample, written at once.
 
     The tokens are ``index``, ``index + 1``, ... of sample ``choice``; ``token_ids``,

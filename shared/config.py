@@ -24,14 +24,16 @@ from shared.keys import Keys
 CANCEL_CHECK_S = 0.05
 
 
-def _frozen(prefix: str) -> SettingsConfigDict:
+def frozen_settings(prefix: str) -> SettingsConfigDict:
+    """Every settings class's config: read from ``prefix``-ed variables, frozen once built (one
+    settings object per process, never changed), other variables ignored."""
     return SettingsConfigDict(env_prefix=prefix, frozen=True, extra="ignore", protected_namespaces=())
 
 
 class RedisSettings(BaseSettings):
     """Where Redis is and which key namespace this deployment owns."""
 
-    model_config = _frozen("LIGHTQ_REDIS_")
+    model_config = frozen_settings("LIGHTQ_REDIS_")
     url: str = Field(
         "redis://127.0.0.1:6379/0",
         description="Redis URL: redis:// or rediss:// (one server), or redis+cluster://HOST:PORT[,HOST:PORT...] "
@@ -66,7 +68,7 @@ class RedisSettings(BaseSettings):
 class ModelSettings(BaseSettings):
     """Which model is served and the request-length limit all services agree on."""
 
-    model_config = _frozen("LIGHTQ_")
+    model_config = frozen_settings("LIGHTQ_")
     model_dir: str = Field(
         "default",
         description="'default' (embedded SmolLM2), a HF directory, a .gguf file, or dummy:<config dir>",
@@ -120,7 +122,7 @@ class ModelSettings(BaseSettings):
 class BatchSettings(BaseSettings):
     """Batch jobs (``POST /v1/batches``): the rq queue they go through and how fast they feed the pool."""
 
-    model_config = _frozen("LIGHTQ_BATCH_")
+    model_config = frozen_settings("LIGHTQ_BATCH_")
     queue: str = Field("lightq-batch", description="rq queue of batch jobs")
     max_in_flight: int = Field(32, gt=0, description="requests of one batch in the pool at once")
     max_requests: int = Field(50_000, gt=0, description="most lines in one batch file")
@@ -132,7 +134,7 @@ class BatchSettings(BaseSettings):
 class HousekeepingSettings(BaseSettings):
     """rq's periodic janitor: trims the ingress stream, sweeps leftover records, drops dead workers."""
 
-    model_config = _frozen("LIGHTQ_HOUSEKEEPING_")
+    model_config = frozen_settings("LIGHTQ_HOUSEKEEPING_")
     queue: str = Field("lightq-janitor", description="rq queue of the housekeeping job")
     interval_s: int = Field(60, gt=0, description="seconds between housekeeping runs")
     stale_worker_s: int = Field(
@@ -154,7 +156,7 @@ PolicyName = Literal["conservative", "aggressive", "past_future", "past_future_q
 class AdmissionSettings(BaseSettings):
     """The admission rule; router and worker apply the same one (shared.admission)."""
 
-    model_config = _frozen("LIGHTQ_")
+    model_config = frozen_settings("LIGHTQ_")
     admission: PolicyName = Field(
         "past_future",
         description="admission policy: conservative (prompt + max_new_tokens), aggressive "
@@ -172,7 +174,7 @@ class AdmissionSettings(BaseSettings):
 
 
 class RouterSettings(BaseSettings):
-    model_config = _frozen("LIGHTQ_")
+    model_config = frozen_settings("LIGHTQ_")
     redis: RedisSettings = Field(default_factory=RedisSettings)
     router_id: str = Field("", description="consumer name in the ingress group (default: host-pid)")
     read_batch: int = Field(64, gt=0, description="ingress entries read per XREADGROUP")
@@ -232,7 +234,7 @@ class RouterSettings(BaseSettings):
 class RqWorkerSettings(BaseSettings):
     """``lightq rq-worker``: runs batch jobs and the periodic housekeeping."""
 
-    model_config = _frozen("LIGHTQ_")
+    model_config = frozen_settings("LIGHTQ_")
     redis: RedisSettings = Field(default_factory=RedisSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
@@ -242,7 +244,7 @@ class RqWorkerSettings(BaseSettings):
 class ServeSettings(BaseSettings):
     """``lightq serve`` only: where its embedded Redis keeps its data."""
 
-    model_config = _frozen("LIGHTQ_")
+    model_config = frozen_settings("LIGHTQ_")
     data_dir: str = Field(
         "",
         description="directory of the embedded Redis's append-only files (default: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings
 
-from shared.config import BatchSettings, ModelSettings, RedisSettings, _frozen, usable_cores
+from shared.config import BatchSettings, ModelSettings, RedisSettings, frozen_settings, usable_cores
 
 
 def default_producers() -> int:
@@ -20,7 +20,7 @@ def default_producers() -> int:
 
 
 class ProducerSettings(BaseSettings):
-    model_config = _frozen("LIGHTQ_")
+    model_config = frozen_settings("LIGHTQ_")
     redis: RedisSettings = Field(default_factory=RedisSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
     host: str = Field("127.0.0.1", description="HTTP bind address")

@@ -42,11 +42,14 @@ class RequestStatus(str, Enum):
         return self is not RequestStatus.QUEUED and self is not RequestStatus.RUNNING
 
 
-class _Frozen(BaseModel):
+class FrozenModel(BaseModel):
+    """The base of every wire message: immutable once built, an unknown field refused (a typo or a
+    newer peer's field is an error, not silently dropped)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class Constraint(_Frozen):
+class Constraint(FrozenModel):
     """A grammar the output must follow (constrained decoding, ``worker.runner.grammar``).
 
     ``spec`` is the JSON schema as JSON text (``json_schema``), the regular
@@ -77,7 +80,7 @@ class Constraint(_Frozen):
         return code if code in (Constraint.INVALID, Constraint.TOO_COSTLY) else None
 
 
-class SamplingParams(_Frozen):
+class SamplingParams(FrozenModel):
     """Validated generation parameters, as the worker applies them."""
 
     max_new_tokens: int = Field(16, ge=1)
@@ -117,7 +120,7 @@ class SamplingParams(_Frozen):
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-class GenerateRequest(_Frozen):
+class GenerateRequest(FrozenModel):
     """One request as it travels producer -> router -> worker.
 
     ``resume_ids`` are output tokens an earlier attempt already emitted (and
@@ -207,7 +210,7 @@ class GenerateRequest(_Frozen):
         return len(self.prompt_ids) + self.n * self.params.max_new_tokens
 
 
-class DeadLetter(_Frozen):
+class DeadLetter(FrozenModel):
     """An entry of the dead-letter stream: a request whose workers died ``max_attempts``
     times, as it was when it was parked (``lightq dead-letters requeue`` sends it back), or an
     ingress entry no router could read, its fields kept as they were for inspection."""

@@ -11,10 +11,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared.schemas import _Frozen
+from shared.schemas import FrozenModel
 
 
-class WorkerLoad(_Frozen):
+class WorkerLoad(FrozenModel):
     """A worker's heartbeat: enough for the router's admission check."""
 
     kind: Literal["load"] = "load"
@@ -81,7 +81,7 @@ class WorkerLoad(_Frozen):
         return model is None or self.model is None or self.model == model
 
 
-class PreemptAsk(_Frozen):
+class PreemptAsk(FrozenModel):
     """A router's ask to a worker ({q}:w:ID:preempt): pause enough requests of a class worse than
     ``priority`` that the requests ``request_ids`` fit, as many of them as can, the first first,
     and hand them back to the queue (worker.engine.preempt). ``states``: their

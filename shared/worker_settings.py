@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
-from shared.config import AdmissionSettings, ModelSettings, RedisSettings, _frozen, usable_cores
+from shared.config import AdmissionSettings, ModelSettings, RedisSettings, frozen_settings, usable_cores
 
 # Chunk runs (worker.service.pending): a request's tokens are written together at most this often,
 # so a token costs Redis a share of one entry, not an entry of its own (bench/serving/redis_cost.py).
@@ -29,7 +29,7 @@ def default_publishers() -> int:
 
 
 class WorkerSettings(BaseSettings):
-    model_config = _frozen("LIGHTQ_")
+    model_config = frozen_settings("LIGHTQ_")
     redis: RedisSettings = Field(default_factory=RedisSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
     worker_id: str = Field("", description="unique worker id (default: host-pid)")
