@@ -227,7 +227,8 @@ class RouterSettings(BaseSettings):
         False,
         description="when the best waiting request fits no worker, ask a worker running requests of a "
         "worse priority class to pause enough of them (handed back to the queue, resumed later; "
-        "the recompute costs throughput)",
+        "the recompute costs throughput); a worker given it too pauses so for a better class sent to it without "
+        "an ask, on a record older than its work (lightq serve gives it to both)",
     )
 
 

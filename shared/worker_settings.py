@@ -108,6 +108,12 @@ class WorkerSettings(BaseSettings):
         30.0, ge=0, description="on SIGTERM, seconds running requests get to finish before the rest is handed back"
     )
     max_attempts: int = Field(3, ge=1, description="dispatches a request gets before it is dead-lettered")
+    preempt: bool = Field(
+        False,
+        description="pause requests of a worse priority class here for a better one that arrived without a "
+        "router's ask and does not fit (the router's --preempt, which lightq serve passes to both; a router "
+        "decides on load records that may be older than the work they describe)",
+    )
     max_preemptions: int = Field(
         2, ge=0, description="times a request may be paused for a better priority class (router --preempt)"
     )

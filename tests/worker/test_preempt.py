@@ -59,13 +59,18 @@ def tokenizer():
     return load_tokenizer(resolve("counting"))
 
 
-def make_worker(redis_settings, rclient, tokenizer, worker_id: str, max_preemptions: int = 2) -> WorkerService:
+def make_worker(
+    redis_settings, rclient, tokenizer, worker_id: str, max_preemptions: int = 2, preempt: bool = False
+) -> WorkerService:
     cpu = torch.device("cpu")
     runner = ModelRunner(CountingModel(256, cpu), TokenPool(POOL), ReqTable(4, 64, POOL, cpu), 256, cpu, set(), None)
     rule = AdmissionRule(AdmissionSettings(admission="conservative"))
     engine = Engine(runner, EngineLimits(POOL, 64, 4), set(), rule)
     settings = WorkerSettings(
-        redis=redis_settings, model=ModelSettings(model_dir="counting"), max_preemptions=max_preemptions
+        redis=redis_settings,
+        model=ModelSettings(model_dir="counting"),
+        max_preemptions=max_preemptions,
+        preempt=preempt,
     )
     publisher = Publisher(settings, rclient, tokenizer, worker_id)
     ensure_group(rclient, settings.redis.keys.inbox(worker_id), WORKER_GROUP)
@@ -179,3 +184,31 @@ def test_requests_sent_with_the_ask_are_admitted_in_the_same_turn(redis_settings
     worker._serve_once()  # counted once each (not as queued here and asked for): both class-1 requests go
     assert sorted(r.id for r in requeued(rclient, keys)) == ["a", "b"]
     assert [r.id for r in worker.engine.running] == ["u1", "u2"]  # admitted in this very step
+
+
+@pytest.mark.parametrize("preempt", [False, True], ids=["router-only", "worker-preempt"])
+def test_a_better_class_sent_without_an_ask_makes_room_on_a_worker_with_preempt(
+    redis_settings, rclient, keys, tokenizer, preempt
+):
+    """A router sent a class-0 request on a record that showed room, so without an ask: a worker with
+    --preempt pauses the newest worse-class request for it, as an ask would have; one without lets it
+    wait. A same-class arrival pauses nothing either way."""
+    ensure_group(rclient, keys.requests(), ROUTER_GROUP)
+    worker = make_worker(redis_settings, rclient, tokenizer, f"w-u{int(preempt)}", preempt=preempt)
+    for request_id in ("a", "b"):
+        dispatch(rclient, keys, worker.worker_id, message(request_id, priority=1))
+    for _ in range(3):
+        worker._serve_once()
+    dispatch(rclient, keys, worker.worker_id, message("same", priority=1))  # fits nowhere here, and no better
+    worker._serve_once()
+    assert requeued(rclient, keys) == [] and [r.id for r in worker.engine.waiting] == ["same"]
+
+    dispatch(rclient, keys, worker.worker_id, message("urgent", priority=0))  # no ask sent with it
+    worker._serve_once()
+    if preempt:
+        # the newest of the worse class first: "same", which never started (it loses nothing), then "b"
+        assert [r.id for r in requeued(rclient, keys)] == ["same", "b"]
+        assert sorted(r.id for r in worker.engine.running) == ["a", "urgent"]
+    else:
+        assert requeued(rclient, keys) == []
+        assert sorted(r.id for r in worker.engine.running) == ["a", "b"]

@@ -27,6 +27,10 @@ samples: pausing one sample alone would free its own tokens only and
 leave the group's prompt held. A started victim counts a preemption
 (``GenerateRequest.preemptions``); at ``--max_preemptions`` it is never
 chosen again, so a low class cannot be bounced around forever.
+
+A worker with ``--preempt`` also asks itself (``unasked_plan``) for requests
+that arrive without an ask: a router decides on records, which may be older
+than what they describe.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from shared.admission import AdmissionRule
+from shared.admission import request_states as message_states
 from shared.batch_view import BatchView, Candidate
 from shared.peak import ReqState
 from shared.schemas import GenerateRequest
@@ -86,6 +91,30 @@ def plan(pool: Pool, ask: PreemptAsk, max_preemptions: int) -> list[Req]:
     if num_asked == 0:
         return []
     return [unit[0] for unit in candidates[: _first(0, len(candidates), lambda k: fits(k, num_asked))]]
+
+
+def unasked_plan(pool: Pool, arrived: list[Req], max_preemptions: int) -> list[Req]:
+    """``plan`` for requests that reached this worker without an ask, as if their router had sent one
+    (``--preempt`` on the worker too). A router asks only when a request fits no worker by their
+    records, and a record may be older than the work it admits against: a better class sent here on
+    a record that showed room waited behind worse classes until they ended (the CI failure behind
+    ``Group.joined``). One ask per pass, for the best class among the arrivals (in their order), and
+    only when something here is worse: the cost of ``plan`` is paid when a pause is possible."""
+    if not arrived:
+        return []
+    best = min(r.msg.priority for r in arrived)
+    if not any(r.msg.priority > best for r in pool.requests()):
+        return []
+    msgs = [r.msg for r in arrived if r.msg.priority == best]
+    states = [[tuple(s) for s in message_states(m)] for m in msgs]
+    ask = PreemptAsk(
+        request_ids=[m.id for m in msgs],
+        priority=best,
+        states=[s for each in states for s in each],
+        sizes=[len(each) for each in states],
+        asked_ms=0,
+    )
+    return plan(pool, ask, max_preemptions)
 
 
 def _first(low: int, high: int, holds: Callable[[int], bool]) -> int:

@@ -33,7 +33,7 @@ from shared.worker_settings import WorkerSettings
 from worker.engine.engine import Engine
 from worker.engine.events import Ended, Event, Released
 from worker.engine.load import build_load
-from worker.engine.preempt import plan
+from worker.engine.preempt import plan, unasked_plan
 from worker.engine.request import Req
 from worker.lora.runtime import AdapterRuntime
 from worker.service.heartbeat import Heartbeat
@@ -267,14 +267,18 @@ class WorkerService:
         if found.lora is not None:  # before the entries: a request may name an adapter just loaded
             self.lora.update(found.lora)
             self._reconcile_adapters()
+        arrived: list[Req] = []
         for entry_id, msg, epoch in found.entries:
             if self.draining:  # read before the intake stopped: it goes back, never started here
                 self._unstarted.append((msg, entry_id))
                 continue
-            self._take(entry_id, msg, epoch)
+            if (req := self._take(entry_id, msg, epoch)) is not None:
+                arrived.append(req)
             self.last_inbox_id = entry_id
         if found.asks:
             self._preempt(found.asks)
+        if self.settings.preempt:  # after the asks: what they made room for fits now, and asks nothing
+            self._pause(unasked_plan(self.engine, arrived, self.settings.max_preemptions), "unasked")
         if found.cancelled:
             cancelled = set(found.cancelled)
             for req in self.engine.requests():  # a group's every sample
@@ -287,24 +291,30 @@ class WorkerService:
         """Pause what the asks need (``worker.engine.preempt``), between two steps; the victims go
         back to the queue through the publisher, after their tokens."""
         for ask in asks:
-            victims = plan(self.engine, ask, self.settings.max_preemptions)
-            self.publisher.put(self.engine.preempt(victims))
-            if victims:
-                log.info("paused %s for %s (priority %d)", [r.id for r in victims], ask.request_ids, ask.priority)
+            self._pause(plan(self.engine, ask, self.settings.max_preemptions), f"{ask.request_ids}")
         self.num_asks_read += len(asks)  # after the pauses: a record showing the count shows them
         self.heartbeat.poke()  # the asking router waits for the answer and admits against the record
 
-    def _take(self, entry_id: str, msg: GenerateRequest, epoch: int) -> None:
+    def _pause(self, victims: list[Req], why: str) -> None:
+        self.publisher.put(self.engine.preempt(victims))
+        if victims:
+            log.info("paused %s for %s", [r.id for r in victims], why)
+            self.heartbeat.poke()
+
+    def _take(self, entry_id: str, msg: GenerateRequest, epoch: int) -> Req | None:
+        """The request added to the engine, or None (refused here, or a stale copy's twin)."""
         stale = [req for req in self.engine.requests() if req.id == msg.id]
         if stale:  # an older copy runs here: the pool took it back while this worker was cut off
             self._requeue_stale(entry_id, msg, stale)
-            return
+            return None
         error = self._refusal(msg)
         if error is not None:
             ended = Ended(msg.id, RequestStatus.FAILED, "error", msg.num_emitted, error, epoch=epoch)
             self.publisher.put([ended, Released(msg.id, entry_id)])
-            return
-        self.engine.add(Req(msg=msg, inbox_id=entry_id, epoch=epoch))
+            return None
+        req = Req(msg=msg, inbox_id=entry_id, epoch=epoch)
+        self.engine.add(req)
+        return req
 
     def _requeue_stale(self, entry_id: str, msg: GenerateRequest, stale: list) -> None:
         """A request dispatched here again while its older copy still runs here (the pool gave up on
