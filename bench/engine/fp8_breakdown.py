@@ -45,14 +45,27 @@ VARIANTS = {  # name -> (weights' group or "none", inputs' group or "none", laye
     "weights + inputs, smoothed a=0.5, down_proj full": (None, None, ("down_proj",), 0.5),
     "weights GPTQ-rounded only": ("gptq", "none", (), None),
     "weights GPTQ-rounded + inputs": ("gptq", None, (), None),
+    "weights GPTQ-rounded + inputs, down_proj full": ("gptq", None, ("down_proj",), None),
+    "weights GPTQ-rounded + inputs per group of 64": ("gptq", 64, (), None),
+    "weights GPTQ-rounded + inputs per group of 64, down_proj full": ("gptq", 64, ("down_proj",), None),
+    "weights GPTQ act-order only": ("gptq-act", "none", (), None),
+    "weights GPTQ act-order + inputs": ("gptq-act", None, (), None),
+    "weights GPTQ act-order + inputs, down_proj full": ("gptq-act", None, ("down_proj",), None),
 }
 
 
-def gptq(weight: torch.Tensor, gram: torch.Tensor, block: int = 128, damp: float = 0.01) -> torch.Tensor:
+def gptq(
+    weight: torch.Tensor, gram: torch.Tensor, block: int = 128, damp: float = 0.01, act_order: bool = False
+) -> torch.Tensor:
     """``weight`` [N, K] rounded to FP8 (per-row scales as lightq's) column by column, each column's
     rounding error spread over the columns not yet rounded as the inputs' Gram matrix ``gram`` [K, K]
     says (GPTQ, Frantar et al. 2022, its blocked form): the layer's output error, not each weight's,
-    is what the rounding minimises. Returns the dequantised weight."""
+    is what the rounding minimises. ``act_order``: the columns of the largest inputs first (GPTQ's
+    "act-order"), so their error is spread over the most columns. Returns the dequantised weight."""
+    if act_order:
+        order = torch.argsort(gram.diagonal(), descending=True)
+        back = torch.argsort(order)
+        return gptq(weight[:, order], gram[order][:, order], block, damp)[:, back]
     w = weight.float().clone()
     h = gram.clone()
     dead = h.diagonal() == 0
@@ -111,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seqs", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=320)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default="", help="run only the variants whose name contains this")
     args = parser.parse_args(argv)
     device = torch.device("cpu")
     model, _ = load_model(resolve(args.model), torch.float32, device)
@@ -129,15 +143,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model}: {args.seqs} x {args.seq_len} tokens, reference fp32 ppl {math.exp(ref_nll):.3f}")
     calibration = sample_text(model, pool, args.seqs, args.seq_len, model.config.vocab_size, args.seed + 1)
     xmax, gram = input_stats(model, pool, calibration, linears)  # another text than the one scored
-    rounded: dict[str, torch.Tensor] = {}
+    rounded: dict = {}  # layer -> its GPTQ-rounded weight, and "kind": which rounding they are
     for name, (w_group, x_group, full, alpha) in VARIANTS.items():
-        if w_group == "gptq" and not rounded:
-            rounded = {layer: gptq(weight, gram[layer]) for layer, (_, weight) in linears.items()}
+        if args.only not in name:
+            continue
+        if w_group in ("gptq", "gptq-act") and rounded.get("kind") != w_group:
+            act = w_group == "gptq-act"
+            rounded = {layer: gptq(weight, gram[layer], act_order=act) for layer, (_, weight) in linears.items()}
+            rounded["kind"] = w_group
         for layer, (m, weight) in linears.items():
             kept = any(kind in layer for kind in full)
             s = smoothing(xmax[layer], weight, alpha) if alpha is not None and not kept else torch.ones(1)
-            if w_group == "gptq":
-                m.weight.data.copy_(rounded[layer])
+            if w_group in ("gptq", "gptq-act"):
+                m.weight.data.copy_(weight if kept else rounded[layer])
             else:
                 m.weight.data.copy_(weight if kept or w_group == "none" else fake(weight * s, w_group))
             inputs = None if kept or x_group == "none" else x_group
