@@ -18,7 +18,7 @@
 #   bash bench/device/h200.sh setup fair-full        (issue 19 whole, with --preempt, 20 ms forwards then full speed; carry .whl .tok)
 #   python3 -m bench.engine.decode_attention_tune; python3 -m bench.engine.nano_overlap   (issue 16: attention tiles; overlap)
 #   bash bench/device/h200.sh setup lora-offline    (issue 32: 0 then 100 adapters of rank 16; written on the host, not carried)
-#   bash bench/device/h200.sh setup lora-offline lora-1000   (then 1,000 registered, 64 resident, over those 100 files)
+#   bash bench/device/h200.sh setup lora-1000      (the base model, then 1,000 registered, 64 resident, over 100 files)
 #   bash bench/device/h200.sh setup lora-route      (issue 32: four workers on one GPU, 200 adapters in a Zipf mix,
 #       adapter-aware vs load-only routing; SmolLM2's shape, random weights; carry .whl .tok)
 #   bash bench/device/h200.sh setup cluster-scale   (issue 30: carry .whl .tok .carry/redis7, made here with
@@ -26,7 +26,8 @@
 #       cp -L /usr/bin/redis-cli .carry/redis7/real/; the libraries `ldd` names that the image lacks into lib/
 #       (liblzf jemalloc libsystemd libatomic libcap libgcrypt liblzma libzstd liblz4 libgpg-error), and in bin/
 #       a wrapper per binary: LD_LIBRARY_PATH=$D/lib exec $D/real/NAME "$@")
-#   bash bench/device/h200.sh setup fp8-tune   (issue 31: the FP8 GEMV's tiles and weight conversions; the FP8 pool's attention tiles)
+#   bash bench/device/h200.sh setup fp8-tune   (issue 31: the FP8 GEMV's tiles; the FP8 pool's attention tiles)
+#   bash bench/device/h200.sh setup fp8-offline fp8-long   (issue 31: bf16 / FP8 / FP8 + FP8 pool; 64 x 8,192 over each pool)
 #   bash bench/device/h200.sh setup fp8-carry-a fp8-tests fp8-offline; bash bench/device/h200.sh fp8-carry-b fp8-step fp8-accuracy
 #       (issue 31, FP8: the part `fp8` is all four; two back-to-back calls, the first carrying .whl and .carry/fp8a,
 #       the second .carry/fp8b, made here with
@@ -210,11 +211,17 @@ for part in "$@"; do
       for n in 0 ${LORA_ADAPTERS:-100}; do timeout 280 python3 -m bench.engine.offline --model-shape llama3-8b \
         --lora-adapters $n --lora-rank 16 --timeline 2>&1 | tr '\r' '\n' | tee "$OUT/offline_lora$n.log" \
         | grep -E "^(lightq|LoRA|with prefill|decode, batch)"; done ;;
-    lora-1000)  # issue 32: 1,000 adapters registered, at most 64 on the GPU (paged in as requests start), over
-      # the 100 files lora-offline wrote (names share a file's host tensors, each its own slot); after lora-offline
+    lora-1000)  # issue 32: the base model, then 1,000 adapters registered, at most 64 on the GPU (paged in as
+      # requests start, --lora_page_batch at a time once all were taken; LORA_PAGE_BATCH overrides), over 100
+      # files (written first when lora-offline has not: names share a file's host tensors, each its own slot)
+      timeout 150 python3 -m bench.engine.offline --model-shape llama3-8b --timeline 2>&1 | tr '\r' '\n' \
+        | tee "$OUT/offline_base.log" | grep -E "^(lightq|with prefill|decode, batch)"
       timeout 400 python3 -m bench.engine.offline --model-shape llama3-8b --lora-adapters 1000 --lora-files 100 \
-        --lora-resident 64 --lora-rank 16 --timeline 2>&1 | tr '\r' '\n' | tee "$OUT/offline_lora1000.log" \
-        | grep -E "^(lightq|LoRA|with prefill|decode, batch)" ;;
+        --lora-resident 64 --lora-rank 16 --lora-page-batch ${LORA_PAGE_BATCH:-8} --timeline 2>&1 | tr '\r' '\n' \
+        | tee "$OUT/offline_lora1000.log" | grep -E "^(lightq|LoRA|with prefill|decode, batch)" ;;
+    fp8-long)  # issue 31: a long-context decode (64 x 8,192 tokens), FP8 weights, over a bf16 then an FP8 pool
+      for kv in auto fp8_e4m3; do timeout 150 python3 -m bench.engine.decode_step --model-shape llama3-8b --batches 64 \
+        --context 8192 --quantization fp8 --kv-cache-dtype $kv 2>&1 | grep -v Warning | tee "$OUT/long_$kv.log" | tail -3; done ;;
     cluster-scale)  # issue 30 item 5 on the host's 16 cores (no GPU used): 1 then 3 primaries; redis-server and
       # redis-cli 7 carried in .carry/redis7 (the image has none; built here from the Debian binaries and their
       # libraries, each behind a wrapper that sets LD_LIBRARY_PATH for it alone)
