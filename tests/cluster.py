@@ -189,16 +189,20 @@ class LocalCluster:
         self._launch(node)
         self.wait_converged()
 
-    def restart_all(self, down_s: float = 2.0) -> None:
+    def restart_all(self, down_s: float = 2.0, until: Callable[[], bool] | None = None) -> None:
         """Every node shut down (SHUTDOWN: an append-only cluster keeps every acknowledged write), down
-        for ``down_s``, then started again from its folder: the same nodes, slots and roles (their
-        nodes.conf), converged. A whole cluster's restart, as one server's in tests/integration/test_chaos.py."""
+        for ``down_s`` and, given ``until``, until it holds (a client's retries may outlast a fixed
+        outage: a test that needs the outage seen waits for it), then started again from its folder: the
+        same nodes, slots and roles (their nodes.conf), converged. A whole cluster's restart, as one
+        server's in tests/integration/test_chaos.py."""
         for node in self.nodes:
             if node.alive():
                 with contextlib.suppress(redis.RedisError):  # it closes the connection as it goes
                     node.ask("SHUTDOWN")
                 node.process.wait(self.timeout_s)
         time.sleep(down_s)
+        if until is not None:
+            self._wait(until, "what the outage was to cause")
         for node in self.nodes:
             self._launch(node)
         self.wait_converged()

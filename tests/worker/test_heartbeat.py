@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from shared.codec import decode
@@ -77,6 +78,11 @@ def test_the_early_beat_gap_follows_what_a_beat_costs(rclient, keys):
         rclient.delete(keys.load("hb"), keys.workers())
 
 
+def failed_beats(caplog) -> int:
+    """Beats the thread logged as failed (a Redis failure, or anything else it beat on through)."""
+    return sum(r.levelno >= logging.WARNING and "heartbeat" in r.getMessage() for r in caplog.records)
+
+
 def test_the_thread_beats_on_through_a_whole_cluster_restart(clean_cluster, caplog):
     """Every node of a Redis Cluster down for a second: the cluster client raises what is no RedisError
     (RedisClusterUnreachableError); the thread logs it and beats on, and its record is written again
@@ -90,9 +96,10 @@ def test_the_thread_beats_on_through_a_whole_cluster_restart(clean_cluster, capl
     heartbeat = Heartbeat(client, keys, "hb", 0.1, load)
     heartbeat.start()
     try:
-        clean_cluster.restart_all(down_s=1.0)
+        # down until the thread has failed at least once: the client's own retries may outlast a fixed
+        # second (a beat that retried past the restart and succeeded logged nothing, once, in a full run)
+        clean_cluster.restart_all(down_s=1.0, until=lambda: failed_beats(caplog) > 0)
         assert heartbeat.thread.is_alive()
-        assert "heartbeat failed" in caplog.text
         after = heartbeat.seq
         assert wait_for(lambda: record_seq(client, keys, "hb") > after, timeout_s=60)
     finally:
