@@ -35,11 +35,13 @@ class WorkerSettings(BaseSettings):
     worker_id: str = Field("", description="unique worker id (default: host-pid)")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:N]'")
     dtype: str = Field("auto", description="'auto' (bf16 on GPU, fp32 on CPU), 'float32', 'float16', 'bfloat16'")
-    quantization: Literal["none", "fp8"] = Field(
+    quantization: Literal["none", "fp8", "fp8_w8a16"] = Field(
         "none",
         description="'fp8': the linear layers' weights (per output channel) and inputs (per token) in FP8 e4m3, "
-        "quantised at load; a checkpoint published in FP8 (quantization_config 'fp8' or compressed-tensors "
-        "'float-quantized') loads as FP8 whatever this says",
+        "quantised at load; 'fp8_w8a16': the weights alone in FP8, the inputs in the model dtype (more "
+        "accurate; large batches run at the model dtype's matmul rate); a checkpoint published in FP8 "
+        "(quantization_config 'fp8' or compressed-tensors 'float-quantized') loads as FP8 whatever this says, "
+        "its inputs as this says",
     )
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto",

@@ -178,7 +178,7 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
         rank,
         device,
         dtype,
-        ", FP8 linear layers" if settings.quantization == "fp8" else "",
+        {"fp8": ", FP8 linear layers", "fp8_w8a16": ", FP8 linear weights (W8A16)"}.get(settings.quantization, ""),
         num_slots,
         cache.nbytes / 2**30,
         cache.buffer.dtype,

@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--batches", default="1,64,256")
-    parser.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    parser.add_argument("--quantization", choices=["none", "fp8", "fp8_w8a16"], default="none")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]

@@ -4,7 +4,8 @@
     python -m bench.engine.fp8_accuracy --smoke              # CPU: a tiny random Llama (the test runs this)
 
 Arms, on the same weights: the reference (the model dtype: bf16 on a GPU, fp32 on a CPU), FP8 weights
-(``--quantization fp8``), the FP8 KV pool alone (``--kv_cache_dtype fp8_e4m3``), and both.
+(``--quantization fp8``), the FP8 KV pool alone (``--kv_cache_dtype fp8_e4m3``), both, and FP8 weights
+with the inputs in the model dtype (``--quantization fp8_w8a16``).
 
 The text: ``--seqs`` sequences of ``--seq-len`` tokens (64 x 320 = 20,480 by default) sampled from the
 reference model at temperature 1 from seeded random first tokens: fixed for a model, seed and device,
@@ -40,7 +41,7 @@ from worker.model.loader import load_model
 from worker.model.quant import FP8
 from worker.runner.req_table import ReqTable
 
-ARMS = ("reference", "fp8 weights", "fp8 kv", "fp8 weights + kv")
+ARMS = ("reference", "fp8 weights", "fp8 kv", "fp8 weights + kv", "fp8 weights only (w8a16)")
 PROMPT_LEN = 32
 SCORE_BATCH = 8
 
@@ -153,13 +154,14 @@ def evaluate(source: ModelSource, name: str, args, device: torch.device) -> dict
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     models = {
         q: load_model(source, dtype, device, seed=args.seed, weights_cache=args.weights_cache, quantization=q)[0]
-        for q in ("none", "fp8")
+        for q in ("none", "fp8", "fp8_w8a16")
     }
     arms = {
         "reference": ("none", dtype),
         "fp8 weights": ("fp8", dtype),
         "fp8 kv": ("none", FP8),
         "fp8 weights + kv": ("fp8", FP8),
+        "fp8 weights only (w8a16)": ("fp8_w8a16", dtype),
     }
     rows, width = max(args.seqs, SCORE_BATCH), args.seq_len + args.new
     pools = {(q, kv): Pool(models[q], kv, rows, width, device) for q, kv in arms.values()}

@@ -264,7 +264,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--overlap", choices=["auto", "on", "off"], default="auto", help="the worker's --overlap (auto: on a GPU)"
     )
-    parser.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the worker's --quantization")
+    parser.add_argument(
+        "--quantization", choices=["none", "fp8", "fp8_w8a16"], default="none", help="the worker's --quantization"
+    )
     parser.add_argument(
         "--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto", help="the worker's --kv_cache_dtype"
     )
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     tally = Tally()
     seconds = run_lightq(args, work, tally)
     name = f"lightq {args.model_shape}" + (" json-schema" if args.json_schema else "")
-    name += " fp8" if args.quantization == "fp8" else ""
+    name += {"fp8": " fp8", "fp8_w8a16": " fp8-w8a16"}.get(args.quantization, "")
     name += " fp8-kv" if args.kv_cache_dtype == "fp8_e4m3" else ""
     name += f" lora {args.lora_adapters}x r{args.lora_rank}" if args.lora_adapters else ""
     name += f" resident {args.lora_resident}" if args.lora_resident else ""

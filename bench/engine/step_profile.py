@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         default=0,
         help="also time steps that each take in a new request of this many prompt tokens",
     )
-    parser.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the worker's --quantization")
+    parser.add_argument(
+        "--quantization", choices=["none", "fp8", "fp8_w8a16"], default="none", help="the worker's --quantization"
+    )
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]

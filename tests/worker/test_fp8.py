@@ -70,10 +70,12 @@ def reference(name: str, folder) -> transformers.PreTrainedModel:
     return ref
 
 
-def fake_quantized(ref, weights: dict[str, torch.Tensor] | None = None) -> transformers.PreTrainedModel:
+def fake_quantized(
+    ref, weights: dict[str, torch.Tensor] | None = None, inputs: bool = True
+) -> transformers.PreTrainedModel:
     """``ref`` computing as lightq's FP8 layers do: each linear layer but the output layer's weight
     replaced by ``weights[name]`` (default: its own, quantised per output channel and dequantised) and
-    its input quantised per token."""
+    its input quantised per token (``inputs``; else taken as it comes: W8A16)."""
     fake = copy.deepcopy(ref)
     for name, m in fake.named_modules():
         if not isinstance(m, torch.nn.Linear) or "lm_head" in name:
@@ -82,6 +84,8 @@ def fake_quantized(ref, weights: dict[str, torch.Tensor] | None = None) -> trans
             m.weight.copy_(weights[name] if weights else dequantize_rows(*quantize_rows(m.weight)))
 
         def forward(x, m=m):
+            if not inputs:
+                return F.linear(x, m.weight, m.bias)
             flat = x.reshape(-1, x.shape[-1])
             return F.linear(dequantize_rows(*quantize_rows(flat)).view(x.shape), m.weight, m.bias)
 
@@ -122,6 +126,24 @@ def test_quantised_at_load_matches_fake_quantised_transformers(name, tmp_path):
     got = runner.step({b: [t] for b, t in enumerate(new)})
     longer = [p + [t] for p, t in zip(ids, new)]
     assert_fp8_match(got, last_logits(fake_quantized(ref), longer), last_logits(ref, longer))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_weights_only_fp8_matches_transformers_with_fp8_weights_and_full_inputs(name, tmp_path):
+    """--quantization fp8_w8a16: the same FP8 weights, the inputs as they come. Prefill and decode match
+    transformers with the dequantised weights and unquantised inputs, and that reference, not W8A8's."""
+    ref = reference(name, tmp_path)
+    model, _ = load_model(ModelSource("hf", str(tmp_path)), torch.float32, "cpu", quantization="fp8_w8a16")
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 4 * 2 and not any(m.quantize_inputs for m in layers)
+    ids, new = prompts(ref.config.vocab_size), [7, 8, 9, 10]
+    runner = PoolRunner(model)
+    prefill = runner.step(dict(enumerate(ids)))
+    decode = runner.step({b: [t] for b, t in enumerate(new)})  # the prefill's K/V read back from the pool
+    for got, seqs in ((prefill, ids), (decode, [p + [t] for p, t in zip(ids, new)])):
+        w8a16, w8a8 = last_logits(fake_quantized(ref, inputs=False), seqs), last_logits(fake_quantized(ref), seqs)
+        assert_fp8_match(got, w8a16, last_logits(ref, seqs))
+        assert (got - w8a16).abs().max() < 0.25 * (got - w8a8).abs().max()  # the inputs were not quantised
 
 
 # --- pre-quantised checkpoints -------------------------------------------------------------------------

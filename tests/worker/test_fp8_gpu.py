@@ -28,11 +28,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 
-def greedy(model_dir: str, prompts, max_new: int, graphs: bool, kv: str) -> tuple[list[list[int]], object]:
+def greedy(
+    model_dir: str, prompts, max_new: int, graphs: bool, kv: str, quantization: str = "fp8"
+) -> tuple[list[list[int]], object]:
     settings = WorkerSettings(
         model=ModelSettings(model_dir=model_dir, max_req_total_len=512),
         device="cuda",
-        quantization="fp8",
+        quantization=quantization,
         kv_cache_dtype=kv,
         max_total_token_num=4096,
         running_max_req_size=32,
@@ -70,13 +72,14 @@ def prefill_logits(model_dir, device, prompts, quantization="none", dtype=torch.
     return model.forward(ForwardBatch(**moved)).float().cpu()
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
-def test_decode_graphs_give_the_eager_tokens(tiny_dir, kv):  # noqa: F811
-    """3 requests (the GEMV path, <= 16 rows) and 20 (cuBLASLt's FP8 matmul) a step."""
+@pytest.mark.parametrize("kv, quantization", [("auto", "fp8"), ("fp8_e4m3", "fp8"), ("auto", "fp8_w8a16")])
+def test_decode_graphs_give_the_eager_tokens(tiny_dir, kv, quantization):  # noqa: F811
+    """3 requests (the GEMV path, <= 16 rows) and 20 (cuBLASLt's FP8 matmul; with fp8_w8a16 the
+    weights converted and cuBLAS in bf16) a step."""
     for count in (3, 20):
         prompts = [[1 + i, 5, 9, 200 + i, 13] for i in range(count)]
-        eager, engine = greedy(tiny_dir, prompts, 12, False, kv)
-        graphed, _ = greedy(tiny_dir, prompts, 12, True, kv)
+        eager, engine = greedy(tiny_dir, prompts, 12, False, kv, quantization)
+        graphed, _ = greedy(tiny_dir, prompts, 12, True, kv, quantization)
         assert graphed == eager
     model = engine.runner.model
     assert any(isinstance(m, Fp8Linear) for m in model.modules())
@@ -99,6 +102,19 @@ def test_cuda_fp8_logits_are_as_accurate_as_the_cpu_reference(tiny_dir):  # noqa
     reference_error = (cpu - full).abs().max()
     assert reference_error > 0  # the reference is quantised
     assert (cuda - full).abs().max() <= 1.5 * reference_error + 0.03 * full.abs().max()
+
+
+def test_cuda_weights_only_fp8_logits_match_the_cpu_reference(tiny_dir):  # noqa: F811
+    """--quantization fp8_w8a16 on CUDA in bf16 (the GEMV under 17 rows, the converted weight and cuBLAS
+    above): no activation is quantised, so against the CPU's fp32 arithmetic of the same FP8 weights
+    only bf16's rounding is left (2.5% of the largest logit for the unquantised model, above)."""
+    prompts = [[1, 5, 9, 200, 13], list(range(100, 160)), [7]]
+    cpu = prefill_logits(tiny_dir, "cpu", prompts, quantization="fp8_w8a16")
+    cuda = prefill_logits(tiny_dir, "cuda", prompts, quantization="fp8_w8a16", dtype=torch.bfloat16)
+    small = prefill_logits(tiny_dir, "cuda", prompts[:1], quantization="fp8_w8a16", dtype=torch.bfloat16)
+    assert torch.isfinite(cuda).all()
+    assert (cuda - cpu).abs().max() <= 0.05 * cpu.abs().max()
+    assert (small - cpu[:1]).abs().max() <= 0.05 * cpu.abs().max()  # 5 rows: the GEMV
 
 
 def test_fp8_weights_take_half_the_bytes(tiny_dir):  # noqa: F811

@@ -2,7 +2,8 @@
 
 ``Fp8Linear`` holds W as FP8 [out, in] with one fp32 scale per output channel
 (``weight_scale`` [out]); its input is quantised per token as it arrives (dynamic
-scales: no calibration, an outlier token costs only its own row's precision).
+scales: no calibration, an outlier token costs only its own row's precision), or
+taken as it comes (``keep_inputs``: W8A16, --quantization fp8_w8a16).
 The arithmetic is the layer's ``ops.fp8_linear``: cuBLASLt's ``torch._scaled_mm``
 on CUDA (and a W8A16 GEMV for a small decode step), the PyTorch reference
 elsewhere (``worker.model.ops``).
@@ -69,6 +70,7 @@ class Fp8Linear(nn.Module):
         self.tp = tp
         self.reduce = reduce
         self.ops = ops_for(weight.device)
+        self.quantize_inputs = True  # False: W8A16 (``keep_inputs``, --quantization fp8_w8a16)
 
     @classmethod
     def empty_like(cls, linear: Linear) -> Fp8Linear:
@@ -87,8 +89,8 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.reduce:
-            return self.ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
-        y = self.tp.all_reduce(self.ops.fp8_linear(x, self.weight, self.weight_scale, None))  # [T, out]
+            return self.ops.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.quantize_inputs)
+        y = self.tp.all_reduce(self.ops.fp8_linear(x, self.weight, self.weight_scale, None, self.quantize_inputs))
         return y if self.bias is None else y + self.bias
 
 
@@ -127,6 +129,15 @@ def quantize(model: nn.Module) -> int:
         count += 1
     _release(model)
     return count
+
+
+def keep_inputs(model: nn.Module) -> int:
+    """Every ``Fp8Linear`` of ``model`` takes its input as it comes (W8A16): FP8's error is then the
+    weights' alone, about two thirds of W8A8's KL on SmolLM2 (bench/RESULTS.md). The count."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in layers:
+        m.quantize_inputs = False
+    return len(layers)
 
 
 def prepare(model: nn.Module, names: set[str]) -> None:

@@ -68,12 +68,13 @@ def load_model(
     its dequantised tensors are kept for the next start (``worker.model.gguf_cache``; '': none).
     ``tp``: this process's rank in a tensor-parallel group (initialised by the caller); the model
     keeps its shard of every split weight and ``model.num_kv_heads`` is its share.
-    ``quantization``: "none", or "fp8" (the linear layers' weights and inputs in FP8).
+    ``quantization``: "none", "fp8" (the linear layers' weights and inputs in FP8) or "fp8_w8a16"
+    (their weights in FP8, their inputs as they come).
     """
-    if quantization not in ("none", "fp8"):
-        raise ValueError(f"quantization {quantization!r}: 'none' or 'fp8'")
+    if quantization not in ("none", "fp8", "fp8_w8a16"):
+        raise ValueError(f"quantization {quantization!r}: 'none', 'fp8' or 'fp8_w8a16'")
     config = load_config(source)
-    if quantization == "fp8" or fp8_checkpoint.checkpoint_format(config) is not None:
+    if quantization != "none" or fp8_checkpoint.checkpoint_format(config) is not None:
         fp8.check_device(device, "FP8 weights")
     model = model_class(config)(config, dtype=dtype, device=device, tp=tp)
     if source.kind == "hf":
@@ -84,8 +85,10 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
-    if quantization == "fp8" and not fp8.is_quantized(model):
+    if quantization != "none" and not fp8.is_quantized(model):
         log.info("FP8: %d linear layers quantised per output channel", fp8.quantize(model))
+    if quantization == "fp8_w8a16":
+        log.info("FP8: the inputs of %d linear layers kept in %s (W8A16)", fp8.keep_inputs(model), dtype)
     if not is_triton(device):  # FP8 layers are not packed: on a CPU they are a numerics path
         packed = pack_for_small_batches(model)
         if packed:

@@ -64,13 +64,22 @@ class TorchOps:
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def fp8_linear(
-        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        quantize_inputs: bool = True,
     ) -> torch.Tensor:
         """x [T, K] @ (weight [N, K] FP8 * weight_scale [N])^T (+ bias) in x's dtype: x quantised per
-        token (``quantize_rows``), the product of the FP8 values in fp32 (exact products, fp32 sums),
-        then both scales: what ``torch._scaled_mm`` computes, as a reference and the CPU path."""
-        xq, xs = quantize_rows(x)
-        y = (xq.float() @ weight.float().T) * xs[:, None] * weight_scale[None, :]
+        token (``quantize_rows``; not with ``quantize_inputs`` False: W8A16), the product in fp32 (exact
+        products, fp32 sums), then the scales: what ``torch._scaled_mm`` computes, as a reference and
+        the CPU path."""
+        if quantize_inputs:
+            xq, xs = quantize_rows(x)
+            y = (xq.float() @ weight.float().T) * xs[:, None] * weight_scale[None, :]
+        else:
+            y = (x.float() @ weight.float().T) * weight_scale[None, :]
         return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
@@ -104,15 +113,25 @@ class TritonOps:
         return q, k
 
     def fp8_linear(
-        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        quantize_inputs: bool = True,
     ) -> torch.Tensor:
         """Up to ``gemv.MAX_ROWS`` rows (a small decode step, a weight read): the split-K GEMV reads the
         FP8 weight and scales it in-kernel, x stays in its dtype (W8A16: half the bytes, no activation
         quantisation). More rows: x quantised per token, then ``torch._scaled_mm`` (cuBLASLt, FP8 tensor
-        cores) with row-wise scales; it gives bf16 only, and takes no bias with row-wise scales."""
+        cores) with row-wise scales; it gives bf16 only, and takes no bias with row-wise scales. With
+        ``quantize_inputs`` False (W8A16 throughout), more rows take the weight converted to x's dtype
+        (exact) and cuBLAS in that dtype, then the column scales."""
         if x.shape[0] <= self._gemv.MAX_ROWS:
             config = self._gemv.fp8_config(weight.shape[0], weight.shape[1], _num_sms(x.device))
             return self._gemv.gemv(x, weight, bias, config, weight_scale=weight_scale)
+        if not quantize_inputs:
+            y = F.linear(x, weight.to(x.dtype)).mul_(weight_scale.to(x.dtype))
+            return y if bias is None else y + bias
         xq, xs = self._fp8_quant.quantize_rows(x)
         y = torch._scaled_mm(xq, weight.T, scale_a=xs[:, None], scale_b=weight_scale[None, :], out_dtype=torch.bfloat16)
         y = y if bias is None else y + bias
