@@ -186,8 +186,8 @@ for part in "$@"; do
       { timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_triton_attention.py
         timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/worker/test_fp8_gpu.py; } 2>&1 \
         | tee "$OUT/fp8-tests.log" | grep -E "passed|failed|error|Error" ;;
-    fp8-offline)  # bf16, FP8 weights, FP8 weights + pool: the same workload, one call, side by side
-      for q in "none auto" "fp8 auto" "fp8 fp8_e4m3"; do read -r quant kv <<<"$q"
+    fp8-offline)  # bf16, FP8 weights, FP8 weights + pool, FP8 weights alone (W8A16): the same workload, one call
+      for q in "none auto" "fp8 auto" "fp8 fp8_e4m3" "fp8_w8a16 auto"; do read -r quant kv <<<"$q"
         timeout 180 python3 -m bench.engine.offline --model-shape llama3-8b --timeline --quantization $quant --kv-cache-dtype $kv \
           2>&1 | tr '\r' '\n' | tee "$OUT/offline_${quant}_$kv.log" | grep -E "^(lightq|with prefill|decode, batch)"; done ;;
     fp8-step)  # the batch 1-15 decode step against its weight-read floor, bf16 then FP8; a long-context decode
