@@ -160,13 +160,7 @@ class Preempter:
         _, free = room(classes, request.priority, promised.get(worker_id, (0, 0)))
         states = within(free, [request_states(r) for r in waiting])
         waiting = waiting[: len(states)]
-        ask = PreemptAsk(
-            request_ids=[r.id for r in waiting],
-            priority=request.priority,
-            states=[tuple(s) for each in states for s in each],
-            sizes=[len(each) for each in states],
-            asked_ms=now_ms(),
-        )
+        ask = PreemptAsk.for_requests([r.id for r in waiting], request.priority, states, now_ms())
         self._outbox.append((worker_id, ask))
         booked = self._booked.get(worker_id) or _Booked(loads[worker_id].preempt_asks_read, 0, 0, self.clock())
         tokens = sum(s.held for each in states for s in each)

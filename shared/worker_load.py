@@ -6,7 +6,7 @@ router --PreemptAsk--> {q}:w:ID:preempt --> worker
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -94,6 +94,19 @@ class PreemptAsk(FrozenModel):
     states: list[tuple[int, int, int, int]]
     sizes: list[int]
     asked_ms: int
+
+    @classmethod
+    def for_requests(
+        cls, request_ids: list[str], priority: int, states: list[Sequence[tuple]], asked_ms: int
+    ) -> PreemptAsk:
+        """An ask for ``request_ids``, ``states[i]`` the i-th one's states (``shared.admission.request_states``)."""
+        return cls(
+            request_ids=request_ids,
+            priority=priority,
+            states=[tuple(s) for each in states for s in each],
+            sizes=[len(each) for each in states],
+            asked_ms=asked_ms,
+        )
 
     @model_validator(mode="after")
     def _check_sizes(self) -> PreemptAsk:

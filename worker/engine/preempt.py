@@ -106,14 +106,7 @@ def unasked_plan(pool: Pool, arrived: list[Req], max_preemptions: int) -> list[R
     if not any(r.msg.priority > best for r in pool.requests()):
         return []
     msgs = [r.msg for r in arrived if r.msg.priority == best]
-    states = [[tuple(s) for s in message_states(m)] for m in msgs]
-    ask = PreemptAsk(
-        request_ids=[m.id for m in msgs],
-        priority=best,
-        states=[s for each in states for s in each],
-        sizes=[len(each) for each in states],
-        asked_ms=0,
-    )
+    ask = PreemptAsk.for_requests([m.id for m in msgs], best, [message_states(m) for m in msgs], asked_ms=0)
     return plan(pool, ask, max_preemptions)
 
 

@@ -10,9 +10,10 @@ core, twice a decode step). After one refusal, the others are refused at once un
 released or the set of adapters changes, since nothing else frees a slot: a pass costs O(waiting).
 
 Refilling in batches (``AdapterSet.page_batch``, --lora_page_batch): with every run-time slot pinned,
-requests end one at a time, and paging in the next adapter as each slot frees made nearly every
-step a prefill step of one request beside the running batch (1,000 adapters over 64 slots on an
-H100: 2,162 such steps of 20 ms against 10 ms for a decode step, 0.46x of the base model). So after
+requests end one at a time, and paging in the next adapter as each slot frees made a prefill step
+of a request or two beside the running batch again and again (1,000 adapters over 64 slots on an
+H100: 506 prefill steps, 29.4 s, 0.40x of the base model; 74 steps, 13.7 s, 0.475x with 8 at a
+time; bench/RESULTS.md). So after
 a refusal nothing is paged in until ``page_batch`` run-time slots are unpinned; then the waiting
 requests start together, in one prefill step. Below full occupancy nothing changes.
 """

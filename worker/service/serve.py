@@ -291,15 +291,18 @@ class WorkerService:
         """Pause what the asks need (``worker.engine.preempt``), between two steps; the victims go
         back to the queue through the publisher, after their tokens."""
         for ask in asks:
-            self._pause(plan(self.engine, ask, self.settings.max_preemptions), f"{ask.request_ids}")
+            self._pause(
+                plan(self.engine, ask, self.settings.max_preemptions), f"{ask.request_ids} (priority {ask.priority})"
+            )
         self.num_asks_read += len(asks)  # after the pauses: a record showing the count shows them
         self.heartbeat.poke()  # the asking router waits for the answer and admits against the record
 
     def _pause(self, victims: list[Req], why: str) -> None:
+        if not victims:  # the usual answer, every pass with --preempt: nothing to take or publish
+            return
         self.publisher.put(self.engine.preempt(victims))
-        if victims:
-            log.info("paused %s for %s", [r.id for r in victims], why)
-            self.heartbeat.poke()
+        log.info("paused %s for %s", [r.id for r in victims], why)
+        self.heartbeat.poke()
 
     def _take(self, entry_id: str, msg: GenerateRequest, epoch: int) -> Req | None:
         """The request added to the engine, or None (refused here, or a stale copy's twin)."""
