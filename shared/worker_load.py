@@ -97,7 +97,7 @@ class PreemptAsk(FrozenModel):
 
     @classmethod
     def for_requests(
-        cls, request_ids: list[str], priority: int, states: list[Sequence[tuple]], asked_ms: int
+        cls, request_ids: list[str], priority: int, states: Sequence[Sequence[tuple[int, int, int, int]]], asked_ms: int
     ) -> PreemptAsk:
         """An ask for ``request_ids``, ``states[i]`` the i-th one's states (``shared.admission.request_states``)."""
         return cls(
