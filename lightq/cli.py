@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     from lightq.batch import add_arguments as add_batch_arguments
 
     add_batch_arguments(sub.add_parser("batch", help="submit a JSONL batch file and follow it (progress bar)"))
+    from lightq.quantize import add_arguments as add_quantize_arguments
+
+    add_quantize_arguments(sub.add_parser("quantize", help="round a model's linear weights to FP8 by GPTQ"))
     dead = sub.add_parser("dead-letters", help="list dead-lettered requests, or requeue them")
     dead.add_argument("action", choices=["list", "requeue"], help="requeue: give entries fresh attempts")
     dead.add_argument("entry_ids", nargs="*", help="dead-letter entry ids to requeue (default: all)")
@@ -70,6 +73,11 @@ def main(argv: list[str] | None = None) -> None:
         action, entry_ids = flags.pop("action"), flags.pop("entry_ids", [])
         dead_letters(build(RedisSettings, flags), action, entry_ids)
         return
+    if command == "quantize":
+        from lightq.quantize import run as run_quantize
+
+        setup_logging()
+        sys.exit(run_quantize(flags))
     if command == "batch":
         from lightq.batch import run as run_batch
 

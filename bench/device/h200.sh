@@ -28,6 +28,7 @@
 #       a wrapper per binary: LD_LIBRARY_PATH=$D/lib exec $D/real/NAME "$@")
 #   bash bench/device/h200.sh setup fp8-tune   (issue 31: the FP8 GEMV's tiles; the FP8 pool's attention tiles)
 #   bash bench/device/h200.sh setup fp8-offline fp8-long   (issue 31: bf16 / FP8 / FP8 + FP8 pool; 64 x 8,192 over each pool)
+#   bash bench/device/h200.sh setup fp8-whole      (issue 31: the FP8 engine alone, then the same burst through lightq serve)
 #   bash bench/device/h200.sh setup fp8-carry-a fp8-tests fp8-offline; bash bench/device/h200.sh fp8-carry-b fp8-step fp8-accuracy
 #       (issue 31, FP8: the part `fp8` is all four; two back-to-back calls, the first carrying .whl and .carry/fp8a,
 #       the second .carry/fp8b, made here with
@@ -219,6 +220,9 @@ for part in "$@"; do
       timeout 400 python3 -m bench.engine.offline --model-shape llama3-8b --lora-adapters 1000 --lora-files 100 \
         --lora-resident 64 --lora-rank 16 --lora-page-batch ${LORA_PAGE_BATCH:-8} --timeline 2>&1 | tr '\r' '\n' \
         | tee "$OUT/offline_lora1000.log" | grep -E "^(lightq|LoRA|with prefill|decode, batch)" ;;
+    fp8-whole)  # issue 31: the engine alone then `lightq serve` (/generate, /generate_stream), FP8 weights + FP8 pool
+      timeout 560 python3 -m bench.serving.whole_path --model-shape llama3-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+        2>&1 | tr '\r' '\n' | tee "$OUT/whole_fp8.log" | grep -E "^(lightq|/generate|path|engine|lightq serve|whole_path|Median|Output)" ;;
     fp8-long)  # issue 31: a long-context decode (64 x 8,192 tokens), FP8 weights, over a bf16 then an FP8 pool
       for kv in auto fp8_e4m3; do timeout 150 python3 -m bench.engine.decode_step --model-shape llama3-8b --batches 64 \
         --context 8192 --quantization fp8 --kv-cache-dtype $kv 2>&1 | grep -v Warning | tee "$OUT/long_$kv.log" | tail -3; done ;;

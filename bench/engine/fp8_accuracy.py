@@ -5,7 +5,9 @@
 
 Arms, on the same weights: the reference (the model dtype: bf16 on a GPU, fp32 on a CPU), FP8 weights
 (``--quantization fp8``), the FP8 KV pool alone (``--kv_cache_dtype fp8_e4m3``), both, and FP8 weights
-with the inputs in the model dtype (``--quantization fp8_w8a16``).
+with the inputs in the model dtype (``--quantization fp8_w8a16``); with ``--quantized DIR``, a ``lightq
+quantize`` checkpoint of ``--model`` (GPTQ-rounded FP8 weights, W8A16; quantise it with another ``--seed``
+than this run's, so the scored text is not its calibration text).
 
 The text: ``--seqs`` sequences of ``--seq-len`` tokens (64 x 320 = 20,480 by default) sampled from the
 reference model at temperature 1 from seeded random first tokens: fixed for a model, seed and device,
@@ -34,14 +36,12 @@ import torch
 
 from bench.engine.shapes import config_dir
 from shared.model_files import ModelSource, resolve
-from worker.model.attention import make_backend
-from worker.model.forward_batch import ForwardBatch
-from worker.model.kv_cache import KVCache
 from worker.model.loader import load_model
 from worker.model.quant import FP8
-from worker.runner.req_table import ReqTable
+from worker.runner.sequence_pool import SequencePool, sample_text
 
 ARMS = ("reference", "fp8 weights", "fp8 kv", "fp8 weights + kv", "fp8 weights only (w8a16)")
+GPTQ_ARM = "gptq checkpoint (w8a16)"  # with --quantized, on --model only
 PROMPT_LEN = 32
 SCORE_BATCH = 8
 
@@ -58,77 +58,7 @@ class Tally:
     forced_same: int = 0  # the reference's greedy tokens this arm also picks, given the same prefix
 
 
-class Pool:
-    """One model's pool in one dtype, with a table row per sequence: slots ``row * width + position``."""
-
-    def __init__(self, model, dtype: torch.dtype, rows: int, width: int, device: torch.device):
-        self.cache = KVCache(model.num_layers, rows * width, model.num_kv_heads, model.head_dim, dtype, device)
-        self.backend = make_backend(self.cache, device)
-        self.table = ReqTable(rows, width, self.cache.hold_slot, device)
-        self.width, self.device = width, device
-        slots = torch.arange(rows * width, dtype=torch.int32, device=device).view(rows, width)
-        self.table.table[:rows] = slots
-
-    def prefill(self, model, seqs: torch.Tensor, all_logits: bool) -> torch.Tensor:
-        """seqs [B, L] from position 0 -> logits [B * L, V] (every position) or [B, V] (each last)."""
-        B, L = seqs.shape
-        dev, i32 = self.device, torch.int32
-        rows = torch.arange(B, device=dev, dtype=i32)
-        positions = torch.arange(L, device=dev).repeat(B)
-        batch = ForwardBatch(
-            input_ids=seqs.reshape(-1),
-            positions=positions,
-            out_slots=(rows.long()[:, None] * self.width + torch.arange(L, device=dev)).reshape(-1),
-            req_rows=rows,
-            cached_lens=torch.zeros(B, device=dev, dtype=i32),
-            seq_lens=torch.full((B,), L, device=dev, dtype=i32),
-            q_starts=rows * L,
-            q_lens=torch.full((B,), L, device=dev, dtype=i32),
-            req_table=self.table.table,
-            max_seq_len=L,
-            max_q_len=L,
-            is_decode=False,
-            logit_index=torch.arange(B * L, device=dev) if all_logits else None,
-        )
-        model.set_backend(self.backend)
-        return model(batch)
-
-    def decode(self, model, ids: torch.Tensor, position: int) -> torch.Tensor:
-        """ids [B] at ``position`` of every row -> logits [B, V]."""
-        B, dev, i32 = ids.shape[0], self.device, torch.int32
-        rows = torch.arange(B, device=dev, dtype=i32)
-        batch = ForwardBatch(
-            input_ids=ids,
-            positions=torch.full((B,), position, device=dev),
-            out_slots=rows.long() * self.width + position,
-            req_rows=rows,
-            cached_lens=torch.full((B,), position, device=dev, dtype=i32),
-            seq_lens=torch.full((B,), position + 1, device=dev, dtype=i32),
-            q_starts=rows,
-            q_lens=torch.ones(B, device=dev, dtype=i32),
-            req_table=self.table.table,
-            max_seq_len=position + 1,
-            max_q_len=1,
-            is_decode=True,
-        )
-        model.set_backend(self.backend)
-        return model(batch)
-
-
-def sample_text(model, pool: Pool, seqs: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    """[seqs, length] ids sampled at temperature 1 from seeded random first tokens, all rows at once."""
-    gen = torch.Generator(device=pool.device).manual_seed(seed)
-    ids = torch.randint(3, vocab, (seqs, 1), generator=gen, device=pool.device)
-    logits = pool.prefill(model, ids, all_logits=False)
-    for position in range(1, length):
-        nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)  # [seqs, 1]
-        ids = torch.cat((ids, nxt), dim=1)
-        if position < length - 1:
-            logits = pool.decode(model, nxt[:, 0], position)
-    return ids
-
-
-def teacher_forced(model, pool: Pool, prompts: torch.Tensor, ref_out: torch.Tensor) -> int:
+def teacher_forced(model, pool: SequencePool, prompts: torch.Tensor, ref_out: torch.Tensor) -> int:
     """How many of the reference's greedy tokens ``ref_out`` [B, new] the arm picks after the same prefix."""
     same, P, new = 0, prompts.shape[1], ref_out.shape[1]
     for start in range(0, prompts.shape[0], SCORE_BATCH):
@@ -138,7 +68,7 @@ def teacher_forced(model, pool: Pool, prompts: torch.Tensor, ref_out: torch.Tens
     return same
 
 
-def greedy(model, pool: Pool, prompts: torch.Tensor, new: int) -> torch.Tensor:
+def greedy(model, pool: SequencePool, prompts: torch.Tensor, new: int) -> torch.Tensor:
     logits = pool.prefill(model, prompts, all_logits=False)
     out = []
     for step in range(new):
@@ -163,11 +93,14 @@ def evaluate(source: ModelSource, name: str, args, device: torch.device) -> dict
         "fp8 weights + kv": ("fp8", FP8),
         "fp8 weights only (w8a16)": ("fp8_w8a16", dtype),
     }
+    if getattr(args, "quantized", ""):  # a checkpoint of `lightq quantize` (GPTQ, weights only: W8A16)
+        models["gptq"] = load_model(resolve(args.quantized), dtype, device)[0]
+        arms[GPTQ_ARM] = ("gptq", dtype)
     rows, width = max(args.seqs, SCORE_BATCH), args.seq_len + args.new
-    pools = {(q, kv): Pool(models[q], kv, rows, width, device) for q, kv in arms.values()}
+    pools = {(q, kv): SequencePool(models[q], kv, rows, width, device) for q, kv in arms.values()}
     vocab = models["none"].config.vocab_size
     text = sample_text(models["none"], pools[arms["reference"]], args.seqs, args.seq_len, vocab, args.seed)
-    tallies = {arm: Tally() for arm in ARMS}
+    tallies = {arm: Tally() for arm in arms}
     for start in range(0, args.seqs, SCORE_BATCH):
         chunk = text[start : start + SCORE_BATCH]
         targets = chunk[:, 1:].reshape(-1)
@@ -175,7 +108,7 @@ def evaluate(source: ModelSource, name: str, args, device: torch.device) -> dict
         keep[:, -1] = False  # the last position has no next token in the text
         keep = keep.reshape(-1)
         ref_logp = None
-        for arm in ARMS:
+        for arm in arms:
             q, kv = arms[arm]
             logp = torch.log_softmax(pools[(q, kv)].prefill(models[q], chunk, all_logits=True).float(), -1)[keep]
             ref_logp = logp if ref_logp is None else ref_logp
@@ -186,7 +119,7 @@ def evaluate(source: ModelSource, name: str, args, device: torch.device) -> dict
             t.positions += int(targets.numel())
     prompts = text[:, :PROMPT_LEN]
     ref_out = None
-    for arm in ARMS:
+    for arm in arms:
         q, kv = arms[arm]
         out = greedy(models[q], pools[(q, kv)], prompts, args.new)
         ref_out = out if ref_out is None else ref_out
@@ -207,14 +140,14 @@ def print_table(name: str, dtype: torch.dtype, args, tallies: dict[str, Tally]) 
         f"greedy {args.seqs} prompts x {args.new} tokens"
     )
     print(
-        f"{'arm':<18} {'ppl':>9} {'ppl vs ref':>10} {'mean KL':>9} {'top-1':>7} {'greedy':>7} {'identical':>9}"
+        f"{'arm':<24} {'ppl':>9} {'ppl vs ref':>10} {'mean KL':>9} {'top-1':>7} {'greedy':>7} {'identical':>9}"
         f" {'forced':>7}"
     )
-    for arm in ARMS:
+    for arm in tallies:
         t = tallies[arm]
         ppl = math.exp(t.nll / t.positions)
         print(
-            f"{arm:<18} {ppl:>9.3f} {ppl / ref_ppl - 1:>+10.2%} {t.kl / t.positions:>9.5f} "
+            f"{arm:<24} {ppl:>9.3f} {ppl / ref_ppl - 1:>+10.2%} {t.kl / t.positions:>9.5f} "
             f"{t.top1 / t.positions:>7.2%} {t.greedy_same / t.greedy_total:>7.2%} "
             f"{t.identical:>4}/{args.seqs:<4} {t.forced_same / t.greedy_total:>7.2%}"
         )
@@ -223,7 +156,7 @@ def print_table(name: str, dtype: torch.dtype, args, tallies: dict[str, Tally]) 
         f"KL {tallies[arm].kl / tallies[arm].positions:.4f}, greedy "
         f"{tallies[arm].greedy_same / tallies[arm].greedy_total:.1%} (forced "
         f"{tallies[arm].forced_same / tallies[arm].greedy_total:.1%})"
-        for arm in ARMS[1:]
+        for arm in list(tallies)[1:]
     )
     print(f"fp8_accuracy {name}: {summary}")
 
@@ -233,6 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="default", help="a lightq --model_dir ('' skips it)")
     parser.add_argument(
         "--shape", default="llama3-8b", help="a bench.engine.shapes shape, random weights ('' skips it)"
+    )
+    parser.add_argument(
+        "--quantized", default="", help="a `lightq quantize` checkpoint of --model: one more arm (GPTQ, W8A16)"
     )
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=320)
@@ -258,7 +194,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Tally]]:
     if args.model:
         results[args.model] = evaluate(resolve(args.model), args.model, args, device)
     if args.shape:
-        shaped = argparse.Namespace(**{**vars(args), "seqs": args.shape_seqs, "seq_len": args.shape_seq_len})
+        shaped = argparse.Namespace(
+            **{**vars(args), "seqs": args.shape_seqs, "seq_len": args.shape_seq_len, "quantized": ""}
+        )
         shaped.new = min(args.new, 32)
         source = ModelSource("dummy", config_dir(args.shape))
         results[args.shape] = evaluate(source, f"{args.shape} (random weights)", shaped, device)

@@ -18,11 +18,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bench.engine.fp8_accuracy import Pool, sample_text
 from shared.model_files import resolve
 from worker.model.layers import Linear
 from worker.model.loader import load_model
 from worker.model.quant import dequantize_rows, quantize_rows
+from worker.runner.sequence_pool import SequencePool, sample_text
 
 
 def fake(x: torch.Tensor, group: int | None) -> torch.Tensor:
@@ -93,7 +93,7 @@ def quantize_scaled(col: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
     return (col / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)[:, None], scale
 
 
-def input_stats(model, pool: Pool, text: torch.Tensor, linears: dict) -> tuple[dict, dict]:
+def input_stats(model, pool: SequencePool, text: torch.Tensor, linears: dict) -> tuple[dict, dict]:
     """Each linear's largest |input| per input channel, and its inputs' Gram matrix X^T X / n, over
     ``text`` (a calibration text)."""
     amax: dict[str, torch.Tensor] = {}
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device = torch.device("cpu")
     model, _ = load_model(resolve(args.model), torch.float32, device)
-    pool = Pool(model, torch.float32, args.seqs, args.seq_len, device)
+    pool = SequencePool(model, torch.float32, args.seqs, args.seq_len, device)
     text = sample_text(model, pool, args.seqs, args.seq_len, model.config.vocab_size, args.seed)
     keep = torch.ones_like(text, dtype=torch.bool)
     keep[:, -1] = False

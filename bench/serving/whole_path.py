@@ -2,6 +2,7 @@
 
     python3 -m bench.serving.whole_path --model-shape llama3-8b             # on a GPU host (bench/device/h200.sh whole)
     python3 -m bench.serving.whole_path --model-shape tiny --device cpu --num-requests 64   # a smoke run on a CPU
+    python3 -m bench.serving.whole_path --quantization fp8 --kv-cache-dtype fp8_e4m3   # both runs in FP8 (issue 31)
 
 Three runs of the offline workload (``bench.engine.offline``: ShareGPT-like
 lengths, seed 0, token-id prompts, ``ignore_eos``, everything sent at once),
@@ -59,6 +60,10 @@ def engine_alone(args) -> float:
         str(args.running_max),
         "--graph-max-bs",
         str(args.running_max),
+        "--quantization",
+        args.quantization,
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
     ]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith(f"lightq {args.model_shape}:"))
@@ -98,6 +103,10 @@ def start_serve(args, log_path: Path, redis_url: str) -> tuple[subprocess.Popen,
         # Both runs send the same burst to this one server: with the prefix cache the second would find
         # every prompt cached (it ran 1.20x the engine alone on 2026-12-02), which the engine alone never does.
         "--no-prefix_cache",
+        "--quantization",
+        args.quantization,
+        "--kv_cache_dtype",
+        args.kv_cache_dtype,
         *args.serve_args.split(),
     ]
     process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
@@ -152,6 +161,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--running-max", type=int, default=1024, help="both runs' running_max and graph sizes")
     parser.add_argument("--serve-args", default="", help="more flags for lightq serve")
+    # Both runs: the engine's flags of the same names (bench.engine.offline) and the worker's.
+    parser.add_argument("--quantization", choices=["none", "fp8", "fp8_w8a16"], default="none")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     parser.add_argument("--clients", type=int, default=4, help="client processes of the stream run")
     args = parser.parse_args()
     vocab = SHAPES[args.model_shape]["vocab_size"]

@@ -9,7 +9,9 @@ Two layouts, both e4m3 weights ``*.weight`` [out, in] with fp32 scales beside th
   instead, one per block (multiplied, despite its name);
 - compressed-tensors ``"format": "float-quantized"`` (``config_groups`` whose
   ``weights`` are ``type: float, num_bits: 8``): ``weight_scale`` [out, 1] for the
-  ``channel`` strategy, [1] for ``tensor``, [out/bn, in/bk] for ``block``.
+  ``channel`` strategy, [1] for ``tensor``, [out/bn, in/bk] for ``block``. Groups
+  without ``input_activations`` are weights-only (``lightq quantize`` writes these):
+  they run as ``--quantization fp8_w8a16`` unless ``--quantization fp8`` is given.
 
 lightq keeps one scale per output channel (``worker.model.fp8.Fp8Linear``): per-tensor
 scales are repeated over their rows, exactly; block-scaled weights are dequantised here
@@ -44,6 +46,9 @@ DROPPED = (".input_scale", ".k_scale", ".v_scale", ".kv_scale", ".q_scale")
 class Fp8Format:
     method: str  # "fp8" or "compressed-tensors"
     block: tuple[int, int] | None  # [bn, bk] of block scales, None for per-tensor / per-channel
+    # compressed-tensors groups without ``input_activations`` (``lightq quantize`` writes these):
+    # the weights alone are FP8, so the layers run W8A16 unless --quantization fp8 asks otherwise
+    weights_only: bool = False
 
 
 def checkpoint_format(config) -> Fp8Format | None:
@@ -60,7 +65,9 @@ def checkpoint_format(config) -> Fp8Format | None:
         block = qc.get("weight_block_size")
         return Fp8Format("fp8", tuple(block) if block else None)
     if method == "compressed-tensors":
-        return Fp8Format("compressed-tensors", _compressed_tensors_block(qc))
+        groups = (qc.get("config_groups") or {}).values()
+        weights_only = bool(groups) and not any(group.get("input_activations") for group in groups)
+        return Fp8Format("compressed-tensors", _compressed_tensors_block(qc), weights_only)
     raise ValueError(
         f"quantization_config quant_method {method!r}: lightq loads FP8 checkpoints only "
         "('fp8', or compressed-tensors' 'float-quantized')"

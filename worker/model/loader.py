@@ -69,7 +69,8 @@ def load_model(
     ``tp``: this process's rank in a tensor-parallel group (initialised by the caller); the model
     keeps its shard of every split weight and ``model.num_kv_heads`` is its share.
     ``quantization``: "none", "fp8" (the linear layers' weights and inputs in FP8) or "fp8_w8a16"
-    (their weights in FP8, their inputs as they come).
+    (their weights in FP8, their inputs as they come); "none" with a weights-only FP8 checkpoint
+    (``lightq quantize``'s) runs as "fp8_w8a16".
     """
     if quantization not in ("none", "fp8", "fp8_w8a16"):
         raise ValueError(f"quantization {quantization!r}: 'none', 'fp8' or 'fp8_w8a16'")
@@ -87,7 +88,8 @@ def load_model(
         raise ValueError(f"unknown model source kind {source.kind!r}")
     if quantization != "none" and not fp8.is_quantized(model):
         log.info("FP8: %d linear layers quantised per output channel", fp8.quantize(model))
-    if quantization == "fp8_w8a16":
+    fmt = fp8_checkpoint.checkpoint_format(config)
+    if quantization == "fp8_w8a16" or (quantization == "none" and fmt is not None and fmt.weights_only):
         log.info("FP8: the inputs of %d linear layers kept in %s (W8A16)", fp8.keep_inputs(model), dtype)
     if not is_triton(device):  # FP8 layers are not packed: on a CPU they are a numerics path
         packed = pack_for_small_batches(model)
