@@ -13,6 +13,7 @@ from tests.kernels.helpers import DEVICE, DTYPES, assert_close
 from worker.lora.delta import lora_delta_ref
 from worker.model.kernels.bgmv import bgmv, shrink_splits
 from worker.model.kernels.bgmv_grouped import BLOCK_M, SPLIT_K, bgmv_grouped, group_tokens
+from worker.model.kernels.lora_shards import Shards, expand_span
 from worker.model.kernels.sgmv import sgmv
 
 
@@ -126,3 +127,58 @@ def test_slot_zero_leaves_y_untouched():
     sgmv(y, x, a, b, zeros[:1], torch.tensor([4], dtype=torch.int32, device=DEVICE), zeros[:1], 4)
     bgmv_grouped(y, x, a, b, group_tokens(zeros, 2))
     assert torch.equal(y, before)
+
+
+def block_diagonal(sizes: list[int], rank: int, k: int, dtype: torch.dtype, off: float):
+    """A [4, nR, K], B [4, N, nR] as ``AdapterSet`` stacks a fused layer of ``sizes`` rows: shard j's B
+    block at its rows and ranks j R .. (j + 1) R (slot 2's shards of rank R - 5, zero padded), every
+    other block of B ``off`` (NaN: a kernel that reads it shows it) -> (A, B, B as the reference sees it)."""
+    n, shards = sum(sizes), len(sizes)
+    a = torch.randn(4, shards * rank, k, device=DEVICE) / k**0.5
+    b = torch.full((4, n, shards * rank), off, device=DEVICE)
+    row = 0
+    for j, size in enumerate(sizes):
+        ranks = slice(j * rank, (j + 1) * rank)
+        b[:, row : row + size, ranks] = torch.randn(4, size, rank, device=DEVICE) / rank**0.5
+        a[2, j * rank + rank - 5 : (j + 1) * rank] = 0  # slot 2: rank R - 5 in every shard
+        b[2, row : row + size, j * rank + rank - 5 : (j + 1) * rank] = 0
+        row += size
+    a[0], b[0] = 0, 0
+    return a.to(dtype), b.to(dtype), torch.nan_to_num(b, nan=0.0).to(dtype)
+
+
+def test_expand_span_skips_zero_blocks_only_where_tiles_fit_the_shards():
+    assert expand_span(Shards((4096, 5120, 6144), 16), 6144, 48, 64) == (4096, 5120, 16)  # qkv
+    assert expand_span(Shards((14336, 28672), 16), 28672, 32, 64) == (14336, 28672, 16)  # gate_up
+    assert expand_span(Shards((64, 96, 128), 8), 128, 24, 64) == (128, 128, 24)  # 96: mid-tile, all ranks
+    assert expand_span(Shards((4096,), 16), 4096, 16, 64) == (4096, 4096, 16)  # one shard
+    assert expand_span(None, 100, 8, 64) == (100, 100, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes", [[128, 64, 64], [192, 64], [64, 32, 32]])
+def test_kernels_skip_the_zero_blocks_of_a_fused_layer(sizes, dtype):
+    """Shards on tile boundaries: the off-diagonal blocks are NaN and never read (y stays finite and
+    right); [64, 32, 32] (a boundary mid-tile): every rank read, so those blocks must be zeros there."""
+    rank, k, n = 16, 96, sum(sizes)
+    aligned = all(sum(sizes[: j + 1]) % 64 == 0 for j in range(len(sizes)))
+    a, b, seen = block_diagonal(sizes, rank, k, dtype, float("nan") if aligned else 0.0)
+    shards = Shards(tuple(sum(sizes[: j + 1]) for j in range(len(sizes))), rank)
+    r = rank * len(sizes)
+    slots = [1, 2, 0, 3, 2, 1, 3]
+    token_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    x = torch.randn(len(slots), k, device=DEVICE).to(dtype)
+    y0 = torch.randn(len(slots), n, device=DEVICE).to(dtype)
+    want = expected(y0, x, a, seen, token_slots).to(dtype)
+    tol = SGMV_FP32_CUDA if dtype == torch.float32 and DEVICE.type == "cuda" else None
+    y = y0.clone()
+    bgmv(y, x, a, b, token_slots, v=poisoned(len(slots), r).expand(shrink_splits(k), -1, r).clone(), shards=shards)
+    assert_close(y, want)
+    y, groups = y0.clone(), group_tokens(token_slots, 4)
+    places = groups.block_slots.shape[0] * BLOCK_M
+    bgmv_grouped(y, x, a, b, groups, v=poisoned(places, r).expand(-(-k // SPLIT_K), -1, r).clone(), shards=shards)
+    assert_close(y, want, tol)
+    y, ones = y0.clone(), torch.ones(len(slots), dtype=torch.int32, device=DEVICE)
+    starts = torch.arange(len(slots), dtype=torch.int32, device=DEVICE)
+    sgmv(y, x, a, b, starts, ones, token_slots, 1, v=poisoned(len(slots), r), shards=shards)
+    assert_close(y, want, tol)

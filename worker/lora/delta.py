@@ -26,6 +26,7 @@ from worker.model.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from worker.model.kernels.bgmv_grouped import TokenGroups
+    from worker.model.kernels.lora_shards import Shards
 
 # From this many decode tokens the grouped kernel serves: on an H100 at 100 adapters of rank 16 it
 # took 0.84-0.98x BGMV's time at 64 tokens, 0.65-1.02x at 128, 0.21-0.32x at 768, 1-2x at 16
@@ -71,22 +72,24 @@ def add_lora(
     b: torch.Tensor,
     batch: ForwardBatch,
     groups: TokenGroups | None = None,
+    shards: Shards | None = None,
 ) -> torch.Tensor:
     """y [T, out] plus every token's delta (in place on CUDA; a new tensor on CPU). ``groups``: the
-    decode's tokens grouped by slot (``decode_groups``), where the grouped kernel serves."""
+    decode's tokens grouped by slot (``decode_groups``), where the grouped kernel serves; ``shards``:
+    a fused layer's block-diagonal B, whose zero blocks the kernels skip (the reference multiplies them)."""
     if not x.is_cuda:
         return y + lora_delta_ref(x, a, b, token_slots(batch)).to(y.dtype)
     assert batch.lora_slots is not None
     if groups is not None:
         from worker.model.kernels.bgmv_grouped import bgmv_grouped
 
-        bgmv_grouped(y, x, a, b, groups)
+        bgmv_grouped(y, x, a, b, groups, shards=shards)
     elif batch.is_decode:
         from worker.model.kernels.bgmv import bgmv
 
-        bgmv(y, x, a, b, batch.lora_slots)
+        bgmv(y, x, a, b, batch.lora_slots, shards=shards)
     else:
         from worker.model.kernels.sgmv import sgmv
 
-        sgmv(y, x, a, b, batch.q_starts, batch.q_lens, batch.lora_slots, batch.max_q_len)
+        sgmv(y, x, a, b, batch.q_starts, batch.q_lens, batch.lora_slots, batch.max_q_len, shards=shards)
     return y

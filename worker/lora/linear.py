@@ -9,6 +9,7 @@ from torch import nn
 
 from worker.lora.delta import add_lora
 from worker.model.forward_batch import ForwardBatch
+from worker.model.kernels.lora_shards import Shards
 
 if TYPE_CHECKING:
     from worker.model.kernels.bgmv_grouped import TokenGroups
@@ -37,6 +38,8 @@ class LoraLinear(nn.Module):
         self.base = base
         self.sizes = sizes or [b.shape[1]]  # rows of each fused shard (qkv: 3), in order
         self.rank = a.shape[1] // len(self.sizes)  # columns per shard: the widest adapter's rank
+        ends = [sum(self.sizes[: k + 1]) for k in range(len(self.sizes))]
+        self.shards = Shards(tuple(ends), self.rank)  # B is block diagonal: the kernels skip its zero blocks
         self.register_buffer("lora_a", a, persistent=False)
         self.register_buffer("lora_b", b, persistent=False)
         self.adapters = adapters
@@ -46,4 +49,4 @@ class LoraLinear(nn.Module):
         batch = self.adapters.bound
         if batch is None or batch.lora_slots is None:
             return y
-        return add_lora(y, x, self.lora_a, self.lora_b, batch, self.adapters.groups)
+        return add_lora(y, x, self.lora_a, self.lora_b, batch, self.adapters.groups, self.shards)

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.model.kernels.lora_shards import Shards, block_ranks, expand_span, first_rank
+
 BLOCK_N, BLOCK_K, SPLIT_K = 64, 128, 512
 
 
@@ -48,18 +50,22 @@ def _shrink(x, a, v, slots, K, R, s_x, s_as, s_ar, s_vs, s_v, CHUNK: tl.constexp
 
 
 @triton.jit
-def _expand(v, b, y, slots, N, R, s_vs, s_v, s_bs, s_bn, s_y, SPLITS: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+def _expand(
+    v, b, y, slots, N, RS, END0, END1, s_vs, s_v, s_bs, s_bn, s_y,
+    SPLITS: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
     t, nb = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
     if slot == 0:
         return
     cols = nb * BN + tl.arange(0, BN)
+    r0 = first_rank(nb * BN, END0, END1, RS)  # this tile's shard's ranks alone (lora_shards)
     rs = tl.arange(0, BR)
     vs = tl.zeros((BR,), dtype=tl.float32)
     for split in tl.static_range(SPLITS):  # the shrink's partial sums, always in this order
-        vs += tl.load(v + split * s_vs + t * s_v + rs, mask=rs < R, other=0.0)  # [BR] fp32
-    b_ptr = b + slot * s_bs + cols[:, None] * s_bn + rs[None, :]
-    bt = tl.load(b_ptr, mask=(cols[:, None] < N) & (rs[None, :] < R), other=0.0).to(tl.float32)  # [BN, BR]
+        vs += tl.load(v + split * s_vs + t * s_v + r0 + rs, mask=rs < RS, other=0.0)  # [BR] fp32
+    b_ptr = b + slot * s_bs + cols[:, None] * s_bn + r0 + rs[None, :]
+    bt = tl.load(b_ptr, mask=(cols[:, None] < N) & (rs[None, :] < RS), other=0.0).to(tl.float32)  # [BN, BR]
     delta = tl.sum(bt * vs[None, :], axis=1)
     y_ptr = y + t * s_y + cols
     out = tl.load(y_ptr, mask=cols < N, other=0.0).to(tl.float32) + delta
@@ -73,9 +79,11 @@ def bgmv(
     b: torch.Tensor,
     slots: torch.Tensor,
     v: torch.Tensor | None = None,
+    shards: Shards | None = None,
 ) -> torch.Tensor:
     """y [T, N] += each token's delta, in place; x [T, K], A [S, R, K], B [S, N, R], slots [T].
-    ``v``: the [shrink_splits(K), T, R] fp32 scratch of partial sums (tests pass a poisoned one)."""
+    ``v``: the [shrink_splits(K), T, R] fp32 scratch of partial sums (tests pass a poisoned one).
+    ``shards``: B is block diagonal so (``lora_shards``)."""
     (t, k), (num_slots, r, k_a), (_, n, r_b) = x.shape, a.shape, b.shape
     assert k_a == k and r_b == r and b.shape[0] == num_slots and y.shape == (t, n), (x.shape, a.shape, b.shape)
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
@@ -85,14 +93,15 @@ def bgmv(
     splits = shrink_splits(k)
     v = torch.empty(splits, t, r, dtype=torch.float32, device=x.device) if v is None else v
     assert v.shape == (splits, t, r) and v.stride(2) == 1
-    block_r = max(triton.next_power_of_2(r), 16)
+    block_r = block_ranks(r)
     block_k = min(BLOCK_K, max(16, 4096 // block_r))  # an [R, K] tile of A at most 4,096 values
     _shrink[(t, splits)](
         x, a, v, slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
         CHUNK=SPLIT_K, BR=block_r, BK=block_k,
     )  # fmt: skip
+    end0, end1, ranks = expand_span(shards, n, r, BLOCK_N)
     _expand[(t, triton.cdiv(n, BLOCK_N))](
-        v, b, y, slots, n, r, v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        SPLITS=splits, BN=BLOCK_N, BR=block_r,
+        v, b, y, slots, n, ranks, end0, end1, v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        SPLITS=splits, BN=BLOCK_N, BR=block_ranks(ranks),
     )  # fmt: skip
     return y

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.model.kernels.lora_shards import Shards, block_ranks, expand_span, first_rank
+
 BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K = 16, 64, 128, 512
 
 
@@ -90,18 +92,20 @@ def _shrink(
 
 @triton.jit
 def _expand(
-    v, b, y, tokens, block_slots, N, R, s_v, s_bs, s_bn, s_y, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr
-):
+    v, b, y, tokens, block_slots, N, RS, END0, END1, s_v, s_bs, s_bn, s_y,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
     blk, nb = tl.program_id(0), tl.program_id(1)
     slot = tl.load(block_slots + blk).to(tl.int64)
     if slot == 0:
         return
     pos, tok, ok = _block_rows(tokens, blk, BM)
     cols = nb * BN + tl.arange(0, BN)
+    r0 = first_rank(nb * BN, END0, END1, RS)  # this tile's shard's ranks alone (lora_shards)
     rs = tl.arange(0, BR)
-    vs = tl.load(v + pos[:, None] * s_v + rs[None, :], mask=ok[:, None] & (rs[None, :] < R), other=0.0)
-    b_ptr = b + slot * s_bs + cols[:, None] * s_bn + rs[None, :]
-    bt = tl.load(b_ptr, mask=(cols[:, None] < N) & (rs[None, :] < R), other=0.0)  # [BN, BR]
+    vs = tl.load(v + pos[:, None] * s_v + r0 + rs[None, :], mask=ok[:, None] & (rs[None, :] < RS), other=0.0)
+    b_ptr = b + slot * s_bs + cols[:, None] * s_bn + r0 + rs[None, :]
+    bt = tl.load(b_ptr, mask=(cols[:, None] < N) & (rs[None, :] < RS), other=0.0)  # [BN, BR]
     acc = tl.dot(vs.to(bt.dtype), tl.trans(bt))  # v in the weights' dtype: tensor cores, fp32 sums
     y_ptr = y + tok[:, None] * s_y + cols[None, :]
     mask = ok[:, None] & (cols[None, :] < N)
@@ -116,10 +120,11 @@ def bgmv_grouped(
     b: torch.Tensor,
     groups: TokenGroups,
     v: torch.Tensor | None = None,
+    shards: Shards | None = None,
 ) -> torch.Tensor:
     """y [T, N] += each token's delta, in place; x [T, K], A [S, R, K], B [S, N, R], ``groups`` from
     ``group_tokens`` over the batch's slots. ``v``: the [splits, blocks * BLOCK_M, R] fp32 scratch
-    (tests pass a poisoned one)."""
+    (tests pass a poisoned one). ``shards``: B is block diagonal so (``lora_shards``)."""
     (t, k), (num_slots, r, k_a), (_, n, r_b) = x.shape, a.shape, b.shape
     assert k_a == k and r_b == r and b.shape[0] == num_slots and y.shape == (t, n), (x.shape, a.shape, b.shape)
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
@@ -129,7 +134,7 @@ def bgmv_grouped(
     splits, places = triton.cdiv(k, SPLIT_K), blocks * BLOCK_M
     v = torch.empty(splits, places, r, dtype=torch.float32, device=x.device) if v is None else v
     assert v.shape == (splits, places, r) and v.stride(2) == 1
-    block_r = max(triton.next_power_of_2(r), 16)
+    block_r = block_ranks(r)
     # fp32 tiles half as long: at rank 96 the pipelined [BR, BK] tiles asked 278 KB of shared memory, over an H100's 227
     block_k = BLOCK_K if a.element_size() <= 2 else BLOCK_K // 2
     _shrink[(blocks, splits)](
@@ -137,8 +142,9 @@ def bgmv_grouped(
         v.stride(1), CHUNK=SPLIT_K, BM=BLOCK_M, BR=block_r, BK=block_k,
     )  # fmt: skip
     total = v[0] if splits == 1 else v.sum(0)  # the splits added once (a fixed-order reduction)
+    end0, end1, ranks = expand_span(shards, n, r, BLOCK_N)
     _expand[(blocks, triton.cdiv(n, BLOCK_N))](
-        total, b, y, groups.tokens, groups.block_slots, n, r, total.stride(0), b.stride(0), b.stride(1),
-        y.stride(0), BM=BLOCK_M, BN=BLOCK_N, BR=block_r,
+        total, b, y, groups.tokens, groups.block_slots, n, ranks, end0, end1, total.stride(0), b.stride(0),
+        b.stride(1), y.stride(0), BM=BLOCK_M, BN=BLOCK_N, BR=block_ranks(ranks),
     )  # fmt: skip
     return y

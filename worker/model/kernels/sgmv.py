@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.model.kernels.lora_shards import Shards, expand_span, first_rank
+
 BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R = 16, 64, 64, 16  # tl.dot needs every dim >= 16
 
 
@@ -47,8 +49,9 @@ def _shrink(
 
 @triton.jit
 def _expand(
-    v, b, y, starts, lens, slots, N, R, s_v, s_bs, s_bn, s_y, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr
-):
+    v, b, y, starts, lens, slots, N, RS, END0, END1, s_v, s_bs, s_bn, s_y,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
     seg, mb, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + seg).to(tl.int64)
     n = tl.load(lens + seg)
@@ -58,11 +61,13 @@ def _expand(
     row_ok = mb * BM + tl.arange(0, BM) < n
     cols = nb * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for r0 in range(0, R, BR):
+    first = first_rank(nb * BN, END0, END1, RS)  # this tile's shard's ranks alone (lora_shards)
+    for r0 in range(0, RS, BR):
         rs = r0 + tl.arange(0, BR)
-        vs = tl.load(v + rows[:, None] * s_v + rs[None, :], mask=row_ok[:, None] & (rs[None, :] < R), other=0.0)
-        b_ptr = b + slot * s_bs + cols[:, None] * s_bn + rs[None, :]
-        bt = tl.load(b_ptr, mask=(cols[:, None] < N) & (rs[None, :] < R), other=0.0)  # [BN, BR]
+        v_ptr = v + rows[:, None] * s_v + first + rs[None, :]
+        vs = tl.load(v_ptr, mask=row_ok[:, None] & (rs[None, :] < RS), other=0.0)
+        b_ptr = b + slot * s_bs + cols[:, None] * s_bn + first + rs[None, :]
+        bt = tl.load(b_ptr, mask=(cols[:, None] < N) & (rs[None, :] < RS), other=0.0)  # [BN, BR]
         acc += tl.dot(vs.to(bt.dtype), tl.trans(bt))  # v in the weights' dtype: tensor cores, fp32 sums
     y_ptr = y + rows[:, None] * s_y + cols[None, :]
     mask = row_ok[:, None] & (cols[None, :] < N)
@@ -80,9 +85,11 @@ def sgmv(
     slots: torch.Tensor,
     max_q_len: int,
     v: torch.Tensor | None = None,
+    shards: Shards | None = None,
 ) -> torch.Tensor:
     """y [T, N] += each segment's delta, in place; x [T, K], A [S, R, K], B [S, N, R], q_starts /
-    q_lens / slots [B]. ``v``: the [T, R] fp32 scratch (tests pass a poisoned one)."""
+    q_lens / slots [B]. ``v``: the [T, R] fp32 scratch (tests pass a poisoned one). ``shards``: B is
+    block diagonal so (``lora_shards``)."""
     (t, k), (num_slots, r, k_a), (_, n, r_b) = x.shape, a.shape, b.shape
     assert k_a == k and r_b == r and b.shape[0] == num_slots and y.shape == (t, n), (x.shape, a.shape, b.shape)
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
@@ -96,8 +103,9 @@ def sgmv(
         x, a, v, q_starts, q_lens, slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0),
         BM=BLOCK_M, BR=BLOCK_R, BK=BLOCK_K,
     )  # fmt: skip
+    end0, end1, ranks = expand_span(shards, n, r, BLOCK_N)
     _expand[(len(slots), rows, triton.cdiv(n, BLOCK_N))](
-        v, b, y, q_starts, q_lens, slots, n, r, v.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BM=BLOCK_M, BN=BLOCK_N, BR=BLOCK_R,
+        v, b, y, q_starts, q_lens, slots, n, ranks, end0, end1, v.stride(0), b.stride(0), b.stride(1),
+        y.stride(0), BM=BLOCK_M, BN=BLOCK_N, BR=BLOCK_R,
     )  # fmt: skip
     return y
