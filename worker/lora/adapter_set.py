@@ -70,6 +70,7 @@ class AdapterSet:
         self.groups: TokenGroups | None = None  # the bound decode's tokens by slot (``decode_groups``)
         self.nbytes = 0  # the stacks' device memory, once installed
         self.layers: dict[str, LoraLinear] = {}  # adapted layer name -> its wrapper (``install``)
+        self._written: dict[int, dict[str, list[int]]] = {}  # slot -> layer -> each shard's rank written there
         self._adapters = adapters
 
     @property
@@ -182,17 +183,24 @@ class AdapterSet:
     @torch.no_grad()
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         """Slot ``slot`` of every layer: the adapter's shards (A rows k R .., B's block at the
-        shard's rows), zeros where it leaves a layer or shard alone (a reused slot's old weights go)."""
+        shard's rows); zeros only where the slot's previous adapter wrote and this one does not (a
+        reused slot's old weights go; the off-diagonal blocks of B are never written, so stay zero).
+        Zeroing every slice of a 32-layer model was 256 launches a page-in, more than half its copies."""
+        written = self._written.setdefault(slot, {})
         for name, layer in self.layers.items():
-            layer.lora_a[slot].zero_()
-            layer.lora_b[slot].zero_()
-            for k, shard in enumerate(adapter.modules.get(name, ())):
-                if shard is None:
-                    continue
-                a, b = shard  # pinned host memory on a GPU (load_adapter): asynchronous, ordered on the stream
-                r, row, size = a.shape[0], sum(layer.sizes[:k]), layer.sizes[k]
-                layer.lora_a[slot, k * layer.rank : k * layer.rank + r].copy_(a, non_blocking=True)
-                layer.lora_b[slot, row : row + size, k * layer.rank : k * layer.rank + r].copy_(b, non_blocking=True)
+            shards = list(adapter.modules.get(name, ()))
+            shards += [None] * (len(layer.sizes) - len(shards))
+            ranks = [0 if shard is None else shard[0].shape[0] for shard in shards]
+            for k, (shard, old) in enumerate(zip(shards, written.get(name, [0] * len(ranks)))):
+                row, size, first, new = sum(layer.sizes[:k]), layer.sizes[k], k * layer.rank, ranks[k]
+                if old > new:  # the previous adapter's ranks past this one's
+                    layer.lora_a[slot, first + new : first + old].zero_()
+                    layer.lora_b[slot, row : row + size, first + new : first + old].zero_()
+                if shard is not None:
+                    a, b = shard  # pinned host memory on a GPU (load_adapter): asynchronous, ordered on the stream
+                    layer.lora_a[slot, first : first + new].copy_(a, non_blocking=True)
+                    layer.lora_b[slot, row : row + size, first : first + new].copy_(b, non_blocking=True)
+            written[name] = ranks
 
 
 def adaptable_layers(model: nn.Module) -> list[str]:
