@@ -9,8 +9,10 @@ run over a calibration text (``--calibration``, a UTF-8 file; by default text sa
 itself at temperature 1 from seeded first tokens), and every linear layer's weight rounded by GPTQ
 against its inputs (``worker.model.gptq``). The output folder is a compressed-tensors
 ``float-quantized`` checkpoint (per-channel scales, weights only: no ``input_activations``), which
-lightq loads as W8A16 and vLLM as its W8A16 FP8 scheme; every other tensor is copied as it was, the
-config and tokenizer beside. The checkpoint's names are the source's (q/k/v and gate/up apart):
+lightq loads as W8A16 (the layout compressed-tensors' loaders read as weight-only FP8; only lightq's
+is tested); every other tensor is copied as it was, the config and tokenizer beside, and
+``lightq_quantize.json`` says how it was made. The checkpoint's names are the source's (q/k/v and gate/up
+apart):
 rows are independent under per-channel scales, so each shard is the fused layer's rows.
 """
 
@@ -83,8 +85,10 @@ def quantize(source, args: argparse.Namespace) -> None:
         rounded = quantize_model(model, run_text, act_order=not args.no_act_order, progress=progress)
     os.makedirs(args.out)
     write_weights(args.out, source, config, model, rounded)
-    config.quantization_config = quantization_config(not args.no_act_order)
+    config.quantization_config = quantization_config()
     config.save_pretrained(args.out)
+    with open(os.path.join(args.out, "lightq_quantize.json"), "w") as f:  # how, beside the standard config
+        json.dump({"method": "gptq", "act_order": not args.no_act_order, "calibration": text_origin(args)}, f)
     if tokenizer is not None:
         tokenizer.save_pretrained(args.out)
 
@@ -119,7 +123,13 @@ def text_runner(model, text: torch.Tensor, dtype: torch.dtype, device: torch.dev
     return run_text
 
 
-def quantization_config(act_order: bool) -> dict:
+def text_origin(args) -> str:
+    if args.calibration:
+        return f"{args.calibration}: {args.seqs} x {args.seq_len} tokens at most"
+    return f"sampled from the model: {args.seqs} x {args.seq_len} tokens, seed {args.seed}"
+
+
+def quantization_config() -> dict:
     """compressed-tensors' description of FP8 weights with a scale per output channel, inputs as they come."""
     weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
     weights["actorder"] = None  # per-channel scales: act-order changes the rounding, not the layout
@@ -129,7 +139,6 @@ def quantization_config(act_order: bool) -> dict:
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
         "ignore": ["lm_head"],
-        "lightq": {"method": "gptq", "act_order": act_order},
     }
 
 
