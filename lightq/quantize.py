@@ -11,9 +11,8 @@ against its inputs (``worker.model.gptq``). The output folder is a compressed-te
 ``float-quantized`` checkpoint (per-channel scales, weights only: no ``input_activations``), which
 lightq loads as W8A16 (the layout compressed-tensors' loaders read as weight-only FP8; only lightq's
 is tested); every other tensor is copied as it was, the config and tokenizer beside, and
-``lightq_quantize.json`` says how it was made. The checkpoint's names are the source's (q/k/v and gate/up
-apart):
-rows are independent under per-channel scales, so each shard is the fused layer's rows.
+``lightq_quantize.json`` says how it was made. The checkpoint's names are the source's (q/k/v and
+gate/up apart): rows are independent under per-channel scales, so each shard is the fused layer's rows.
 """
 
 from __future__ import annotations
