@@ -125,3 +125,22 @@ def test_fp8_weights_take_half_the_bytes(tiny_dir):  # noqa: F811
         return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "proj" in n and "weight" in n)
 
     assert linear_bytes(fp8) < 0.51 * linear_bytes(full)
+
+
+def test_lightq_quantize_on_cuda_writes_a_checkpoint_both_devices_run_alike(tiny_dir, tmp_path):  # noqa: F811
+    """GPTQ on the GPU (the model in bf16, its Gram matrices in fp32): the checkpoint runs W8A16 on CUDA in
+    bf16 within bf16's rounding of the CPU's fp32 run of the same checkpoint."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "fp8"
+    command = [sys.executable, "-m", "lightq.cli", "quantize", "--model_dir", tiny_dir, "--out", str(out)]
+    done = subprocess.run(
+        [*command, "--seqs", "4", "--seq_len", "64", "--device", "cuda"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    prompts = [[1, 5, 9, 200, 13], list(range(100, 160)), [7]]
+    cpu = prefill_logits(str(out), "cpu", prompts)
+    cuda = prefill_logits(str(out), "cuda", prompts, dtype=torch.bfloat16)
+    assert torch.isfinite(cuda).all()
+    assert (cuda - cpu).abs().max() <= 0.05 * cpu.abs().max()
