@@ -41,7 +41,7 @@ from worker.model.quant import FP8
 from worker.runner.sequence_pool import SequencePool, sample_text
 
 ARMS = ("reference", "fp8 weights", "fp8 kv", "fp8 weights + kv", "fp8 weights only (w8a16)")
-GPTQ_ARM = "gptq checkpoint (w8a16)"  # with --quantized, on --model only
+GPTQ_ARM = "gptq checkpoint (w8a16)"  # with --quantized, on --model only; then also with the FP8 KV pool
 PROMPT_LEN = 32
 SCORE_BATCH = 8
 
@@ -96,6 +96,7 @@ def evaluate(source: ModelSource, name: str, args, device: torch.device) -> dict
     if getattr(args, "quantized", ""):  # a checkpoint of `lightq quantize` (GPTQ, weights only: W8A16)
         models["gptq"] = load_model(resolve(args.quantized), dtype, device)[0]
         arms[GPTQ_ARM] = ("gptq", dtype)
+        arms[GPTQ_ARM + " + kv"] = ("gptq", FP8)
     rows, width = max(args.seqs, SCORE_BATCH), args.seq_len + args.new
     pools = {(q, kv): SequencePool(models[q], kv, rows, width, device) for q, kv in arms.values()}
     vocab = models["none"].config.vocab_size
@@ -140,14 +141,14 @@ def print_table(name: str, dtype: torch.dtype, args, tallies: dict[str, Tally]) 
         f"greedy {args.seqs} prompts x {args.new} tokens"
     )
     print(
-        f"{'arm':<24} {'ppl':>9} {'ppl vs ref':>10} {'mean KL':>9} {'top-1':>7} {'greedy':>7} {'identical':>9}"
+        f"{'arm':<30} {'ppl':>9} {'ppl vs ref':>10} {'mean KL':>9} {'top-1':>7} {'greedy':>7} {'identical':>9}"
         f" {'forced':>7}"
     )
     for arm in tallies:
         t = tallies[arm]
         ppl = math.exp(t.nll / t.positions)
         print(
-            f"{arm:<24} {ppl:>9.3f} {ppl / ref_ppl - 1:>+10.2%} {t.kl / t.positions:>9.5f} "
+            f"{arm:<30} {ppl:>9.3f} {ppl / ref_ppl - 1:>+10.2%} {t.kl / t.positions:>9.5f} "
             f"{t.top1 / t.positions:>7.2%} {t.greedy_same / t.greedy_total:>7.2%} "
             f"{t.identical:>4}/{args.seqs:<4} {t.forced_same / t.greedy_total:>7.2%}"
         )
