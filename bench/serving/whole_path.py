@@ -66,7 +66,8 @@ def engine_alone(args) -> float:
         args.kv_cache_dtype,
     ]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    line = next(x for x in out.splitlines() if x.startswith(f"lightq {args.model_shape}:"))
+    # "lightq SHAPE: ..." or, in FP8, "lightq SHAPE fp8 fp8-kv: ..."
+    line = next(x for x in out.splitlines() if x.startswith(f"lightq {args.model_shape}") and "output tok/s" in x)
     print(line, flush=True)
     return float(re.search(r"([\d,]+) output tok/s", line).group(1).replace(",", ""))
 
