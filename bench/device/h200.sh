@@ -30,6 +30,7 @@
 #   bash bench/device/h200.sh setup fp8-tune   (issue 31: the FP8 GEMV's tiles; the FP8 pool's attention tiles)
 #   bash bench/device/h200.sh setup fp8-offline fp8-long   (issue 31: bf16 / FP8 / FP8 + FP8 pool; 64 x 8,192 over each pool)
 #   bash bench/device/h200.sh setup fp8-whole      (issue 31: the FP8 engine alone, then the same burst through lightq serve)
+#   bash bench/device/h200.sh setup w8a16          (issue 31: W8A16's own GEMM tested, then bf16 and W8A16 offline)
 #   bash bench/device/h200.sh setup fp8-carry-a fp8-tests fp8-offline; bash bench/device/h200.sh fp8-carry-b fp8-step fp8-accuracy
 #       (issue 31, FP8: the part `fp8` is all four; two back-to-back calls, the first carrying .whl and .carry/fp8a,
 #       the second .carry/fp8b, made here with
@@ -224,6 +225,11 @@ for part in "$@"; do
       timeout 400 python3 -m bench.engine.offline --model-shape llama3-8b --lora-adapters 1000 --lora-files 100 \
         --lora-resident 64 --lora-rank 16 --lora-page-batch ${LORA_PAGE_BATCH:-8} --timeline 2>&1 | tr '\r' '\n' \
         | tee "$OUT/offline_lora1000.log" | grep -E "^(lightq|LoRA|with prefill|decode, batch)" ;;
+    w8a16)  # issue 31: W8A16 above 16 rows through its own GEMM, its tests, then bf16 and W8A16 on the same workload
+      timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8.py -k "w8a16 or gemv" tests/worker/test_fp8_gpu.py \
+        2>&1 | tee "$OUT/w8a16-tests.log" | grep -E "passed|failed|error|Error"
+      for quant in none fp8_w8a16; do timeout 150 python3 -m bench.engine.offline --model-shape llama3-8b --timeline \
+        --quantization $quant 2>&1 | tr '\r' '\n' | tee "$OUT/offline_w8a16_$quant.log" | grep -E "^(lightq|with prefill|decode, batch)"; done ;;
     fp8-whole)  # issue 31: the engine alone then `lightq serve` (/generate, /generate_stream), FP8 weights + FP8 pool
       timeout 560 python3 -m bench.serving.whole_path --model-shape llama3-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 \
         2>&1 | tr '\r' '\n' | tee "$OUT/whole_fp8.log" | grep -E "^(lightq|/generate|path|engine|lightq serve|whole_path|Median|Output)" ;;

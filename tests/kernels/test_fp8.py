@@ -19,6 +19,7 @@ from worker.model.kernels.copy_kv import copy_kv, copy_kv_ref
 from worker.model.kernels.decode_attention import Stage1Tiles, decode_attention, decode_attention_ref
 from worker.model.kernels.fp8_quant import quantize_rows as quantize_rows_kernel
 from worker.model.kernels.gemv import GemvConfig, gemv, gemv_ref
+from worker.model.kernels.w8a16_gemm import w8a16_matmul
 from worker.model.ops import TorchOps, TritonOps
 from worker.model.quant import FP8, FP8_MAX, quantize_rows
 from worker.model.triton_attention import TritonAttention
@@ -47,6 +48,22 @@ def test_quantize_rows_kernel_matches_reference(rows, k, block_k, dtype):
 def test_quantize_rows_of_zeros_is_zeros():
     q, scale = quantize_rows_kernel(torch.zeros(3, 32, device=DEVICE))
     assert torch.equal(q.float(), torch.zeros(3, 32, device=DEVICE)) and (scale > 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows, out_features, in_features, bias",
+    [(17, 200, 100, True), (40, 128, 64, False), (130, 72, 160, True), (300, 264, 96, False)],
+)  # each BLOCK_M (32, 64, 128); columns, K and rows past whole tiles; row tiles over two GROUP_M groups at 300
+def test_w8a16_gemm_matches_reference(rows, out_features, in_features, bias, dtype):
+    """W8A16 above the GEMV's rows: the FP8 weight's tiles converted in registers, scales and bias on the
+    fp32 sums; the reference is the same product in fp32 (gemv_ref), the output NaN-poisoned first."""
+    x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
+    w, scale = quantize_rows(torch.randn(out_features, in_features, device=DEVICE) / in_features**0.5)
+    b = torch.randn(out_features, device=DEVICE).to(dtype) if bias else None
+    out = torch.full((rows, out_features), float("nan"), device=DEVICE, dtype=dtype)
+    w8a16_matmul(x, w, scale, b, out=out)
+    assert_close(out, gemv_ref(x, w, b, scale))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

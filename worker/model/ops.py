@@ -87,10 +87,10 @@ class TritonOps:
     """The same, as Triton kernels (the add fused into the norm) and cuBLASLt's FP8 matmul."""
 
     def __init__(self):
-        from worker.model.kernels import fp8_quant, gemv, rmsnorm, rotary, silu_and_mul
+        from worker.model.kernels import fp8_quant, gemv, rmsnorm, rotary, silu_and_mul, w8a16_gemm
 
         self._rmsnorm, self._rotary, self._silu_and_mul = rmsnorm, rotary, silu_and_mul
-        self._fp8_quant, self._gemv = fp8_quant, gemv
+        self._fp8_quant, self._gemv, self._w8a16 = fp8_quant, gemv, w8a16_gemm
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rmsnorm.rmsnorm(x.contiguous(), weight, eps)
@@ -124,14 +124,13 @@ class TritonOps:
         FP8 weight and scales it in-kernel, x stays in its dtype (W8A16: half the bytes, no activation
         quantisation). More rows: x quantised per token, then ``torch._scaled_mm`` (cuBLASLt, FP8 tensor
         cores) with row-wise scales; it gives bf16 only, and takes no bias with row-wise scales. With
-        ``quantize_inputs`` False (W8A16 throughout), more rows take the weight converted to x's dtype
-        (exact) and cuBLAS in that dtype, then the column scales."""
+        ``quantize_inputs`` False (W8A16 throughout), more rows take ``kernels.w8a16_gemm``: FP8 weight
+        tiles converted in registers, never a converted copy of the weight."""
         if x.shape[0] <= self._gemv.MAX_ROWS:
             config = self._gemv.fp8_config(weight.shape[0], weight.shape[1], _num_sms(x.device))
             return self._gemv.gemv(x, weight, bias, config, weight_scale=weight_scale)
         if not quantize_inputs:
-            y = F.linear(x, weight.to(x.dtype)).mul_(weight_scale.to(x.dtype))
-            return y if bias is None else y + bias
+            return self._w8a16.w8a16_matmul(x, weight, weight_scale, bias)
         xq, xs = self._fp8_quant.quantize_rows(x)
         y = torch._scaled_mm(xq, weight.T, scale_a=xs[:, None], scale_b=weight_scale[None, :], out_dtype=torch.bfloat16)
         y = y if bias is None else y + bias
