@@ -230,6 +230,10 @@ for part in "$@"; do
         2>&1 | tee "$OUT/w8a16-tests.log" | grep -E "passed|failed|error|Error"
       for quant in none fp8_w8a16; do timeout 150 python3 -m bench.engine.offline --model-shape llama3-8b --timeline \
         --quantization $quant 2>&1 | tr '\r' '\n' | tee "$OUT/offline_w8a16_$quant.log" | grep -E "^(lightq|with prefill|decode, batch)"; done ;;
+    w8a16-gemm)  # issue 31: W8A16's GEMM tested, then timed against bf16 cuBLAS and the converted weight (a minute)
+      timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8.py -k "w8a16" 2>&1 \
+        | tee "$OUT/w8a16-tests.log" | grep -E "passed|failed|error|Error"
+      timeout 150 python3 -m bench.engine.w8a16_gemm --model-shape llama3-8b 2>&1 | grep -v Warning | tee "$OUT/w8a16_gemm.log" ;;
     fp8-whole)  # issue 31: the engine alone then `lightq serve` (/generate, /generate_stream), FP8 weights + FP8 pool
       timeout 560 python3 -m bench.serving.whole_path --model-shape llama3-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 \
         2>&1 | tr '\r' '\n' | tee "$OUT/whole_fp8.log" | grep -E "^(lightq|/generate|path|engine|lightq serve|whole_path|Median|Output)" ;;
