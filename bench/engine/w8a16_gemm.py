@@ -8,7 +8,8 @@ weight (the unquantised model: the peer), the FP8 weight converted to bf16 each 
 the column scales (what ``--quantization fp8_w8a16`` did above 16 rows before ``kernels/w8a16_gemm.py``),
 and ``w8a16_matmul`` (FP8 tiles converted in registers). lightq's output is checked first against an
 fp32 product of the same FP8 values, on a NaN-poisoned output. Timing: CUDA events, median of 30 runs
-after warm-up, one copy of each weight (at a few rows the smaller weights may sit in L2 for every way). One line per (linear, M), then the four linears summed per M and the ratio to bf16.
+after warm-up, one copy of each weight (at a few rows the smaller weights may sit in L2 for every way).
+One line per (linear, M), then the four linears summed per M and the ratio to bf16.
 """
 
 from __future__ import annotations
