@@ -18,7 +18,6 @@ layers, so their memory stays under ``gram_budget`` bytes: a Llama-3-8B down_pro
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -26,8 +25,6 @@ from torch import nn
 
 from worker.model.fp8 import fits, linear_modules
 from worker.model.quant import FP8, FP8_MAX, dequantize_rows, quantize_rows
-
-log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
