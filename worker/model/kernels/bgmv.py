@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels.lora_shards import Shards, block_ranks, expand_span, first_rank
+from worker.model.kernels.lora_shards import Shards, block_ranks, expand_span
 
 BLOCK_N, BLOCK_K, SPLIT_K = 64, 128, 512
 
@@ -59,7 +59,7 @@ def _expand(
     if slot == 0:
         return
     cols = nb * BN + tl.arange(0, BN)
-    r0 = first_rank(nb * BN, END0, END1, RS)  # this tile's shard's ranks alone (lora_shards)
+    r0 = ((nb * BN >= END0).to(tl.int32) + (nb * BN >= END1).to(tl.int32)) * RS  # its shard's ranks (lora_shards)
     rs = tl.arange(0, BR)
     vs = tl.zeros((BR,), dtype=tl.float32)
     for split in tl.static_range(SPLITS):  # the shrink's partial sums, always in this order

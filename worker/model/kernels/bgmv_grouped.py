@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels.lora_shards import Shards, block_ranks, expand_span, first_rank
+from worker.model.kernels.lora_shards import Shards, block_ranks, expand_span
 
 BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K = 16, 64, 128, 512
 
@@ -101,7 +101,7 @@ def _expand(
         return
     pos, tok, ok = _block_rows(tokens, blk, BM)
     cols = nb * BN + tl.arange(0, BN)
-    r0 = first_rank(nb * BN, END0, END1, RS)  # this tile's shard's ranks alone (lora_shards)
+    r0 = ((nb * BN >= END0).to(tl.int32) + (nb * BN >= END1).to(tl.int32)) * RS  # its shard's ranks (lora_shards)
     rs = tl.arange(0, BR)
     vs = tl.load(v + pos[:, None] * s_v + r0 + rs[None, :], mask=ok[:, None] & (rs[None, :] < RS), other=0.0)
     b_ptr = b + slot * s_bs + cols[:, None] * s_bn + r0 + rs[None, :]

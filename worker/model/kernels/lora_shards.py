@@ -6,15 +6,14 @@ columns, zero elsewhere. An expand (y += v B^T) that multiplies all n R columns 
 row reads and multiplies the zero blocks too: on Llama-3-8B at rank 16, 126 MB an adapter a step
 where 84 are needed. When every shard boundary falls on an output tile's boundary, a tile lies in
 one shard and reads that shard's R columns of v and B alone (``expand_span``); otherwise (small test
-shapes) every tile reads all of them, as before, with the same result.
+shapes) every tile reads all of them, as before, with the same result. In a kernel, the tile at output
+row c0 reads from column ((c0 >= END0) + (c0 >= END1)) * RS. No triton here: ``LoraLinear`` builds its
+``Shards`` on a CPU too (``worker.model.kernels`` imports triton only where a kernel is).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import triton
-import triton.language as tl
 
 MAX_SHARDS = 3  # the kernels take two inner boundaries
 
@@ -37,12 +36,6 @@ def expand_span(shards: Shards | None, n: int, r: int, block_n: int) -> tuple[in
     return inner[0], inner[1], shards.rank
 
 
-@triton.jit
-def first_rank(col0, END0, END1, RS):
-    """The first column of v and B that the output tile starting at row ``col0`` reads."""
-    return ((col0 >= END0).to(tl.int32) + (col0 >= END1).to(tl.int32)) * RS
-
-
 def block_ranks(ranks: int) -> int:
     """A tile's rank dimension: a power of two, at least 16 (tl.dot)."""
-    return max(triton.next_power_of_2(ranks), 16)
+    return max(1 << (ranks - 1).bit_length(), 16)

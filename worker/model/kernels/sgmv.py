@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels.lora_shards import Shards, expand_span, first_rank
+from worker.model.kernels.lora_shards import Shards, expand_span
 
 BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R = 16, 64, 64, 16  # tl.dot needs every dim >= 16
 
@@ -61,7 +61,7 @@ def _expand(
     row_ok = mb * BM + tl.arange(0, BM) < n
     cols = nb * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    first = first_rank(nb * BN, END0, END1, RS)  # this tile's shard's ranks alone (lora_shards)
+    first = ((nb * BN >= END0).to(tl.int32) + (nb * BN >= END1).to(tl.int32)) * RS  # its shard's ranks (lora_shards)
     for r0 in range(0, RS, BR):
         rs = r0 + tl.arange(0, BR)
         v_ptr = v + rows[:, None] * s_v + first + rs[None, :]
