@@ -93,3 +93,22 @@ def test_lightq_quantize_refuses_an_existing_folder_and_random_weights(tmp_path,
         lightq_main(["quantize", "--model_dir", f"dummy:{tmp_path / 'config'}", "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2 and "no weights to quantise" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "layout, inputs, weights_only",
+    [("ct-channel", True, False), ("ct-channel", False, True), ("fp8-tensor", True, False)],
+)
+def test_a_checkpoint_is_weights_only_when_no_group_quantises_inputs(layout, inputs, weights_only):
+    """compressed-tensors without ``input_activations`` (what ``lightq quantize`` writes) runs W8A16; one
+    with them, or HF's ``fp8`` method (always with an activation scheme), runs W8A8."""
+    import transformers
+
+    from tests.worker.test_fp8 import quantization_config
+    from worker.model.fp8_checkpoint import checkpoint_format
+
+    config = quantization_config(layout)
+    if not inputs:
+        config["config_groups"]["group_0"]["input_activations"] = None
+    fmt = checkpoint_format(transformers.PretrainedConfig(quantization_config=config))
+    assert fmt is not None and fmt.weights_only == weights_only
