@@ -43,6 +43,9 @@ def run(flags: dict) -> int:
     if os.path.exists(args.out):
         print(f"lightq quantize: {args.out} exists; give a new folder", file=sys.stderr)
         return 2
+    if args.calibration and not os.path.isfile(args.calibration):  # before minutes of loading, not after
+        print(f"lightq quantize: --calibration {args.calibration}: no such file", file=sys.stderr)
+        return 2
     from shared.model_files import resolve
 
     try:

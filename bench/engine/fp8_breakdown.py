@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.model_files import resolve
+from worker.model.gptq import gptq_fp8
 from worker.model.layers import Linear
 from worker.model.loader import load_model
 from worker.model.quant import dequantize_rows, quantize_rows
@@ -52,45 +53,6 @@ VARIANTS = {  # name -> (weights' group or "none", inputs' group or "none", laye
     "weights GPTQ act-order + inputs": ("gptq-act", None, (), None),
     "weights GPTQ act-order + inputs, down_proj full": ("gptq-act", None, ("down_proj",), None),
 }
-
-
-def gptq(
-    weight: torch.Tensor, gram: torch.Tensor, block: int = 128, damp: float = 0.01, act_order: bool = False
-) -> torch.Tensor:
-    """``weight`` [N, K] rounded to FP8 (per-row scales as lightq's) column by column, each column's
-    rounding error spread over the columns not yet rounded as the inputs' Gram matrix ``gram`` [K, K]
-    says (GPTQ, Frantar et al. 2022, its blocked form): the layer's output error, not each weight's,
-    is what the rounding minimises. ``act_order``: the columns of the largest inputs first (GPTQ's
-    "act-order"), so their error is spread over the most columns. Returns the dequantised weight."""
-    if act_order:
-        order = torch.argsort(gram.diagonal(), descending=True)
-        back = torch.argsort(order)
-        return gptq(weight[:, order], gram[order][:, order], block, damp)[:, back]
-    w = weight.float().clone()
-    h = gram.clone()
-    dead = h.diagonal() == 0
-    h[dead, dead], w[:, dead] = 1.0, 0.0
-    h += damp * h.diagonal().mean() * torch.eye(h.shape[0])
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    _, scale = quantize_rows(w)
-    out = torch.empty_like(w)
-    for start in range(0, w.shape[1], block):
-        end = min(start + block, w.shape[1])
-        wb, errs = w[:, start:end].clone(), torch.empty(w.shape[0], end - start)
-        for j in range(end - start):
-            col = wb[:, j]
-            q = dequantize_rows(*quantize_scaled(col, scale))[:, 0]
-            out[:, start + j] = q
-            err = (col - q) / hinv[start + j, start + j]
-            wb[:, j:] -= err[:, None] * hinv[start + j, start + j : end][None, :]
-            errs[:, j] = err
-        w[:, end:] -= errs @ hinv[start:end, end:]
-    return out
-
-
-def quantize_scaled(col: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One column [N] of a weight rounded to FP8 with its rows' fixed scales [N] (as ``quantize_rows``)."""
-    return (col / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)[:, None], scale
 
 
 def input_stats(model, pool: SequencePool, text: torch.Tensor, linears: dict) -> tuple[dict, dict]:
@@ -149,7 +111,10 @@ def main(argv: list[str] | None = None) -> None:
             continue
         if w_group in ("gptq", "gptq-act") and rounded.get("kind") != w_group:
             act = w_group == "gptq-act"
-            rounded = {layer: gptq(weight, gram[layer], act_order=act) for layer, (_, weight) in linears.items()}
+            rounded = {
+                layer: dequantize_rows(*gptq_fp8(weight, gram[layer], act_order=act))
+                for layer, (_, weight) in linears.items()
+            }
             rounded["kind"] = w_group
         for layer, (m, weight) in linears.items():
             kept = any(kind in layer for kind in full)

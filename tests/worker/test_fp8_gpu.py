@@ -2,9 +2,12 @@
 elsewhere, against the CPU's FP8 reference path, and decode CUDA graphs against eager steps."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
+import transformers
 
 from shared.config import ModelSettings
 from shared.model_files import ModelSource
@@ -111,8 +114,6 @@ def test_cuda_weights_only_fp8_logits_match_the_cpu_reference(tiny_dir, tmp_path
     FP8 weights: the checkpoint's values made bf16-exact first, since CUDA quantises the bf16 weights
     and a weight one bf16 rounding away can land on the next FP8 step (on an H100 that alone moved this
     random model's logits 15% of the largest)."""
-    import transformers
-
     exact = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir)
     with torch.no_grad():
         for p in exact.parameters():
@@ -143,9 +144,6 @@ def test_lightq_quantize_on_cuda_writes_a_checkpoint_both_devices_run_alike(tiny
     rest (embeddings, norms) and every activation are rounded to bf16 on CUDA, which moved this random
     model's logits 5.1% of the largest on an H100: the bound is 10% (a wrong scale or row order moves
     them by about the whole)."""
-    import subprocess
-    import sys
-
     out = tmp_path / "fp8"
     command = [sys.executable, "-m", "lightq.cli", "quantize", "--model_dir", tiny_dir, "--out", str(out)]
     done = subprocess.run(

@@ -13,13 +13,22 @@ import sys
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from lightq.cli import main as lightq_main
 from shared.model_files import ModelSource
 from tests.worker.model_harness import PoolRunner
-from tests.worker.test_fp8 import assert_fp8_match, fake_quantized, last_logits, prompts, reference
+from tests.worker.test_fp8 import (
+    assert_fp8_match,
+    fake_quantized,
+    last_logits,
+    prompts,
+    quantization_config,
+    reference,
+)
 from worker.model.fp8 import Fp8Linear
+from worker.model.fp8_checkpoint import checkpoint_format
 from worker.model.gptq import gptq_fp8, output_error
 from worker.model.loader import load_model
 from worker.model.quant import FP8, dequantize_rows, quantize_rows
@@ -102,11 +111,6 @@ def test_lightq_quantize_refuses_an_existing_folder_and_random_weights(tmp_path,
 def test_a_checkpoint_is_weights_only_when_no_group_quantises_inputs(layout, inputs, weights_only):
     """compressed-tensors without ``input_activations`` (what ``lightq quantize`` writes) runs W8A16; one
     with them, or HF's ``fp8`` method (always with an activation scheme), runs W8A8."""
-    import transformers
-
-    from tests.worker.test_fp8 import quantization_config
-    from worker.model.fp8_checkpoint import checkpoint_format
-
     config = quantization_config(layout)
     if not inputs:
         config["config_groups"]["group_0"]["input_activations"] = None

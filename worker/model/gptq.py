@@ -69,11 +69,9 @@ def output_error(weight: torch.Tensor, rounded: torch.Tensor, gram: torch.Tensor
 
 
 @torch.no_grad()
-def collect_grams(
-    model: nn.Module, names: Iterable[str], run: Callable[[], None], device: torch.device | None = None
-) -> dict[str, torch.Tensor]:
+def collect_grams(model: nn.Module, names: Iterable[str], run: Callable[[], None]) -> dict[str, torch.Tensor]:
     """The Gram matrix X^T X / n of each named ``Linear``'s inputs while ``run()`` runs the model on
-    the calibration text; each on ``device`` (default: the layer's)."""
+    the calibration text, on the layer's device."""
     grams: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     hooks = []
@@ -91,7 +89,7 @@ def collect_grams(
     finally:
         for hook in hooks:
             hook.remove()
-    return {name: (g / counts[name]).to(device or g.device) for name, g in grams.items()}
+    return {name: g / counts[name] for name, g in grams.items()}
 
 
 def quantize_model(
