@@ -16,6 +16,7 @@ from shared.schemas import GenerateRequest, SamplingParams
 from shared.worker_settings import WorkerSettings
 from tests.worker.lora_helpers import AdapterRecipe, make_adapter
 from tests.worker.model_harness import build_batch, tiny_gpu_llama
+from tests.worker.test_lora_runtime import page_in_both_ways
 from tests.worker.token_rows import flat
 from worker.engine.events import Token
 from worker.engine.request import Req
@@ -120,3 +121,10 @@ def test_bf16_logits_of_a_mixed_prefill_stay_near_the_reference(lora_dir):
     moved = min((cpu[i] - cpu[0]).abs().max() / scale for i in range(1, len(cpu)))  # each adapter vs base
     assert torch.isfinite(gpu).all()
     assert error < 0.05 and moved > 4 * error, (float(error), float(moved))
+
+
+def test_a_staged_page_in_writes_the_slots_the_plain_copies_write_on_gpu(lora_dir):
+    """worker.model.kernels.scatter_copy compiled, in bf16: the adapters' pages equal the copies'."""
+    base, specs = lora_dir
+    folders = dict(spec.split("=", 1) for spec in specs if not spec.startswith("all64"))  # rank 64: over MAX_RANK
+    page_in_both_ways(base, folders, ["mlp16", "qv4", "mlp16", "qv4"], "cuda", torch.bfloat16)

@@ -8,6 +8,7 @@ serves on."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -22,7 +23,8 @@ from tests.worker.test_lora import NEW, POOL, PROMPTS, adapters, lora_req  # noq
 from worker.engine.engine import Engine, EngineLimits
 from worker.engine.events import Token
 from worker.engine.token_pool import TokenPool
-from worker.lora.adapter_set import load_adapters
+from worker.lora.adapter import load_adapter
+from worker.lora.adapter_set import AdapterSet, load_adapters
 from worker.lora.runtime import NO_SLOTS, AdapterRuntime
 from worker.model.loader import attach_kv_cache, load_model
 from worker.runner.model_runner import ModelRunner
@@ -208,3 +210,35 @@ def test_a_worker_without_slots_reports_every_adapter(tiny, adapters):  # noqa: 
     runtime.update(LoraRegistry(version=1, adapters={"qv4": folders["qv4"]}))
     assert runtime.reconcile(set())
     assert runtime.view.failed == (("qv4", folders["qv4"], NO_SLOTS),) and runtime.view.serving == ()
+
+
+def test_a_staged_page_in_writes_the_slots_the_plain_copies_write(tiny, adapters):  # noqa: F811
+    """``scatter_copy`` (one DMA of an adapter's host buffer, one launch; Triton's interpreter here)
+    against the reference's piece-by-piece copies (tests/worker/test_lora_gpu.py: on a GPU, bf16)."""
+    folders, _ = adapters
+    page_in_both_ways(tiny[1], folders, ["all16", "k2", "mlp8", "qv4", "all16", "k2"], "cpu", torch.float32)
+
+
+def page_in_both_ways(base: str, folders: dict[str, str], order: list[str], device: str, dtype: torch.dtype) -> None:
+    """Adapters of other ranks and targets paged into the same slot in turn, by copies and staged
+    (a smaller rank zeroes what the last one wrote past it), the staging buffer NaN-poisoned before
+    each page-in: every stack equal after each."""
+    sets = []
+    for staging in (False, True):
+        model, _ = load_model(ModelSource("hf", base), dtype, device)
+        lora = AdapterSet([], spare=1, rank=MAX_RANK)
+        lora.install(model, staging=staging)
+        sets.append((model, lora))
+    assert sets[0][1].staging is None and sets[1][1].staging is not None
+    for i, name in enumerate(order):
+        for model, lora in sets:
+            if lora.staging is not None:
+                lora.staging.fill_(float("nan"))
+            adapter = load_adapter(name, folders[name], model, MAX_RANK)
+            assert adapter.flat is not None
+            lora.register(dataclasses.replace(adapter, name=f"{name}-{i}"))  # a new name: paged in
+            assert lora.make_resident(f"{name}-{i}", pinned=()) and lora.slots[f"{name}-{i}"] == 1
+        for layer, want in sets[0][1].layers.items():
+            got = sets[1][1].layers[layer]
+            assert torch.equal(got.lora_a, want.lora_a) and torch.equal(got.lora_b, want.lora_b), (name, layer)
+    assert any(layer.lora_a[1].any() for layer in sets[1][1].layers.values())

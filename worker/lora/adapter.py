@@ -46,6 +46,9 @@ class LoraAdapter:
     # lightq module name (e.g. model.layers.0.self_attn.qkv_proj) -> per shard of its rows, the
     # shard's (A, B) or None where the adapter leaves that shard alone (k of qkv, say)
     modules: dict[str, list[Shard | None]]
+    # the one host buffer every tensor above views (``pack``), so a page-in copies it in one DMA
+    # (``worker.model.kernels.scatter_copy``); None for adapters built otherwise (tests)
+    flat: torch.Tensor | None = None
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -87,19 +90,33 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoraA
             raise fail(f"{module}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a {layer} layer")
         scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         shards = modules.setdefault(ours, [None] * len(sizes))
-        shards[shard] = (
-            _host(a.float(), model.dtype, weight.is_cuda),
-            _host(b.float() * scaling, model.dtype, weight.is_cuda),
-        )
+        shards[shard] = (a.float().to(model.dtype), (b.float() * scaling).to(model.dtype))
     if not modules:
         raise fail(f"{WEIGHTS_FILE} holds no LoRA weights")
     rank = max(s[0].shape[0] for shards in modules.values() for s in shards if s is not None)
-    return LoraAdapter(name, rank, modules)
+    flat, modules = pack(modules, pin=next(iter(linears.values())).weight.is_cuda)
+    return LoraAdapter(name, rank, modules, flat)
 
 
-def _host(tensor: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    tensor = tensor.to(dtype).contiguous()
-    return tensor.pin_memory() if pin else tensor
+def pack(modules: dict[str, list[Shard | None]], pin: bool) -> tuple[torch.Tensor, dict[str, list[Shard | None]]]:
+    """Every tensor of ``modules`` copied into one flat buffer (pinned when ``pin``), and the same
+    modules as contiguous views of it: one allocation to pin, and one DMA to page the adapter in."""
+    tensors = [t for shards in modules.values() for shard in shards if shard is not None for t in shard]
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=pin)
+    offset = 0
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        view = flat[offset : offset + tensor.numel()].view(tensor.shape)
+        view.copy_(tensor)
+        offset += tensor.numel()
+        return view
+
+    packed = {
+        name: [None if shard is None else (place(shard[0]), place(shard[1])) for shard in shards]
+        for name, shards in modules.items()
+    }
+    return flat, packed
 
 
 def _read_config(path: str, fail) -> dict:

@@ -69,6 +69,7 @@ class AdapterSet:
         self.bound: ForwardBatch | None = None  # set by ``bind`` for one forward
         self.groups: TokenGroups | None = None  # the bound decode's tokens by slot (``decode_groups``)
         self.nbytes = 0  # the stacks' device memory, once installed
+        self.staging: torch.Tensor | None = None  # a page-in's device copy of an adapter's host buffer (install)
         self.layers: dict[str, LoraLinear] = {}  # adapted layer name -> its wrapper (``install``)
         self._written: dict[int, dict[str, list[int]]] = {}  # slot -> layer -> each shard's rank written there
         self._adapters = adapters
@@ -99,10 +100,12 @@ class AdapterSet:
             self.bound, self.groups = None, None
 
     @torch.no_grad()
-    def install(self, model: nn.Module) -> int:
+    def install(self, model: nn.Module, staging: bool | None = None) -> int:
         """Wrap every layer some adapter adapts (with spare slots: every adaptable layer) in a
         ``LoraLinear`` holding its stacks (the model's dtype, the layer's device); the stacks' bytes.
-        The stacks never move or grow after this: a captured CUDA graph reads them where they are."""
+        The stacks never move or grow after this: a captured CUDA graph reads them where they are.
+        ``staging`` (default: spare slots on a GPU): a buffer as large as the largest adapter the
+        stacks take, so page-ins copy an adapter's host buffer in one DMA and one launch (``_write``)."""
         names = {name for a in self._adapters for name in a.modules}
         if self.spare_rank:
             names |= set(adaptable_layers(model))
@@ -120,6 +123,11 @@ class AdapterSet:
             setattr(model.get_submodule(parent), child, layer)
             self.layers[name] = layer
             size += a.numel() * a.element_size() + b.numel() * b.element_size()
+        device = next(iter(self.layers.values())).lora_a.device if self.layers else torch.device("cpu")
+        if self.layers and (staging if staging is not None else bool(self.spare) and device.type == "cuda"):
+            most = sum(layer.lora_a[0].numel() + sum(layer.sizes) * layer.rank for layer in self.layers.values())
+            self.staging = torch.empty(most, dtype=model.dtype, device=device)
+            size += self.staging.numel() * self.staging.element_size()
         for adapter in self._adapters:
             self._write(self.slots[adapter.name], adapter)
         model.lora = self
@@ -182,11 +190,29 @@ class AdapterSet:
 
     @torch.no_grad()
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
-        """Slot ``slot`` of every layer: the adapter's shards (A rows k R .., B's block at the
-        shard's rows); zeros only where the slot's previous adapter wrote and this one does not (a
-        reused slot's old weights go; the off-diagonal blocks of B are never written, so stay zero).
-        Zeroing every slice of a 32-layer model was 256 launches a page-in, more than half its copies."""
+        """Slot ``slot`` of every layer: the adapter's shards (``_pieces``); in one launch from the
+        adapter's host buffer where the stacks have a staging buffer (``scatter_copy``), else piece
+        by piece (a CPU: the reference)."""
+        pieces = self._pieces(slot, adapter)
+        if self.staging is not None and adapter.flat is not None:
+            from worker.model.kernels.scatter_copy import scatter_copy  # triton: only where stacks stage
+
+            scatter_copy(pieces, adapter.flat, self.staging)
+            return
+        for dst, src in pieces:  # pinned host memory on a GPU (load_adapter): asynchronous, ordered on the stream
+            if src is None:
+                dst.zero_()
+            else:
+                dst.copy_(src, non_blocking=True)
+
+    def _pieces(self, slot: int, adapter: LoraAdapter) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(slice of a stack, what goes there: a host tensor, or None for zeros) for every shard: A
+        rows k R .., B's block at the shard's rows; zeros only where the slot's previous adapter
+        wrote and this one does not (a reused slot's old weights go; the off-diagonal blocks of B
+        are never written, so stay zero). Zeroing every slice of a 32-layer model was 256 launches
+        a page-in, more than half its copies."""
         written = self._written.setdefault(slot, {})
+        pieces: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for name, layer in self.layers.items():
             shards = list(adapter.modules.get(name, ()))
             shards += [None] * (len(layer.sizes) - len(shards))
@@ -194,14 +220,13 @@ class AdapterSet:
             for k, (shard, old) in enumerate(zip(shards, written.get(name, [0] * len(ranks)))):
                 row, size, first, new = sum(layer.sizes[:k]), layer.sizes[k], k * layer.rank, ranks[k]
                 if old > new:  # the previous adapter's ranks past this one's
-                    layer.lora_a[slot, first + new : first + old].zero_()
-                    layer.lora_b[slot, row : row + size, first + new : first + old].zero_()
+                    pieces.append((layer.lora_a[slot, first + new : first + old], None))
+                    pieces.append((layer.lora_b[slot, row : row + size, first + new : first + old], None))
                 if shard is not None:
-                    a, b = shard  # pinned host memory on a GPU (load_adapter): asynchronous, ordered on the stream
-                    layer.lora_a[slot, first : first + new].copy_(a, non_blocking=True)
-                    layer.lora_b[slot, row : row + size, first : first + new].copy_(b, non_blocking=True)
+                    pieces.append((layer.lora_a[slot, first : first + new], shard[0]))
+                    pieces.append((layer.lora_b[slot, row : row + size, first : first + new], shard[1]))
             written[name] = ranks
-
+        return pieces
 
 def adaptable_layers(model: nn.Module) -> list[str]:
     """The linear layers of the decoder an adapter may target (attention and MLP projections): the
