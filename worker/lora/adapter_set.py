@@ -228,6 +228,7 @@ class AdapterSet:
             written[name] = ranks
         return pieces
 
+
 def adaptable_layers(model: nn.Module) -> list[str]:
     """The linear layers of the decoder an adapter may target (attention and MLP projections): the
     model's ``Linear`` modules but its head (embeddings are no ``Linear``)."""
