@@ -20,6 +20,7 @@
 #   bash bench/device/h200.sh setup lora-offline    (issue 32: 0 then 100 adapters of rank 16; written on the host, not carried)
 #   bash bench/device/h200.sh setup lora-1000      (the base model, then 1,000 registered, 64 resident, over 100 files)
 #   bash bench/device/h200.sh setup lora-tests lora-1000   (the same after the kernels' and paging's changes, tests first)
+#   bash bench/device/h200.sh setup lora-tests lora-arms   (issue 32: page-ins by copies, staged, staged ahead)
 #   bash bench/device/h200.sh setup lora-route      (issue 32: four workers on one GPU, 200 adapters in a Zipf mix,
 #       adapter-aware vs load-only routing; SmolLM2's shape, random weights; carry .whl .tok)
 #   bash bench/device/h200.sh setup cluster-scale   (issue 30: carry .whl .tok .carry/redis7, made here with
@@ -232,6 +233,13 @@ for part in "$@"; do
       timeout 400 python3 -m bench.engine.offline --model-shape llama3-8b --lora-adapters 1000 --lora-files 100 \
         --lora-resident 64 --lora-rank 16 --lora-page-batch ${LORA_PAGE_BATCH:-8} --timeline 2>&1 | tr '\r' '\n' \
         | tee "$OUT/offline_lora1000.log" | grep -E "^(lightq|LoRA|with prefill|decode, batch)" ;;
+    lora-arms)  # issue 32: the base model, then 1,000 adapters / 64 resident paged in three ways (--lora-page-in:
+      # piece-by-piece copies as before, staged in one DMA and one launch, and staged with copies ahead)
+      timeout 150 python3 -m bench.engine.offline --model-shape llama3-8b --timeline 2>&1 | tr '\r' '\n' \
+        | tee "$OUT/offline_base.log" | grep -E "^(lightq|with prefill|decode, batch)"
+      for way in ${LORA_WAYS:-copies staged ahead}; do timeout 200 python3 -m bench.engine.offline --model-shape llama3-8b \
+        --lora-adapters 1000 --lora-files 100 --lora-resident 64 --lora-rank 16 --lora-page-in $way --timeline 2>&1 \
+        | tr '\r' '\n' | tee "$OUT/offline_lora_$way.log" | grep -E "^(lightq|LoRA: [0-9]+ adapters paged|with prefill|decode, batch)"; done ;;
     w8a16)  # issue 31: W8A16 above 16 rows through its own GEMM, its tests, then bf16 and W8A16 on the same workload
       timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8.py -k "w8a16 or gemv" tests/worker/test_fp8_gpu.py \
         2>&1 | tee "$OUT/w8a16-tests.log" | grep -E "passed|failed|error|Error"

@@ -94,6 +94,16 @@ def constraint_from(args) -> Constraint | None:
         return Constraint(kind="json_schema", spec=f.read())
 
 
+def page_in_by(adapters, way: str) -> None:
+    """--lora-page-in: 'ahead' as the worker does (worker.lora.staging), 'staged' without the copies
+    ahead, 'copies' piece by piece as before the staging (the comparison's arms)."""
+    if way == "copies":
+        adapters.staging = None
+    elif way == "staged":
+        adapters.staging.ahead.clear()
+        adapters.staging.free.clear()
+
+
 def run_lightq(args, work, tally: Tally) -> float:
     constraint = constraint_from(args)
     tokenizer = load_tokenizer(resolve(args.tokenizer)) if constraint is not None else None  # for the grammar
@@ -142,12 +152,16 @@ def run_lightq(args, work, tally: Tally) -> float:
         warm = [(ids[:16], 4) for ids, _ in work[:8]]
         # the grammar and the LoRA kernels compile here, once
         drive(engine, warm, progress=False, constraint=constraint, adapters=names)
+        if engine.runner.adapters is not None and engine.runner.adapters.staging is not None:
+            page_in_by(engine.runner.adapters, args.lora_page_in)
         timeline: list[tuple[float, int, bool]] | None = [] if args.timeline else None
         seconds = drive(
             engine, work, progress=True, timeline=timeline, constraint=constraint, tally=tally, adapters=names
         )
         if args.lora_resident:
-            print(f"LoRA: {engine.runner.adapters.loads} adapters paged in (warm-up's included)")
+            lora, staging = engine.runner.adapters, engine.runner.adapters.staging
+            ahead = "" if staging is None else f", {staging.used} of them copied ahead ({staging.prefetched} copies)"
+            print(f"LoRA: {lora.loads} adapters paged in (warm-up's included){ahead}")
     finally:
         if group is not None:
             group.close()
@@ -287,6 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--lora-files", type=int, default=0, help="with --lora-resident: distinct files (0: one each)")
     parser.add_argument("--lora-page-batch", type=int, default=8, help="the worker's --lora_page_batch")
+    parser.add_argument("--lora-page-in", choices=("ahead", "staged", "copies"), default="ahead", help=page_in_by.__doc__)
     args = parser.parse_args(argv)
     if args.peer is not None and (args.json_schema is not None or args.vocab_size is not None):
         parser.error("--peer runs the shape as it is: compare --json-schema with a run of lightq alone")

@@ -26,6 +26,7 @@ from worker.engine.token_pool import TokenPool
 from worker.lora.adapter import load_adapter
 from worker.lora.adapter_set import AdapterSet, load_adapters
 from worker.lora.runtime import NO_SLOTS, AdapterRuntime
+from worker.lora.staging import STALE, Staging
 from worker.model.loader import attach_kv_cache, load_model
 from worker.runner.model_runner import ModelRunner
 from worker.runner.req_table import ReqTable
@@ -221,24 +222,53 @@ def test_a_staged_page_in_writes_the_slots_the_plain_copies_write(tiny, adapters
 
 def page_in_both_ways(base: str, folders: dict[str, str], order: list[str], device: str, dtype: torch.dtype) -> None:
     """Adapters of other ranks and targets paged into the same slot in turn, by copies and staged
-    (a smaller rank zeroes what the last one wrote past it), the staging buffer NaN-poisoned before
-    each page-in: every stack equal after each."""
+    (a smaller rank zeroes what the last one wrote past it; every other one prefetched while the
+    slot is taken: ``worker.lora.staging``), the staging buffers NaN-poisoned before each page-in:
+    every stack equal after each."""
     sets = []
     for staging in (False, True):
         model, _ = load_model(ModelSource("hf", base), dtype, device)
         lora = AdapterSet([], spare=1, rank=MAX_RANK)
         lora.install(model, staging=staging)
         sets.append((model, lora))
-    assert sets[0][1].staging is None and sets[1][1].staging is not None
+    staged = sets[1][1].staging
+    assert sets[0][1].staging is None and staged is not None and len(staged.ahead) == 1
     for i, name in enumerate(order):
         for model, lora in sets:
-            if lora.staging is not None:
-                lora.staging.fill_(float("nan"))
             adapter = load_adapter(name, folders[name], model, MAX_RANK)
             assert adapter.flat is not None
+            for buffer in [] if lora.staging is None else [lora.staging.direct, *lora.staging.ahead]:
+                buffer.fill_(float("nan"))
             lora.register(dataclasses.replace(adapter, name=f"{name}-{i}"))  # a new name: paged in
+            if i % 2:  # the slot holds the last adapter: this one's copy goes ahead
+                lora.prefetch(f"{name}-{i}")
             assert lora.make_resident(f"{name}-{i}", pinned=()) and lora.slots[f"{name}-{i}"] == 1
         for layer, want in sets[0][1].layers.items():
             got = sets[1][1].layers[layer]
             assert torch.equal(got.lora_a, want.lora_a) and torch.equal(got.lora_b, want.lora_b), (name, layer)
     assert any(layer.lora_a[1].any() for layer in sets[1][1].layers.values())
+    assert staged.prefetched == staged.used == len(order) // 2 and staged.free == [0]
+
+
+def test_staged_copies_keep_their_buffers_until_used_or_stale():
+    """Staging's bookkeeping: askers beyond the spare buffers cost nothing; a staged copy nobody pages
+    in gives its buffer up after STALE times as many page-ins went by; a used or forgotten one frees it."""
+    staging = Staging(8, torch.float32, torch.device("cpu"), ahead=2)
+    flats = {name: torch.full((8,), float(i)) for i, name in enumerate("abcd")}
+    staging.prefetch("a", flats["a"])
+    staging.prefetch("b", flats["b"])
+    staging.prefetch("c", flats["c"])  # no buffer free and none stale: not staged
+    assert list(staging.staged) == ["a", "b"] and staging.prefetched == 2 and not staging.free
+    assert torch.equal(staging.ahead[staging.staged["a"][0]], flats["a"])
+    staging.write("b", [], flats["b"])  # used: its buffer is free again
+    assert staging.used == 1 and list(staging.staged) == ["a"] and len(staging.free) == 1
+    staging.prefetch("c", flats["c"])
+    for _ in range(STALE * 2 - 2):  # with "b"'s, one page-in short of "a" going stale
+        staging.write("other", [], flats["d"])
+    staging.prefetch("d", flats["d"])  # "a" not stale yet
+    assert "d" not in staging.staged
+    staging.write("other", [], flats["d"])
+    staging.prefetch("d", flats["d"])  # now "a" (the oldest) gives its buffer to "d"
+    assert list(staging.staged) == ["c", "d"] and torch.equal(staging.ahead[staging.staged["d"][0]], flats["d"])
+    staging.forget("c")
+    assert list(staging.staged) == ["d"] and len(staging.free) == 1

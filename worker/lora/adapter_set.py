@@ -46,6 +46,7 @@ from worker.model.layers import Linear
 from worker.model.models import model_class
 
 if TYPE_CHECKING:
+    from worker.lora.staging import Staging
     from worker.model.kernels.bgmv_grouped import TokenGroups
 
 
@@ -69,7 +70,7 @@ class AdapterSet:
         self.bound: ForwardBatch | None = None  # set by ``bind`` for one forward
         self.groups: TokenGroups | None = None  # the bound decode's tokens by slot (``decode_groups``)
         self.nbytes = 0  # the stacks' device memory, once installed
-        self.staging: torch.Tensor | None = None  # a page-in's device copy of an adapter's host buffer (install)
+        self.staging: Staging | None = None  # where page-ins copy an adapter's host buffer to (install)
         self.layers: dict[str, LoraLinear] = {}  # adapted layer name -> its wrapper (``install``)
         self._written: dict[int, dict[str, list[int]]] = {}  # slot -> layer -> each shard's rank written there
         self._adapters = adapters
@@ -104,8 +105,9 @@ class AdapterSet:
         """Wrap every layer some adapter adapts (with spare slots: every adaptable layer) in a
         ``LoraLinear`` holding its stacks (the model's dtype, the layer's device); the stacks' bytes.
         The stacks never move or grow after this: a captured CUDA graph reads them where they are.
-        ``staging`` (default: spare slots on a GPU): a buffer as large as the largest adapter the
-        stacks take, so page-ins copy an adapter's host buffer in one DMA and one launch (``_write``)."""
+        ``staging`` (default: spare slots on a GPU): buffers as large as the largest adapter the stacks
+        take, so page-ins copy an adapter's host buffer in one DMA and one launch, ``page_batch`` of
+        them ahead of their slots (``worker.lora.staging``)."""
         names = {name for a in self._adapters for name in a.modules}
         if self.spare_rank:
             names |= set(adaptable_layers(model))
@@ -126,8 +128,10 @@ class AdapterSet:
         device = next(iter(self.layers.values())).lora_a.device if self.layers else torch.device("cpu")
         if self.layers and (staging if staging is not None else bool(self.spare) and device.type == "cuda"):
             most = sum(layer.lora_a[0].numel() + sum(layer.sizes) * layer.rank for layer in self.layers.values())
-            self.staging = torch.empty(most, dtype=model.dtype, device=device)
-            size += self.staging.numel() * self.staging.element_size()
+            from worker.lora.staging import Staging  # triton's kernel: only where page-ins stage
+
+            self.staging = Staging(most, model.dtype, device, ahead=self.page_batch if self.spare else 0)
+            size += self.staging.nbytes
         for adapter in self._adapters:
             self._write(self.slots[adapter.name], adapter)
         model.lora = self
@@ -169,8 +173,17 @@ class AdapterSet:
         self._place(name, slot)
         return True
 
+    def prefetch(self, name: str) -> None:
+        """Start copying run-time adapter ``name`` towards the device for a page-in to come (a request
+        waits for a slot: ``AdapterPins``); nothing where page-ins do not stage or it is resident."""
+        adapter = self.host.get(name)
+        if self.staging is not None and adapter is not None and adapter.flat is not None and name not in self.slots:
+            self.staging.prefetch(name, adapter.flat)
+
     def release(self, name: str) -> None:
         """Forget a retired adapter once no request names it: its slot (if it has one) is free."""
+        if self.staging is not None:
+            self.staging.forget(name)
         self.host.pop(name, None)
         self.slots.pop(name, None)
         self.recent.pop(name, None)
@@ -195,9 +208,7 @@ class AdapterSet:
         by piece (a CPU: the reference)."""
         pieces = self._pieces(slot, adapter)
         if self.staging is not None and adapter.flat is not None:
-            from worker.model.kernels.scatter_copy import scatter_copy  # triton: only where stacks stage
-
-            scatter_copy(pieces, adapter.flat, self.staging)
+            self.staging.write(adapter.name, pieces, adapter.flat)
             return
         for dst, src in pieces:  # pinned host memory on a GPU (load_adapter): asynchronous, ordered on the stream
             if src is None:

@@ -25,6 +25,7 @@ import triton.language as tl
 
 PARTS, BLOCK = 16, 1024
 FIELDS = 5  # a job's int64 fields, in the order above
+Pieces = list[tuple[torch.Tensor, torch.Tensor | None]]  # (destination 2-D view, its source in the host buffer or None)
 
 
 @triton.jit
@@ -42,7 +43,7 @@ def _scatter(table, staging, PARTS: tl.constexpr, BLOCK: tl.constexpr):
         tl.store(dst + (e // cols) * stride + e % cols, values, mask=inside)
 
 
-def job_table(pieces: list[tuple[torch.Tensor, torch.Tensor | None]], flat: torch.Tensor) -> torch.Tensor:
+def job_table(pieces: Pieces, flat: torch.Tensor) -> torch.Tensor:
     """The host table of ``pieces``: (destination 2-D view, its source inside ``flat`` or None for
     zeros). Each source is a contiguous tensor of the destination's shape viewing ``flat``."""
     rows = []
@@ -57,16 +58,16 @@ def job_table(pieces: list[tuple[torch.Tensor, torch.Tensor | None]], flat: torc
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, FIELDS)
 
 
-def scatter_copy(
-    pieces: list[tuple[torch.Tensor, torch.Tensor | None]], flat: torch.Tensor, staging: torch.Tensor
-) -> None:
+def scatter_copy(pieces: Pieces, flat: torch.Tensor, staging: torch.Tensor, copied: bool = False) -> None:
     """Write every piece's source (a view of the host buffer ``flat``) into its destination, zeros
     where the source is None: ``flat`` copied into ``staging`` (same dtype, on the destinations'
-    device, at least as large), then one launch. Asynchronous on the current stream."""
+    device, at least as large; ``copied``: it is there already), then one launch. Asynchronous on
+    the current stream."""
     pieces = [(dst, src) for dst, src in pieces if dst.numel()]
     if not pieces:
         return
     assert staging.dtype == flat.dtype and staging.numel() >= flat.numel() and flat.is_contiguous()
     table = job_table(pieces, flat).to(staging.device, non_blocking=True)
-    staging[: flat.numel()].copy_(flat.reshape(-1), non_blocking=True)  # pinned on a GPU: one DMA
+    if not copied:
+        staging[: flat.numel()].copy_(flat.reshape(-1), non_blocking=True)  # pinned on a GPU: one DMA
     _scatter[(table.shape[0], PARTS)](table, staging, PARTS=PARTS, BLOCK=BLOCK)
