@@ -138,7 +138,8 @@ class WorkerSettings(BaseSettings):
         ge=1,
         description="once every --max_loras slot is held by running requests, page adapters in again only when "
         "this many slots are free, so the waiting requests start together in one prefill step rather than one "
-        "a step (1: page in as each slot frees)",
+        "a step (1: page in as each slot frees); on a GPU also how many waiting adapters are copied ahead, into "
+        "staging buffers of one adapter at --max_lora_rank each",
     )
     seed: int = Field(0, description="seed for dummy weights")
     counting_step_ms: float = Field(
