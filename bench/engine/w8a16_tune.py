@@ -18,8 +18,8 @@ Timing: CUDA events, median of 20 runs after warm-up, each call on the next of e
 weight to overflow twice the L2 cache (a decode step reads each layer's weights from HBM, so an
 L2-resident weight would flatter the small linears; the bf16 peer rotates its copies alike).
 
-One line per (linear, M): the best config, its µs, the default heuristic's µs (``default_config``) and
-bf16 cuBLAS's; then one line per M: the four linears summed for bf16, the default and the best.
+One line per (linear, M): the best config, its µs, the small-rows heuristic's µs (``small_rows_config``,
+labelled default) and bf16 cuBLAS's; then one line per M: the four linears summed for bf16, the default and the best.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from worker.model.kernels.w8a16_gemm import (
     MIN_K_PER_SPLIT,
     W8A16Config,
     block_m,
-    default_config,
     num_stages,
     programs,
+    small_rows_config,
     w8a16_matmul,
 )
 from worker.model.quant import quantize_rows
@@ -140,7 +140,7 @@ class Case:
 def tune(n: int, k: int, m: int, num_sms: int, repeat: int) -> tuple[W8A16Config, dict[str, float], Case]:
     """The best config of both phases and the µs of best, default and bf16."""
     case = Case(n, k, m)
-    default = default_config(m, n, k, num_sms)
+    default = small_rows_config(m, n, k, num_sms)
     for c in first_grid(m, n, k, num_sms):
         case.time(c, repeat)
     first_best = min(case.times, key=case.times.__getitem__)

@@ -19,7 +19,7 @@ from worker.model.kernels.copy_kv import copy_kv, copy_kv_ref
 from worker.model.kernels.decode_attention import Stage1Tiles, decode_attention, decode_attention_ref
 from worker.model.kernels.fp8_quant import quantize_rows as quantize_rows_kernel
 from worker.model.kernels.gemv import GemvConfig, gemv, gemv_ref
-from worker.model.kernels.w8a16_gemm import W8A16Config, default_config, programs, w8a16_matmul
+from worker.model.kernels.w8a16_gemm import W8A16Config, default_config, programs, small_rows_config, w8a16_matmul
 from worker.model.ops import TorchOps, TritonOps
 from worker.model.quant import FP8, FP8_MAX, quantize_rows
 from worker.model.triton_attention import TritonAttention
@@ -70,14 +70,15 @@ def test_w8a16_gemm_matches_reference(rows, out_features, in_features, bias, dty
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, out_features, in_features, bias", [(20, 72, 1100, True), (33, 64, 2100, False)])
 def test_w8a16_gemm_split_k_matches_reference(rows, out_features, in_features, bias, dtype):
-    """A few rows over a long K: the default config splits K (2 and 3 chunks, the last one ragged), the
-    fp32 partial sums then added in order with the bias; the output NaN-poisoned first."""
-    assert default_config(rows, out_features, in_features, 132).split_k > 1
+    """A few rows over a long K: the small-rows config splits K (2 and 3 chunks, the last one ragged),
+    the fp32 partial sums then added in order with the bias; the output NaN-poisoned first."""
+    config = small_rows_config(rows, out_features, in_features, 132)
+    assert config.split_k > 1
     x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
     w, scale = quantize_rows(torch.randn(out_features, in_features, device=DEVICE) / in_features**0.5)
     b = torch.randn(out_features, device=DEVICE).to(dtype) if bias else None
     out = torch.full((rows, out_features), float("nan"), device=DEVICE, dtype=dtype)
-    w8a16_matmul(x, w, scale, b, out=out)
+    w8a16_matmul(x, w, scale, b, out=out, config=config)
     assert_close(out, gemv_ref(x, w, b, scale))
 
 
@@ -103,14 +104,16 @@ def test_w8a16_gemm_configs_match_reference(rows, out_features, in_features, bia
 
 
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])  # Llama-3-8B
-def test_w8a16_default_config_fills_an_h100(n, k):
+def test_w8a16_small_rows_config_fills_an_h100(n, k):
     """On an H100 (132 SMs) 17-64 rows launch about two programs per SM, 138 and 256 (the partial sums
-    capped) at least 128; above 256 rows the large-M config as measured first (128 x 128 x 64, no split)."""
+    capped) at least 128; above 256 rows, and at every row count by default, the config measured first
+    (128 x 128 x 64 at 742 rows, no split)."""
     for rows in (17, 32, 64):
-        assert programs(default_config(rows, n, k, 132), rows, n, k) >= 256, rows  # about two per SM
+        assert programs(small_rows_config(rows, n, k, 132), rows, n, k) >= 256, rows  # about two per SM
     for rows in (138, 256):
-        assert programs(default_config(rows, n, k, 132), rows, n, k) >= 128, rows
-    assert default_config(742, n, k, 132) == W8A16Config(128, 128, 64, 1, 8, 3)
+        assert programs(small_rows_config(rows, n, k, 132), rows, n, k) >= 128, rows
+    assert small_rows_config(742, n, k, 132) == default_config(742, n, k, 132) == W8A16Config(128, 128, 64, 1, 8, 3)
+    assert default_config(32, n, k, 132) == W8A16Config(32, 128, 64, 1, 4, 4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

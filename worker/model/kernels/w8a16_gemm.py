@@ -17,7 +17,7 @@ weight is twice the bytes. With the large-M tiles it did not: on one H100 (bench
 Llama-3-8B, µs, bf16 cuBLAS vs this kernel) o_proj took 21.8 vs 75.1 at M=32 and 30.0 vs 97.2 at
 M=138, down_proj 57.8 vs 186.8 and 63.7 vs 261.3, qkv_proj 35.8 vs 96.9 at M=138. Two causes:
 - Too few programs: one row tile times cdiv(N, 128) column tiles is 32 programs for o_proj at M=32 on
-  132 SMs, too few reads in flight to saturate HBM. So ``default_config`` aims at two programs per SM,
+  132 SMs, too few reads in flight to saturate HBM. So ``small_rows_config`` aims at two programs per SM,
   both resident (``SMEM_BUDGET``): column tiles of 64, then split-K: ``SPLIT_K`` programs over K chunks
   write fp32 partial sums [SPLIT_K, M, N] that gemv's reduce kernel adds in a fixed order (+ bias):
   deterministic, unlike atomics. The split is capped so the partial sums (written and read back, 8
@@ -27,7 +27,10 @@ M=138, down_proj 57.8 vs 186.8 and 63.7 vs 261.3, qkv_proj 35.8 vs 96.9 at M=138
   and at BLOCK_M 32 it is no wgmma at all (its M is 64 a warp group: Ampere's mma instead). Swapped
   (``SWAP_AB``: y^T = W x^T) the FP8 tile is pipelined into shared memory, converted in registers and
   fed to wgmma as its A operand, which may come from registers; x's rows become wgmma's N (8..256).
-``config=`` overrides it all; bench/engine/w8a16_tune.py sweeps configs on a GPU against this default.
+The split-K path, the smaller tiles and the swapped order are in the kernel and pass its tests on an
+H100, but the default is still the first tiles at every row count: the tuner's partial run there
+(2026-12-06) found ``small_rows_config`` beaten by other configs and every config 1.7-2.4x bf16 cuBLAS
+(bench/RESULTS.md). ``config=`` overrides it; bench/engine/w8a16_tune.py sweeps configs on a GPU.
 """
 
 from __future__ import annotations
@@ -122,12 +125,22 @@ def num_stages(bm: int, bn: int, bk: int, x_bytes: int = 2) -> int:
     return stages if stages >= 2 else 0
 
 
-@functools.lru_cache(maxsize=4096)  # a call per linear per step: (rows, shape) repeat, the answer is frozen
 def default_config(rows: int, n: int, k: int, num_sms: int, x_bytes: int = 2) -> W8A16Config:
-    """Large M: the tiles measured first. Small M: two programs per SM (module docstring)."""
+    """The tiles measured first, at every row count (see ``small_rows_config`` for why not that one)."""
+    bm = block_m(rows)
+    return W8A16Config(bm, 128, 64, 1, 8 if bm == 128 else 4, 4 if bm < 128 else 3)
+
+
+@functools.lru_cache(maxsize=4096)
+def small_rows_config(rows: int, n: int, k: int, num_sms: int, x_bytes: int = 2) -> W8A16Config:
+    """The tuner's candidate for 17..256 rows: two programs per SM (module docstring). Not the default:
+    on an H100 (2026-12-06, bench/engine/w8a16_tune.py, weights rotated past L2) it lost to other
+    configs where it was timed (o_proj at 32 rows: 126.5 µs against 72.8 for 32-column tiles without a
+    split; bf16 40.0), and all of them stayed 1.7-2.4x bf16 cuBLAS: a table from a whole tuner run is
+    what should replace the default, not this guess."""
     bm = block_m(rows)
     if rows > SMALL_ROWS:
-        return W8A16Config(bm, 128, 64, 1, 8 if bm == 128 else 4, 4 if bm < 128 else 3)
+        return default_config(rows, n, k, num_sms, x_bytes)
     target, tiles_m = 2 * num_sms, triton.cdiv(rows, bm)
     bn = 128 if tiles_m * triton.cdiv(n, 128) >= target else 64
     tiles = tiles_m * triton.cdiv(n, bn)
