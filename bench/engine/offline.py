@@ -301,7 +301,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--lora-files", type=int, default=0, help="with --lora-resident: distinct files (0: one each)")
     parser.add_argument("--lora-page-batch", type=int, default=8, help="the worker's --lora_page_batch")
-    parser.add_argument("--lora-page-in", choices=("ahead", "staged", "copies"), default="ahead", help=page_in_by.__doc__)
+    parser.add_argument(
+        "--lora-page-in", choices=("ahead", "staged", "copies"), default="ahead", help=page_in_by.__doc__
+    )
     args = parser.parse_args(argv)
     if args.peer is not None and (args.json_schema is not None or args.vocab_size is not None):
         parser.error("--peer runs the shape as it is: compare --json-schema with a run of lightq alone")
