@@ -32,6 +32,7 @@
 #   bash bench/device/h200.sh setup fp8-offline fp8-long   (issue 31: bf16 / FP8 / FP8 + FP8 pool; 64 x 8,192 over each pool)
 #   bash bench/device/h200.sh setup fp8-whole      (issue 31: the FP8 engine alone, then the same burst through lightq serve)
 #   bash bench/device/h200.sh setup w8a16          (issue 31: W8A16's own GEMM tested, then bf16 and W8A16 offline)
+#   bash bench/device/h200.sh setup w8a16-tune     (issue 31: the GEMM's configs for a decode step's rows, the table to set)
 #   bash bench/device/h200.sh setup fp8-carry-a; bash bench/device/h200.sh fp8-carry-b gptq-accuracy   (issue 31: GPTQ on the GPU)
 #   bash bench/device/h200.sh setup fp8-carry-a fp8-tests fp8-offline; bash bench/device/h200.sh fp8-carry-b fp8-step fp8-accuracy
 #       (issue 31, FP8: the part `fp8` is all four; two back-to-back calls, the first carrying .whl and .carry/fp8a,
@@ -249,6 +250,9 @@ for part in "$@"; do
       timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8.py -k "w8a16" 2>&1 \
         | tee "$OUT/w8a16-tests.log" | grep -E "passed|failed|error|Error"
       timeout 150 python3 -m bench.engine.w8a16_gemm --model-shape llama3-8b 2>&1 | grep -v Warning | tee "$OUT/w8a16_gemm.log" ;;
+    w8a16-tune)  # issue 31: W8A16's small-rows configs swept per Llama-3-8B linear and row count (~3 min on an H100)
+      timeout 400 python3 -m bench.engine.w8a16_tune --model-shape llama3-8b --rows ${W8A16_ROWS:-32,64,138,256,742} 2>&1 \
+        | grep -v Warning | tee "$OUT/w8a16_tune.log" ;;
     fp8-whole)  # issue 31: the engine alone then `lightq serve` (/generate, /generate_stream), FP8 weights + FP8 pool
       timeout 560 python3 -m bench.serving.whole_path --model-shape llama3-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 \
         2>&1 | tr '\r' '\n' | tee "$OUT/whole_fp8.log" | grep -E "^(lightq|/generate|path|engine|lightq serve|whole_path|Median|Output)" ;;
