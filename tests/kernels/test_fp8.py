@@ -54,16 +54,22 @@ def test_quantize_rows_of_zeros_is_zeros():
 @pytest.mark.parametrize(
     "rows, out_features, in_features, bias",
     [(17, 200, 100, True), (40, 128, 64, False), (130, 72, 160, True), (1100, 264, 96, False)],
-)  # each BLOCK_M (32, 64, 128; swapped operands up to 256 rows); columns, K and rows past whole tiles;
+)  # each BLOCK_M (32, 64, 128) of the default tiles; columns, K and rows past whole tiles;
 # 9 row tiles at 1100 (the large-M config): two GROUP_M groups
 def test_w8a16_gemm_matches_reference(rows, out_features, in_features, bias, dtype):
     """W8A16 above the GEMV's rows: the FP8 weight's tiles converted in registers, scales and bias on the
     fp32 sums; the reference is the same product in fp32 (gemv_ref), the output NaN-poisoned first."""
+    check_w8a16(rows, out_features, in_features, bias, dtype)
+
+
+def check_w8a16(rows: int, out_features: int, in_features: int, bias: bool, dtype, config=None) -> None:
+    """``w8a16_matmul`` (``config``, or its default) on random inputs against gemv_ref's fp32 product
+    of the same FP8 values, its output NaN-poisoned first."""
     x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
     w, scale = quantize_rows(torch.randn(out_features, in_features, device=DEVICE) / in_features**0.5)
     b = torch.randn(out_features, device=DEVICE).to(dtype) if bias else None
     out = torch.full((rows, out_features), float("nan"), device=DEVICE, dtype=dtype)
-    w8a16_matmul(x, w, scale, b, out=out)
+    w8a16_matmul(x, w, scale, b, out=out, config=config)
     assert_close(out, gemv_ref(x, w, b, scale))
 
 
@@ -74,12 +80,7 @@ def test_w8a16_gemm_split_k_matches_reference(rows, out_features, in_features, b
     the fp32 partial sums then added in order with the bias; the output NaN-poisoned first."""
     config = small_rows_config(rows, out_features, in_features, 132)
     assert config.split_k > 1
-    x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
-    w, scale = quantize_rows(torch.randn(out_features, in_features, device=DEVICE) / in_features**0.5)
-    b = torch.randn(out_features, device=DEVICE).to(dtype) if bias else None
-    out = torch.full((rows, out_features), float("nan"), device=DEVICE, dtype=dtype)
-    w8a16_matmul(x, w, scale, b, out=out, config=config)
-    assert_close(out, gemv_ref(x, w, b, scale))
+    check_w8a16(rows, out_features, in_features, bias, dtype, config)
 
 
 W8A16_CONFIGS = [
@@ -95,12 +96,7 @@ W8A16_CONFIGS = [
 def test_w8a16_gemm_configs_match_reference(rows, out_features, in_features, bias, config, dtype):
     """Explicit configs, as bench/engine/w8a16_tune.py passes them: tiles past the edges, both operand
     orders, split-K with and without the bias."""
-    x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
-    w, scale = quantize_rows(torch.randn(out_features, in_features, device=DEVICE) / in_features**0.5)
-    b = torch.randn(out_features, device=DEVICE).to(dtype) if bias else None
-    out = torch.full((rows, out_features), float("nan"), device=DEVICE, dtype=dtype)
-    w8a16_matmul(x, w, scale, b, out=out, config=config)
-    assert_close(out, gemv_ref(x, w, b, scale))
+    check_w8a16(rows, out_features, in_features, bias, dtype, config)
 
 
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])  # Llama-3-8B

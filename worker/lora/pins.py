@@ -39,21 +39,25 @@ class AdapterPins:
 
     def page_in(self, name: str) -> bool:
         """Whether adapter ``name`` is on the device now, paged in if a slot can take it; True for a
-        name this worker does not serve (``ModelRunner.start`` refuses it)."""
+        name this worker does not serve (``ModelRunner.start`` refuses it). Refused, its copy to the
+        device starts while it waits (``AdapterSet.prefetch``)."""
+        if self._paged_in(name):
+            return True
+        self.adapters.prefetch(name)
+        return False
+
+    def _paged_in(self, name: str) -> bool:
         adapters, stamp = self.adapters, (self.adapters.changes, self.releases)
         if name in adapters.host and name not in adapters.slots:
             if self._full_at == stamp:
-                adapters.prefetch(name)  # its DMA while it waits (worker.lora.staging)
                 return False  # every slot was pinned at the last asking, and none has been freed since
             if self._refilling and self._free_runtime_slots(stamp) < adapters.page_batch:
-                adapters.prefetch(name)
                 return False
             self._refilling = False
         if adapters.make_resident(name, self.counts):
             return True
         self._full_at = stamp
         self._refilling = True
-        adapters.prefetch(name)
         return False
 
     def _free_runtime_slots(self, stamp: tuple[int, int]) -> int:
