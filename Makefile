@@ -36,18 +36,15 @@ $(VENV)/.installed-test: $(VENV)/.installed-serve
 serve: install
 	$(VENV)/bin/lightq serve $(ARGS)
 
-# The whole suite: the README's test command, and CI's. TEST_WORKERS processes (pytest-xdist) share it:
-# most of its time is waiting on real processes (stacks starting, workers dying and coming back), so two
-# fit a 2-core machine; tests/conftest.py keeps each file, and each shared stack's tests, in one process.
-TEST_WORKERS ?= 2
+# The whole suite: the README's test command, and CI's.
 test: install-test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+	$(PY) -m pytest -q $(ARGS)
 
 # The unit tests alone: without the tests marked integration (they start real processes or the
 # whole stack; tests/conftest.py marks them by path) or slow (they load the embedded model or run
 # long). What each costs on a 2-core machine: README, "Test it".
 test-fast: install-test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not integration and not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not integration and not slow" $(ARGS)
 
 # Lint and format checks over the whole tree, then mypy on what pyproject.toml's [tool.mypy] names.
 lint: install-test

@@ -87,22 +87,6 @@ def pytest_collection_modifyitems(config, items):
             first = items.index(users[0])
             rest = [item for item in items if name not in item.fixturenames]
             items[:] = rest[:first] + users + rest[first:]
-    for item in items:  # make test's processes (pytest-xdist, --dist loadgroup): see xdist_group
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
-
-
-# Tests on network-namespace hosts (tests/hosts.py) pick a free subnet each: one process at a time.
-HOSTS = ("tests/test_hosts.py", "tests/integration/test_host_faults.py", "tests/test_deploy.py")
-
-
-def xdist_group(item) -> str:
-    """Which of make test's processes runs a test: the tests of a shared stack in the one that starts
-    it, the hosts' tests in one, and otherwise each file whole (its module fixtures start once)."""
-    stacks = [name for name in SHARED_STACKS if name in item.fixturenames]
-    if stacks:
-        return stacks[0]
-    path = item.nodeid.partition("::")[0]
-    return "hosts" if path.startswith(HOSTS) else path
 
 
 # ``lightq serve`` stacks that tests of several modules share (tests.integration.stack.SharedStack): the
@@ -445,64 +429,31 @@ def smollm2_hf_dir(tmp_path_factory) -> str:
 TEST_PREFIX = re.compile(r"lightq-test-[0-9a-f]{10}")  # redis_settings' prefixes (also in rq names)
 
 
-PREFIXES = pytest.StashKey[set[str]]()  # the key prefixes this process's tests were given (redis_settings)
-BEFORE = pytest.StashKey[tuple[set[str], set[str]]]()  # the local Redis's keys and namespaces at the start
-
-
 @pytest.fixture(scope="session")
-def session_prefixes(pytestconfig) -> set[str]:
-    return pytestconfig.stash.setdefault(PREFIXES, set())
+def session_prefixes() -> set[str]:
+    """The key prefixes this session's tests were given (redis_settings)."""
+    return set()
 
 
-def _is_worker(config) -> bool:
-    return hasattr(config, "workerinput")  # a pytest-xdist worker process (make test runs two)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session):
-    """The leak check's 'before' (see pytest_sessionfinish): in the process that runs the session,
-    before any worker process starts."""
-    if _is_worker(session.config) or not answers(LOCAL_URL):
+@pytest.fixture(scope="session", autouse=True)
+def redis_left_clean(session_prefixes):
+    """Fails the session (an error at its last teardown) when its tests left keys without a TTL
+    in the shared local Redis; keys with a TTL go by themselves. What others write meanwhile is
+    left out: keys of other test sessions (their ``lightq-test-<hex>`` prefix was not given here),
+    and keys under a namespace that had keys before the session (a ``lightq serve`` of the user's
+    on the same Redis), unless they carry one of this session's prefixes (rq keys name them).
+    An embedded Redis goes with the session: nothing to check."""
+    if not answers(LOCAL_URL):
+        yield
         return
     client = redis.Redis.from_url(LOCAL_URL, decode_responses=True)
     before = set(client.scan_iter(count=1000))
-    client.close()
-    session.config.stash[BEFORE] = before, {key.partition(":")[0] for key in before}
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    """A worker process's prefixes, handed over as it ends (pytest-xdist's workeroutput)."""
-    node.config.stash.setdefault(PREFIXES, set()).update(node.workeroutput.get("lightq_prefixes", ()))
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session, exitstatus):
-    """Fails the session when its tests left keys without a TTL in the shared local Redis; keys with
-    a TTL go by themselves. What others write meanwhile is left out: keys of other test sessions
-    (their ``lightq-test-<hex>`` prefix was not given here), and keys under a namespace that had keys
-    before the session (a ``lightq serve`` of the user's on the same Redis), unless they carry one
-    of this session's prefixes (rq keys name them). Checked once every process is done: a worker
-    hands its prefixes over instead. An embedded Redis goes with the session: nothing to check."""
-    config = session.config
-    if _is_worker(config):
-        config.workeroutput["lightq_prefixes"] = sorted(config.stash.get(PREFIXES, set()))
-        return
-    if BEFORE not in config.stash or not answers(LOCAL_URL):
-        return
-    before, namespaces = config.stash[BEFORE]
-    mine = config.stash.get(PREFIXES, set())
-    client = redis.Redis.from_url(LOCAL_URL, decode_responses=True)
+    namespaces = {key.partition(":")[0] for key in before}
+    yield
     new = set(client.scan_iter(count=1000)) - before
-    leaked = sorted(key for key in new if client.ttl(key) == -1 and _ours(key, mine, namespaces))
+    leaked = sorted(key for key in new if client.ttl(key) == -1 and _ours(key, session_prefixes, namespaces))
     client.close()
-    if leaked:
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        message = f"tests left {len(leaked)} keys without a TTL in {LOCAL_URL}: {leaked[:20]}"
-        if reporter is not None:
-            reporter.ensure_newline()
-            reporter.write_line(f"ERROR: {message}", red=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    assert not leaked, f"tests left {len(leaked)} keys without a TTL in {LOCAL_URL}: {leaked[:20]}"
 
 
 def _ours(key: str, mine: set[str], namespaces: set[str]) -> bool:
