@@ -34,7 +34,7 @@ MACHINE_DEFAULTS = {
     ("WorkerSettings", "publishers"): (
         "1; 2 on hosts with 16 cores or more (`shared.worker_settings.default_publishers`)"
     ),
-    ("WorkerSettings", "weights_cache"): "`$XDG_CACHE_HOME/lightq/weights`, `~/.cache/lightq/weights` without it",
+    ("ModelSettings", "weights_cache"): "`$XDG_CACHE_HOME/lightq/weights`, `~/.cache/lightq/weights` without it",
 }
 
 

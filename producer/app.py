@@ -51,7 +51,9 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tok = tokenizer
         if tok is None:
-            tok = await asyncio.to_thread(load_tokenizer, resolve(settings.model.model_dir))
+            tok = await asyncio.to_thread(
+                load_tokenizer, resolve(settings.model.model_dir), settings.model.weights_cache
+            )
         redis = producer_client(settings)
         keys = settings.redis.keys
         metrics: ProducerMetrics = app.state.metrics

@@ -65,6 +65,12 @@ class RedisSettings(BaseSettings):
         return self.rq_url or ("" if self.cluster else self.url)
 
 
+def default_weights_cache() -> str:
+    """``$XDG_CACHE_HOME/lightq/weights``, or under ``~/.cache`` (the XDG default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lightq", "weights")
+
+
 class ModelSettings(BaseSettings):
     """Which model is served and the request-length limit all services agree on."""
 
@@ -100,6 +106,13 @@ class ModelSettings(BaseSettings):
         le=256,
         description="largest LoRA rank an adapter may have (--lora_modules: a larger one stops the worker; "
         "at run time: 400)",
+    )
+
+    # Here, not the worker's alone: every process that serves a GGUF reads its config or tokenizer from here.
+    weights_cache: str = Field(
+        default_weights_cache(),
+        description="folder where a .gguf's dequantised weights (fp32 safetensors), config and tokenizer are "
+        "kept, one of each per GGUF, so later starts skip building them ('': never kept)",
     )
 
     @field_validator("lora_modules")

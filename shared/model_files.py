@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Literal
 
+from shared import gguf_meta
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -111,25 +113,39 @@ def served_name(model_dir: str, served_model_name: str = "") -> str:
         return os.path.basename(model_dir.removeprefix("dummy:").rstrip("/")).removesuffix(".gguf") or model_dir
 
 
-def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
-    """A transformers tokenizer for the source (slow for GGUF: seconds)."""
+def load_tokenizer(source: ModelSource, cache: str = "") -> PreTrainedTokenizerBase:
+    """A transformers tokenizer for the source. A GGUF's is built from its metadata (seconds); with
+    ``cache`` (--weights_cache) it is kept there and read back by later starts (``shared.gguf_meta``)."""
     from transformers import AutoTokenizer
 
     if source.kind == "gguf":
         folder, name = os.path.split(source.path)
-        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        return gguf_meta.cached(
+            source.path,
+            cache,
+            "tokenizer",
+            lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name),
+            AutoTokenizer.from_pretrained,
+        )
     if source.path == "counting" or (source.kind == "dummy" and not _has_tokenizer(source.path)):
-        return load_tokenizer(resolve("default"))
+        return load_tokenizer(resolve("default"), cache)
     return AutoTokenizer.from_pretrained(source.path)
 
 
-def load_config(source: ModelSource) -> PretrainedConfig:
-    """The transformers config (architecture, sizes) for the source."""
+def load_config(source: ModelSource, cache: str = "") -> PretrainedConfig:
+    """The transformers config (architecture, sizes) for the source; a GGUF's kept in ``cache`` as the
+    tokenizer is (``load_tokenizer``)."""
     from transformers import AutoConfig
 
     if source.kind == "gguf":
         folder, name = os.path.split(source.path)
-        return AutoConfig.from_pretrained(folder, gguf_file=name)
+        return gguf_meta.cached(
+            source.path,
+            cache,
+            "config",
+            lambda: AutoConfig.from_pretrained(folder, gguf_file=name),
+            AutoConfig.from_pretrained,
+        )
     return AutoConfig.from_pretrained(source.path)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 from pydantic import Field
@@ -13,12 +12,6 @@ from shared.config import AdmissionSettings, ModelSettings, RedisSettings, froze
 # Chunk runs (worker.service.pending): a request's tokens are written together at most this often,
 # so a token costs Redis a share of one entry, not an entry of its own (bench/serving/redis_cost.py).
 STREAM_FLUSH_MS = 50.0
-
-
-def default_weights_cache() -> str:
-    """``$XDG_CACHE_HOME/lightq/weights``, or under ``~/.cache`` (the XDG default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "lightq", "weights")
 
 
 def default_publishers() -> int:
@@ -118,11 +111,6 @@ class WorkerSettings(BaseSettings):
     )
     max_preemptions: int = Field(
         2, ge=0, description="times a request may be paused for a better priority class (router --preempt)"
-    )
-    weights_cache: str = Field(
-        default_weights_cache(),
-        description="folder where a .gguf's dequantised weights are kept (fp32 safetensors, one file per "
-        "GGUF), so later starts skip the dequantisation ('': never kept)",
     )
     max_loras: int = Field(
         0,

@@ -71,7 +71,7 @@ def check_tp(settings: WorkerSettings) -> None:
     source = resolve(settings.model.model_dir)
     if source.kind == "counting":
         raise ValueError("--tp above 1 needs a real model, not the counting stand-in")
-    config = load_config(source)
+    config = load_config(source, settings.model.weights_cache)
     try:  # the model checks every split it makes; on the meta device that costs no memory
         model_class(config)(config, dtype=torch.float32, device="meta", tp=TensorParallel(0, n))
     except ValueError as exc:
@@ -134,7 +134,7 @@ def load_model_or_stand_in(
             device,
             seed=settings.seed,
             tp=tp,
-            weights_cache=settings.weights_cache,
+            weights_cache=settings.model.weights_cache,
             quantization=settings.quantization,
         )
     vocab = min(len(tokenizer), COUNTING_VOCAB) if tokenizer is not None else COUNTING_VOCAB
@@ -263,7 +263,7 @@ def run_service(settings: WorkerSettings, group=None) -> None:
     stop_on_signals(stop)  # before the model loads: a worker scaled down while loading exits after it
     publisher = PublisherLink(settings, worker_id)
     publisher.start()  # it loads the tokenizer while the model loads here
-    tokenizer = load_tokenizer(resolve(settings.model.model_dir))
+    tokenizer = load_tokenizer(resolve(settings.model.model_dir), settings.model.weights_cache)
     engine = build_engine(settings, tokenizer, group)
     if stop.is_set():
         log.info("worker %s stopped while loading: never served", worker_id)

@@ -36,6 +36,7 @@ from producer.deps import Services, batch_client
 from producer.monitoring.metrics import ProducerMetrics
 from producer.streams.streaming import ChunkFollower
 from shared.chunk_schemas import TokenChunk
+from shared.config import ModelSettings
 from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve, served_name
 from shared.producer_settings import ProducerSettings
@@ -48,11 +49,11 @@ BATCH_CANCEL_CHECK_S = 0.5  # a batch's cancel is read at most this often (a bat
 _tokenizers: dict[str, Any] = {}
 
 
-def tokenizer_for(model_dir: str) -> Any:
+def tokenizer_for(model: ModelSettings) -> Any:
     """One tokenizer per model and process (``lightq rq-worker`` loads it before forking job processes)."""
-    if model_dir not in _tokenizers:
-        _tokenizers[model_dir] = load_tokenizer(resolve(model_dir))
-    return _tokenizers[model_dir]
+    if model.model_dir not in _tokenizers:
+        _tokenizers[model.model_dir] = load_tokenizer(resolve(model.model_dir), model.weights_cache)
+    return _tokenizers[model.model_dir]
 
 
 def run_batch(batch_id: str, settings: dict) -> dict:
@@ -66,7 +67,7 @@ async def _run(batch_id: str, settings: ProducerSettings) -> dict:
         settings=settings,
         keys=settings.redis.keys,
         redis=async_client(settings.redis),
-        tokenizer=tokenizer_for(settings.model.model_dir),
+        tokenizer=tokenizer_for(settings.model),
         metrics=ProducerMetrics(),
         model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
         batch_redis=batch_client(settings.redis),

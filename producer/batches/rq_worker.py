@@ -123,7 +123,7 @@ def run(settings: RqWorkerSettings) -> None:
     try:
         from producer.batches.job import tokenizer_for
 
-        tokenizer_for(settings.model.model_dir)  # once here; every forked job process has it
+        tokenizer_for(settings.model)  # once here; every forked job process has it
         batch_queue = queue(settings.batch.queue, connection)
         work_through_outages(
             settings.redis.batch_url,

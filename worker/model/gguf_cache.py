@@ -32,9 +32,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from shared.gguf_meta import content_digest
+
 WeightStream = Iterator[tuple[str, torch.Tensor]]
 CACHE_FORMAT = 1
-HASH_CHUNK = 1 << 20
 
 log = logging.getLogger("lightq.worker")
 
@@ -45,15 +46,6 @@ def cache_file(folder: str, gguf_path: str) -> str:
 
     key = f"{content_digest(gguf_path)}|{transformers.__version__}|{CACHE_FORMAT}"
     return os.path.join(folder, f"{_stem(gguf_path)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors")
-
-
-def content_digest(path: str) -> str:
-    """SHA-256 of the file's bytes, hex."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def cached_weights(gguf_path: str, folder: str, dequantise: Callable[[], WeightStream]) -> WeightStream:

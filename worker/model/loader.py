@@ -74,7 +74,7 @@ def load_model(
     """
     if quantization not in ("none", "fp8", "fp8_w8a16"):
         raise ValueError(f"quantization {quantization!r}: 'none', 'fp8' or 'fp8_w8a16'")
-    config = load_config(source)
+    config = load_config(source, weights_cache)
     if quantization != "none" or fp8_checkpoint.checkpoint_format(config) is not None:
         fp8.check_device(device, "FP8 weights")
     model = model_class(config)(config, dtype=dtype, device=device, tp=tp)

@@ -173,7 +173,7 @@ def run(settings: WorkerSettings, worker_id: str, shard: int, events: Connection
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging()
-    tokenizer = load_tokenizer(resolve(settings.model.model_dir))
+    tokenizer = load_tokenizer(resolve(settings.model.model_dir), settings.model.weights_cache)
     client = sync_client(settings.redis)
     shards = settings.publishers
     worker = os.getppid()  # re-parented when the worker dies: then a Redis outage is not waited out
