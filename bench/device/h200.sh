@@ -243,7 +243,7 @@ for part in "$@"; do
         | tr '\r' '\n' | tee "$OUT/offline_lora_$way.log" | grep -E "^(lightq|LoRA: [0-9]+ adapters paged|with prefill|decode, batch)"; done ;;
     lora-overlap)  # issue 32: 1,000 adapters / 64 resident (staged, copied ahead) with the shrinks on a side stream beside
       # the base matmuls (the default), the base model, then the shrinks in line (--no-lora-overlap); most needed first
-      for arm in overlap base --no-lora-overlap; do case $arm in
+      for arm in ${LORA_ARMS:-overlap base --no-lora-overlap}; do case $arm in
         base) timeout 150 python3 -m bench.engine.offline --model-shape llama3-8b --timeline 2>&1 | tr '\r' '\n' \
           | tee "$OUT/offline_base.log" | grep -E "^(lightq|with prefill|decode, batch)" ;;
         *) timeout 200 python3 -m bench.engine.offline --model-shape llama3-8b --lora-adapters 1000 --lora-files 100 \
