@@ -14,9 +14,11 @@ import httpx
 import redis
 
 from router.registry import read_registry
+from shared import gguf_meta
 from shared.config import RedisSettings
 from shared.embedded_redis import free_port
 from shared.keys import Keys
+from shared.model_files import load_config, load_tokenizer, resolve
 from shared.redis import answers, sync_client
 
 COMPILE_TIMEOUT_S = 10  # the SmolLM2 stack's --grammar_compile_timeout_s (tests/conftest.py's smollm2_single)
@@ -156,9 +158,25 @@ class SharedStack:
             self._close(stack)
 
 
+def warm_model_files(extra: list[str]) -> None:
+    """The session's weights cache (tests/conftest.py) holds the embedded GGUF's tokenizer and config
+    before a stack that reads them starts: else every process of the session's first such stack
+    builds them from the GGUF at once (shared.gguf_meta: ~6 s apiece on two cores, all together)."""
+    model = extra[extra.index("--model_dir") + 1] if "--model_dir" in extra else "default"
+    cache = os.environ.get("LIGHTQ_WEIGHTS_CACHE", "")
+    if model not in ("default", "counting") or not cache:
+        return
+    source = resolve("default")
+    if not os.path.isdir(gguf_meta.meta_folder(cache, source.path, "tokenizer")):
+        load_tokenizer(source, cache)
+    if model == "default" and not os.path.isdir(gguf_meta.meta_folder(cache, source.path, "config")):
+        load_config(source, cache)
+
+
 def start_stack(
     log_path: str, *, redis_url: str, prefix: str, workers: int, extra: list[str], timeout_s: float = 300
 ) -> Stack:
+    warm_model_files(extra)
     port = free_port()
     # rq queues named after the prefix, so Stack.remove_keys finds their keys on a shared Redis.
     args = [
