@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 import urllib.request
 from typing import Any
@@ -121,11 +120,29 @@ def worker_env(env: dict[str, str], num_workers: int) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", threads)}
 
 
+class StopAsked:
+    """A stop a signal asked for. The handler only sets an attribute: a ``threading.Event``'s ``set``
+    takes a lock, and a second signal landing while the first handler held it (Ctrl-C twice, a
+    supervisor's SIGTERM after a user's) re-entered ``set`` on the same thread and hung serve for good."""
+
+    def __init__(self) -> None:
+        self.asked = False
+
+    def ask(self, *_: object) -> None:
+        self.asked = True
+
+    def wait(self, seconds: float) -> bool:
+        """Whether a stop was asked, after sleeping ``seconds`` unless it already was."""
+        if not self.asked:
+            time.sleep(seconds)
+        return self.asked
+
+
 def serve(flags: dict[str, Any], num_workers: int) -> int:
     """Run the pool until a signal (0) or a child that keeps failing (its exit code)."""
-    stop = threading.Event()
+    stop = StopAsked()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, stop.ask)
     http_port = build(ProducerSettings, flags).port
     store = open_redis(flags, build(ServeSettings, flags).data_dir, http_port)
     env = {**os.environ, **as_env(flags), "LIGHTQ_REDIS_URL": store.url}
@@ -213,7 +230,7 @@ class Readiness:
                 child.ready = True
 
 
-def watch(children: list[Child], stop: threading.Event, readiness: Readiness, store: ServeRedis) -> int:
+def watch(children: list[Child], stop: StopAsked, readiness: Readiness, store: ServeRedis) -> int:
     """Until stopped, replace dead children (the router re-dispatches a dead worker's
     requests, a new router takes over a dead one's entries, clients of a dead
     producer resume their streams by id), after a back-off; one that keeps failing ends serve."""
