@@ -25,7 +25,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 FORMAT = 1
 HASH_CHUNK = 1 << 20
@@ -73,6 +73,12 @@ def cached(gguf_path: str, cache: str, part: str, build: Callable[[], T], load: 
     made = build()
     _keep(made, folder)
     return made
+
+
+def from_gguf(auto: Any, gguf_path: str, cache: str, part: str) -> Any:
+    """``auto.from_pretrained`` (``AutoConfig``, ``AutoTokenizer``) of the GGUF, kept as ``cached`` keeps it."""
+    folder, name = os.path.split(gguf_path)
+    return cached(gguf_path, cache, part, lambda: auto.from_pretrained(folder, gguf_file=name), auto.from_pretrained)
 
 
 def _keep(made: Pretrained, folder: str) -> None:

@@ -119,14 +119,7 @@ def load_tokenizer(source: ModelSource, cache: str = "") -> PreTrainedTokenizerB
     from transformers import AutoTokenizer
 
     if source.kind == "gguf":
-        folder, name = os.path.split(source.path)
-        return gguf_meta.cached(
-            source.path,
-            cache,
-            "tokenizer",
-            lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name),
-            AutoTokenizer.from_pretrained,
-        )
+        return gguf_meta.from_gguf(AutoTokenizer, source.path, cache, "tokenizer")
     if source.path == "counting" or (source.kind == "dummy" and not _has_tokenizer(source.path)):
         return load_tokenizer(resolve("default"), cache)
     return AutoTokenizer.from_pretrained(source.path)
@@ -138,14 +131,7 @@ def load_config(source: ModelSource, cache: str = "") -> PretrainedConfig:
     from transformers import AutoConfig
 
     if source.kind == "gguf":
-        folder, name = os.path.split(source.path)
-        return gguf_meta.cached(
-            source.path,
-            cache,
-            "config",
-            lambda: AutoConfig.from_pretrained(folder, gguf_file=name),
-            AutoConfig.from_pretrained,
-        )
+        return gguf_meta.from_gguf(AutoConfig, source.path, cache, "config")
     return AutoConfig.from_pretrained(source.path)
 
 

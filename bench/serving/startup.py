@@ -18,13 +18,13 @@ import argparse
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.serving.cpu_bench import stop_serve
 from shared.embedded_redis import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,12 +46,7 @@ def ready_after(tree: Path, cache: str, extra: list[str]) -> float:
             time.sleep(0.1)
         return time.monotonic() - start
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_serve(process)
         shutil.rmtree(data, ignore_errors=True)
 
 
