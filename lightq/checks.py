@@ -35,9 +35,8 @@ def check_serve(flags: dict[str, Any], classes: list[type[BaseSettings]], num_wo
     for settings in built.values():
         if hasattr(settings, "device"):
             check_device(settings.device, settings.dtype)
-            check_lora(
-                settings.model.lora_modules, model_dir, settings.tp, settings.model.max_lora_rank, settings.max_loras
-            )
+            model = settings.model
+            check_lora(model.lora_modules, model_dir, settings.tp, model.max_lora_rank, settings.max_loras, model.weights_cache)
         if hasattr(settings, "host"):
             check_port(settings.host, settings.port)
 
@@ -78,7 +77,7 @@ def check_port(host: str, port: int) -> None:
             raise SystemExit(f"lightq: --host {host} --port {port}: cannot listen there ({exc.strerror})") from None
 
 
-def check_lora(specs: list[str], model_dir: str, tp: int, max_rank: int, spare: int = 0) -> None:
+def check_lora(specs: list[str], model_dir: str, tp: int, max_rank: int, spare: int = 0, cache: str = "") -> None:
     """Each ``--lora_modules`` adapter fits the model (its files, shapes, modules, rank), and
     --max_loras has a model to adapt: a worker would stop at start otherwise, and serve would restart
     it until it gave up."""
@@ -87,7 +86,7 @@ def check_lora(specs: list[str], model_dir: str, tp: int, max_rank: int, spare: 
     from worker.lora.adapter_set import check_adapters
 
     try:
-        check_adapters(specs, model_dir, tp, max_rank, spare)
+        check_adapters(specs, model_dir, tp, max_rank, spare, cache)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"lightq: {exc}") from None
 

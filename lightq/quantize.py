@@ -65,15 +65,17 @@ def run(flags: dict) -> int:
 def quantize(source, args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
+    from shared.config import ModelSettings
     from shared.model_files import load_tokenizer
     from worker.model.gptq import quantize_model
     from worker.model.loader import load_model
 
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, config = load_model(source, dtype, device)
+    cache = ModelSettings(model_dir=args.model_dir).weights_cache  # serve's: LIGHTQ_WEIGHTS_CACHE or its default
+    model, config = load_model(source, dtype, device, weights_cache=cache)
     try:
-        tokenizer = load_tokenizer(source)
+        tokenizer = load_tokenizer(source, cache)
     except (OSError, ValueError):  # a folder of weights without one: the sampled text needs none
         tokenizer = None
     text = calibration_text(model, tokenizer, args, dtype, device)

@@ -239,6 +239,7 @@ def run(settings: WorkerSettings) -> None:
             settings.tp,
             settings.model.max_lora_rank,
             settings.max_loras,
+            settings.model.weights_cache,
         )
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"lightq worker: {exc}")

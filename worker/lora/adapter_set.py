@@ -263,10 +263,13 @@ def load_adapters(
     return adapter_set
 
 
-def check_adapters(specs: list[str], model_dir: str, tp: int, max_rank: int, spare: int = 0) -> None:
+def check_adapters(
+    specs: list[str], model_dir: str, tp: int, max_rank: int, spare: int = 0, cache: str = ""
+) -> None:
     """--lora_modules against the model before anything loads: the model built on the meta device
     (shapes, no memory), each adapter read and checked; AdapterError names the first problem.
-    ``spare`` (--max_loras) needs what adapters need: a real model on one rank."""
+    ``spare`` (--max_loras) needs what adapters need: a real model on one rank. ``cache``: the
+    --weights_cache folder, where a GGUF's config is kept (``shared.gguf_meta``)."""
     if not specs and not spare:
         return
     source = resolve(model_dir)
@@ -274,7 +277,7 @@ def check_adapters(specs: list[str], model_dir: str, tp: int, max_rank: int, spa
         raise AdapterError("--lora_modules and --max_loras need a real model, not the counting stand-in")
     if tp > 1:
         raise AdapterError("--lora_modules and --max_loras with --tp above 1 are not supported yet")
-    config = load_config(source)
+    config = load_config(source, cache)
     model = model_class(config)(config, dtype=torch.float32, device="meta")
     for spec in specs:
         load_adapter(*parse_spec(spec), model=model, max_rank=max_rank)
