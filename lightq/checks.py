@@ -36,7 +36,9 @@ def check_serve(flags: dict[str, Any], classes: list[type[BaseSettings]], num_wo
         if hasattr(settings, "device"):
             check_device(settings.device, settings.dtype)
             model = settings.model
-            check_lora(model.lora_modules, model_dir, settings.tp, model.max_lora_rank, settings.max_loras, model.weights_cache)
+            check_lora(
+                model.lora_modules, model_dir, settings.tp, model.max_lora_rank, settings.max_loras, model.weights_cache
+            )
         if hasattr(settings, "host"):
             check_port(settings.host, settings.port)
 

@@ -263,9 +263,7 @@ def load_adapters(
     return adapter_set
 
 
-def check_adapters(
-    specs: list[str], model_dir: str, tp: int, max_rank: int, spare: int = 0, cache: str = ""
-) -> None:
+def check_adapters(specs: list[str], model_dir: str, tp: int, max_rank: int, spare: int = 0, cache: str = "") -> None:
     """--lora_modules against the model before anything loads: the model built on the meta device
     (shapes, no memory), each adapter read and checked; AdapterError names the first problem.
     ``spare`` (--max_loras) needs what adapters need: a real model on one rank. ``cache``: the
