@@ -181,6 +181,14 @@ class WorkerView(BatchView):
         this pool alone in full (then a stale record could leave it waiting here for ever)."""
         return candidate.less(held) if held and self.fits_alone(candidate) else candidate
 
+    def could_take(self, request: GenerateRequest, count: int, candidate: Callable[[], Candidate]) -> bool:
+        """Whether ``request`` (``count`` states) could start here once the pool is empty: within the
+        requests it runs at once, and either all its KV tokens within the admission limit or,
+        failing that, the estimate of a ``candidate()`` of it (drawn only then: most fit in full)."""
+        if self.max_requests is not None and count > self.max_requests:
+            return False
+        return request.max_tokens_needed <= self.limit or self.fits_alone(candidate())
+
     def use_ratio(self) -> float:
         """Use now / pool (a draining worker sorts last)."""
         return math.inf if self.load.draining else self.use() / self.max_total_tokens
@@ -236,6 +244,22 @@ class Views:
             for worker_id, sent in self._sent_adapters.items()
             if worker_id in loads
         }
+
+    def fits_nowhere(self, request: GenerateRequest, states: Sequence[ReqState]) -> bool:
+        """Whether no live worker that serves ``request`` (its ``states``) could ever start it, even
+        with nothing else running: it would wait at the head of the queue for ever, and its class
+        and worse ones behind it. False while none serves it (one may be starting)."""
+        views = [
+            v for v in self._views.values() if v.load.serves(request.model, request.adapter) and not v.load.draining
+        ]
+        drawn: list[Candidate] = []
+
+        def candidate() -> Candidate:  # one draw for every view, made when first needed
+            if not drawn:
+                drawn.append(Candidate(states, self.policy))
+            return drawn[0]
+
+        return bool(views) and not any(v.could_take(request, len(states), candidate) for v in views)
 
     def choose(
         self, candidate: Candidate, model: str | None = None, prompt_ids: Sequence[int] = (), adapter: str | None = None

@@ -47,6 +47,7 @@ from shared.lora import gone_error
 from shared.redis import OUTAGES, REDIS_FAILURES, Backoff, ensure_group
 from shared.request_log import end_request, now_ms
 from shared.schemas import DeadLetter, GenerateRequest, RequestStatus
+from shared.worker_load import misfit, too_large_error
 
 log = logging.getLogger("lightq.router")
 
@@ -238,6 +239,15 @@ class Router:
                 self._finish(entry_id, request, RequestStatus.FAILED, "error", gone_error(request.adapter or ""))
                 self._pop()
                 continue
+            if worker_id is None and self.views.fits_nowhere(request, request_states(request)):
+                # no live worker could start it even empty: it would hold its class's queue for ever
+                why = misfit(request, list(loads.values())) or (
+                    f"its KV tokens (up to {request.max_tokens_needed}) are over what admission lets any worker's "
+                    "pool take: lower max_tokens or n"
+                )
+                self._finish(entry_id, request, RequestStatus.FAILED, "error", too_large_error(why))
+                self._pop()
+                continue
             if worker_id is None:
                 run += self._preempt_for(loads)
                 break
@@ -332,7 +342,8 @@ class Router:
     def _finish(
         self, entry_id: str, request: GenerateRequest, status: RequestStatus, reason, error: str | None = None
     ) -> None:
-        """End a request that never reached a worker (cancelled, past its deadline, its adapter gone)."""
+        """End a request that never reached a worker (cancelled, past its deadline, its adapter gone,
+        too large for every worker)."""
         end_request(  # fenced: refused if it ended meanwhile; acknowledged either way
             self.client,
             self.keys,

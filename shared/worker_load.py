@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared.schemas import FrozenModel
+from shared.schemas import FrozenModel, GenerateRequest
 
 
 class WorkerLoad(FrozenModel):
@@ -79,6 +79,44 @@ class WorkerLoad(FrozenModel):
         if adapter is not None and adapter not in self.adapters:
             return False
         return model is None or self.model is None or self.model == model
+
+
+TOO_LARGE = "request_too_large"  # the error code of a request no worker could ever take
+
+
+def too_large_error(why: str) -> str:
+    """The error a queued request ends with when no live worker could ever start it (``router.loop``)."""
+    return f"{TOO_LARGE}: {why}"
+
+
+def is_too_large(error: str | None) -> bool:
+    return (error or "").startswith(f"{TOO_LARGE}: ")
+
+
+def misfit(request: GenerateRequest, loads: list[WorkerLoad]) -> str | None:
+    """Why no worker of ``loads`` serving ``request`` could ever take it, or None: one could, or
+    none serves it (nothing is known yet). The producer's check before a request is written
+    (``producer.edge.pool_fit``) and the router's of a queued one (``router.loop``)."""
+    ours = [load for load in loads if load.serves(request.model, request.adapter) and not load.draining]
+    if not ours or any(fits(request, load) for load in ours):
+        return None
+    pool = max(load.max_total_tokens for load in ours)
+    max_new = request.params.max_new_tokens
+    if request.max_tokens_needed > pool:
+        outputs = f"{request.n} samples of max_new_tokens {max_new}" if request.n > 1 else f"max_new_tokens {max_new}"
+        return (
+            f"this request can need {request.max_tokens_needed} KV tokens (a prompt of {request.num_prompt_tokens} "
+            f"tokens and {outputs}), over the {pool} of the largest worker's pool: lower max_tokens"
+            + (" or n" if request.n > 1 else "")
+        )
+    most = max(load.running_max_req_size or 0 for load in ours)
+    return f"its {request.n} samples run together, and a worker here runs at most {most} requests at once: lower n"
+
+
+def fits(request: GenerateRequest, load: WorkerLoad) -> bool:
+    """Whether ``request`` fits ``load``'s worker with nothing else running there."""
+    most = load.running_max_req_size
+    return request.max_tokens_needed <= load.max_total_tokens and (most is None or request.n <= most)
 
 
 class PreemptAsk(FrozenModel):

@@ -24,7 +24,7 @@ from producer.api.api_types import (
     special_ids,
     stream_event,
 )
-from producer.api.errors import ApiError, bad_request
+from producer.api.errors import bad_request
 from producer.api.params import check_group
 from producer.api.structured import failure
 from producer.api.submit import abandon, submit
@@ -32,7 +32,6 @@ from producer.deps import GenerateBodyDep, ServicesDep
 from producer.edge.auth import CallerDep
 from producer.streams.streaming import EventStream, collect, follower, sse
 from shared.chunk_schemas import TokenChunk
-from shared.lora import is_gone
 
 router = APIRouter()
 HEALTH_TIMEOUT_S = 2.0
@@ -52,10 +51,8 @@ async def generate(request: Request, body: GenerateBodyDep, services: ServicesDe
     result = generate_result(chunks, queued.num_prompt_tokens, body.params.return_details, queued.n)
     if queued.params.prompt_logprobs is not None:
         result = result.model_copy(update={"prompt_logprobs": prompt_details(queued.prompt_ids, chunks)})
-    if failed(result):
-        if is_gone(result.error):  # its LoRA adapter was unloaded while it waited
-            raise failure(result.error)
-        raise ApiError(500, result.error or "generation failed", code="generation_failed", kind="server_error")
+    if failed(result):  # 400 for the client's to change (a constraint, too large), 404 adapter gone, else 500
+        raise failure(result.error)
     # The id its status stays under (GET /v1/requests/{id}: where it ran, its timings), as streams say it
     headers = {"X-Request-Id": queued.id}
     return Response(dump_without_empty_error(result), media_type="application/json", headers=headers)

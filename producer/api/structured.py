@@ -27,6 +27,7 @@ from producer.api.errors import ApiError, bad_request
 from shared.lora import GONE, is_gone
 from shared.producer_settings import ProducerSettings
 from shared.schemas import Constraint
+from shared.worker_load import TOO_LARGE, is_too_large
 
 XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[01:02:03] /x/y.cc:12: " before the reason
 COUNTED = re.compile(r"\{(\d+)(?:,(\d*))?\}")  # {n}, {m,} and {m,n}: their largest count
@@ -222,10 +223,13 @@ async def parsed(constraint: Constraint, param: str) -> Constraint:
 def failure(error: str | None) -> ApiError:
     """The answer to a request that ended in ``error`` on the worker: a 400 when its constraint could
     not be applied there (the client's to change: ``Constraint.error_code``), a 404 when its LoRA
-    adapter was unloaded before it started (``shared.lora.is_gone``), else a 500."""
+    adapter was unloaded before it started (``shared.lora.is_gone``), a 400 when no worker could ever
+    take it (``shared.worker_load.misfit``, found by the router), else a 500."""
     code = Constraint.error_code(error)
     if code is not None:
         return ApiError(400, error or code, code=code)
+    if is_too_large(error):
+        return ApiError(400, (error or "").split(": ", 1)[1], code=TOO_LARGE)
     if is_gone(error):  # its adapter was unloaded while it waited: as an unknown adapter is
         return ApiError(404, (error or "").split(": ", 1)[1], param="model", code=GONE)
     return ApiError(500, error or "generation failed", code="generation_failed", kind="server_error")

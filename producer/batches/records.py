@@ -28,6 +28,7 @@ from producer.api.openai_render import Call, response
 from producer.api.openai_types import ChatCompletionRequest, CompletionRequest
 from producer.api.routes_native import failed, generate_result
 from producer.api.routes_openai import prepare_chat, prepare_completion
+from producer.api.structured import failure
 from producer.api.submit import prepare
 from producer.deps import Services
 from shared.chunk_schemas import TokenChunk
@@ -141,7 +142,7 @@ def _no_stream(stream: bool) -> None:
 def _render_native(prompt_tokens: int, details: bool, n: int, request_id: str, chunks: list[TokenChunk]) -> dict:
     result = generate_result(chunks, prompt_tokens, details, n)
     if failed(result):  # what /generate answers then
-        raise ApiError(500, result.error or "generation failed", code="generation_failed", kind="server_error")
+        raise failure(result.error)
     return json.loads(dump_without_empty_error(result))
 
 

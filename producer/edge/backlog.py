@@ -23,12 +23,12 @@ from redis.exceptions import TimeoutError as RedisTimeout
 
 from producer import store
 from producer.api.errors import retry_later
+from producer.edge.pool_fit import REFRESH_S, PoolFit
 from shared.keys import Keys
 from shared.schemas import GenerateRequest
 
 HISTORY_LEN = 200  # output lengths the mean is taken over (the router's default window)
 HISTORY_REFRESH_S = 1.0
-WORKERS_REFRESH_S = 0.5
 DRAIN_WINDOW_S = 30.0  # drain rate over the last this many seconds
 MIN_SPAN_S = 0.5  # below this the rate is noise: answer "soon"
 SAMPLE_EVERY_S = 0.05  # bounds the samples kept under a burst
@@ -101,8 +101,7 @@ class Gate:
         self.drain = DrainRate()
         self._mean_len: float | None = None
         self._mean_read_at = -math.inf
-        self._workers_live = False
-        self._workers_read_at = -math.inf
+        self.fit = PoolFit(redis, keys)
 
     async def mean_output_length(self) -> float | None:
         now = time.monotonic()
@@ -114,23 +113,8 @@ class Gate:
 
     async def check_workers(self) -> None:
         """503 ``no_workers`` while no worker has a heartbeat (only with --reject_without_workers)."""
-        if not self.require_workers:
-            return
-        now = time.monotonic()
-        if now - self._workers_read_at >= WORKERS_REFRESH_S:
-            self._workers_live = await self._any_live_worker()
-            self._workers_read_at = now
-        if not self._workers_live:
-            raise retry_later(503, "no worker is serving; retry later", "no_workers", WORKERS_REFRESH_S * 2)
-
-    async def _any_live_worker(self) -> bool:
-        members = await self.redis.zrange(self.keys.workers(), 0, -1)
-        if not members:
-            return False
-        pipe = self.redis.pipeline(transaction=False)  # load keys live in different slots
-        for worker_id in members:
-            pipe.exists(self.keys.load(worker_id))
-        return any(await pipe.execute())
+        if self.require_workers and not await self.fit.any_live():
+            raise retry_later(503, "no worker is serving; retry later", "no_workers", REFRESH_S * 2)
 
     async def enqueue(self, request: GenerateRequest, ttl_s: int, key_hash: str | None) -> None:
         """Write the request, or raise 429 ``queue_full`` when the backlog has no room for it."""
@@ -142,6 +126,7 @@ class Gate:
 
     async def _enqueue(self, request: GenerateRequest, ttl_s: int, key_hash: str | None) -> None:
         await self.check_workers()
+        await self.fit.check(request)  # 400 when no live worker could ever hold it (producer.edge.pool_fit)
         # A group's samples share the prompt: it is counted once, each sample's output once.
         cost = request.num_prompt_tokens + estimated_output(request, await self.mean_output_length())
         result = await store.enqueue(

@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from producer.edge.backlog import estimated_output
+from producer.edge.pool_fit import live_workers
 from producer.monitoring.recent import WINDOW_S, RecentRequest, RequestTracker
 from shared import ingress
 from shared.codec import from_entry
@@ -268,21 +269,3 @@ def _entry_key(entry_id: str) -> tuple[int, int]:
 async def mean_output_length(redis: aioredis.Redis, keys: Keys) -> float | None:
     lengths = [int(x) for x in await redis.lrange(keys.output_lengths(), 0, HISTORY_LEN - 1)]
     return sum(lengths) / len(lengths) if lengths else None
-
-
-async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerLoad]:
-    """Registered workers whose heartbeat (load key with TTL) still exists."""
-    worker_ids = await redis.zrange(keys.workers(), 0, -1)
-    if not worker_ids:
-        return []
-    pipe = redis.pipeline(transaction=False)  # load keys live in different slots
-    for worker_id in worker_ids:
-        pipe.get(keys.load(worker_id))
-    loads = []
-    for raw in await pipe.execute():
-        if raw is not None:
-            try:
-                loads.append(WorkerLoad.model_validate_json(raw))
-            except ValueError:
-                continue  # a heartbeat from an incompatible worker: not ours to show
-    return loads

@@ -39,14 +39,14 @@ def test_dispatches_in_order_to_the_least_loaded_and_acks(any_redis):
 
 
 def test_request_waits_in_order_until_a_worker_has_room(redis_settings, rclient, keys):
-    publish_load(rclient, keys, "w1", max_total=30)
+    publish_load(rclient, keys, "w1", max_total=100, requests=[(50, 0, 45, 1)])  # 50 held, 45 to come
     router = make_router(redis_settings, rclient)
-    submit(rclient, keys, "big", 20, 20)  # needs 40 > 30
+    submit(rclient, keys, "big", 20, 20)  # 50 + 20 + 20 + 20 at its end: over 100
     submit(rclient, keys, "small", 1, 1)
     router.step()
     assert inbox_ids(rclient, keys, "w1") == []  # small waits behind big: arrival order
     assert rclient.xpending(keys.requests(), ROUTER_GROUP)["pending"] == 2
-    publish_load(rclient, keys, "w1", max_total=100)
+    publish_load(rclient, keys, "w1", max_total=100, last_inbox_id="0-0")
     router.step()
     assert inbox_ids(rclient, keys, "w1") == ["big", "small"]
 

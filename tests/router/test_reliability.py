@@ -111,7 +111,8 @@ def test_a_cleanly_stopped_router_leaves_the_group_unless_it_holds_entries(redis
     submit(rclient, keys, "a")
     idle.step()  # dispatched and acked: nothing pending
     holding = make_router(redis_settings, rclient, name="holding")
-    submit(rclient, keys, "big", prompt_len=900, max_new=900)  # fits no worker: stays pending
+    publish_load(rclient, keys, "w1", committed=900)
+    submit(rclient, keys, "big", prompt_len=400, max_new=400)  # no room on w1 now: stays pending
     holding.step()
     liveness.forget(rclient, keys, "idle")
     liveness.forget(rclient, keys, "holding")

@@ -1,0 +1,84 @@
+"""The door's check that a request fits some live worker at all.
+
+A request waits at the head of its class's queue until a worker has room for it (the router's
+admission check). One that no worker could hold even with nothing else running (its samples'
+KV tokens over every pool, or more samples than a worker runs at once) would wait there for
+ever, and every request of its class and worse classes with it: one client's ``n`` = 8 with a
+large ``max_tokens`` stopped the pool. So the producer refuses it with a 400 before it writes
+anything: its most KV tokens (``GenerateRequest.max_tokens_needed``: the prompt once, each
+sample's ``max_new_tokens``) must fit the pool of a live worker that serves its model (and
+adapter), and its samples that worker's ``running_max_req_size``.
+
+While no such worker is live nothing is refused here (one may be starting, or all are being
+replaced); the router ends a request that still fits none once some are (``router.loop``).
+The live workers' records are read at most every ``REFRESH_S`` per producer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import redis.asyncio as aioredis
+
+from producer.api.errors import bad_request
+from shared.keys import Keys
+from shared.schemas import GenerateRequest
+from shared.worker_load import TOO_LARGE, WorkerLoad, misfit
+
+REFRESH_S = 0.5
+
+
+async def heartbeats(redis: aioredis.Redis, keys: Keys) -> list[bytes]:
+    """The load records of the registered workers whose heartbeat (load key with TTL) still exists."""
+    worker_ids = await redis.zrange(keys.workers(), 0, -1)
+    if not worker_ids:
+        return []
+    pipe = redis.pipeline(transaction=False)  # load keys live in different slots
+    for worker_id in worker_ids:
+        pipe.get(keys.load(worker_id))
+    return [raw for raw in await pipe.execute() if raw is not None]
+
+
+def parsed(raws: list[bytes]) -> list[WorkerLoad]:
+    loads = []
+    for raw in raws:
+        try:
+            loads.append(WorkerLoad.model_validate_json(raw))
+        except ValueError:
+            continue  # a heartbeat from an incompatible worker: live, but nothing to read in it
+    return loads
+
+
+async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerLoad]:
+    """Registered workers whose heartbeat still exists, those whose record this version reads."""
+    return parsed(await heartbeats(redis, keys))
+
+
+class PoolFit:
+    """``check`` a request against the live workers' records, read at most every ``REFRESH_S``."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis, self.keys = redis, keys
+        self.loads: list[WorkerLoad] = []
+        self.num_live = 0  # heartbeats, the records this version cannot read too
+        self._read_at = -math.inf
+
+    async def refresh(self) -> list[WorkerLoad]:
+        now = time.monotonic()
+        if now - self._read_at >= REFRESH_S:
+            raws = await heartbeats(self.redis, self.keys)
+            self.num_live, self.loads = len(raws), parsed(raws)
+            self._read_at = now
+        return self.loads
+
+    async def any_live(self) -> bool:
+        await self.refresh()
+        return self.num_live > 0
+
+    async def check(self, request: GenerateRequest) -> None:
+        """400 ``request_too_large`` when no live worker serving it could ever take it."""
+        why = misfit(request, await self.refresh())
+        if why is not None:
+            param = "n" if request.n > 1 else "max_tokens"
+            raise bad_request(why, param=param, code=TOO_LARGE, reason="too_long")

@@ -1,0 +1,50 @@
+"""A request no live worker could ever hold (``producer.edge.pool_fit``) is a 400
+``request_too_large`` at the door, on every route, before anything is written; one that fits a
+worker, or arrives while no worker's record is there, is queued as before."""
+
+from __future__ import annotations
+
+import asyncio
+
+from producer.edge.pool_fit import REFRESH_S
+from shared.keys import Keys
+from tests.router.helpers import publish_load
+
+
+async def keys_now(aredis) -> set[bytes]:
+    return {k async for k in aredis.scan_iter(match="*")}
+
+
+async def test_a_group_over_every_pool_is_refused_at_the_door(client, aredis, keys: Keys, rclient):
+    publish_load(rclient, keys, "w1", max_total=1000)
+    publish_load(rclient, keys, "w2", max_total=1500)
+    before = await keys_now(aredis)
+    body = {"inputs": [1] * 10, "parameters": {"max_new_tokens": 200, "n": 8, "best_of": 8}}
+    response = await client.post("/generate", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large", error
+    assert "1610 KV tokens" in error["message"] and "1500" in error["message"], error["message"]
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1400, "n": 2}
+    response = await client.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "request_too_large", response.text
+    assert await keys_now(aredis) == before  # nothing written: no status hash, no ingress entry
+
+
+async def test_more_samples_than_any_worker_runs_is_refused(client, keys: Keys, rclient):
+    publish_load(rclient, keys, "w1", max_total=100_000, running_max=4)
+    body = {"inputs": [1] * 10, "parameters": {"max_new_tokens": 4, "n": 6, "best_of": 6, "do_sample": True}}
+    response = await client.post("/generate", json=body)
+    assert response.status_code == 400 and "at most 4 requests" in response.json()["error"]["message"]
+
+
+async def test_what_fits_one_worker_or_comes_before_any_is_queued(client, aredis, keys: Keys, rclient):
+    body = {"inputs": [1] * 10, "parameters": {"max_new_tokens": 1500}}  # 1,510 KV tokens at most
+    assert (await client.post("/v1/requests", json=body)).status_code == 202  # no worker yet: the router decides
+    publish_load(rclient, keys, "small", max_total=1000)
+    await asyncio.sleep(REFRESH_S + 0.1)  # the records are read at most every REFRESH_S
+    assert (await client.post("/v1/requests", json=body)).status_code == 400
+    publish_load(rclient, keys, "large", max_total=2000)
+    await asyncio.sleep(REFRESH_S + 0.1)
+    assert (await client.post("/v1/requests", json=body)).status_code == 202  # fits "large"
+    assert await aredis.xlen(keys.requests()) == 2
