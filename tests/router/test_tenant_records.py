@@ -160,7 +160,9 @@ def test_idle_tenants_counters_fold_into_other_without_losing_tokens(redis_setti
         assert sum(after.values()) == sum(served.values()) and len(after) <= 3 + 1
     assert folded > 0 and class_tenant_field(0, OTHER_TENANT) in after
     submit(rclient, keys, "busy", 10, 10, tenant="b")
-    publish_load(rclient, keys, "w1", max_total=100, committed=95, last_inbox_id=_tail(rclient, keys))  # no room: it waits
+    publish_load(
+        rclient, keys, "w1", max_total=100, committed=95, last_inbox_id=_tail(rclient, keys)
+    )  # no room: it waits
     router.step()
     rclient.hset(keys.vtime(), "0", 10**6)  # as if others had gone out far past every F
     router.tenant_records.compact()
