@@ -69,15 +69,21 @@ class Constraint(FrozenModel):
 
     # A request whose constraint the worker cannot apply ends with an error that starts with one of
     # these codes and ": ": the client's to change (the producer answers 400 with the code, not a
-    # 500): xgrammar refused it, or it did not compile within --grammar_compile_timeout_s.
+    # 500): xgrammar refused it, it did not compile within --grammar_compile_timeout_s, or the worker
+    # applies no grammars (the counting stand-in).
     INVALID: ClassVar[str] = "invalid_constraint"
     TOO_COSTLY: ClassVar[str] = "constraint_too_costly"
+    UNSUPPORTED: ClassVar[str] = "constraint_unsupported"
 
     @staticmethod
     def error_code(error: str | None) -> str | None:
-        """``INVALID`` or ``TOO_COSTLY`` when a request's ``error`` is its constraint's, else None."""
+        """The code (``INVALID``, ``TOO_COSTLY``, ``UNSUPPORTED``) when a request's ``error`` is its
+        constraint's, else None."""
         code = (error or "").split(": ", 1)[0]
-        return code if code in (Constraint.INVALID, Constraint.TOO_COSTLY) else None
+        return code if code in (Constraint.INVALID, Constraint.TOO_COSTLY, Constraint.UNSUPPORTED) else None
+
+
+MAX_PENALTY = 100.0  # a penalty's bound on every route: times any token count, finite in float32
 
 
 class SamplingParams(FrozenModel):
@@ -95,9 +101,9 @@ class SamplingParams(FrozenModel):
     stop_sequences: tuple[str, ...] = Field(
         (), description="texts that end the output, never emitted (the producer drops empty ones)"
     )
-    presence_penalty: float = Field(0.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(1.0, gt=0, le=MAX_PENALTY)
     min_p: float = Field(0.0, ge=0, le=1)
     top_logprobs: int = Field(
         0, ge=0, le=MAX_TOP_LOGPROBS, description="most likely alternatives to report with each token's logprob"

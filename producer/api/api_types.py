@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFun
 from pydantic_core import PydanticCustomError
 
 from shared.chunk_schemas import TokenChunk
-from shared.schemas import MAX_PRIORITY, MIN_PRIORITY, FinishReason, RequestStatus
+from shared.schemas import MAX_PENALTY, MAX_PRIORITY, MIN_PRIORITY, FinishReason, RequestStatus
 
 
 class _Request(BaseModel):
@@ -50,9 +50,11 @@ class GenerateParameters(_Request):
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description="-1 or null: unseeded")
-    presence_penalty: float = Field(0.0, ge=0)
-    frequency_penalty: float = Field(0.0, ge=0)
-    repetition_penalty: float = Field(1.0, ge=1)
+    # LightLLM's lower bounds; the upper ones keep a penalty times a token count finite in float32
+    # (1e39 became inf, and the sampled row NaN: token 0 with a null logprob)
+    presence_penalty: float = Field(0.0, ge=0, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=0, le=MAX_PENALTY)
+    repetition_penalty: float = Field(1.0, ge=1, le=MAX_PENALTY)
     stop_sequences: str | list[str | list[int]] | None = Field(
         None, description="a string, or a list of strings and token-id lists (at most 10)"
     )

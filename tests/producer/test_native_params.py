@@ -64,6 +64,10 @@ BAD = {  # parameters -> the name the 400 must carry
     "presence_negative": ({"presence_penalty": -0.1}, "parameters.presence_penalty"),
     "frequency_negative": ({"frequency_penalty": -1}, "parameters.frequency_penalty"),
     "repetition_below_one": ({"repetition_penalty": 0.9}, "parameters.repetition_penalty"),
+    # past float32 once times a count: the sampled row went NaN (token 0, a null logprob) with a 200
+    "presence_huge": ({"presence_penalty": 1e300}, "parameters.presence_penalty"),
+    "frequency_huge": ({"frequency_penalty": 1e39}, "parameters.frequency_penalty"),
+    "repetition_huge": ({"repetition_penalty": 1e39}, "parameters.repetition_penalty"),
     "min_new_zero": ({"min_new_tokens": 0}, "parameters.min_new_tokens"),
     "min_above_max": ({"min_new_tokens": 9, "max_new_tokens": 8}, "parameters.min_new_tokens"),
     "min_above_default_max": ({"min_new_tokens": 17}, "parameters.min_new_tokens"),

@@ -27,8 +27,8 @@ from shared.lora import gone_error
 from shared.model_files import served_name
 from shared.redis import OUTAGES, REDIS_FAILURES, Backoff
 from shared.requeue import Death, hand_back_inbox, requeue
-from shared.schemas import GenerateRequest, RequestStatus
-from shared.worker_load import PreemptAsk, WorkerLoad
+from shared.schemas import Constraint, GenerateRequest, RequestStatus
+from shared.worker_load import PreemptAsk, WorkerLoad, too_large_error
 from shared.worker_settings import WorkerSettings
 from worker.engine.engine import Engine
 from worker.engine.events import Ended, Event, Released
@@ -336,15 +336,16 @@ class WorkerService:
     def _refusal(self, msg: GenerateRequest) -> str | None:
         """Why this worker cannot run ``msg`` (None: it can). A constraint is not compiled here: it
         compiles off the loop while the request waits (``_end_failed_grammars`` ends it if it fails)."""
-        if msg.max_tokens_needed > self.engine.limits.max_total_tokens:
-            return (
-                f"request needs {msg.max_tokens_needed} tokens; this worker's pool holds "
+        if msg.max_tokens_needed > self.engine.limits.max_total_tokens:  # the producer's 400, as its own check
+            return too_large_error(
+                f"this request can need {msg.max_tokens_needed} KV tokens; this worker's pool holds "
                 f"{self.engine.limits.max_total_tokens}"
             )
         if msg.params.prompt_logprobs is not None and self.settings.tp > 1:
             return "prompt log-probabilities need a worker with --tp 1"
         if msg.params.constraint is not None and self.grammars is None:
-            return "this worker cannot apply grammars"
+            # no tokenizer that matches the model's vocabulary (the counting stand-in's): the client's 400
+            return f"{Constraint.UNSUPPORTED}: this pool's workers apply no grammars (the model has no matching tokenizer)"
         if msg.adapter is not None and msg.adapter not in self.lora.view.serving:  # the router checks its record
             return gone_error(msg.adapter)  # unloaded after the router sent it here: a 404 to the client
         return None
