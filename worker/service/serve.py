@@ -345,7 +345,9 @@ class WorkerService:
             return "prompt log-probabilities need a worker with --tp 1"
         if msg.params.constraint is not None and self.grammars is None:
             # no tokenizer that matches the model's vocabulary (the counting stand-in's): the client's 400
-            return f"{Constraint.UNSUPPORTED}: this pool's workers apply no grammars (the model has no matching tokenizer)"
+            return (
+                f"{Constraint.UNSUPPORTED}: this pool's workers apply no grammars (the model has no matching tokenizer)"
+            )
         if msg.adapter is not None and msg.adapter not in self.lora.view.serving:  # the router checks its record
             return gone_error(msg.adapter)  # unloaded after the router sent it here: a 404 to the client
         return None
