@@ -83,7 +83,7 @@ class Constraint(FrozenModel):
         return code if code in (Constraint.INVALID, Constraint.TOO_COSTLY, Constraint.UNSUPPORTED) else None
 
 
-MAX_PENALTY = 100.0  # a penalty's bound on every route: times any token count, finite in float32
+MAX_PENALTY = 1e4  # a penalty's bound on every route: times any token count, finite in float32
 
 
 class SamplingParams(FrozenModel):

@@ -16,11 +16,11 @@ import xgrammar as xgr
 from shared.admission import AdmissionRule
 from shared.config import AdmissionSettings
 from shared.model_files import ModelSource
-from shared.schemas import Constraint, GenerateRequest, SamplingParams
+from shared.schemas import Constraint, GenerateRequest, RequestStatus, SamplingParams
 from tests.worker.token_rows import flat
 from worker.engine.engine import Engine, EngineLimits
-from worker.engine.events import Token
-from worker.engine.request import Req
+from worker.engine.events import Ended, Token
+from worker.engine.request import GrammarStep, Req
 from worker.engine.token_pool import TokenPool
 from worker.model.loader import attach_kv_cache, load_model
 from worker.runner.grammar import Grammars
@@ -142,8 +142,9 @@ def test_the_sampler_never_draws_a_forbidden_token(cache, tokenizer):
         ).ids
         alone = sample(logits[:1], SamplingBatch.build(params[:1], VOCAB, torch.device("cpu"), output_lens=[step])).ids
         assert ids[0] == alone[0]
-        ended = grammars.accept(reqs, ids)  # accept() logs and ends a row whose token was forbidden
-        for r, token_id, is_ended in zip(reqs[1:], ids[1:], ended[1:]):
+        steps = grammars.accept(reqs, ids)
+        assert GrammarStep.STUCK not in steps  # every drawn token was allowed
+        for r, token_id, is_ended in zip(reqs[1:], ids[1:], [s is GrammarStep.ENDED for s in steps[1:]]):
             r.output_ids.append(token_id)
             assert is_ended == grammars.matchers[r].is_terminated()
             if is_ended:
@@ -275,7 +276,9 @@ def test_the_batched_mask_on_the_logits_device(device):
             grammar=grammars.mask(live),
         )
         ids = sample(logits, batch).ids
-        for r, token_id, ended in zip(live, ids, grammars.accept(live, ids)):
+        for r, token_id, step in zip(live, ids, grammars.accept(live, ids)):
+            assert step is not GrammarStep.STUCK
+            ended = step is GrammarStep.ENDED
             r.output_ids.append(token_id)
             assert not ended or r.msg.params.constraint is not None
             if ended:
@@ -316,3 +319,33 @@ def test_a_length_bounded_string_admits_no_raw_control_character(cache, tokenize
     assert len(ids) > 10_000 and "hello" in {t.strip() for t in texts.values()}
     raw = {i: t for i, t in texts.items() if any(ord(c) < 0x20 for c in t)}
     assert not raw, list(raw.items())[:5]
+
+
+def test_a_grammar_that_allows_no_token_fails_its_request_and_publishes_nothing(tiny, cache):
+    """A constraint xgrammar compiles but no text meets (a red-team probe's ``[^\\s\\S]``, or a schema
+    whose parts contradict): its mask allows no token. The request ends with ``invalid_constraint``
+    (the producer's 400) at once, after the tokens it had, and no token outside its grammar is
+    published (it used to emit token 0 with a null logprob and finish ``stop``); the rows beside it
+    go on."""
+    engine = make_engine(tiny, cache)
+    never = Req(msg=msg("never", Constraint(kind="regex", spec=r"[^\s\S]")), inbox_id="1-0")
+    late = Req(msg=msg("late", Constraint(kind="regex", spec=r"ab[^\s\S]")), inbox_id="2-0")
+    free = Req(msg=msg("free", None, max_new=6), inbox_id="3-0")
+    for r in (never, late, free):
+        engine.add(r)
+    tokens: dict[str, list[int]] = {}
+    ended: dict[str, Ended] = {}
+    while engine.has_work:
+        events = engine.step()
+        ended.update((e.request_id, e) for e in events if isinstance(e, Ended))
+        for event in flat(events):
+            if isinstance(event, Token):
+                tokens.setdefault(event.request_id, []).append(event.token_id)
+    assert set(ended) == {"never", "late"}
+    for rid, emitted in (("never", 0), ("late", len(tokens.get("late", [])))):
+        end = ended[rid]
+        assert end.status is RequestStatus.FAILED and end.reason == "error" and end.num_output == emitted
+        assert Constraint.error_code(end.error) == Constraint.INVALID, end.error
+    assert "never" not in tokens and tokens["late"], tokens  # "ab" came out, in the grammar's tokens
+    assert len(tokens["free"]) == 6
+    assert engine.runner.grammars.matchers == {} and engine.runner.pool.num_free == POOL

@@ -60,12 +60,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from shared.admission import AdmissionRule
-from shared.schemas import FinishReason, RequestStatus
+from shared.schemas import Constraint, FinishReason, RequestStatus
 from worker.engine.admission import Admission, EngineLimits, Starter, slots_needed
 from worker.engine.events import Ended, Event, Preempted, Released, Started, Tokens
 from worker.engine.load import LoadSnapshot, request_states
 from worker.engine.preempt import handed_back, kv_lost, samples_of
-from worker.engine.request import Phase, Req, sampling_after_prefill
+from worker.engine.request import GrammarStep, Phase, Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
 
 if TYPE_CHECKING:  # the engine itself stays free of torch
@@ -73,6 +73,10 @@ if TYPE_CHECKING:  # the engine itself stays free of torch
     from worker.runner.sampler import PendingSampled, Sampled
 
 log = logging.getLogger("lightq.worker")
+
+# Why a sample whose grammar allowed no next token ended (a schema whose parts contradict: xgrammar
+# compiles it, and the mask of some state is empty); the client's 400 (``Constraint.INVALID``).
+STUCK_ERROR = "no token can follow the output so far under the constraint: it cannot be met (do its parts contradict?)"
 
 
 class Runner(Starter, Protocol):
@@ -88,7 +92,7 @@ class Runner(Starter, Protocol):
     ) -> PendingSampled: ...
     def forward_decode(self, reqs: list[Req], ids_known: bool = True) -> DecodeForward: ...
     def sample_decode(self, launched: DecodeForward) -> PendingSampled: ...
-    def accept(self, reqs: list[Req], ids: list[int]) -> list[bool]: ...
+    def accept(self, reqs: list[Req], ids: list[int]) -> list[GrammarStep]: ...
 
 
 @dataclass(frozen=True)
@@ -355,19 +359,35 @@ class Engine:
         cancelled, stopped, preempted) are dropped: nothing was published for them."""
         if not launched.reqs:
             return []
-        reqs, sampled = launched.reqs, launched.pending.result()
-        if any(r.phase is Phase.FINISHED for r in reqs):
-            live = [row for row, r in enumerate(reqs) if r.phase is not Phase.FINISHED]
+        reqs, sampled = self._live(launched.reqs, launched.pending.result())
+        events: list[Event] = []
+        for req, step in zip(reqs, self.runner.accept(reqs, sampled.ids)):
+            req.is_grammar_complete = step is GrammarStep.ENDED
+            if step is GrammarStep.STUCK:  # its token was outside the grammar: never published
+                events += self._fail_running(req, f"{Constraint.INVALID}: {STUCK_ERROR}")
+        if events:
+            reqs, sampled = self._live(reqs, sampled, discarded=False)
+        return events + self._sample_and_finish(reqs, sampled)
+
+    def _live(self, reqs: list[Req], sampled: Sampled, discarded: bool = True) -> tuple[list[Req], Sampled]:
+        """The rows of requests that have not finished (``discarded``: count the others' tokens)."""
+        if all(r.phase is not Phase.FINISHED for r in reqs):
+            return reqs, sampled
+        live = [row for row, r in enumerate(reqs) if r.phase is not Phase.FINISHED]
+        if discarded:
             self.num_discarded += len(reqs) - len(live)
-            reqs = [reqs[row] for row in live]
-            sampled = sampled._replace(
-                ids=[sampled.ids[row] for row in live],
-                logprobs=[sampled.logprobs[row] for row in live],
-                top=[sampled.top[row] for row in live],
-            )
-        for req, ended in zip(reqs, self.runner.accept(reqs, sampled.ids)):
-            req.is_grammar_complete = ended
-        return self._sample_and_finish(reqs, sampled)
+        return [reqs[row] for row in live], sampled._replace(
+            ids=[sampled.ids[row] for row in live],
+            logprobs=[sampled.logprobs[row] for row in live],
+            top=[sampled.top[row] for row in live],
+        )
+
+    def _fail_running(self, req: Req, error: str) -> list[Event]:
+        """End running sample ``req`` with ``error`` after the tokens it emitted."""
+        ended = Ended(
+            req.id, RequestStatus.FAILED, "error", len(req.output_ids), error, choice=req.choice, epoch=req.epoch
+        )
+        return [ended, *self._release(req, "error")]
 
     def _sample_and_finish(self, reqs: list[Req], sampled: Sampled) -> list[Event]:
         """The forward's tokens as one ``Tokens`` record (columns, no object per token), then

@@ -84,6 +84,14 @@ class Phase(Enum):
     FINISHED = "finished"
 
 
+class GrammarStep(Enum):
+    """What a landed token did to its sample's grammar (``worker.runner.grammar.Grammars.accept``)."""
+
+    OPEN = "open"  # more to come (or no grammar)
+    ENDED = "ended"  # the grammar is done: the output ends with this token
+    STUCK = "stuck"  # no token was allowed and the grammar is not complete: it cannot be met
+
+
 @dataclass(eq=False)  # requests hash by identity
 class Req:
     msg: GenerateRequest

@@ -42,7 +42,7 @@ import torch
 import xgrammar as xgr
 
 from shared.schemas import Constraint
-from worker.engine.request import Phase, Req
+from worker.engine.request import GrammarStep, Phase, Req
 from worker.runner.grammar_cache import CompileFailed, GrammarCache
 
 log = logging.getLogger("lightq.worker")
@@ -179,19 +179,21 @@ class Grammars:
         self._filler.batch_fill_next_token_bitmask([self.matchers[reqs[i]] for i in rows], bitmask, rows)
         return GrammarMask(bitmask, rows)
 
-    def accept(self, reqs: Sequence[Req], ids: Sequence[int]) -> list[bool]:
+    def accept(self, reqs: Sequence[Req], ids: Sequence[int]) -> list[GrammarStep]:
         """Advance each constrained sample's matcher by its sampled token; per row, whether the
-        grammar has ended the output (complete, and a stop token taken)."""
-        ended = [False] * len(reqs)
+        grammar goes on, has ended the output (complete, and a stop token taken) or is stuck."""
+        steps = [GrammarStep.OPEN] * len(reqs)
         for i, (req, token_id) in enumerate(zip(reqs, ids)):
             matcher = self.matchers.get(req)
             if matcher is None:
                 continue
-            if not matcher.accept_token(token_id):
-                # Only when no token was allowed at all (e.g. min_tokens masked the stop token the
-                # complete grammar asked for): end the output rather than run on unconstrained.
-                log.warning("%s: sampled token %d is outside its grammar; ending it", req.id, token_id)
-                ended[i] = True
-            else:
-                ended[i] = matcher.is_terminated()
-        return ended
+            if matcher.accept_token(token_id):
+                steps[i] = GrammarStep.ENDED if matcher.is_terminated() else GrammarStep.OPEN
+            elif matcher.is_completed():
+                # The stop token the complete grammar asked for was masked (min_tokens; the producer
+                # refuses that pair): end the output rather than run on unconstrained.
+                log.warning("%s: sampled token %d is outside its complete grammar; ending it", req.id, token_id)
+                steps[i] = GrammarStep.ENDED
+            else:  # no token was allowed: a schema whose parts contradict (the engine fails the request)
+                steps[i] = GrammarStep.STUCK
+        return steps

@@ -38,7 +38,7 @@ import torch
 
 from worker.engine.kv_slots import KVSlots
 from worker.engine.radix_cache import NoCache, PrefixCache
-from worker.engine.request import Req, sampling_after_prefill
+from worker.engine.request import GrammarStep, Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
 from worker.lora.pins import AdapterPins
 from worker.model.forward_batch import ForwardBatch
@@ -222,10 +222,10 @@ class ModelRunner:
         mask = self._mask(launched.reqs)  # on a GPU, this host work overlaps the forward
         return self._sample(launched.logits, launched.reqs, launched.rows, mask)
 
-    def accept(self, reqs: list[Req], ids: list[int]) -> list[bool]:
-        """Landed tokens advance their samples' grammars; per row, whether the grammar ended it."""
+    def accept(self, reqs: list[Req], ids: list[int]) -> list[GrammarStep]:
+        """Landed tokens advance their samples' grammars; per row, what the token did to its grammar."""
         if self.grammars is None:
-            return [False] * len(reqs)
+            return [GrammarStep.OPEN] * len(reqs)
         return self.grammars.accept(reqs, ids)
 
     @torch.inference_mode()
