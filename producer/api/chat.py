@@ -24,17 +24,7 @@ def template_messages(messages: list[ChatMessage], renders_tools: bool = False) 
     an assistant's calls as the template takes them (``renders_tools``) or as text."""
     out: list[dict[str, Any]] = []
     for n, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            other = next((part.type for part in content if part.type != "text"), None)
-            if other is not None:
-                raise bad_request(
-                    f"messages.{n}.content: {other!r} parts are not supported; only text",
-                    param=f"messages.{n}.content",
-                    code="unsupported_content",
-                )
-            content = "\n".join(part.text or "" for part in content)
-        entry: dict[str, Any] = {"role": ROLE_ALIASES.get(message.role, message.role), "content": content or ""}
+        entry: dict[str, Any] = {"role": ROLE_ALIASES.get(message.role, message.role), "content": _text(n, message)}
         if message.name:
             entry["name"] = message.name
         if message.tool_call_id:
@@ -45,6 +35,32 @@ def template_messages(messages: list[ChatMessage], renders_tools: bool = False) 
             entry["content"] = "\n".join(x for x in (entry["content"], calls_text(message.tool_calls)) if x)
         out.append(entry)
     return out
+
+
+def _text(n: int, message: ChatMessage) -> str:
+    """Message ``n``'s content as text; 400 where OpenAI's API requires what is missing: content but
+    for an assistant's calls, a text part's ``text``, a tool result's ``tool_call_id``."""
+    param = f"messages.{n}"
+    if message.role == "tool" and not message.tool_call_id:
+        raise bad_request(
+            f"{param}.tool_call_id: a tool message answers a call: name it", param=f"{param}.tool_call_id"
+        )
+    content = message.content
+    if content is None and not (message.role == "assistant" and message.tool_calls):
+        raise bad_request(f"{param}.content: required for a {message.role} message", param=f"{param}.content")
+    if not isinstance(content, list):
+        return content or ""
+    other = next((part.type for part in content if part.type != "text"), None)
+    if other is not None:
+        raise bad_request(
+            f"{param}.content: {other!r} parts are not supported; only text",
+            param=f"{param}.content",
+            code="unsupported_content",
+        )
+    missing = next((i for i, part in enumerate(content) if part.text is None), None)
+    if missing is not None:
+        raise bad_request(f"{param}.content.{missing}.text: a text part needs its text", param=f"{param}.content")
+    return "\n".join(part.text or "" for part in content)
 
 
 def with_tools_described(messages: list[dict[str, Any]], plan: ToolPlan) -> list[dict[str, Any]]:

@@ -54,6 +54,18 @@ CHAT_ONLY = {
     "messages_empty": ({"messages": []}, "messages"),
     "messages_role": ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     "messages_image": ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
+    # what OpenAI requires and a red-team probe found taken as empty text (a 200)
+    "messages_no_content": ({"messages": [{"role": "user"}]}, "messages.0.content"),
+    "messages_null_content": ({"messages": [{"role": "system", "content": None}, *MESSAGES]}, "messages.0.content"),
+    "messages_part_without_text": (
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        "messages.0.content",
+    ),
+    "messages_assistant_empty": ({"messages": [*MESSAGES, {"role": "assistant"}, *MESSAGES]}, "messages.1.content"),
+    "messages_tool_without_id": (
+        {"messages": [*MESSAGES, {"role": "tool", "content": "42"}]},
+        "messages.1.tool_call_id",
+    ),
     "top_logprobs_without_logprobs": ({"top_logprobs": 3}, "top_logprobs"),
     "top_logprobs_range": ({"top_logprobs": 21}, "top_logprobs"),
     "max_completion_tokens": ({"max_completion_tokens": 0}, "max_completion_tokens"),
