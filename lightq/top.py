@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -21,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from lightq.serve_redis import find_serve_url
+from lightq.serve_redis import default_data_dir, find_serve_url
 from producer.monitoring.cluster import ClusterSnapshot, read_cluster
 from producer.monitoring.recent import RequestTracker
 from shared.config import RedisSettings
@@ -142,6 +144,12 @@ def run(flags: dict[str, Any], console: Console | None = None) -> int:
     if url is not None:
         flags["redis_url"] = url
     settings = build(RedisSettings, flags)
+    if url is None:  # say which Redis it reads: a serve started with another cache folder is not found
+        print(
+            f"lightq top: no running lightq serve found under {os.path.dirname(default_data_dir(0))}; "
+            f"reading {settings.url} (pass --redis_url, as serve's ready line prints it)",
+            file=sys.stderr,
+        )
     console = console or Console(width=None if not once else max(Console().width, 120))
     try:
         asyncio.run(_loop(settings, once, interval, console))

@@ -123,3 +123,26 @@ def test_top_finds_the_running_serves_redis(tmp_path, monkeypatch):
         assert "redis://127.0.0.1:6000/0" in str(exc) and "redis://127.0.0.1:6002/0" in str(exc)
     held.close()
     other.close()
+
+
+def test_top_says_which_redis_it_reads_when_no_serve_is_found(tmp_path, monkeypatch, capsys):
+    """A serve started with another cache folder is not found: top said nothing and showed the default
+    Redis's empty pool as if it were serve's (a new user's report); it names what it reads."""
+    import lightq.top
+
+    read = []
+
+    async def loop(settings, once, interval, console):  # what it would read, not read here
+        read.append(settings.url)
+
+    monkeypatch.setattr(lightq.top, "_loop", loop)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("LIGHTQ_REDIS_URL", raising=False)
+    run({"once": True}, console=Console(file=io.StringIO(), width=160))
+    err = capsys.readouterr().err
+    assert f"no running lightq serve found under {tmp_path / 'lightq' / 'redis'}" in err
+    assert f"reading {read[0]}" in err and "--redis_url" in err
+    held = _hold(tmp_path / "lightq" / "redis" / "port-8000", 6000)
+    run({"once": True}, console=Console(file=io.StringIO(), width=160))
+    held.close()
+    assert read[1] == "redis://127.0.0.1:6000/0" and capsys.readouterr().err == ""  # found: nothing to say
