@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import queue
 import re
+import signal
 import threading
 import time
 from collections import Counter, deque
@@ -298,7 +299,10 @@ class CompilePool:
 
 def child_main(conn: Connection, info_json: str, compile_fn: CompileFn) -> None:
     """A compile process: constraints in, ``("ok", serialised grammar, seconds)`` or ``("error",
-    reason)`` out, until the worker closes its end (or is gone)."""
+    reason)`` out, until the worker closes its end (or is gone). Ctrl-C reaches the whole process
+    group: a child ignores it (its worker stops it), or it died with a traceback and the pool
+    started another while the worker exited (an EOFError traceback at every Ctrl-C)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.nice(NICE)
     info = xgr.TokenizerInfo.deserialize_json(info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # one core per compile
