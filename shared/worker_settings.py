@@ -129,11 +129,10 @@ class WorkerSettings(BaseSettings):
         "a step (1: page in as each slot frees); on a GPU also how many waiting adapters are copied ahead, into "
         "staging buffers of one adapter at --max_lora_rank each",
     )
-    # Off until a GPU has run it: written and tested on the CPU (the stream logic is CUDA's alone).
     lora_overlap: bool = Field(
-        False,
+        True,
         description="on a GPU, run each adapted layer's LoRA shrink (x A^T) on a second stream beside the base "
-        "matmul, which it does not depend on, so its launches leave the step's critical path (not yet measured)",
+        "matmul, which it does not depend on, so its launches leave the step's critical path",
     )
     seed: int = Field(0, description="seed for dummy weights")
     counting_step_ms: float = Field(

@@ -54,7 +54,7 @@ def lora_dir(tmp_path_factory):
     return str(folder / "base"), specs
 
 
-def engine_for(model_dir: str, specs: list[str], device: str, dtype: str, graphs: bool, overlap: bool = False):
+def engine_for(model_dir: str, specs: list[str], device: str, dtype: str, graphs: bool, overlap: bool = True):
     settings = WorkerSettings(
         lora_overlap=overlap,
         model=ModelSettings(model_dir=model_dir, max_req_total_len=512, lora_modules=specs),
@@ -96,11 +96,11 @@ def test_greedy_tokens_with_adapters_equal_on_gpu_and_cpu(lora_dir, graphs, grou
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_the_shrinks_beside_the_matmuls_give_the_tokens_of_the_shrinks_in_line(lora_dir, graphs, monkeypatch):
-    """--lora_overlap (each shrink on a side stream, forked and joined per layer, inside captured graphs
-    too) against the default (every shrink on the main stream), the grouped decode included."""
+def test_the_shrinks_in_line_give_the_tokens_they_give_beside_the_matmuls(lora_dir, graphs, monkeypatch):
+    """--no-lora_overlap (every shrink on the main stream) against the default (on a side stream,
+    forked and joined per layer, inside captured graphs too), the grouped decode included."""
     monkeypatch.setattr(delta, "GROUPED_FROM", 8)
-    assert greedy(lora_dir, "cuda", graphs, overlap=True) == greedy(lora_dir, "cuda", graphs)
+    assert greedy(lora_dir, "cuda", graphs, overlap=False) == greedy(lora_dir, "cuda", graphs)
 
 
 def prefill_logits(lora_dir, device: str, dtype: torch.dtype) -> torch.Tensor:

@@ -102,7 +102,7 @@ class AdapterSet:
             self.bound, self.groups = None, None
 
     @torch.no_grad()
-    def install(self, model: nn.Module, staging: bool | None = None, overlap: bool = False) -> int:
+    def install(self, model: nn.Module, staging: bool | None = None, overlap: bool = True) -> int:
         """Wrap every layer some adapter adapts (with spare slots: every adaptable layer) in a
         ``LoraLinear`` holding its stacks (the model's dtype, the layer's device); the stacks' bytes.
         The stacks never move or grow after this: a captured CUDA graph reads them where they are.
@@ -251,7 +251,7 @@ def adaptable_layers(model: nn.Module) -> list[str]:
 
 
 def load_adapters(
-    specs: list[str], model: nn.Module, max_rank: int, spare: int = 0, page_batch: int = 1, overlap: bool = False
+    specs: list[str], model: nn.Module, max_rank: int, spare: int = 0, page_batch: int = 1, overlap: bool = True
 ) -> AdapterSet:
     """--lora_modules' adapters read, checked against ``model`` (its weights loaded) and installed,
     with ``spare`` slots of rank ``max_rank`` for adapters loaded at run time (--max_loras), paged
