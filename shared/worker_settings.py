@@ -129,11 +129,6 @@ class WorkerSettings(BaseSettings):
         "a step (1: page in as each slot frees); on a GPU also how many waiting adapters are copied ahead, into "
         "staging buffers of one adapter at --max_lora_rank each",
     )
-    lora_overlap: bool = Field(
-        True,
-        description="on a GPU, run each adapted layer's LoRA shrink (x A^T) on a second stream beside the base "
-        "matmul, which it does not depend on, so its launches leave the step's critical path",
-    )
     seed: int = Field(0, description="seed for dummy weights")
     counting_step_ms: float = Field(
         0.0,

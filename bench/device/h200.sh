@@ -241,14 +241,6 @@ for part in "$@"; do
       for way in ${LORA_WAYS:-copies staged ahead}; do timeout 200 python3 -m bench.engine.offline --model-shape llama3-8b \
         --lora-adapters 1000 --lora-files 100 --lora-resident 64 --lora-rank 16 --lora-page-in $way --timeline 2>&1 \
         | tr '\r' '\n' | tee "$OUT/offline_lora_$way.log" | grep -E "^(lightq|LoRA: [0-9]+ adapters paged|with prefill|decode, batch)"; done ;;
-    lora-overlap)  # issue 32: 1,000 adapters / 64 resident (staged, copied ahead) with the shrinks on a side stream beside
-      # the base matmuls (the default), the base model, then the shrinks in line (--no-lora-overlap); most needed first
-      for arm in ${LORA_ARMS:-overlap base --no-lora-overlap}; do case $arm in
-        base) timeout 150 python3 -m bench.engine.offline --model-shape llama3-8b --timeline 2>&1 | tr '\r' '\n' \
-          | tee "$OUT/offline_base.log" | grep -E "^(lightq|with prefill|decode, batch)" ;;
-        *) timeout 200 python3 -m bench.engine.offline --model-shape llama3-8b --lora-adapters 1000 --lora-files 100 \
-          --lora-resident 64 --lora-rank 16 ${arm#overlap} --timeline 2>&1 | tr '\r' '\n' | tee "$OUT/offline_lora$arm.log" \
-          | grep -E "^(lightq|with prefill|decode, batch)" ;; esac; done ;;
     w8a16)  # issue 31: W8A16 above 16 rows through its own GEMM, its tests, then bf16 and W8A16 on the same workload
       timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8.py -k "w8a16 or gemv" tests/worker/test_fp8_gpu.py \
         2>&1 | tee "$OUT/w8a16-tests.log" | grep -E "passed|failed|error|Error"

@@ -123,7 +123,6 @@ def run_lightq(args, work, tally: Tally) -> float:
         ),
         max_loras=args.lora_resident,
         lora_page_batch=args.lora_page_batch,
-        lora_overlap=not args.no_lora_overlap,
         device=args.device,
         max_total_token_num=args.max_total_token_num,
         batch_max_tokens=args.batch_max_tokens,
@@ -304,9 +303,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-page-batch", type=int, default=8, help="the worker's --lora_page_batch")
     parser.add_argument(
         "--lora-page-in", choices=("ahead", "staged", "copies"), default="ahead", help=page_in_by.__doc__
-    )
-    parser.add_argument(
-        "--no-lora-overlap", action="store_true", help="the worker's --no-lora_overlap (the shrinks in line)"
     )
     args = parser.parse_args(argv)
     if args.peer is not None and (args.json_schema is not None or args.vocab_size is not None):

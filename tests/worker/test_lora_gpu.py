@@ -54,9 +54,8 @@ def lora_dir(tmp_path_factory):
     return str(folder / "base"), specs
 
 
-def engine_for(model_dir: str, specs: list[str], device: str, dtype: str, graphs: bool, overlap: bool = True):
+def engine_for(model_dir: str, specs: list[str], device: str, dtype: str, graphs: bool):
     settings = WorkerSettings(
-        lora_overlap=overlap,
         model=ModelSettings(model_dir=model_dir, max_req_total_len=512, lora_modules=specs),
         device=device,
         dtype=dtype,
@@ -68,8 +67,8 @@ def engine_for(model_dir: str, specs: list[str], device: str, dtype: str, graphs
     return build_engine(settings)
 
 
-def greedy(lora_dir, device: str, graphs: bool, dtype: str = "float32", overlap: bool = True) -> dict[str, list[int]]:
-    engine = engine_for(*lora_dir, device, dtype, graphs, overlap)
+def greedy(lora_dir, device: str, graphs: bool, dtype: str = "float32") -> dict[str, list[int]]:
+    engine = engine_for(*lora_dir, device, dtype, graphs)
     for name in [None, *(r.name for r in RECIPES)]:
         for i, prompt in enumerate(PROMPTS):
             params = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -93,14 +92,6 @@ def test_greedy_tokens_with_adapters_equal_on_gpu_and_cpu(lora_dir, graphs, grou
     cpu = greedy(lora_dir, "cpu", False)
     assert all(cpu[f"{r.name}/{i}"] != cpu[f"None/{i}"] for r in RECIPES for i in range(2))  # adapters matter
     assert greedy(lora_dir, "cuda", graphs) == cpu
-
-
-@pytest.mark.parametrize("graphs", [False, True])
-def test_the_shrinks_in_line_give_the_tokens_they_give_beside_the_matmuls(lora_dir, graphs, monkeypatch):
-    """--no-lora_overlap (every shrink on the main stream) against the default (on a side stream,
-    forked and joined per layer, inside captured graphs too), the grouped decode included."""
-    monkeypatch.setattr(delta, "GROUPED_FROM", 8)
-    assert greedy(lora_dir, "cuda", graphs, overlap=False) == greedy(lora_dir, "cuda", graphs)
 
 
 def prefill_logits(lora_dir, device: str, dtype: torch.dtype) -> torch.Tensor:

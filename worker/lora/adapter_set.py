@@ -69,7 +69,6 @@ class AdapterSet:
         self.max_rank = max([a.rank for a in adapters] + [self.spare_rank])
         self.bound: ForwardBatch | None = None  # set by ``bind`` for one forward
         self.groups: TokenGroups | None = None  # the bound decode's tokens by slot (``decode_groups``)
-        self.side: torch.cuda.Stream | None = None  # the shrinks' stream beside the base matmuls (``install``)
         self.nbytes = 0  # the stacks' device memory, once installed
         self.staging: Staging | None = None  # where page-ins copy an adapter's host buffer to (install)
         self.layers: dict[str, LoraLinear] = {}  # adapted layer name -> its wrapper (``install``)
@@ -102,14 +101,13 @@ class AdapterSet:
             self.bound, self.groups = None, None
 
     @torch.no_grad()
-    def install(self, model: nn.Module, staging: bool | None = None, overlap: bool = True) -> int:
+    def install(self, model: nn.Module, staging: bool | None = None) -> int:
         """Wrap every layer some adapter adapts (with spare slots: every adaptable layer) in a
         ``LoraLinear`` holding its stacks (the model's dtype, the layer's device); the stacks' bytes.
         The stacks never move or grow after this: a captured CUDA graph reads them where they are.
         ``staging`` (default: spare slots on a GPU): buffers as large as the largest adapter the stacks
         take, so page-ins copy an adapter's host buffer in one DMA and one launch, ``page_batch`` of
-        them ahead of their slots (``worker.lora.staging``). ``overlap`` (a GPU's): each layer's shrink on
-        a high-priority side stream beside its base matmul (``LoraLinear.forward``; --lora_overlap)."""
+        them ahead of their slots (``worker.lora.staging``)."""
         names = {name for a in self._adapters for name in a.modules}
         if self.spare_rank:
             names |= set(adaptable_layers(model))
@@ -134,8 +132,6 @@ class AdapterSet:
 
             self.staging = Staging(most, model.dtype, device, ahead=self.page_batch if self.spare else 0)
             size += self.staging.nbytes
-        if overlap and device.type == "cuda":
-            self.side = torch.cuda.Stream(device=device, priority=-1)
         for adapter in self._adapters:
             self._write(self.slots[adapter.name], adapter)
         model.lora = self
@@ -250,16 +246,13 @@ def adaptable_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, Linear) and name.rpartition(".")[2] != "lm_head"]
 
 
-def load_adapters(
-    specs: list[str], model: nn.Module, max_rank: int, spare: int = 0, page_batch: int = 1, overlap: bool = True
-) -> AdapterSet:
+def load_adapters(specs: list[str], model: nn.Module, max_rank: int, spare: int = 0, page_batch: int = 1) -> AdapterSet:
     """--lora_modules' adapters read, checked against ``model`` (its weights loaded) and installed,
     with ``spare`` slots of rank ``max_rank`` for adapters loaded at run time (--max_loras), paged
-    in ``page_batch`` at a time once they were all pinned (--lora_page_batch); ``overlap``: the
-    shrinks beside the base matmuls on a GPU (--lora_overlap)."""
+    in ``page_batch`` at a time once they were all pinned (--lora_page_batch)."""
     adapters = [load_adapter(*parse_spec(spec), model=model, max_rank=max_rank) for spec in specs]
     adapter_set = AdapterSet(adapters, spare, max_rank, page_batch)
-    adapter_set.install(model, overlap=overlap)
+    adapter_set.install(model)
     return adapter_set
 
 

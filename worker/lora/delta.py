@@ -27,7 +27,6 @@ from worker.model.forward_batch import ForwardBatch
 if TYPE_CHECKING:
     from worker.model.kernels.bgmv_grouped import TokenGroups
     from worker.model.kernels.lora_shards import Shards
-    from worker.model.kernels.sgmv import Segments
 
 # From this many decode tokens the grouped kernel serves: on an H100 at 100 adapters of rank 16 it
 # took 0.84-0.98x BGMV's time at 64 tokens, 0.65-1.02x at 128, 0.21-0.32x at 768, 1-2x at 16
@@ -66,56 +65,6 @@ def lora_delta_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: tor
     return out
 
 
-def lora_shrink(
-    x: torch.Tensor, a: torch.Tensor, batch: ForwardBatch, groups: TokenGroups | None = None
-) -> torch.Tensor:
-    """On CUDA, the first half of the delta: v (fp32 partial sums, the kernel's layout) of x A^T by
-    the batch's slots, through the kernel the batch takes (the module's docstring). It reads only x,
-    so it may run beside the base matmul (``LoraLinear``); ``lora_expand`` adds v B^T to y."""
-    assert batch.lora_slots is not None and x.is_cuda
-    if groups is not None:
-        from worker.model.kernels.bgmv_grouped import grouped_shrink
-
-        return grouped_shrink(x, a, groups)
-    if batch.is_decode:
-        from worker.model.kernels.bgmv import bgmv_shrink
-
-        return bgmv_shrink(x, a, batch.lora_slots)
-    from worker.model.kernels.sgmv import sgmv_shrink
-
-    return sgmv_shrink(x, a, _segments(batch))
-
-
-def lora_expand(
-    y: torch.Tensor,
-    v: torch.Tensor,
-    b: torch.Tensor,
-    batch: ForwardBatch,
-    groups: TokenGroups | None = None,
-    shards: Shards | None = None,
-) -> torch.Tensor:
-    """On CUDA, y [T, out] += v B^T in place, v from ``lora_shrink`` with the same batch and groups."""
-    assert batch.lora_slots is not None and y.is_cuda
-    if groups is not None:
-        from worker.model.kernels.bgmv_grouped import grouped_expand
-
-        return grouped_expand(y, v, b, groups, shards)
-    if batch.is_decode:
-        from worker.model.kernels.bgmv import bgmv_expand
-
-        return bgmv_expand(y, v, b, batch.lora_slots, shards)
-    from worker.model.kernels.sgmv import sgmv_expand
-
-    return sgmv_expand(y, v, b, _segments(batch), shards)
-
-
-def _segments(batch: ForwardBatch) -> Segments:
-    from worker.model.kernels.sgmv import Segments
-
-    assert batch.lora_slots is not None
-    return Segments(batch.q_starts, batch.q_lens, batch.lora_slots, batch.max_q_len)
-
-
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -130,4 +79,17 @@ def add_lora(
     a fused layer's block-diagonal B, whose zero blocks the kernels skip (the reference multiplies them)."""
     if not x.is_cuda:
         return y + lora_delta_ref(x, a, b, token_slots(batch)).to(y.dtype)
-    return lora_expand(y, lora_shrink(x, a, batch, groups), b, batch, groups, shards)
+    assert batch.lora_slots is not None
+    if groups is not None:
+        from worker.model.kernels.bgmv_grouped import bgmv_grouped
+
+        bgmv_grouped(y, x, a, b, groups, shards=shards)
+    elif batch.is_decode:
+        from worker.model.kernels.bgmv import bgmv
+
+        bgmv(y, x, a, b, batch.lora_slots, shards=shards)
+    else:
+        from worker.model.kernels.sgmv import sgmv
+
+        sgmv(y, x, a, b, batch.q_starts, batch.q_lens, batch.lora_slots, batch.max_q_len, shards=shards)
+    return y

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from worker.lora.delta import add_lora, lora_expand, lora_shrink
+from worker.lora.delta import add_lora
 from worker.model.forward_batch import ForwardBatch
 from worker.model.kernels.lora_shards import Shards
 
@@ -20,7 +20,6 @@ class BatchSource(Protocol):
 
     bound: ForwardBatch | None
     groups: TokenGroups | None  # the bound decode's tokens grouped by slot, where that kernel serves
-    side: torch.cuda.Stream | None  # where the shrink runs beside the base matmul (CUDA, --lora_overlap)
 
 
 class LoraLinear(nn.Module):
@@ -46,21 +45,8 @@ class LoraLinear(nn.Module):
         self.adapters = adapters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)  # [T, out]
         batch = self.adapters.bound
         if batch is None or batch.lora_slots is None:
-            return self.base(x)
-        side = self.adapters.side
-        if side is None or not x.is_cuda:
-            return add_lora(self.base(x), x, self.lora_a, self.lora_b, batch, self.adapters.groups, self.shards)
-        # The shrink reads only x: on the side stream it runs beside the base matmul, whose tiles rarely
-        # fill the GPU at decode sizes, and its launches leave the critical path (captured graphs keep
-        # the fork and join as edges). No record_stream needed: v is allocated, and after its last use
-        # freed, on the side stream, which touches it again only after waiting for this stream's expand;
-        # x is this stream's and is reused here only after the join.
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            v = lora_shrink(x, self.lora_a, batch, self.adapters.groups)
-        y = self.base(x)
-        main.wait_stream(side)
-        return lora_expand(y, v, self.lora_b, batch, self.adapters.groups, self.shards)
+            return y
+        return add_lora(y, x, self.lora_a, self.lora_b, batch, self.adapters.groups, self.shards)

@@ -72,43 +72,6 @@ def _expand(
     tl.store(y_ptr, out.to(y.dtype.element_ty), mask=cols < N)
 
 
-def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
-    """The partial sums v [shrink_splits(K), T, R] (fp32) of x [T, K] A[slots]^T, A [S, R, K];
-    ``v``: the scratch to write (tests pass a poisoned one; ``LoraLinear`` one made before its
-    side stream runs this beside the base matmul)."""
-    (t, k), (_, r, k_a) = x.shape, a.shape
-    assert k_a == k and x.stride(1) == 1 and a.is_contiguous() and slots.shape == (t,), (x.shape, a.shape)
-    splits = shrink_splits(k)
-    v = torch.empty(splits, t, r, dtype=torch.float32, device=x.device) if v is None else v
-    assert v.shape == (splits, t, r) and v.stride(2) == 1
-    if t == 0:
-        return v
-    block_r = block_ranks(r)
-    block_k = min(BLOCK_K, max(16, 4096 // block_r))  # an [R, K] tile of A at most 4,096 values
-    _shrink[(t, splits)](
-        x, a, v, slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
-        CHUNK=SPLIT_K, BR=block_r, BK=block_k,
-    )  # fmt: skip
-    return v
-
-
-def bgmv_expand(
-    y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, shards: Shards | None = None
-) -> torch.Tensor:
-    """y [T, N] += v B[slots]^T in place, v from ``bgmv_shrink`` (its splits summed in a fixed
-    order), B [S, N, R]; ``shards``: B is block diagonal so (``lora_shards``)."""
-    (t, n), (splits, _, r) = y.shape, v.shape
-    assert b.shape[1:] == (n, r) and y.stride(1) == 1 and b.is_contiguous() and v.shape[1] == t, (y.shape, v.shape)
-    if t == 0:
-        return y
-    end0, end1, ranks = expand_span(shards, n, r, BLOCK_N)
-    _expand[(t, triton.cdiv(n, BLOCK_N))](
-        v, b, y, slots, n, ranks, end0, end1, v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        SPLITS=splits, BN=BLOCK_N, BR=block_ranks(ranks),
-    )  # fmt: skip
-    return y
-
-
 def bgmv(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -118,8 +81,27 @@ def bgmv(
     v: torch.Tensor | None = None,
     shards: Shards | None = None,
 ) -> torch.Tensor:
-    """y [T, N] += each token's delta, in place; x [T, K], A [S, R, K], B [S, N, R], slots [T]:
-    ``bgmv_shrink`` then ``bgmv_expand``."""
-    assert a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2] and y.shape == (x.shape[0], b.shape[1])
-    assert a.dtype == b.dtype
-    return bgmv_expand(y, bgmv_shrink(x, a, slots, v), b, slots, shards)
+    """y [T, N] += each token's delta, in place; x [T, K], A [S, R, K], B [S, N, R], slots [T].
+    ``v``: the [shrink_splits(K), T, R] fp32 scratch of partial sums (tests pass a poisoned one).
+    ``shards``: B is block diagonal so (``lora_shards``)."""
+    (t, k), (num_slots, r, k_a), (_, n, r_b) = x.shape, a.shape, b.shape
+    assert k_a == k and r_b == r and b.shape[0] == num_slots and y.shape == (t, n), (x.shape, a.shape, b.shape)
+    assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
+    assert slots.shape == (t,) and a.dtype == b.dtype
+    if t == 0:
+        return y
+    splits = shrink_splits(k)
+    v = torch.empty(splits, t, r, dtype=torch.float32, device=x.device) if v is None else v
+    assert v.shape == (splits, t, r) and v.stride(2) == 1
+    block_r = block_ranks(r)
+    block_k = min(BLOCK_K, max(16, 4096 // block_r))  # an [R, K] tile of A at most 4,096 values
+    _shrink[(t, splits)](
+        x, a, v, slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
+        CHUNK=SPLIT_K, BR=block_r, BK=block_k,
+    )  # fmt: skip
+    end0, end1, ranks = expand_span(shards, n, r, BLOCK_N)
+    _expand[(t, triton.cdiv(n, BLOCK_N))](
+        v, b, y, slots, n, ranks, end0, end1, v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        SPLITS=splits, BN=BLOCK_N, BR=block_ranks(ranks),
+    )  # fmt: skip
+    return y

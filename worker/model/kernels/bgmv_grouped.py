@@ -11,12 +11,11 @@ per token. The grouping is a handful of fixed-size tensor ops (a sort, a histogr
 a search), done once a forward (``AdapterSet.bind``), inside a captured decode graph too.
 
 The shrink (v = x A^T, fp32) splits K as ``bgmv`` does, so a few hundred tokens still fill the
-GPU; the expand sums the splits. Slot 0 (no adapter, and a captured graph's
+GPU; the splits are summed once before the expand. Slot 0 (no adapter, and a captured graph's
 padded rows) gets no block: its rows of y are not touched. Every (token, output) is written by one
 program: no atomics, the same result every run. Small batches stay on ``bgmv``
 (``worker.lora.delta.GROUPED_FROM``): the grid is sized for the worst grouping, and at a few tokens
-its idle programs cost more than the reads they save (bench.engine.lora_kernels). The expand adds
-the shrink's splits as it loads them (as ``bgmv``'s does): no launch of its own for the sum.
+its idle programs cost more than the reads they save (bench.engine.lora_kernels).
 """
 
 from __future__ import annotations
@@ -93,8 +92,8 @@ def _shrink(
 
 @triton.jit
 def _expand(
-    v, b, y, tokens, block_slots, N, RS, END0, END1, s_vs, s_v, s_bs, s_bn, s_y,
-    SPLITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+    v, b, y, tokens, block_slots, N, RS, END0, END1, s_v, s_bs, s_bn, s_y,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
 ):  # fmt: skip
     blk, nb = tl.program_id(0), tl.program_id(1)
     slot = tl.load(block_slots + blk).to(tl.int64)
@@ -104,10 +103,7 @@ def _expand(
     cols = nb * BN + tl.arange(0, BN)
     r0 = ((nb * BN >= END0).to(tl.int32) + (nb * BN >= END1).to(tl.int32)) * RS  # its shard's ranks (lora_shards)
     rs = tl.arange(0, BR)
-    vs = tl.zeros((BM, BR), dtype=tl.float32)
-    for split in tl.static_range(SPLITS):  # the shrink's partial sums, always in this order
-        v_ptr = v + split * s_vs + pos[:, None] * s_v + r0 + rs[None, :]
-        vs += tl.load(v_ptr, mask=ok[:, None] & (rs[None, :] < RS), other=0.0)
+    vs = tl.load(v + pos[:, None] * s_v + r0 + rs[None, :], mask=ok[:, None] & (rs[None, :] < RS), other=0.0)
     b_ptr = b + slot * s_bs + cols[:, None] * s_bn + r0 + rs[None, :]
     bt = tl.load(b_ptr, mask=(cols[:, None] < N) & (rs[None, :] < RS), other=0.0)  # [BN, BR]
     acc = tl.dot(vs.to(bt.dtype), tl.trans(bt))  # v in the weights' dtype: tensor cores, fp32 sums
@@ -115,46 +111,6 @@ def _expand(
     mask = ok[:, None] & (cols[None, :] < N)
     out = tl.load(y_ptr, mask=mask, other=0.0).to(tl.float32) + acc
     tl.store(y_ptr, out.to(y.dtype.element_ty), mask=mask)
-
-
-def grouped_shrink(
-    x: torch.Tensor, a: torch.Tensor, groups: TokenGroups, v: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The partial sums v [splits, blocks * BLOCK_M, R] (fp32) of x [T, K] A^T at the grouped
-    positions of ``groups``, A [S, R, K]; ``v``: the scratch to write (tests pass a poisoned one)."""
-    (t, k), (_, r, k_a) = x.shape, a.shape
-    assert k_a == k and x.stride(1) == 1 and a.is_contiguous(), (x.shape, a.shape)
-    blocks = groups.block_slots.shape[0]
-    splits, places = triton.cdiv(k, SPLIT_K), blocks * BLOCK_M
-    v = torch.empty(splits, places, r, dtype=torch.float32, device=x.device) if v is None else v
-    assert v.shape == (splits, places, r) and v.stride(2) == 1
-    if t == 0 or blocks == 0:
-        return v
-    # fp32 tiles half as long: at rank 96 the pipelined [BR, BK] tiles asked 278 KB of shared memory, over an H100's 227
-    block_k = BLOCK_K if a.element_size() <= 2 else BLOCK_K // 2
-    _shrink[(blocks, splits)](
-        x, a, v, groups.tokens, groups.block_slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0),
-        v.stride(1), CHUNK=SPLIT_K, BM=BLOCK_M, BR=block_ranks(r), BK=block_k,
-    )  # fmt: skip
-    return v
-
-
-def grouped_expand(
-    y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, groups: TokenGroups, shards: Shards | None = None
-) -> torch.Tensor:
-    """y [T, N] += v B^T in place at the tokens of ``groups``, v from ``grouped_shrink`` (its splits
-    summed as they load, in a fixed order), B [S, N, R]; ``shards``: B is block diagonal so."""
-    (t, n), (splits, places, r) = y.shape, v.shape
-    blocks = groups.block_slots.shape[0]
-    assert b.shape[1:] == (n, r) and y.stride(1) == 1 and b.is_contiguous() and places == blocks * BLOCK_M
-    if t == 0 or blocks == 0:
-        return y
-    end0, end1, ranks = expand_span(shards, n, r, BLOCK_N)
-    _expand[(blocks, triton.cdiv(n, BLOCK_N))](
-        v, b, y, groups.tokens, groups.block_slots, n, ranks, end0, end1, v.stride(0), v.stride(1), b.stride(0),
-        b.stride(1), y.stride(0), SPLITS=splits, BM=BLOCK_M, BN=BLOCK_N, BR=block_ranks(ranks),
-    )  # fmt: skip
-    return y
 
 
 def bgmv_grouped(
@@ -167,7 +123,28 @@ def bgmv_grouped(
     shards: Shards | None = None,
 ) -> torch.Tensor:
     """y [T, N] += each token's delta, in place; x [T, K], A [S, R, K], B [S, N, R], ``groups`` from
-    ``group_tokens`` over the batch's slots: ``grouped_shrink`` then ``grouped_expand``."""
-    assert a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2] and y.shape == (x.shape[0], b.shape[1])
-    assert a.dtype == b.dtype
-    return grouped_expand(y, grouped_shrink(x, a, groups, v), b, groups, shards)
+    ``group_tokens`` over the batch's slots. ``v``: the [splits, blocks * BLOCK_M, R] fp32 scratch
+    (tests pass a poisoned one). ``shards``: B is block diagonal so (``lora_shards``)."""
+    (t, k), (num_slots, r, k_a), (_, n, r_b) = x.shape, a.shape, b.shape
+    assert k_a == k and r_b == r and b.shape[0] == num_slots and y.shape == (t, n), (x.shape, a.shape, b.shape)
+    assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
+    blocks = groups.block_slots.shape[0]
+    if t == 0 or blocks == 0:
+        return y
+    splits, places = triton.cdiv(k, SPLIT_K), blocks * BLOCK_M
+    v = torch.empty(splits, places, r, dtype=torch.float32, device=x.device) if v is None else v
+    assert v.shape == (splits, places, r) and v.stride(2) == 1
+    block_r = block_ranks(r)
+    # fp32 tiles half as long: at rank 96 the pipelined [BR, BK] tiles asked 278 KB of shared memory, over an H100's 227
+    block_k = BLOCK_K if a.element_size() <= 2 else BLOCK_K // 2
+    _shrink[(blocks, splits)](
+        x, a, v, groups.tokens, groups.block_slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0),
+        v.stride(1), CHUNK=SPLIT_K, BM=BLOCK_M, BR=block_r, BK=block_k,
+    )  # fmt: skip
+    total = v[0] if splits == 1 else v.sum(0)  # the splits added once (a fixed-order reduction)
+    end0, end1, ranks = expand_span(shards, n, r, BLOCK_N)
+    _expand[(blocks, triton.cdiv(n, BLOCK_N))](
+        total, b, y, groups.tokens, groups.block_slots, n, ranks, end0, end1, total.stride(0), b.stride(0),
+        b.stride(1), y.stride(0), BM=BLOCK_M, BN=BLOCK_N, BR=block_ranks(ranks),
+    )  # fmt: skip
+    return y

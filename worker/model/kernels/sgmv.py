@@ -16,8 +16,6 @@ segment's end exit at once. The reference is ``worker.lora.delta.lora_delta_ref`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -77,51 +75,6 @@ def _expand(
     tl.store(y_ptr, out.to(y.dtype.element_ty), mask=mask)
 
 
-@dataclass(frozen=True)
-class Segments:
-    """A prefill's requests as segments of its packed tokens: each request's first token and count
-    [B], its adapter slot [B] and the longest count (a host integer the batch has anyway)."""
-
-    starts: torch.Tensor
-    lens: torch.Tensor
-    slots: torch.Tensor
-    max_len: int
-
-
-def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg: Segments, v: torch.Tensor | None = None) -> torch.Tensor:
-    """v [T, R] (fp32) = each segment's x A[s]^T, A [S, R, K]; slot 0's rows are not written.
-    ``v``: the scratch to write (tests pass a poisoned one)."""
-    (t, k), (_, r, k_a) = x.shape, a.shape
-    assert k_a == k and x.stride(1) == 1 and a.is_contiguous(), (x.shape, a.shape)
-    assert seg.starts.shape == seg.lens.shape == seg.slots.shape
-    v = torch.empty(t, r, dtype=torch.float32, device=x.device) if v is None else v
-    assert v.shape == (t, r) and v.stride(1) == 1
-    if t == 0 or len(seg.slots) == 0:
-        return v
-    _shrink[(len(seg.slots), triton.cdiv(seg.max_len, BLOCK_M), triton.cdiv(r, BLOCK_R))](
-        x, a, v, seg.starts, seg.lens, seg.slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0),
-        BM=BLOCK_M, BR=BLOCK_R, BK=BLOCK_K,
-    )  # fmt: skip
-    return v
-
-
-def sgmv_expand(
-    y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, seg: Segments, shards: Shards | None = None
-) -> torch.Tensor:
-    """y [T, N] += each segment's v B[s]^T in place, v from ``sgmv_shrink``, B [S, N, R];
-    ``shards``: B is block diagonal so (``lora_shards``)."""
-    (t, n), (_, r) = y.shape, v.shape
-    assert b.shape[1:] == (n, r) and y.stride(1) == 1 and b.is_contiguous() and v.shape[0] == t, (y.shape, v.shape)
-    if t == 0 or len(seg.slots) == 0:
-        return y
-    end0, end1, ranks = expand_span(shards, n, r, BLOCK_N)
-    _expand[(len(seg.slots), triton.cdiv(seg.max_len, BLOCK_M), triton.cdiv(n, BLOCK_N))](
-        v, b, y, seg.starts, seg.lens, seg.slots, n, ranks, end0, end1, v.stride(0), b.stride(0), b.stride(1),
-        y.stride(0), BM=BLOCK_M, BN=BLOCK_N, BR=BLOCK_R,
-    )  # fmt: skip
-    return y
-
-
 def sgmv(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -135,8 +88,24 @@ def sgmv(
     shards: Shards | None = None,
 ) -> torch.Tensor:
     """y [T, N] += each segment's delta, in place; x [T, K], A [S, R, K], B [S, N, R], q_starts /
-    q_lens / slots [B]: ``sgmv_shrink`` then ``sgmv_expand``."""
-    assert a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2] and y.shape == (x.shape[0], b.shape[1])
-    assert a.dtype == b.dtype
-    seg = Segments(q_starts, q_lens, slots, max_q_len)
-    return sgmv_expand(y, sgmv_shrink(x, a, seg, v), b, seg, shards)
+    q_lens / slots [B]. ``v``: the [T, R] fp32 scratch (tests pass a poisoned one). ``shards``: B is
+    block diagonal so (``lora_shards``)."""
+    (t, k), (num_slots, r, k_a), (_, n, r_b) = x.shape, a.shape, b.shape
+    assert k_a == k and r_b == r and b.shape[0] == num_slots and y.shape == (t, n), (x.shape, a.shape, b.shape)
+    assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
+    assert q_starts.shape == q_lens.shape == slots.shape and a.dtype == b.dtype
+    if t == 0 or len(slots) == 0:
+        return y
+    v = torch.empty(t, r, dtype=torch.float32, device=x.device) if v is None else v
+    assert v.shape == (t, r) and v.stride(1) == 1
+    rows = triton.cdiv(max_q_len, BLOCK_M)
+    _shrink[(len(slots), rows, triton.cdiv(r, BLOCK_R))](
+        x, a, v, q_starts, q_lens, slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0),
+        BM=BLOCK_M, BR=BLOCK_R, BK=BLOCK_K,
+    )  # fmt: skip
+    end0, end1, ranks = expand_span(shards, n, r, BLOCK_N)
+    _expand[(len(slots), rows, triton.cdiv(n, BLOCK_N))](
+        v, b, y, q_starts, q_lens, slots, n, ranks, end0, end1, v.stride(0), b.stride(0), b.stride(1),
+        y.stride(0), BM=BLOCK_M, BN=BLOCK_N, BR=BLOCK_R,
+    )  # fmt: skip
+    return y
