@@ -159,9 +159,10 @@ def alive(pid: int) -> bool:
 
 
 def open_stream(http: str, events: list[dict]) -> threading.Thread:
-    """A streaming request that stays open (its 1000 tokens never fit the pool of 512 under the
-    conservative rule, so it waits in the queue), its events collected in a thread."""
-    body = {"inputs": "count", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+    """A streaming request that stays open (its 300 tokens do not fit the pool of 512 beside the
+    running hog's 451 under the conservative rule, so it waits in the queue: one that fits no pool
+    at all is refused now), its events collected in a thread."""
+    body = {"inputs": "count", "parameters": {"max_new_tokens": 300, "ignore_eos": True}}
 
     def follow():
         try:
@@ -184,7 +185,9 @@ def in_append_only_file(data_dir: str, text: bytes) -> bool:
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path, how):
-    serve = Serve(tmp_path, ["--drain_timeout", "2", "--admission", "conservative", "--max_total_token_num", "512"])
+    # 200 ms a forward: the hog runs for minutes, holding the pool while the streamed request waits
+    args = ["--drain_timeout", "2", "--admission", "conservative", "--max_total_token_num", "512"]
+    serve = Serve(tmp_path, [*args, "--counting_step_ms", "200"])
     try:
         assert not serve.redis_url.endswith(":6379/0"), "without a URL, serve runs a Redis of its own"
         serve.client().set("lightq:test-marker", "kept")
@@ -197,6 +200,9 @@ def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path
             os.kill(redis_pid, signal.SIGKILL)
             wait_for(lambda: "the embedded Redis exited" in serve.log() and answers(serve.redis_url), "a new Redis")
             assert serve.client().get("lightq:test-marker") == "kept"
+        hog = {"inputs": "count", "parameters": {"max_new_tokens": 450, "ignore_eos": True}}
+        hog_id = httpx.post(f"{serve.http}/v1/requests", json=hog, timeout=30).json()["id"]
+        wait_for(lambda: serve.client().hget(Keys("lightq").meta(hog_id), "status") == "running", "the hog running")
         events: list[dict] = []
         stream = open_stream(serve.http, events)
         wait_for(lambda: events, "the stream's headers")
