@@ -83,9 +83,6 @@ class Constraint(FrozenModel):
         return code if code in (Constraint.INVALID, Constraint.TOO_COSTLY, Constraint.UNSUPPORTED) else None
 
 
-MAX_PENALTY = 1e4  # a penalty's bound on every route: times any token count, finite in float32
-
-
 class SamplingParams(FrozenModel):
     """Validated generation parameters, as the worker applies them."""
 
@@ -101,9 +98,9 @@ class SamplingParams(FrozenModel):
     stop_sequences: tuple[str, ...] = Field(
         (), description="texts that end the output, never emitted (the producer drops empty ones)"
     )
-    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: float = Field(1.0, gt=0, le=MAX_PENALTY)
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
     min_p: float = Field(0.0, ge=0, le=1)
     top_logprobs: int = Field(
         0, ge=0, le=MAX_TOP_LOGPROBS, description="most likely alternatives to report with each token's logprob"

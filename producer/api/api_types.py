@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFun
 from pydantic_core import PydanticCustomError
 
 from shared.chunk_schemas import TokenChunk
-from shared.schemas import MAX_PENALTY, MAX_PRIORITY, MIN_PRIORITY, FinishReason, RequestStatus
+from shared.schemas import MAX_PRIORITY, MIN_PRIORITY, FinishReason, RequestStatus
+
+MAX_PENALTY = 1e4  # the native routes' bound on a penalty (OpenAI's routes: +-2)
 
 
 class _Request(BaseModel):
@@ -50,8 +52,8 @@ class GenerateParameters(_Request):
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description="-1 or null: unseeded")
-    # LightLLM's lower bounds; the upper ones keep a penalty times a token count finite in float32
-    # (1e39 became inf, and the sampled row NaN: token 0 with a null logprob)
+    # LightLLM's lower bounds; the upper ones keep a penalty finite in float32 (1e39 became inf, and the
+    # sampled row NaN: token 0 with a null logprob); the worker is fuzzed up to 1e6
     presence_penalty: float = Field(0.0, ge=0, le=MAX_PENALTY)
     frequency_penalty: float = Field(0.0, ge=0, le=MAX_PENALTY)
     repetition_penalty: float = Field(1.0, ge=1, le=MAX_PENALTY)
