@@ -18,6 +18,7 @@ together (``MergedFollower``) and cancelled together.
 from __future__ import annotations
 
 import functools
+import sys
 import time
 
 from fastapi import APIRouter, Request, Response
@@ -212,6 +213,19 @@ async def chat_completions(request: Request, services: ServicesDep, caller: Call
     return await _answer(request, services, [queued], call, body.stream)
 
 
+async def largest_pool(services: Services, adapter: str | None) -> int:
+    """The KV tokens of the largest live pool serving this model (and ``adapter``): what a prompt and
+    its ``n`` answers may fill without a ``max_tokens`` (no bound while none is known)."""
+    if services.gate is None:
+        return sys.maxsize
+    loads = [
+        load
+        for load in await services.gate.fit.refresh()
+        if load.serves(services.model_id, adapter) and not load.draining
+    ]
+    return max((load.max_total_tokens for load in loads), default=sys.maxsize)
+
+
 async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple[GenerateRequest, Call]:
     """Every check and the chat template of a chat completion; nothing is written (batches share it)."""
     adapter = await check_model(body.model, services)
@@ -224,8 +238,11 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     ids = await chat_prompt_ids(body.messages, services.tokenizer, plan)
     check_prompt_length(len(ids), services.settings.model.max_req_input_len, "messages")
     limit = services.settings.model.max_req_total_len
-    # Without a limit the answer may fill the context (LightLLM and vLLM do the same).
-    max_new = body.requested_max_tokens or max(limit - len(ids), 1)
+    # Without a limit the answer may fill the context (LightLLM and vLLM do the same), and n answers
+    # share what the largest live pool holds (or the request could fit no worker: pool_fit's 400).
+    if not (max_new := body.requested_max_tokens or 0):
+        room = (await largest_pool(services, adapter) - len(ids)) // body.num_choices
+        max_new = max(min(limit - len(ids), room), 1)
     check_context(len(ids), max_new, limit, "messages")
     params = body.sampling(max_new, services.tokenizer).model_copy(update={"constraint": constraint})
     queued = new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user, adapter)

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+from producer.api.openai_types import ChatCompletionRequest
+from producer.api.routes_openai import prepare_chat
 from producer.edge.pool_fit import REFRESH_S
 from shared.keys import Keys
 from tests.router.helpers import publish_load
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
 async def keys_now(aredis) -> set[bytes]:
@@ -48,3 +52,19 @@ async def test_what_fits_one_worker_or_comes_before_any_is_queued(client, aredis
     await asyncio.sleep(REFRESH_S + 0.1)
     assert (await client.post("/v1/requests", json=body)).status_code == 202  # fits "large"
     assert await aredis.xlen(keys.requests()) == 2
+
+
+async def test_chat_without_max_tokens_shares_the_largest_pool_among_its_answers(app, keys: Keys, rclient):
+    """Without ``max_tokens`` a chat answer may fill the context; ``n`` of them share the largest live
+    pool, so the request fits it (it was a request no worker could take)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 4}
+    alone, _ = await prepare_chat(ChatCompletionRequest.model_validate({**body, "n": 1}), app.state.services)
+    assert alone.params.max_new_tokens == 2048 - len(alone.prompt_ids)  # no worker known: the context
+    publish_load(rclient, keys, "small", max_total=500)
+    publish_load(rclient, keys, "large", max_total=1000)
+    await asyncio.sleep(REFRESH_S + 0.1)
+    request, _ = await prepare_chat(ChatCompletionRequest.model_validate(body), app.state.services)
+    prompt = len(request.prompt_ids)
+    assert request.params.max_new_tokens == (1000 - prompt) // 4 and request.max_tokens_needed <= 1000
+    given, _ = await prepare_chat(ChatCompletionRequest.model_validate({**body, "max_tokens": 300}), app.state.services)
+    assert given.params.max_new_tokens == 300  # asked for: kept (and refused at the door if it fits nowhere)
