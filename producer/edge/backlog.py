@@ -23,7 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 
 from producer import store
 from producer.api.errors import retry_later
-from producer.edge.pool_fit import REFRESH_S, PoolFit
+from producer.edge.pool_fit import LIVE_REFRESH_S, PoolFit
 from shared.keys import Keys
 from shared.schemas import GenerateRequest
 
@@ -114,7 +114,7 @@ class Gate:
     async def check_workers(self) -> None:
         """503 ``no_workers`` while no worker has a heartbeat (only with --reject_without_workers)."""
         if self.require_workers and not await self.fit.any_live():
-            raise retry_later(503, "no worker is serving; retry later", "no_workers", REFRESH_S * 2)
+            raise retry_later(503, "no worker is serving; retry later", "no_workers", LIVE_REFRESH_S * 2)
 
     async def enqueue(self, request: GenerateRequest, ttl_s: int, key_hash: str | None) -> None:
         """Write the request, or raise 429 ``queue_full`` when the backlog has no room for it."""

@@ -26,55 +26,65 @@ from shared.keys import Keys
 from shared.schemas import GenerateRequest
 from shared.worker_load import TOO_LARGE, WorkerLoad, misfit
 
-REFRESH_S = 0.5
+REFRESH_S = 2.0  # the workers' records, for the fit
+LIVE_REFRESH_S = 0.5  # whether any worker is live, for the no-worker 503
 
 
-async def heartbeats(redis: aioredis.Redis, keys: Keys) -> list[bytes]:
-    """The load records of the registered workers whose heartbeat (load key with TTL) still exists."""
+async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerLoad]:
+    """Registered workers whose heartbeat (load key with TTL) still exists, those whose record this
+    version reads."""
     worker_ids = await redis.zrange(keys.workers(), 0, -1)
     if not worker_ids:
         return []
     pipe = redis.pipeline(transaction=False)  # load keys live in different slots
     for worker_id in worker_ids:
         pipe.get(keys.load(worker_id))
-    return [raw for raw in await pipe.execute() if raw is not None]
-
-
-def parsed(raws: list[bytes]) -> list[WorkerLoad]:
     loads = []
-    for raw in raws:
-        try:
-            loads.append(WorkerLoad.model_validate_json(raw))
-        except ValueError:
-            continue  # a heartbeat from an incompatible worker: live, but nothing to read in it
+    for raw in await pipe.execute():
+        if raw is not None:
+            try:
+                loads.append(WorkerLoad.model_validate_json(raw))
+            except ValueError:
+                continue  # a heartbeat from an incompatible worker: not ours to read
     return loads
 
 
-async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerLoad]:
-    """Registered workers whose heartbeat still exists, those whose record this version reads."""
-    return parsed(await heartbeats(redis, keys))
-
-
 class PoolFit:
-    """``check`` a request against the live workers' records, read at most every ``REFRESH_S``."""
+    """``check`` a request against the live workers' records, read at most every ``REFRESH_S`` (what
+    it reads, each worker's capacity, changes only when workers come and go; a record is KBs, so a
+    producer reads them every few seconds, not per request), and ``any_live``, a cheaper look at
+    the heartbeats alone every ``LIVE_REFRESH_S`` (the no-worker 503)."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis, self.keys = redis, keys
         self.loads: list[WorkerLoad] = []
-        self.num_live = 0  # heartbeats, the records this version cannot read too
         self._read_at = -math.inf
+        self._live = False
+        self._live_at = -math.inf
 
     async def refresh(self) -> list[WorkerLoad]:
         now = time.monotonic()
         if now - self._read_at >= REFRESH_S:
-            raws = await heartbeats(self.redis, self.keys)
-            self.num_live, self.loads = len(raws), parsed(raws)
+            self.loads = await live_workers(self.redis, self.keys)
             self._read_at = now
         return self.loads
 
     async def any_live(self) -> bool:
-        await self.refresh()
-        return self.num_live > 0
+        """Whether any worker has a heartbeat (a record this version cannot read counts too)."""
+        now = time.monotonic()
+        if now - self._live_at >= LIVE_REFRESH_S:
+            self._live = await self._any_heartbeat()
+            self._live_at = now
+        return self._live
+
+    async def _any_heartbeat(self) -> bool:
+        members = await self.redis.zrange(self.keys.workers(), 0, -1)
+        if not members:
+            return False
+        pipe = self.redis.pipeline(transaction=False)  # load keys live in different slots
+        for worker_id in members:
+            pipe.exists(self.keys.load(worker_id))
+        return any(await pipe.execute())
 
     async def check(self, request: GenerateRequest) -> None:
         """400 ``request_too_large`` when no live worker serving it could ever take it."""
