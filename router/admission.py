@@ -249,9 +249,7 @@ class Views:
         """Whether no live worker that serves ``request`` (its ``states``) could ever start it, even
         with nothing else running: it would wait at the head of the queue for ever, and its class
         and worse ones behind it. False while none serves it (one may be starting)."""
-        views = [
-            v for v in self._views.values() if v.load.serves(request.model, request.adapter) and not v.load.draining
-        ]
+        views = [v for v in self._views.values() if v.load.takes(request.model, request.adapter)]
         drawn: list[Candidate] = []
 
         def candidate() -> Candidate:  # one draw for every view, made when first needed

@@ -80,6 +80,11 @@ class WorkerLoad(FrozenModel):
             return False
         return model is None or self.model is None or self.model == model
 
+    def takes(self, model: str | None, adapter: str | None = None) -> bool:
+        """Whether new requests for ``model`` (and ``adapter``) may start here: it serves them and is
+        not draining."""
+        return self.serves(model, adapter) and not self.draining
+
 
 TOO_LARGE = "request_too_large"  # the error code of a request no worker could ever take
 
@@ -97,7 +102,7 @@ def misfit(request: GenerateRequest, loads: list[WorkerLoad]) -> str | None:
     """Why no worker of ``loads`` serving ``request`` could ever take it, or None: one could, or
     none serves it (nothing is known yet). The producer's check before a request is written
     (``producer.edge.pool_fit``) and the router's of a queued one (``router.loop``)."""
-    ours = [load for load in loads if load.serves(request.model, request.adapter) and not load.draining]
+    ours = [load for load in loads if load.takes(request.model, request.adapter)]
     if not ours or any(fits(request, load) for load in ours):
         return None
     pool = max(load.max_total_tokens for load in ours)

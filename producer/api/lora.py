@@ -75,4 +75,4 @@ async def model_loads(services: Services) -> list[WorkerLoad]:
         await redis.mget([keys.load(m.decode() if isinstance(m, bytes) else m) for m in members]) if members else []
     )
     loads = [decode(WorkerLoad, raw) for raw in records if raw is not None]
-    return [load for load in loads if load.serves(services.model_id) and not load.draining]
+    return [load for load in loads if load.takes(services.model_id)]

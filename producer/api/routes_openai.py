@@ -213,19 +213,6 @@ async def chat_completions(request: Request, services: ServicesDep, caller: Call
     return await _answer(request, services, [queued], call, body.stream)
 
 
-async def largest_pool(services: Services, adapter: str | None) -> int:
-    """The KV tokens of the largest live pool serving this model (and ``adapter``): what a prompt and
-    its ``n`` answers may fill without a ``max_tokens`` (no bound while none is known)."""
-    if services.gate is None:
-        return sys.maxsize
-    loads = [
-        load
-        for load in await services.gate.fit.refresh()
-        if load.serves(services.model_id, adapter) and not load.draining
-    ]
-    return max((load.max_total_tokens for load in loads), default=sys.maxsize)
-
-
 async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple[GenerateRequest, Call]:
     """Every check and the chat template of a chat completion; nothing is written (batches share it)."""
     adapter = await check_model(body.model, services)
@@ -241,7 +228,8 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     # Without a limit the answer may fill the context (LightLLM and vLLM do the same), and n answers
     # share what the largest live pool holds (or the request could fit no worker: pool_fit's 400).
     if not (max_new := body.requested_max_tokens or 0):
-        room = (await largest_pool(services, adapter) - len(ids)) // body.num_choices
+        pool = sys.maxsize if services.gate is None else await services.gate.fit.largest(services.model_id, adapter)
+        room = (pool - len(ids)) // body.num_choices
         max_new = max(min(limit - len(ids), room), 1)
     check_context(len(ids), max_new, limit, "messages")
     params = body.sampling(max_new, services.tokenizer).model_copy(update={"constraint": constraint})

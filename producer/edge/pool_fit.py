@@ -17,6 +17,7 @@ The live workers' records are read at most every ``REFRESH_S`` per producer.
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import redis.asyncio as aioredis
@@ -68,6 +69,12 @@ class PoolFit:
             self.loads = await live_workers(self.redis, self.keys)
             self._read_at = now
         return self.loads
+
+    async def largest(self, model: str | None, adapter: str | None = None) -> int:
+        """The KV tokens of the largest live pool that takes ``model`` (and ``adapter``): what a prompt
+        and its ``n`` answers may fill without a ``max_tokens`` (no bound while none is known)."""
+        loads = [load for load in await self.refresh() if load.takes(model, adapter)]
+        return max((load.max_total_tokens for load in loads), default=sys.maxsize)
 
     async def any_live(self) -> bool:
         """Whether any worker has a heartbeat (a record this version cannot read counts too)."""
