@@ -30,6 +30,7 @@
 #       a wrapper per binary: LD_LIBRARY_PATH=$D/lib exec $D/real/NAME "$@")
 #   bash bench/device/h200.sh setup fp8-tune   (issue 31: the FP8 GEMV's tiles; the FP8 pool's attention tiles)
 #   bash bench/device/h200.sh setup fp8-offline fp8-long   (issue 31: bf16 / FP8 / FP8 + FP8 pool; 64 x 8,192 over each pool)
+#   bash bench/device/h200.sh setup fp8-tests fp8-ab   (issue 31: FP8 offline, .peer's tree against this one; carry .whl .peer)
 #   bash bench/device/h200.sh setup fp8-whole      (issue 31: the FP8 engine alone, then the same burst through lightq serve)
 #   bash bench/device/h200.sh setup w8a16          (issue 31: W8A16's own GEMM tested, then bf16 and W8A16 offline)
 #   bash bench/device/h200.sh setup w8a16-tune     (issue 31: the GEMM's configs for a decode step's rows, the table to set)
@@ -196,6 +197,12 @@ for part in "$@"; do
       for q in "none auto" "fp8 auto" "fp8 fp8_e4m3" "fp8_w8a16 auto"; do read -r quant kv <<<"$q"
         timeout 180 python3 -m bench.engine.offline --model-shape llama3-8b --timeline --quantization $quant --kv-cache-dtype $kv \
           2>&1 | tr '\r' '\n' | tee "$OUT/offline_${quant}_$kv.log" | grep -E "^(lightq|with prefill|decode, batch)"; done ;;
+    fp8-ab)  # issue 31: the FP8 offline arm (FP8_AB_KV: pools, default auto), .peer's tree then this one, alternately
+      # (.peer: an older commit's tree, `git archive C | tar -x -C .peer`, carried; each run imports its own tree)
+      for kv in ${FP8_AB_KV:-auto}; do for tree in ${FP8_AB_TREES:-.peer . .peer .}; do
+        (cd $tree && PYTHONPATH=/tmp/site:$(pwd) timeout 150 python3 -m bench.engine.offline --model-shape llama3-8b \
+          --timeline --quantization fp8 --kv-cache-dtype $kv 2>&1) | tr '\r' '\n' | tee -a "$OUT/ab_${tree#.}_$kv.log" \
+          | grep -E "^(lightq|decode, batch)" | sed "s|^|$tree $kv: |"; done; done ;;
     fp8-step)  # the batch 1-15 decode step against its weight-read floor, bf16 then FP8; a long-context decode
       # (64 x 8,192 tokens) with a bf16 then an FP8 pool (FP8 weights both: a bf16 pool of 69 GB and bf16 weights
       # do not fit an H100)

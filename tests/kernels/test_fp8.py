@@ -1,7 +1,7 @@
 """FP8 kernels against PyTorch references that quantise the same way (``worker.model.ops.quantize_rows``).
 
-The activation quantiser, the W8A16 GEMV, the FP8 pool's write (copy_kv) and both
-attention kernels reading an FP8 pool; outputs NaN-poisoned first, and pool slots no
+The activation quantiser (alone, and inside the norm and SiLU-and-mul), the W8A16 GEMV, the FP8
+pool's write (copy_kv) and both attention kernels reading an FP8 pool; outputs NaN-poisoned first, and pool slots no
 request owns NaN in values and scales alike. Triton's CPU interpreter loads and stores
 float8 (checked here: every test but the cuBLASLt one runs on the CPU too).
 """
@@ -19,9 +19,18 @@ from worker.model.kernels.copy_kv import copy_kv, copy_kv_ref
 from worker.model.kernels.decode_attention import Stage1Tiles, decode_attention, decode_attention_ref
 from worker.model.kernels.fp8_quant import quantize_rows as quantize_rows_kernel
 from worker.model.kernels.gemv import GemvConfig, gemv, gemv_ref
+from worker.model.kernels.rmsnorm import (
+    fused_add_rmsnorm,
+    fused_add_rmsnorm_fp8,
+    fused_add_rmsnorm_ref,
+    rmsnorm,
+    rmsnorm_fp8,
+    rmsnorm_ref,
+)
+from worker.model.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8, silu_and_mul_ref
 from worker.model.kernels.w8a16_gemm import W8A16Config, default_config, programs, small_rows_config, w8a16_matmul
 from worker.model.ops import TorchOps, TritonOps
-from worker.model.quant import FP8, FP8_MAX, quantize_rows
+from worker.model.quant import FP8, FP8_MAX, QuantizedRows, quantize_rows
 from worker.model.triton_attention import TritonAttention
 
 
@@ -221,3 +230,68 @@ def test_fp8_linear_on_cuda_matches_the_reference(rows, bias):
         assert_close(out, TorchOps().fp8_linear(x, w, scale, b), (3e-2, 3e-2))
     else:
         assert_close(out, gemv_ref(x, w, b, scale), (3e-2, 3e-2))
+
+
+def poisoned_rows(rows: int, columns: int, dtype: torch.dtype) -> QuantizedRows:
+    """An FP8 output with every byte NaN (e4m3fn's 0x7F) and NaN scales: an unwritten element shows."""
+    q = torch.full((rows, columns), 0x7F, dtype=torch.uint8, device=DEVICE).view(FP8)
+    return QuantizedRows(q, torch.full((rows,), float("nan"), device=DEVICE), dtype)
+
+
+def assert_same_rows(out: QuantizedRows, q_ref: torch.Tensor, scale_ref: torch.Tensor) -> None:
+    """Bit for bit: the fused kernels do the unfused kernels' fp32 operations in the same order."""
+    assert not out.q.float().isnan().any() and not out.scale.isnan().any(), "unwritten"
+    torch.testing.assert_close(out.scale, scale_ref, rtol=0, atol=0)
+    assert torch.equal(out.q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, hidden, residual", [(1, 16, False), (7, 96, True), (20, 1000, True), (3, 64, False)])
+def test_rmsnorm_quantised_in_its_kernel_equals_the_norm_then_the_quantiser(rows, hidden, residual, dtype):
+    """``rmsnorm_fp8`` / ``fused_add_rmsnorm_fp8`` against ``rmsnorm`` then ``quantize_rows`` (both
+    kernels), to the bit; and against the PyTorch reference within one FP8 step."""
+    x = (torch.randn(rows, hidden, device=DEVICE) * torch.logspace(-2, 2, rows, device=DEVICE)[:, None]).to(dtype)
+    res = torch.randn(rows, hidden, device=DEVICE).to(dtype) if residual else None
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    out = poisoned_rows(rows, hidden, dtype)
+    if residual:
+        got, res_out = fused_add_rmsnorm_fp8(x, res, w, 1e-6, out=out)
+        y, res_ref = fused_add_rmsnorm(x, res, w, 1e-6)
+        assert torch.equal(res_out, res_ref)
+    else:
+        got, y = rmsnorm_fp8(x, w, 1e-6, out=out), rmsnorm(x, w, 1e-6)
+    assert got is out and got.dtype == dtype
+    assert_same_rows(out, *quantize_rows_kernel(y))
+    ref = fused_add_rmsnorm_ref(x, res, w, 1e-6)[0] if residual else rmsnorm_ref(x, w, 1e-6)
+    q_ref, scale_ref = quantize_rows(ref)
+    # One FP8 step of the largest value is 32 (of 448): a 1-ulp difference of the norm moves at most that.
+    assert_close(
+        out.q.float() * out.scale[:, None], q_ref.float() * scale_ref[:, None], (scale_ref.max().item() * 32, 0.07)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n_cols", [(1, 16), (5, 300), (9, 2500), (2, 4096)])
+def test_silu_and_mul_quantised_in_its_kernel_equals_the_product_then_the_quantiser(rows, n_cols, dtype):
+    """``silu_and_mul_fp8`` (rows longer than its 2,048-column piece included) against ``silu_and_mul``
+    then ``quantize_rows`` (both kernels), to the bit, and against the PyTorch reference."""
+    x = (torch.randn(rows, 2 * n_cols, device=DEVICE) * 3).to(dtype)
+    out = poisoned_rows(rows, n_cols, dtype)
+    assert silu_and_mul_fp8(x, out=out) is out
+    assert_same_rows(out, *quantize_rows_kernel(silu_and_mul(x)))
+    q_ref, scale_ref = quantize_rows(silu_and_mul_ref(x))
+    assert_close(
+        out.q.float() * out.scale[:, None], q_ref.float() * scale_ref[:, None], (scale_ref.max().item() * 32, 0.07)
+    )
+
+
+@pytest.mark.parametrize("backend", [TorchOps, pytest.param(TritonOps, marks=[pytest.mark.gpu, needs_cuda])])
+def test_fp8_linear_takes_rows_quantised_before_it(backend):
+    """The linear given ``QuantizedRows`` gives what it gives when it quantises the same rows itself."""
+    ops = backend()
+    x = torch.randn(40, 512, device=DEVICE, dtype=torch.bfloat16 if backend is TritonOps else torch.float32)
+    w, scale = quantize_rows(torch.randn(384, 512, device=DEVICE) / 512**0.5)
+    b = torch.randn(384, device=DEVICE, dtype=x.dtype)
+    assert ops.quantizes_rows(40)
+    rows = QuantizedRows(*quantize_rows(x), x.dtype)
+    torch.testing.assert_close(ops.fp8_linear(rows, w, scale, b), ops.fp8_linear(x, w, scale, b), rtol=0, atol=0)

@@ -314,6 +314,36 @@ def test_fp8_weights_and_kv_pool_stay_near_the_full_precision_model(name, tmp_pa
         torch.testing.assert_close(got, fp8_weights, atol=0.05 * scale, rtol=0.05)
 
 
+def test_the_norms_and_silu_quantise_for_the_fp8_linears_after_them(monkeypatch, tmp_path):
+    """Each block's two norms and its SiLU-and-mul hand their FP8 linear rows already quantised
+    (``QuantizedRows``; o_proj's input, attention's output, is quantised by the linear itself), and the
+    logits are those of the model that quantises in the linears: prefill and decode, bit for bit."""
+    ref = reference("llama-bias", tmp_path)
+    model, _ = load_model(ModelSource("hf", str(tmp_path)), torch.float32, "cpu", quantization="fp8")
+    ids = prompts(ref.config.vocab_size)
+    seen: list[str] = []
+    forward = Fp8Linear.forward
+
+    def spy(self, x):
+        seen.append(type(x).__name__)
+        return forward(self, x)
+
+    def run() -> list[torch.Tensor]:
+        runner = PoolRunner(model)
+        return [runner.step(dict(enumerate(ids))), runner.step({b: [t] for b, t in enumerate([7, 8, 9, 10])})]
+
+    monkeypatch.setattr(Fp8Linear, "forward", spy)
+    fused = run()
+    # per block: qkv, o, gate_up, down; 2 blocks, 2 steps
+    assert seen == ["QuantizedRows", "Tensor", "QuantizedRows", "QuantizedRows"] * 4
+    monkeypatch.setattr(Fp8Linear, "takes_quantized_rows", property(lambda self: False))
+    seen.clear()
+    unfused = run()
+    assert seen == ["Tensor"] * 16
+    for a, b in zip(fused, unfused):
+        assert torch.equal(a, b)
+
+
 def test_fp8_on_a_gpu_without_fp8_is_refused_at_start(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
     with pytest.raises(ValueError, match="compute capability 8.9 or later.*is 8.0"):

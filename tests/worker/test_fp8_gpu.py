@@ -89,6 +89,16 @@ def test_decode_graphs_give_the_eager_tokens(tiny_dir, kv, quantization):  # noq
     assert (model.backend.kv_cache.buffer.dtype == FP8) == (kv == "fp8_e4m3")
 
 
+def test_cuda_norms_and_silu_quantising_for_the_linears_give_the_unfused_logits(tiny_dir, monkeypatch):  # noqa: F811
+    """The Triton norm and SiLU-and-mul that quantise their rows (prefills and decodes over 16 rows)
+    give the logits of the model whose linears quantise (``kernels.fp8_quant``): bf16, bit for bit."""
+    prompts = [[1 + i, 5, 9, 200 + i, 13, 7, 3] for i in range(5)]  # 35 rows: cuBLASLt's FP8 path
+    fused = prefill_logits(tiny_dir, "cuda", prompts, "fp8", torch.bfloat16)
+    monkeypatch.setattr(Fp8Linear, "takes_quantized_rows", property(lambda self: False))
+    unfused = prefill_logits(tiny_dir, "cuda", prompts, "fp8", torch.bfloat16)
+    assert fused.abs().max() > 0 and torch.equal(fused, unfused)
+
+
 def test_cuda_fp8_logits_are_as_accurate_as_the_cpu_reference(tiny_dir):  # noqa: F811
     """A prefill of 66 tokens (cuBLASLt, per-token activation scales) in bf16: its logits are as far
     from the unquantised model's as the CPU's fp32 reference of the same FP8 arithmetic is, within

@@ -31,6 +31,8 @@ class LoraLinear(nn.Module):
     batch, None outside a forward or for a batch without adapters: then this is ``base``.
     """
 
+    takes_quantized_rows = False  # the adapters' shrink reads x in the model dtype
+
     def __init__(
         self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, adapters: BatchSource, sizes: list[int] | None = None
     ):

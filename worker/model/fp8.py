@@ -37,7 +37,7 @@ from torch import nn
 
 from worker.model.layers import Linear, TensorParallel
 from worker.model.ops import ops_for
-from worker.model.quant import FP8, quantize_rows
+from worker.model.quant import FP8, QuantizedRows, quantize_rows
 
 log = logging.getLogger("lightq.worker")
 
@@ -72,6 +72,11 @@ class Fp8Linear(nn.Module):
         self.ops = ops_for(weight.device)
         self.quantize_inputs = True  # False: W8A16 (``keep_inputs``, --quantization fp8_w8a16)
 
+    @property
+    def takes_quantized_rows(self) -> bool:
+        """The norm or SiLU-and-mul before may quantise this layer's input (``QuantizedRows``)."""
+        return self.quantize_inputs
+
     @classmethod
     def empty_like(cls, linear: Linear) -> Fp8Linear:
         """Uninitialised FP8 weights and scales of ``linear``'s shape (its bias kept), for a loader to fill."""
@@ -87,7 +92,7 @@ class Fp8Linear(nn.Module):
         weight, scale = quantize_rows(linear.weight.data)
         return cls(weight, scale, _bias(linear), linear.tp, linear.reduce, getattr(linear.weight, "tp_dim", None))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if not self.reduce:
             return self.ops.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.quantize_inputs)
         y = self.tp.all_reduce(self.ops.fp8_linear(x, self.weight, self.weight_scale, None, self.quantize_inputs))

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.ops import ops_for
+from worker.model.quant import QuantizedRows
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -72,6 +73,10 @@ class Linear(nn.Module):
     split="row": W holds in/N columns, x is this rank's in/N inputs, y the
     full sum over ranks; b is whole and added once, after the sum.
     """
+
+    # Whether this layer takes its input quantised per token (``worker.model.quant.QuantizedRows``):
+    # only an FP8 linear that quantises its inputs does (``Fp8Linear``), so the kernel before it may.
+    takes_quantized_rows = False
 
     def __init__(
         self,
@@ -192,12 +197,21 @@ class RMSNorm(nn.Module):
         self.weight = empty_param(hidden_size, dtype=dtype, device=device)
         self.ops = ops_for(device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantize: bool = False) -> torch.Tensor | QuantizedRows:
+        """``quantize``: the next layer takes ``QuantizedRows`` (``Linear.takes_quantized_rows``); where
+        it would quantise these rows itself (``ops.quantizes_rows``), the norm's kernel does it."""
+        if quantize and self.ops.quantizes_rows(x.shape[0]):
+            return self.ops.rms_norm_fp8(x, self.weight, self.eps)
         return self.ops.rms_norm(x, self.weight, self.eps)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, quantize: bool = False
+    ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual add and the norm after it, one kernel on CUDA.
-        The sum is rounded to the model dtype before the norm, as the unfused model has it."""
+        The sum is rounded to the model dtype before the norm, as the unfused model has it.
+        ``quantize`` as in ``forward``."""
+        if quantize and self.ops.quantizes_rows(x.shape[0]):
+            return self.ops.add_rms_norm_fp8(x, residual, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -234,8 +248,11 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device, tp, "row")
         self.ops = ops_for(device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        h = self.gate_up_proj(x)  # [T, 2I]
+        if self.down_proj.takes_quantized_rows and self.ops.quantizes_rows(h.shape[0]):
+            return self.down_proj(self.ops.silu_and_mul_fp8(h))  # quantised in the same kernel
+        return self.down_proj(self.ops.silu_and_mul(h))  # [T, I] -> [T, H]
 
 
 def rope_parameters(config) -> dict:

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from worker.model.quant import quantize_rows
+from worker.model.quant import QuantizedRows, quantize_rows
 
 
 def is_triton(device: torch.device | str) -> bool:
@@ -63,24 +63,41 @@ class TorchOps:
         """q [T, Hq, D], k [T, Hkv, D] rotated by cos, sin [T, 1, D]."""
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
+    def quantizes_rows(self, rows: int) -> bool:
+        """Whether ``fp8_linear`` quantises an input of ``rows`` tokens per token, so that the kernel
+        before it may do it instead (``*_fp8`` below, ``QuantizedRows``): here always."""
+        return True
+
+    def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> QuantizedRows:
+        return QuantizedRows(*quantize_rows(self.rms_norm(x, weight, eps)), x.dtype)
+
+    def add_rms_norm_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[QuantizedRows, torch.Tensor]:
+        y, s = self.add_rms_norm(x, residual, weight, eps)
+        return QuantizedRows(*quantize_rows(y), x.dtype), s
+
+    def silu_and_mul_fp8(self, x: torch.Tensor) -> QuantizedRows:
+        return QuantizedRows(*quantize_rows(self.silu_and_mul(x)), x.dtype)
+
     def fp8_linear(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | QuantizedRows,
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None,
         quantize_inputs: bool = True,
     ) -> torch.Tensor:
         """x [T, K] @ (weight [N, K] FP8 * weight_scale [N])^T (+ bias) in x's dtype: x quantised per
-        token (``quantize_rows``; not with ``quantize_inputs`` False: W8A16), the product in fp32 (exact
-        products, fp32 sums), then the scales: what ``torch._scaled_mm`` computes, as a reference and
-        the CPU path."""
-        if quantize_inputs:
-            xq, xs = quantize_rows(x)
+        token (``quantize_rows``, unless it comes quantised; not with ``quantize_inputs`` False: W8A16),
+        the product in fp32 (exact products, fp32 sums), then the scales: what ``torch._scaled_mm``
+        computes, as a reference and the CPU path."""
+        if isinstance(x, QuantizedRows) or quantize_inputs:
+            xq, xs, dtype = (x.q, x.scale, x.dtype) if isinstance(x, QuantizedRows) else (*quantize_rows(x), x.dtype)
             y = (xq.float() @ weight.float().T) * xs[:, None] * weight_scale[None, :]
         else:
-            y = (x.float() @ weight.float().T) * weight_scale[None, :]
-        return (y if bias is None else y + bias.float()).to(x.dtype)
+            y, dtype = (x.float() @ weight.float().T) * weight_scale[None, :], x.dtype
+        return (y if bias is None else y + bias.float()).to(dtype)
 
 
 class TritonOps:
@@ -112,9 +129,24 @@ class TritonOps:
         self._rotary.rotary_embedding(q, k, cos[:, 0, :half], sin[:, 0, :half])
         return q, k
 
+    def quantizes_rows(self, rows: int) -> bool:
+        """More rows than the GEMV takes: those go through ``_scaled_mm``, quantised per token."""
+        return rows > self._gemv.MAX_ROWS
+
+    def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> QuantizedRows:
+        return self._rmsnorm.rmsnorm_fp8(x.contiguous(), weight, eps)
+
+    def add_rms_norm_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[QuantizedRows, torch.Tensor]:
+        return self._rmsnorm.fused_add_rmsnorm_fp8(x.contiguous(), residual.contiguous(), weight, eps)
+
+    def silu_and_mul_fp8(self, x: torch.Tensor) -> QuantizedRows:
+        return self._silu_and_mul.silu_and_mul_fp8(x)
+
     def fp8_linear(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | QuantizedRows,
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None,
@@ -126,15 +158,18 @@ class TritonOps:
         cores) with row-wise scales; it gives bf16 only, and takes no bias with row-wise scales. With
         ``quantize_inputs`` False (W8A16 throughout), more rows take ``kernels.w8a16_gemm``: FP8 weight
         tiles converted in registers, never a converted copy of the weight."""
-        if x.shape[0] <= self._gemv.MAX_ROWS:
+        if isinstance(x, QuantizedRows):  # quantised by the kernel before (``quantizes_rows``)
+            xq, xs, dtype = x.q, x.scale, x.dtype
+        elif x.shape[0] <= self._gemv.MAX_ROWS:
             config = self._gemv.fp8_config(weight.shape[0], weight.shape[1], _num_sms(x.device))
             return self._gemv.gemv(x, weight, bias, config, weight_scale=weight_scale)
-        if not quantize_inputs:
+        elif not quantize_inputs:
             return self._w8a16.w8a16_matmul(x, weight, weight_scale, bias)
-        xq, xs = self._fp8_quant.quantize_rows(x)
+        else:
+            (xq, xs), dtype = self._fp8_quant.quantize_rows(x), x.dtype
         y = torch._scaled_mm(xq, weight.T, scale_a=xs[:, None], scale_b=weight_scale[None, :], out_dtype=torch.bfloat16)
         y = y if bias is None else y + bias
-        return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+        return y if dtype == torch.bfloat16 else y.to(dtype)
 
 
 Ops = TorchOps | TritonOps

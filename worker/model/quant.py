@@ -6,6 +6,8 @@ loaders import it alike.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # FP8 (e4m3, the "fn" variant: no infinities, largest finite 448): weights, activations and KV.
@@ -33,3 +35,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 q * scale (scale [...] broadcast over the rows' last dim)."""
     return q.float() * scale.unsqueeze(-1)
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A linear layer's input already quantised per token (``quantize_rows``'s q and scale), by the
+    kernel that made it (the norm or SiLU-and-mul before an FP8 linear: ``worker.model.ops``), so
+    the linear does not quantise it again. ``dtype`` is the model dtype the linear returns."""
+
+    q: torch.Tensor  # [T, K] FP8
+    scale: torch.Tensor  # [T] fp32
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape

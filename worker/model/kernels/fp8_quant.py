@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.quant import FP8, FP8_MAX, FP8_MIN_SCALE
+from worker.model.quant import FP8, FP8_MAX, FP8_MIN_SCALE, QuantizedRows
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -97,3 +97,10 @@ def quantize_rows(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Te
         num_warps=4 if block_k <= 2048 else 8,
     )
     return q, scale
+
+
+def fp8_rows(x: torch.Tensor, columns: int | None = None) -> QuantizedRows:
+    """Room for x's rows (``columns`` of them, x's by default) quantised: what the ``*_fp8`` kernels fill."""
+    rows = x.shape[0]
+    q = torch.empty((rows, columns or x.shape[1]), dtype=FP8, device=x.device)
+    return QuantizedRows(q, torch.empty(rows, dtype=torch.float32, device=x.device), x.dtype)

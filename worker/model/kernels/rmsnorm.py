@@ -6,6 +6,12 @@ variance and the scaling run in fp32 and round once at the end (HF Llama
 rounds before multiplying by w; the difference is within one ulp of the
 dtype). One program per row, whole row in registers: rows are the hidden
 size (4096 for Llama-3-8B), far below what fits.
+
+``*_fp8``: the same norm, its output quantised per token for the FP8 linear
+after it (``worker.model.quant.QuantizedRows``) in the same program, where the
+row is already in registers: y rounded to the model dtype, then exactly the
+operations of ``kernels.fp8_quant`` (the two agree to the bit), so the bf16 y is
+never written and read back and the quantiser is not a launch of its own.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from worker.model.kernels.fp8_quant import INTERPRETED, fp8_rows, round_to_e4m3
+from worker.model.quant import FP8_MAX, FP8_MIN_SCALE, QuantizedRows
 
 MAX_ROW = 65536  # one row must fit one program's registers
 
@@ -30,8 +39,13 @@ def _rmsnorm_kernel(
     stride_res,
     stride_y,
     stride_res_out,
+    scale_ptr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    QUANT: tl.constexpr,  # y_ptr is FP8 and scale_ptr its rows' scales
+    ROUND_FIRST: tl.constexpr,  # the CPU interpreter's cast rounds wrongly (kernels.fp8_quant)
+    FP8_LIMIT: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -45,7 +59,17 @@ def _rmsnorm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)  # masked lanes are 0: the sum is exact
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs, (xf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        # The row the unfused path quantises is y in the model dtype: round there first.
+        y = (xf * rstd * w).to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), FP8_LIMIT), MIN_SCALE)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_LIMIT), FP8_LIMIT)
+        if ROUND_FIRST:
+            q = round_to_e4m3(q)
+        tl.store(y_ptr + row * stride_y + offs, q.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(y_ptr + row * stride_y + offs, (xf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor) -> None:
@@ -58,7 +82,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor) -> None
     assert all(t.stride(-1) == 1 for t in (x, weight, *others)), "rows must be contiguous"
 
 
-def _launch(x, residual, weight, y, residual_out, eps: float) -> None:
+def _launch(x, residual, weight, y, residual_out, eps: float, scale: torch.Tensor | None = None) -> None:
+    """y in x's dtype, or FP8 with ``scale`` [T] fp32 given (the norm quantised per row)."""
     num_rows, n_cols = x.shape  # [T, N]
     if num_rows == 0:
         return
@@ -77,9 +102,14 @@ def _launch(x, residual, weight, y, residual_out, eps: float) -> None:
         res.stride(0),
         y.stride(0),
         res_out.stride(0),
+        y if scale is None else scale,  # never read when not quantising
         # ~1024 elements per warp: 4 warps at hidden 4096 beat 8-16 on an H200.
         HAS_RESIDUAL=has_res,
         BLOCK=block,
+        QUANT=scale is not None,
+        ROUND_FIRST=INTERPRETED,
+        FP8_LIMIT=FP8_MAX,
+        MIN_SCALE=FP8_MIN_SCALE,
         num_warps=min(8, max(1, block // 1024)),
     )
 
@@ -109,6 +139,25 @@ def fused_add_rmsnorm(
     _check(x, weight, residual, y, res_out)
     _launch(x, residual, weight, y, res_out, eps)
     return y, res_out
+
+
+def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, out: QuantizedRows | None = None) -> QuantizedRows:
+    """``rmsnorm(x)`` quantised per row for an FP8 linear: (q [T, N] FP8, scale [T] fp32)."""
+    out = fp8_rows(x) if out is None else out
+    _check(x, weight)
+    _launch(x, None, weight, out.q, None, eps, out.scale)
+    return out
+
+
+def fused_add_rmsnorm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: QuantizedRows | None = None
+) -> tuple[QuantizedRows, torch.Tensor]:
+    """``fused_add_rmsnorm``, its y quantised per row; residual_out a new tensor."""
+    out = fp8_rows(x) if out is None else out
+    res_out = torch.empty_like(x)
+    _check(x, weight, residual, res_out)
+    _launch(x, residual, weight, out.q, res_out, eps, out.scale)
+    return out, res_out
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,6 +2,14 @@
 
 x is the fused gate_up projection's output [T, 2N] (gate first, as LightLLM
 and vLLM lay it out). Math in fp32, one rounding at the end.
+
+``silu_and_mul_fp8``: the product quantised per row for the FP8 down projection
+(``worker.model.quant.QuantizedRows``). A row's scale needs the whole row's
+amax, so one program takes a row in two passes: the amax of the products
+(rounded to the model dtype, as the unfused path stores them), then the
+products again, quantised as ``kernels.fp8_quant`` does (to the bit). The
+second pass re-reads gate and up, mostly from L2; the bf16 product is never
+written and read back, and the quantiser is not a launch of its own.
 """
 
 from __future__ import annotations
@@ -10,7 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.model.kernels.fp8_quant import INTERPRETED, fp8_rows, round_to_e4m3
+from worker.model.quant import FP8, FP8_MAX, FP8_MIN_SCALE, QuantizedRows
+
 BLOCK = 1024
+FP8_BLOCK = 2048  # a row's piece per loop step in the quantising kernel
 
 
 @triton.jit
@@ -23,6 +35,45 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl
     up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_piece(x_row, offs, n_cols):
+    """silu(gate) * up of one piece of a row, rounded to the model dtype, in fp32."""
+    mask = offs < n_cols
+    gate = tl.load(x_row + offs, mask=mask, other=0.0)
+    up = tl.load(x_row + n_cols + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    return (g * tl.sigmoid(g) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    n_cols,
+    stride_x,
+    stride_q,
+    BLOCK: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
+    FP8_LIMIT: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        amax = tl.maximum(amax, tl.abs(_silu_mul_piece(x_row, c0 + tl.arange(0, BLOCK), n_cols)))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_LIMIT), MIN_SCALE)
+    for c0 in range(0, n_cols, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        y = _silu_mul_piece(x_row, offs, n_cols)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_LIMIT), FP8_LIMIT)
+        if ROUND_FIRST:
+            q = round_to_e4m3(q)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < n_cols)
+    tl.store(scale_ptr + row, scale)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,6 +98,31 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         BLOCK=block,
         num_warps=4,
     )
+    return out
+
+
+def silu_and_mul_fp8(x: torch.Tensor, out: QuantizedRows | None = None) -> QuantizedRows:
+    """x [T, 2N] -> silu(x[:, :N]) * x[:, N:] quantised per row: (q [T, N] FP8, scale [T] fp32)."""
+    assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1, f"x {tuple(x.shape)}: want [T, 2N], contiguous"
+    num_rows, n_cols = x.shape[0], x.shape[1] // 2
+    out = fp8_rows(x, n_cols) if out is None else out
+    q, scale = out.q, out.scale
+    assert q.shape == (num_rows, n_cols) and q.dtype == FP8 and q.stride(1) == 1, f"q {tuple(q.shape)} {q.dtype}"
+    if num_rows and n_cols:
+        block = min(FP8_BLOCK, triton.next_power_of_2(n_cols))
+        _silu_and_mul_fp8_kernel[(num_rows,)](
+            x,
+            q,
+            scale,
+            n_cols,
+            x.stride(0),
+            q.stride(0),
+            BLOCK=block,
+            ROUND_FIRST=INTERPRETED,
+            FP8_LIMIT=FP8_MAX,
+            MIN_SCALE=FP8_MIN_SCALE,
+            num_warps=4 if block <= 1024 else 8,
+        )
     return out
 
 

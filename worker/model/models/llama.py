@@ -95,8 +95,10 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, pending) -> (h, this layer's MLP output): each residual add is fused into the norm
         after it, the MLP's into the next layer's (``CausalLM.decoder_layers``)."""
-        x, h = (self.input_layernorm(h), h) if pending is None else self.input_layernorm.add_norm(pending, h)
-        x, h = self.post_attention_layernorm.add_norm(self.self_attn(x, rope, batch, backend), h)
+        norm, fp8 = self.input_layernorm, self.self_attn.qkv_proj.takes_quantized_rows  # the norm quantises
+        x, h = (norm(h, fp8), h) if pending is None else norm.add_norm(pending, h, fp8)
+        fp8 = self.mlp.gate_up_proj.takes_quantized_rows
+        x, h = self.post_attention_layernorm.add_norm(self.self_attn(x, rope, batch, backend), h, fp8)
         return h, self.mlp(x)
 
 
