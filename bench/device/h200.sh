@@ -31,6 +31,7 @@
 #   bash bench/device/h200.sh setup fp8-tune   (issue 31: the FP8 GEMV's tiles; the FP8 pool's attention tiles)
 #   bash bench/device/h200.sh setup fp8-offline fp8-long   (issue 31: bf16 / FP8 / FP8 + FP8 pool; 64 x 8,192 over each pool)
 #   bash bench/device/h200.sh setup fp8-tests fp8-ab   (issue 31: FP8 offline, .peer's tree against this one; carry .whl .peer)
+#   bash bench/device/h200.sh setup fp8-scales      (issue 31: the FP8 pool's decode attention by scale layout)
 #   bash bench/device/h200.sh setup fp8-whole      (issue 31: the FP8 engine alone, then the same burst through lightq serve)
 #   bash bench/device/h200.sh setup w8a16          (issue 31: W8A16's own GEMM tested, then bf16 and W8A16 offline)
 #   bash bench/device/h200.sh setup w8a16-tune     (issue 31: the GEMM's configs for a decode step's rows, the table to set)
@@ -203,6 +204,11 @@ for part in "$@"; do
         (cd $tree && PYTHONPATH=/tmp/site:$(pwd) timeout 150 python3 -m bench.engine.offline --model-shape llama3-8b \
           --timeline --quantization fp8 --kv-cache-dtype $kv 2>&1) | tr '\r' '\n' | tee -a "$OUT/ab_${tree#.}_$kv.log" \
           | grep -E "^(lightq|decode, batch)" | sed "s|^|$tree $kv: |"; done; done ;;
+    fp8-scales)  # issue 31: the FP8 pool's decode attention, its scales slot-major (as before) then head-major (KVCache's)
+      { timeout 120 python3 -m bench.engine.decode_attention_tune --kv fp8 --default-only --scales slot,head \
+          --layouts decode,contiguous --batches 64,256,768
+        timeout 60 python3 -m bench.engine.decode_attention_tune --kv fp8 --default-only --scales slot,head \
+          --layouts decode --batches 64 --context 8192; } 2>&1 | tee "$OUT/fp8-scales.log" | grep -E "B=|Error|error" ;;
     fp8-step)  # the batch 1-15 decode step against its weight-read floor, bf16 then FP8; a long-context decode
       # (64 x 8,192 tokens) with a bf16 then an FP8 pool (FP8 weights both: a bf16 pool of 69 GB and bf16 weights
       # do not fit an H100)

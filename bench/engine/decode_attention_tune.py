@@ -1,6 +1,7 @@
 """Decode attention's stage-1 tiles against where the engine really puts K/V (issue 16).
 
     python3 -m bench.engine.decode_attention_tune --batches 8,64,256,768 --context 512 [--kv fp8]
+    python3 -m bench.engine.decode_attention_tune --kv fp8 --default-only --scales slot,head   # scale layouts
 
 TokenAttention gives a decode step's new tokens one slot each from the top of
 the free stack, so the B requests of a step get B consecutive slots: a
@@ -13,7 +14,10 @@ copies: nothing stays in L2), median of 10 replays, for every tile in the
 grid (each checked against the PyTorch reference first, on a poisoned
 output). It prints, per layout and batch, the default tiles' K/V read rate and
 the best tiles', then the tiles that minimise the summed time of the
-``decode`` layout over all batches.
+``decode`` layout over all batches. ``--default-only`` times the default tiles
+alone (an FP8 pool's: ``FP8_POOL_TILES``), once per FP8 scale layout in
+``--scales`` (``head``: head-major in memory, as ``KVCache`` keeps them; ``slot``:
+a token's scales together, as it kept them before).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import statistics
 import torch
 
 from bench.engine.decode_step import time_cuda
-from worker.model.kernels.decode_attention import Stage1Tiles, decode_attention, decode_attention_ref
+from worker.model.kernels.decode_attention import FP8_POOL_TILES, Stage1Tiles, decode_attention, decode_attention_ref
 from worker.model.quant import quantize_rows
 
 HQ, HKV, D, COPIES = 32, 8, 128, 8
@@ -44,19 +48,21 @@ def table_for(layout: str, batch: int, context: int) -> torch.Tensor:
     return torch.cat([head, tail], dim=1)
 
 
-def fp8_pool(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8 pool layer as worker.model.kv_cache keeps one: e4m3 [rows, 2 Hkv, D], a scale per token and head."""
+def fp8_pool(rows: int, scales_layout: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 pool layer as worker.model.kv_cache keeps one: e4m3 [rows, 2 Hkv, D], a scale per token and
+    head, [rows, 2 Hkv] head-major in memory (``scales_layout`` 'slot': slot-major)."""
     values, scales = quantize_rows(torch.randn(rows * 2 * HKV, D, device="cuda"))
-    return values.view(rows, 2 * HKV, D), scales.view(rows, 2 * HKV)
+    scales = scales.view(rows, 2 * HKV)
+    return values.view(rows, 2 * HKV, D), (scales.T.contiguous().T if scales_layout == "head" else scales)
 
 
 class Case:
-    def __init__(self, layout: str, batch: int, context: int, kv: str = "bf16"):
+    def __init__(self, layout: str, batch: int, context: int, kv: str = "bf16", scales_layout: str = "head"):
         self.batch, self.context, self.kv = batch, context, kv
         self.table = table_for(layout, batch, context).cuda()
         rows = batch * context
         if kv == "fp8":
-            self.pools = [fp8_pool(rows) for _ in range(COPIES)]
+            self.pools = [fp8_pool(rows, scales_layout) for _ in range(COPIES)]
         else:
             self.pools = [
                 (torch.randn(rows, 2 * HKV, D, device="cuda", dtype=torch.bfloat16), None) for _ in range(COPIES)
@@ -118,8 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--layouts", default="contiguous,decode,random")
     p.add_argument("--kv", choices=["bf16", "fp8"], default="bf16", help="the pool's dtype (fp8: e4m3 and scales)")
+    p.add_argument("--default-only", action="store_true", help="time the default tiles alone, per --scales layout")
+    p.add_argument("--scales", default="head", help="an FP8 pool's scale layouts: head, slot or both (comma)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
+    if args.default_only:
+        return default_only(args)
     if args.kv == "fp8":  # half the bytes a tile: longer tiles, and the dots in fp16 or bf16
         grid = [
             Stage1Tiles(block_n=n, num_warps=w, num_stages=s, head_major=True, fp16_dot=f)
@@ -155,6 +165,23 @@ def main(argv: list[str] | None = None) -> None:
         for tiles in ranked[:3]:
             print(f"decode layout, summed over batches: {summed[tiles] * 1e6:.1f} us  {tiles}")
         print(f"decode layout, summed over batches: {summed[default] * 1e6:.1f} us  default {default}")
+
+
+def default_only(args: argparse.Namespace) -> None:
+    """The default tiles on each layout and batch, once per scale layout of an FP8 pool."""
+    tiles = FP8_POOL_TILES if args.kv == "fp8" else Stage1Tiles()
+    scale_layouts = args.scales.split(",") if args.kv == "fp8" else ["-"]
+    for scales_layout in scale_layouts:
+        Case("random", 8, args.context, args.kv, scales_layout).check(tiles)
+    print(f"{torch.cuda.get_device_name()}: default tiles {tiles} checked on each scale layout; context {args.context}")
+    for layout in args.layouts.split(","):
+        for batch in map(int, args.batches.split(",")):
+            for scales_layout in scale_layouts:
+                case = Case(layout, batch, args.context, args.kv, scales_layout)
+                cell = case.cell(case.seconds(tiles))
+                print(f"{layout:<10} B={batch:>4} scales {scales_layout:<4} {cell}", flush=True)
+                del case
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

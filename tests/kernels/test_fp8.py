@@ -34,9 +34,14 @@ from worker.model.quant import FP8, FP8_MAX, QuantizedRows, quantize_rows
 from worker.model.triton_attention import TritonAttention
 
 
-def fp8_pool(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pool layer [S, 2Hkv, D] quantised per slot and head: NaN slots stay NaN in values and scales."""
-    return quantize_rows(pool)
+def fp8_pool(pool: torch.Tensor, head_major: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool layer [S, 2Hkv, D] quantised per slot and head: NaN slots stay NaN in values and scales.
+    The scales [S, 2Hkv] head-major in memory, as ``KVCache`` keeps them, or slot-major."""
+    q, scales = quantize_rows(pool)
+    return q, (scales.T.contiguous().T if head_major else scales)
+
+
+LAYOUTS = pytest.mark.parametrize("head_major", [True, False], ids=["scales-head-major", "scales-slot-major"])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -133,9 +138,10 @@ def test_gemv_fp8_weights_match_reference(rows, out_features, in_features, bias,
     assert_close(out, gemv_ref(x, w, b, scale))
 
 
+@LAYOUTS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, num_kv_heads, head_dim", [(5, 2, 32), (1, 4, 16), (3, 3, 32)])
-def test_copy_kv_fp8_matches_reference(num_tokens, num_kv_heads, head_dim, dtype):
+def test_copy_kv_fp8_matches_reference(num_tokens, num_kv_heads, head_dim, dtype, head_major):
     num_slots = 3 * num_tokens + 4
     kv = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, device=DEVICE).to(dtype)
     kv[0, 0] = 0  # an all-zero head: zeros and a positive scale, never NaN
@@ -143,6 +149,7 @@ def test_copy_kv_fp8_matches_reference(num_tokens, num_kv_heads, head_dim, dtype
     out_slots = torch.randperm(num_slots, device=DEVICE)[:num_tokens].to(torch.int32)
     pool = torch.full((num_slots + 1, 2 * num_kv_heads, head_dim), float("nan"), device=DEVICE).to(FP8)
     scales = torch.full((num_slots + 1, 2 * num_kv_heads), float("nan"), device=DEVICE)
+    scales = scales.T.contiguous().T if head_major else scales
     expected, expected_scales = pool.clone(), scales.clone()
     copy_kv(k, v, out_slots, pool, scales)
     copy_kv_ref(k, v, out_slots, expected, expected_scales)
@@ -155,14 +162,15 @@ def test_copy_kv_fp8_matches_reference(num_tokens, num_kv_heads, head_dim, dtype
 DECODE_CASES = [([1, 37, 130], 4, 2, 32, None, 16), ([200, 9, 65], 8, 2, 32, 5, 32), ([50, 3], 4, 4, 16, 1, 16)]
 
 
+@LAYOUTS
 @pytest.mark.parametrize("fp16_dot", [False, True], ids=["dots-in-q-dtype", "fp16-dots"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seq_lens, num_heads, num_kv_heads, head_dim, num_splits, block_n", DECODE_CASES)
 def test_decode_attention_fp8_pool_matches_reference(
-    seq_lens, num_heads, num_kv_heads, head_dim, num_splits, block_n, dtype, fp16_dot
+    seq_lens, num_heads, num_kv_heads, head_dim, num_splits, block_n, dtype, fp16_dot, head_major
 ):
     batch = make_batch([1] * len(seq_lens), [s - 1 for s in seq_lens])
-    pool, scales = fp8_pool(make_pool(batch, num_kv_heads, head_dim, torch.float32))
+    pool, scales = fp8_pool(make_pool(batch, num_kv_heads, head_dim, torch.float32), head_major)
     caches = (pool[:, :num_kv_heads], pool[:, num_kv_heads:])
     kv_scales = dict(k_scale=scales[:, :num_kv_heads], v_scale=scales[:, num_kv_heads:])
     q = torch.randn(len(seq_lens), num_heads, head_dim, device=DEVICE).to(dtype)
@@ -176,13 +184,14 @@ def test_decode_attention_fp8_pool_matches_reference(
 CONTEXT_CASES = [([5, 1, 20], [0, 0, 0], 4, 2, 32, 16, 16), ([17, 3], [9, 30], 4, 4, 16, 16, 32)]
 
 
+@LAYOUTS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_m, block_n", CONTEXT_CASES)
 def test_context_attention_fp8_pool_matches_reference(
-    q_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_m, block_n, dtype
+    q_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_m, block_n, dtype, head_major
 ):
     batch = make_batch(q_lens, cached_lens)
-    pool, scales = fp8_pool(make_pool(batch, num_kv_heads, head_dim, torch.float32))
+    pool, scales = fp8_pool(make_pool(batch, num_kv_heads, head_dim, torch.float32), head_major)
     caches = (pool[:, :num_kv_heads], pool[:, num_kv_heads:])
     kv_scales = dict(k_scale=scales[:, :num_kv_heads], v_scale=scales[:, num_kv_heads:])
     q = torch.randn(batch.num_tokens, num_heads, head_dim, device=DEVICE).to(dtype)

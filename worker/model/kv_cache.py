@@ -14,6 +14,12 @@ calibration, a token whose keys run large (the outliers of a few channels and
 positions) costs only its own precision, and they are written with the token by
 the same kernel (``kernels.copy_kv``). They cost 4 bytes per D = 128 values: a
 token takes 0.516 of its bf16 bytes, so the pool holds 1.94x the tokens.
+
+In memory the scales are head-major (``[num_layers, 2 * Hkv, num_slots + 1]``;
+``scales`` is its transposed view, so it indexes as above): a decode kernel's
+program reads one head's scales for a block of slots, and where those slots are
+consecutive (a prompt, written by one prefill) the block's scales are one
+contiguous read, not a 32-byte sector fetched per token for a 4-byte value.
 """
 
 from __future__ import annotations
@@ -50,8 +56,8 @@ class KVCache:
         # masked-out read could turn into NaN (0 * inf) in some kernel.
         self.buffer = torch.zeros(num_layers, num_slots + 1, 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
         self.scales: torch.Tensor | None = None  # [layers, slots + 1, 2 * Hkv] fp32 when FP8
-        if dtype == FP8:
-            self.scales = torch.zeros(num_layers, num_slots + 1, 2 * num_kv_heads, device=device)
+        if dtype == FP8:  # head-major in memory (above)
+            self.scales = torch.zeros(num_layers, 2 * num_kv_heads, num_slots + 1, device=device).transpose(1, 2)
 
     @property
     def hold_slot(self) -> int:

@@ -132,6 +132,8 @@ def _context_attention_kernel(
     vs_ptr,  # an FP8 pool's scales [S, Hkv]: read only when KV_FP8
     stride_kss,
     stride_vss,
+    stride_ksh,
+    stride_vsh,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -177,7 +179,7 @@ def _context_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     slot_ptr = table_ptr + row * stride_table
     k_head, v_head = k_ptr + kv_h * stride_kh, v_ptr + kv_h * stride_vh
-    ks_head, vs_head = ks_ptr + kv_h, vs_ptr + kv_h  # heads contiguous in the scales
+    ks_head, vs_head = ks_ptr + kv_h * stride_ksh, vs_ptr + kv_h * stride_vsh
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(slopes_ptr + h) * 1.4426950408889634  # to log2 units, as qk_scale
@@ -311,7 +313,16 @@ def check_kv_scales(q, k_cache, v_cache, k_scale, v_scale) -> None:
         assert scale is not None and scale.shape == k_cache.shape[:2] and scale.dtype == torch.float32, (
             f"k_scale / v_scale: want fp32 {tuple(k_cache.shape[:2])}"
         )
-        assert scale.stride(1) == 1 and scale.device == q.device, "scales: heads contiguous, on q's device"
+        assert scale.device == q.device, "scales on q's device"
+
+
+def scale_strides(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """The kernels' stride_kss, stride_vss, stride_ksh, stride_vsh: scales [S, Hkv] by slot and head,
+    either way round in memory (``worker.model.kv_cache`` keeps a head's slots contiguous); zeros
+    when the pool is not FP8."""
+    if k_scale is None or v_scale is None:
+        return 0, 0, 0, 0
+    return k_scale.stride(0), v_scale.stride(0), k_scale.stride(1), v_scale.stride(1)
 
 
 def dequantized(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
@@ -395,8 +406,7 @@ def context_attention(
         window or 0,
         q if k_scale is None else k_scale,  # q stands in when the pool is not FP8: never read
         q if v_scale is None else v_scale,
-        0 if k_scale is None else k_scale.stride(0),
-        0 if v_scale is None else v_scale.stride(0),
+        *scale_strides(k_scale, v_scale),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -47,6 +47,7 @@ def _copy_kv_kernel(
     stride_ps,
     stride_ph,
     stride_ss,
+    stride_sh,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -70,8 +71,8 @@ def _copy_kv_kernel(
         k, k_scale = _quantize_heads(k.to(tl.float32), FP8_LIMIT, MIN_SCALE, ROUND_FIRST)
         v, v_scale = _quantize_heads(v.to(tl.float32), FP8_LIMIT, MIN_SCALE, ROUND_FIRST)
         h_mask = offs_h < NUM_KV_HEADS
-        tl.store(scales_ptr + slot * stride_ss + offs_h, k_scale, mask=h_mask)
-        tl.store(scales_ptr + slot * stride_ss + NUM_KV_HEADS + offs_h, v_scale, mask=h_mask)
+        tl.store(scales_ptr + slot * stride_ss + offs_h * stride_sh, k_scale, mask=h_mask)
+        tl.store(scales_ptr + slot * stride_ss + (NUM_KV_HEADS + offs_h) * stride_sh, v_scale, mask=h_mask)
     tl.store(dst, k.to(pool_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + NUM_KV_HEADS * stride_ph, v.to(pool_ptr.dtype.element_ty), mask=mask)
 
@@ -90,7 +91,7 @@ def _check_inputs(
         assert k.dtype == v.dtype == pool_layer.dtype, f"dtypes k {k.dtype} v {v.dtype} pool {pool_layer.dtype}"
     else:
         assert k.dtype == v.dtype and pool_layer.dtype == FP8, f"k {k.dtype}, v {v.dtype} into an FP8 pool"
-        assert scales.shape == pool_layer.shape[:2] and scales.dtype == torch.float32 and scales.stride(1) == 1, (
+        assert scales.shape == pool_layer.shape[:2] and scales.dtype == torch.float32, (
             f"scales {tuple(scales.shape)} {scales.dtype}: want fp32 [num_slots + 1, {2 * num_kv_heads}]"
         )
     assert k.device == v.device == out_slots.device == pool_layer.device, "all inputs on one device"
@@ -125,6 +126,7 @@ def copy_kv(
         pool_layer.stride(0),
         pool_layer.stride(1),
         0 if scales is None else scales.stride(0),
+        0 if scales is None else scales.stride(1),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels.context_attention import check_kv_scales, check_position_rules, dequantized
+from worker.model.kernels.context_attention import check_kv_scales, check_position_rules, dequantized, scale_strides
 from worker.model.positions import position_scores
 
 LOG2E = 1.4426950408889634
@@ -69,6 +69,8 @@ def _decode_stage1_kernel(
     vs_ptr,
     stride_kss,
     stride_vss,
+    stride_ksh,
+    stride_vsh,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -133,7 +135,7 @@ def _decode_stage1_kernel(
             k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0
         )  # [D, BLOCK_N]
         if KV_FP8:
-            k_scale = tl.load(ks_ptr + slots * stride_kss + g, mask=n_mask, other=0.0)  # [BLOCK_N]
+            k_scale = tl.load(ks_ptr + slots * stride_kss + g * stride_ksh, mask=n_mask, other=0.0)  # [BLOCK_N]
             qk = tl.dot(q, k.to(q.dtype)) * (k_scale * qk_scale)[None, :]  # [BLOCK_H, BLOCK_N], log2 units
         else:
             qk = tl.dot(q, k) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
@@ -148,7 +150,7 @@ def _decode_stage1_kernel(
             v_ptr + slots[:, None] * stride_vs + g * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0
         )  # [BLOCK_N, D]
         if KV_FP8:  # q's dtype: fp16 with KV_F16
-            v_scale = tl.load(vs_ptr + slots * stride_vss + g, mask=n_mask, other=0.0)  # [BLOCK_N]
+            v_scale = tl.load(vs_ptr + slots * stride_vss + g * stride_vsh, mask=n_mask, other=0.0)  # [BLOCK_N]
             acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype))
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -318,8 +320,7 @@ def decode_attention(
         window or 0,
         q if k_scale is None else k_scale,  # q stands in when the pool is not FP8: never read
         q if v_scale is None else v_scale,
-        0 if k_scale is None else k_scale.stride(0),
-        0 if v_scale is None else v_scale.stride(0),
+        *scale_strides(k_scale, v_scale),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
