@@ -16,6 +16,7 @@ loads, and ``worker.lora.adapter`` applies the same config checks at start.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -93,10 +94,15 @@ def config_problem(config: dict[str, Any], max_rank: int | None = None) -> str |
     if config.get("bias", "none") != "none":
         return f"bias {config['bias']!r} is not supported (only 'none')"
     rank = config.get("r")
-    if not isinstance(rank, int) or rank <= 0:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         return f"{CONFIG_FILE} has no rank 'r'"
     if max_rank is not None and rank > max_rank:
         return f"rank {rank} is over --max_lora_rank {max_rank}"
+    alpha = config.get("lora_alpha", rank)  # PEFT's scaling is lora_alpha / r (or / sqrt(r))
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        return f"lora_alpha {alpha!r} is not a finite number"
+    if not isinstance(config.get("use_rslora", False), bool):
+        return f"use_rslora {config['use_rslora']!r} is not true or false"
     return None
 
 

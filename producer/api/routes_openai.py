@@ -18,7 +18,6 @@ together (``MergedFollower``) and cancelled together.
 from __future__ import annotations
 
 import functools
-import sys
 import time
 
 from fastapi import APIRouter, Request, Response
@@ -38,6 +37,7 @@ from producer.api.submit import abandon_all, enqueue, new_request, prompt_ids
 from producer.api.tools import output_constraint, plan_tools
 from producer.deps import Services, ServicesDep, parse_body
 from producer.edge.auth import CallerDep
+from producer.edge.pool_fit import PoolFit
 from producer.streams.merged_follower import MergedFollower
 from producer.streams.streaming import EventStream, collect, follower, rendered
 from shared.schemas import GenerateRequest
@@ -228,7 +228,8 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     # Without a limit the answer may fill the context (LightLLM and vLLM do the same), and n answers
     # share what the largest live pool holds (or the request could fit no worker: pool_fit's 400).
     if not (max_new := body.requested_max_tokens or 0):
-        pool = sys.maxsize if services.gate is None else await services.gate.fit.largest(services.model_id, adapter)
+        fit = services.gate.fit if services.gate is not None else PoolFit(services.redis, services.keys)
+        pool = await fit.largest(services.model_id, adapter)
         room = (pool - len(ids)) // body.num_choices
         max_new = max(min(limit - len(ids), room), 1)
     check_context(len(ids), max_new, limit, "messages")

@@ -33,6 +33,7 @@ from producer.batches.records import (
     prepare_line,
 )
 from producer.deps import Services, batch_client
+from producer.edge.backlog import Gate
 from producer.monitoring.metrics import ProducerMetrics
 from producer.streams.streaming import ChunkFollower
 from shared.chunk_schemas import TokenChunk
@@ -62,22 +63,31 @@ def run_batch(batch_id: str, settings: dict) -> dict:
 
 
 async def _run(batch_id: str, settings: ProducerSettings) -> dict:
-
-    services = Services(
-        settings=settings,
-        keys=settings.redis.keys,
-        redis=async_client(settings.redis),
-        tokenizer=tokenizer_for(settings.model),
-        metrics=ProducerMetrics(),
-        model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
-        batch_redis=batch_client(settings.redis),
-    )
+    services = job_services(settings)
     try:
         return await Feeder(services, batch_id).run()
     finally:
         await services.redis.aclose()
         if services.batch_redis is not services.redis and services.batch_redis is not None:
             await services.batch_redis.aclose()
+
+
+def job_services(settings: ProducerSettings, tokenizer: Any = None) -> Services:
+    """What a job prepares and sends its lines with: the accepting producer's settings, a Redis
+    client of its own (the caller closes it) and the model's tokenizer (loaded once a process)."""
+    redis = async_client(settings.redis)
+    return Services(
+        settings=settings,
+        keys=settings.redis.keys,
+        redis=redis,
+        tokenizer=tokenizer if tokenizer is not None else tokenizer_for(settings.model),
+        metrics=ProducerMetrics(),
+        model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
+        # No backlog limit (a batch waits its turn in the queue), but the live pools' sizes: a chat
+        # line without max_tokens shares the largest pool among its n answers, as on the route.
+        gate=Gate(redis, settings.redis.keys, max_queue_tokens=0, require_workers=False),
+        batch_redis=batch_client(settings.redis),
+    )
 
 
 def on_failure(job: Any, connection: Any, exc_type: type, exc: BaseException, traceback: Any) -> None:

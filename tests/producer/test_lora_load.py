@@ -128,6 +128,12 @@ async def test_the_answer_follows_the_live_workers(lora_settings, tokenizer, are
         ("x", "ok", {"r": 32}, "rank 32 is over --max_lora_rank 16"),
         ("x", "ok", {"target_modules": ["q_proj", "embed_tokens"]}, "target modules ['embed_tokens']"),
         ("x", "ok", {"peft_type": "PREFIX_TUNING"}, "not LORA"),
+        # Each of these once went through to every worker, which died reading it, at every restart.
+        ("x", "ok", {"lora_alpha": "abc"}, "lora_alpha 'abc' is not a finite number"),
+        ("x", "ok", {"lora_alpha": None}, "lora_alpha None is not a finite number"),
+        ("x", "ok", {"lora_alpha": True}, "lora_alpha True is not a finite number"),
+        ("x", "ok", {"lora_alpha": float("inf")}, "lora_alpha inf is not a finite number"),
+        ("x", "ok", {"use_rslora": "yes"}, "use_rslora 'yes' is not true or false"),
     ],
 )
 async def test_bad_input_is_a_400_that_writes_nothing(

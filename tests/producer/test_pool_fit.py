@@ -8,6 +8,7 @@ import asyncio
 
 from producer.api.openai_types import ChatCompletionRequest
 from producer.api.routes_openai import prepare_chat
+from producer.batches.job import job_services
 from producer.edge.pool_fit import REFRESH_S
 from shared.keys import Keys
 from tests.router.helpers import publish_load
@@ -68,3 +69,18 @@ async def test_chat_without_max_tokens_shares_the_largest_pool_among_its_answers
     assert request.params.max_new_tokens == (1000 - prompt) // 4 and request.max_tokens_needed <= 1000
     given, _ = await prepare_chat(ChatCompletionRequest.model_validate({**body, "max_tokens": 300}), app.state.services)
     assert given.params.max_new_tokens == 300  # asked for: kept (and refused at the door if it fits nowhere)
+
+
+async def test_a_batch_chat_line_without_max_tokens_shares_the_pool_as_the_route_does(
+    settings, tokenizer, keys: Keys, rclient
+):
+    """A batch job prepares its lines with the live pools' sizes too: a chat line with ``n`` and no
+    ``max_tokens`` fits the largest pool (it was accepted at upload, then failed request_too_large)."""
+    services = job_services(settings, tokenizer)
+    try:
+        publish_load(rclient, keys, "w1", max_total=1000)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 4}
+        request, _ = await prepare_chat(ChatCompletionRequest.model_validate(body), services)
+        assert request.params.max_new_tokens == (1000 - len(request.prompt_ids)) // 4
+    finally:
+        await services.redis.aclose()

@@ -205,6 +205,49 @@ def test_an_adapter_that_does_not_fit_is_reported_and_the_worker_serves_on(tiny,
     assert runtime.view.failed == ()
 
 
+def test_adapters_that_once_killed_every_worker_are_reported_and_the_worker_serves_on(
+    tiny, adapters, tmp_path, monkeypatch
+):  # noqa: F811
+    """A registry is durable, so an adapter whose load raised out of the runtime killed every worker
+    at every restart: a config whose lora_alpha is no number (the file changed after the producer
+    checked it), weights of rank 0 (a division by zero), and any error load_adapter does not expect."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folders, want = adapters
+    alpha, rank0 = (str(tmp_path / n) for n in ("alpha", "rank0"))
+    for folder in (alpha, rank0):
+        shutil.copytree(folders["qv4"], folder)
+    config_file = os.path.join(alpha, "adapter_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    with open(config_file, "w") as f:
+        json.dump({**config, "lora_alpha": "abc"}, f)
+    weights = os.path.join(rank0, "adapter_model.safetensors")
+    tensors = load_file(weights)
+    module = next(k for k in tensors if "lora_A" in k).split(".lora_A")[0]
+    tensors[f"{module}.lora_A.weight"] = torch.zeros(0, tensors[f"{module}.lora_A.weight"].shape[1])
+    tensors[f"{module}.lora_B.weight"] = torch.zeros(tensors[f"{module}.lora_B.weight"].shape[0], 0)
+    save_file(tensors, weights)
+    engine, runtime = runtime_engine(tiny[1], {}, spare=2)
+    runtime.update(LoraRegistry(version=1, adapters={"alpha": alpha, "rank0": rank0, "mlp8": folders["mlp8"]}))
+    assert runtime.reconcile(set())
+    failed = {name: error for name, _, error in runtime.view.failed}
+    assert runtime.view.serving == ("mlp8",)
+    assert "lora_alpha 'abc' is not a finite number" in failed["alpha"] and "has rank 0" in failed["rank0"]
+    assert run_all(engine, [lora_req("m", PROMPTS[1], "mlp8")])["m"] == want["mlp8"][1]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a check load_adapter lacks")
+
+    monkeypatch.setattr("worker.lora.runtime.load_adapter", broken)
+    runtime.update(LoraRegistry(version=2, adapters={"mlp8": folders["mlp8"], "k2": folders["k2"]}))
+    assert runtime.reconcile(set())
+    assert runtime.view.failed == (("k2", folders["k2"], "RuntimeError: a check load_adapter lacks"),)
+    assert runtime.view.serving == ("mlp8",)
+
+
 def test_a_worker_without_slots_reports_every_adapter(tiny, adapters):  # noqa: F811
     folders, _ = adapters
     runtime = AdapterRuntime(None, None, MAX_RANK, ())  # type: ignore[arg-type]

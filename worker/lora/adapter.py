@@ -75,6 +75,8 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoraA
     modules: dict[str, list[Shard | None]] = {}
     for module, (a, b) in sorted(pairs.items()):
         rank = a.shape[0]
+        if rank == 0:
+            raise fail(f"{module} has rank 0")
         if rank > max_rank:
             raise fail(f"rank {rank} of {module} is over --max_lora_rank {max_rank}")
         if b.shape[1] != rank:

@@ -108,5 +108,12 @@ class AdapterRuntime:
             self.failed[name] = (path, str(exc))
             log.warning("LoRA adapter %r not loaded: %s; the worker serves on", name, exc)
             return
+        except Exception as exc:  # noqa: BLE001
+            # Any other error is a check load_adapter lacks (a file it misreads). The registry is
+            # durable: were it to escape, every worker that reads the registry would die at start
+            # again, the whole pool, until someone unloads the adapter. Reported like any other.
+            self.failed[name] = (path, f"{type(exc).__name__}: {exc}")
+            log.exception("LoRA adapter %r not loaded (an unexpected error); the worker serves on", name)
+            return
         self.loaded[name] = path
         log.info("LoRA adapter %r loaded at run time from %s", name, path)
