@@ -27,7 +27,9 @@ fares.
 from __future__ import annotations
 
 import argparse
+import atexit
 import math
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -177,10 +179,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shape-seqs", type=int, default=16, help="--seqs for the random-weight shape")
     parser.add_argument("--shape-seq-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--weights-cache", default=tempfile.mkdtemp(prefix="lightq-fp8-"), help="a GGUF's, once")
+    parser.add_argument(
+        "--weights-cache", help="where a GGUF's dequantised weights are kept (default: a temporary folder)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--smoke", action="store_true", help="the tiny shape only, few tokens (CPU, seconds)")
     args = parser.parse_args(argv)
+    if args.weights_cache is None:  # one a run, gone with it
+        args.weights_cache = tempfile.mkdtemp(prefix="lightq-fp8-")
+        atexit.register(shutil.rmtree, args.weights_cache, ignore_errors=True)
     if args.smoke:
         args.model, args.shape, args.seqs, args.seq_len, args.new = "", "tiny", 8, 48, 8
         args.shape_seqs, args.shape_seq_len = 8, 48

@@ -8,8 +8,10 @@ builds a LlamaConfig from these fields, so it fits the Llama shapes only.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 
 _LLAMA_70B = dict(
@@ -99,7 +101,9 @@ def config_dir(shape: str, folder: str | None = None, tokenizer: bool = False, v
     ``dummy:<dir>``; with ``tokenizer``, also a word-level tokenizer over the whole vocabulary
     (``word_tokenizer``), so the full stack can serve the shape: text in, every id decodable.
     ``vocab_size`` replaces the shape's (bench/engine/offline.py's grammar needs a real tokenizer's)."""
-    folder = folder or tempfile.mkdtemp(prefix=f"lightq-{shape}-")
+    if folder is None:  # ours: gone when this process ends (a bench, or the tests that call one)
+        folder = tempfile.mkdtemp(prefix=f"lightq-{shape}-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
     os.makedirs(folder, exist_ok=True)
     arch, model_type = ARCHITECTURES.get(shape, ("LlamaForCausalLM", "llama"))
     config = {

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
+import sys
 import tempfile
 import time
 
@@ -87,14 +89,20 @@ def run(args) -> dict:
         workers=args.workers,
         extra=["--model_dir", "counting", "--max_total_token_num", "200000", "--running_max_req_size", "512"],
     )
+    done = False
     try:
         start = time.perf_counter()
         ids = asyncio.run(submit_all(stack.http, args.requests, args.concurrency, args.new_tokens))
         accepted_s = time.perf_counter() - start
         finals = wait_final(stack, ids, args.timeout)
+        done = True
     finally:
         stack.stop()
         redis_server.stop()
+        if done:  # the pool's log is kept only when the run failed
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            print(f"load: the pool's log is {folder}/serve.log", file=sys.stderr)
     finished = [m for m in finals if m.status.value == "finished" and m.output_tokens == args.new_tokens]
     added = np.array([m.dispatched_ms - m.created_ms for m in finals if m.dispatched_ms])
     result = dict(
