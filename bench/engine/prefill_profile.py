@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-trace", action="store_true")
+    parser.add_argument("--quantization", default="none", help="as the worker's (the floor stays bf16's)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args(argv)
     shape = SHAPES[args.model_shape]
     lengths = prompt_lengths(args.tokens, args.seed)
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         graph_max_batch_size=64,
         overlap="off",
         prefix_cache=False,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = build_engine(settings)
     vocab, rng = shape["vocab_size"], np.random.default_rng(args.seed)
