@@ -279,14 +279,16 @@ def test_rmsnorm_quantised_in_its_kernel_equals_the_norm_then_the_quantiser(rows
     )
 
 
+@pytest.mark.parametrize("one_pass_max", [16384, 1], ids=["one-pass", "two-passes"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, n_cols", [(1, 16), (5, 300), (9, 2500), (2, 4096)])
-def test_silu_and_mul_quantised_in_its_kernel_equals_the_product_then_the_quantiser(rows, n_cols, dtype):
-    """``silu_and_mul_fp8`` (rows longer than its 2,048-column piece included) against ``silu_and_mul``
-    then ``quantize_rows`` (both kernels), to the bit, and against the PyTorch reference."""
+def test_silu_and_mul_quantised_in_its_kernel_equals_the_product_then_the_quantiser(rows, n_cols, dtype, one_pass_max):
+    """``silu_and_mul_fp8``, a row in registers or in two passes over 2,048-column pieces (rows longer
+    than a piece included), against ``silu_and_mul`` then ``quantize_rows`` (both kernels), to the
+    bit, and against the PyTorch reference."""
     x = (torch.randn(rows, 2 * n_cols, device=DEVICE) * 3).to(dtype)
     out = poisoned_rows(rows, n_cols, dtype)
-    assert silu_and_mul_fp8(x, out=out) is out
+    assert silu_and_mul_fp8(x, out=out, one_pass_max=one_pass_max) is out
     assert_same_rows(out, *quantize_rows_kernel(silu_and_mul(x)))
     q_ref, scale_ref = quantize_rows(silu_and_mul_ref(x))
     assert_close(

@@ -5,11 +5,15 @@ and vLLM lay it out). Math in fp32, one rounding at the end.
 
 ``silu_and_mul_fp8``: the product quantised per row for the FP8 down projection
 (``worker.model.quant.QuantizedRows``). A row's scale needs the whole row's
-amax, so one program takes a row in two passes: the amax of the products
-(rounded to the model dtype, as the unfused path stores them), then the
-products again, quantised as ``kernels.fp8_quant`` does (to the bit). The
-second pass re-reads gate and up, mostly from L2; the bf16 product is never
-written and read back, and the quantiser is not a launch of its own.
+amax, so one program takes a row: its products (rounded to the model dtype, as
+the unfused path stores them), their amax, then the products quantised as
+``kernels.fp8_quant`` does (to the bit). Up to ``ONE_PASS_MAX`` columns (Llama-3-8B's
+14,336) the row stays in registers between the two (one read of gate and up, all
+of it in flight at once); a longer row is taken in two passes over pieces, the
+second re-reading gate and up, mostly from L2. On an H100 the two-pass kernel on
+Llama-3-8B's rows ran at ~1.45 TB/s, seven dependent pieces a pass (bench/RESULTS.md).
+The bf16 product is never written and read back, and the quantiser is not a
+launch of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from worker.model.kernels.fp8_quant import INTERPRETED, fp8_rows, round_to_e4m3
 from worker.model.quant import FP8, FP8_MAX, FP8_MIN_SCALE, QuantizedRows
 
 BLOCK = 1024
-FP8_BLOCK = 2048  # a row's piece per loop step in the quantising kernel
+FP8_BLOCK = 2048  # a row's piece per loop step in the quantising kernel's two passes
+ONE_PASS_MAX = 16384  # rows up to this many columns are quantised from registers, in one read
 
 
 @triton.jit
@@ -56,12 +61,23 @@ def _silu_and_mul_fp8_kernel(
     stride_x,
     stride_q,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # BLOCK covers the row: its products stay in registers
     ROUND_FIRST: tl.constexpr,
     FP8_LIMIT: tl.constexpr,
     MIN_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
+        y = _silu_mul_piece(x_row, offs, n_cols)  # masked lanes are 0: the amax is the row's
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), FP8_LIMIT), MIN_SCALE)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_LIMIT), FP8_LIMIT)
+        if ROUND_FIRST:
+            q = round_to_e4m3(q)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < n_cols)
+        tl.store(scale_ptr + row, scale)
+        return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, n_cols, BLOCK):
         amax = tl.maximum(amax, tl.abs(_silu_mul_piece(x_row, c0 + tl.arange(0, BLOCK), n_cols)))
@@ -101,15 +117,19 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
-def silu_and_mul_fp8(x: torch.Tensor, out: QuantizedRows | None = None) -> QuantizedRows:
-    """x [T, 2N] -> silu(x[:, :N]) * x[:, N:] quantised per row: (q [T, N] FP8, scale [T] fp32)."""
+def silu_and_mul_fp8(
+    x: torch.Tensor, out: QuantizedRows | None = None, one_pass_max: int = ONE_PASS_MAX
+) -> QuantizedRows:
+    """x [T, 2N] -> silu(x[:, :N]) * x[:, N:] quantised per row: (q [T, N] FP8, scale [T] fp32).
+    Rows of up to ``one_pass_max`` columns in one read (the module's docstring)."""
     assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1, f"x {tuple(x.shape)}: want [T, 2N], contiguous"
     num_rows, n_cols = x.shape[0], x.shape[1] // 2
     out = fp8_rows(x, n_cols) if out is None else out
     q, scale = out.q, out.scale
     assert q.shape == (num_rows, n_cols) and q.dtype == FP8 and q.stride(1) == 1, f"q {tuple(q.shape)} {q.dtype}"
     if num_rows and n_cols:
-        block = min(FP8_BLOCK, triton.next_power_of_2(n_cols))
+        one_pass = n_cols <= one_pass_max
+        block = triton.next_power_of_2(n_cols) if one_pass else FP8_BLOCK
         _silu_and_mul_fp8_kernel[(num_rows,)](
             x,
             q,
@@ -118,10 +138,12 @@ def silu_and_mul_fp8(x: torch.Tensor, out: QuantizedRows | None = None) -> Quant
             x.stride(0),
             q.stride(0),
             BLOCK=block,
+            ONE_PASS=one_pass,
             ROUND_FIRST=INTERPRETED,
             FP8_LIMIT=FP8_MAX,
             MIN_SCALE=FP8_MIN_SCALE,
-            num_warps=4 if block <= 1024 else 8,
+            # ~1,024 elements a warp (16 warps at 14,336 columns: 32 a thread)
+            num_warps=max(4, min(16, block // 1024)),
         )
     return out
 
