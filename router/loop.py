@@ -167,7 +167,20 @@ class Router:
     def _xreadgroup(
         self, ids: dict[str, str], priorities: dict[str, int], count: int, block: int | None
     ) -> dict[str, list]:
-        reply = self.client.xreadgroup(ROUTER_GROUP, self.router_id, ids, count=count, block=block)
+        try:
+            reply = self.client.xreadgroup(ROUTER_GROUP, self.router_id, ids, count=count, block=block)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # Redis lost the group under us (restarted empty, flushed, the stream evicted), long before
+            # housekeeping would notice: made again now, and our own pending entries read from the
+            # start of the new one. (It raised out of the loop before: the router exited, and serve
+            # took three such exits for a failed start and stopped the pool.)
+            log.warning("router %s: Redis lost the consumer group of %s; made again", self.router_id, list(ids))
+            for stream in ids:
+                ensure_group(self.client, stream, ROUTER_GROUP)
+                self._read_ids[stream] = "0"
+            return {}
         got = {stream: entries for stream, entries in reply or []}
         for stream, entries in got.items():
             self._take(priorities[stream], entries)

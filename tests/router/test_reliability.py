@@ -102,6 +102,21 @@ def test_router_recreates_a_lost_consumer_group(redis_settings, rclient, keys):
     assert inbox_ids(rclient, keys, "w1") == ["x"]
 
 
+def test_a_read_that_finds_the_group_lost_makes_it_again_at_once(redis_settings, rclient, keys):
+    """Redis restarted empty (or flushed) between two reads, long before housekeeping looks: the read
+    itself makes the group again; the router does not raise (it exited, and serve took three such
+    exits in a minute for a failed start and stopped the whole pool)."""
+    router = make_router(redis_settings, rclient)
+    router.step()
+    rclient.delete(keys.requests())  # the stream and its group gone
+    submit(rclient, keys, "x")  # a producer's XADD: the stream again, without the group
+    router.step()  # raised NOGROUP here before
+    publish_load(rclient, keys, "w1")
+    router.step()
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == ["x"]
+
+
 def test_a_cleanly_stopped_router_leaves_the_group_unless_it_holds_entries(redis_settings, rclient, keys):
     """So the next router reports only a router that died as gone; held entries stay claimable."""
     from router import liveness
