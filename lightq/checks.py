@@ -11,7 +11,7 @@ import re
 import socket
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings
 
 from shared.flags import build, flat_fields
@@ -27,6 +27,10 @@ def check_serve(flags: dict[str, Any], classes: list[type[BaseSettings]], num_wo
     if num_workers < 1:
         raise SystemExit(f"lightq: --workers {num_workers}: at least 1")
     built = {cls: build_or_exit(cls, flags) for cls in classes}
+    if num_workers > 1 and any(getattr(s, "worker_id", None) for s in built.values()):
+        # Several workers under one id share one heartbeat, record and inbox: a frozen one is never
+        # found dead (the other beats for it) and the pool never sees them as two.
+        raise SystemExit(f"lightq: --worker_id names one worker; --workers {num_workers} start several (drop it)")
     model_dir = flags.get("model_dir") or next(s.model.model_dir for s in built.values() if hasattr(s, "model"))
     try:
         resolve(model_dir)
@@ -54,15 +58,19 @@ def settings_error(cls: type[BaseSettings], exc: ValidationError) -> str:
     """The first error as one line naming the flag and its environment variable."""
     error = exc.errors()[0]
     field = str(error["loc"][0]) if error["loc"] else ""
-    flag = next(
+    flag, info = next(
         (
-            flag
-            for flag, (parent, name, _) in flat_fields(cls).items()
+            (flag, info)
+            for flag, (parent, name, info) in flat_fields(cls).items()
             if name == field and _owner(cls, parent).__name__ == exc.title
         ),
-        field,
+        (field, None),
     )
-    return f"--{flag} (env LIGHTQ_{flag.upper()}): {error['msg'].lower()}, not {error.get('input')!r}"
+    said = f"--{flag} (env LIGHTQ_{flag.upper()}): {error['msg'].lower()}"
+    # A secret's value (API keys; a URL may hold a password) is never echoed to a terminal or a log.
+    if info is not None and (info.annotation is SecretStr or flag.endswith("url")):
+        return said
+    return f"{said}, not {error.get('input')!r}"
 
 
 def _owner(cls: type[BaseSettings], parent: str | None) -> type:

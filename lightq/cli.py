@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> None:
         check_serve(flags, [*SERVICES.values(), ServeSettings], workers)  # before any child starts
         check_tp(flags)
         sys.exit(serve(flags, workers))
-    settings = build(SERVICES[command], flags)
+    from lightq.checks import build_or_exit
+
+    settings = build_or_exit(SERVICES[command], flags)  # a bad setting: one line, not a traceback
     if command == "producer":
         from producer.main import run
     elif command == "router":

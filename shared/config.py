@@ -36,6 +36,7 @@ class RedisSettings(BaseSettings):
     model_config = frozen_settings("LIGHTQ_REDIS_")
     url: str = Field(
         "redis://127.0.0.1:6379/0",
+        pattern=r"^(redis|rediss|unix|redis\+cluster|rediss\+cluster)://",
         description="Redis URL: redis:// or rediss:// (one server), or redis+cluster://HOST:PORT[,HOST:PORT...] "
         "(rediss+cluster://) for a Redis Cluster, any of its nodes as seeds",
     )

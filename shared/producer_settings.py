@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings
 
 from shared.config import BatchSettings, ModelSettings, RedisSettings, frozen_settings, usable_cores
@@ -17,6 +17,24 @@ def default_producers() -> int:
     than one GPU delivers. A 2-core machine gets 1, as before.
     """
     return min(4, max(1, usable_cores() // 4))
+
+
+def api_key_entries(api_keys: str) -> list[tuple[str | None, str]]:
+    """``--api_keys`` as (tenant, key): comma-separated, each ``KEY`` or ``TENANT:KEY`` (split at the
+    first ':'; a key of its own holding ':' needs a tenant before it); blank items and spaces ignored.
+    ValueError for an item with a tenant and no key, or a setting that is not blank and holds no key:
+    either is a list whose keys did not get there (an unset ``$KEY`` in it), and taking it as "no keys"
+    would have served everyone without one."""
+    out: list[tuple[str | None, str]] = []
+    for item in api_keys.split(","):
+        tenant, sep, key = item.strip().partition(":")
+        if sep and not key.strip():
+            raise ValueError(f"--api_keys: {item.strip()!r} names a tenant and no key")
+        if tenant.strip() or key.strip():
+            out.append((tenant.strip() or None, key.strip()) if sep else (None, tenant.strip()))
+    if api_keys.strip() and not out:
+        raise ValueError("--api_keys is set but holds no key (leave it unset to run without keys)")
+    return out
 
 
 class ProducerSettings(BaseSettings):
@@ -102,6 +120,13 @@ class ProducerSettings(BaseSettings):
     rate_limit_rpm: int = Field(
         0, ge=0, description="requests (POSTs) per minute per API key; 429 past it (0: no limit)"
     )
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_parse(cls, value: SecretStr) -> SecretStr:
+        api_key_entries(value.get_secret_value())  # a list that holds no key is refused at start
+        return value
+
     metrics_open: bool = Field(False, description="with --api_keys, leave /metrics open (for scrapers without a key)")
     allowed_origins: str = Field(
         "",

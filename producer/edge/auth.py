@@ -38,6 +38,7 @@ from pydantic import SecretStr
 
 from producer.api.errors import ApiError, retry_later
 from producer.deps import Services, get_services
+from shared.producer_settings import api_key_entries
 from shared.schemas import MAX_TENANT_CHARS
 
 # Liveness probes stay open (they tell nothing but "up"); /metrics only with --metrics_open.
@@ -57,13 +58,9 @@ def open_paths(metrics_open: bool) -> frozenset[str]:
 
 
 def _entries(api_keys: SecretStr) -> list[tuple[str | None, str]]:
-    """``--api_keys`` as (tenant, key): comma-separated, each ``KEY`` or ``TENANT:KEY`` (split at the
-    first ':'; a key of its own holding ':' needs a tenant before it); blanks and spaces ignored."""
-    out: list[tuple[str | None, str]] = []
-    for item in api_keys.get_secret_value().split(","):
-        tenant, sep, key = item.strip().partition(":")
-        out.append((tenant.strip() or None, key.strip()) if sep else (None, tenant))
-    return [(tenant, key) for tenant, key in out if key]
+    """``--api_keys`` as (tenant, key) (``shared.producer_settings.api_key_entries``, which the
+    settings already checked)."""
+    return api_key_entries(api_keys.get_secret_value())
 
 
 def key_hashes(api_keys: SecretStr) -> frozenset[str]:

@@ -68,6 +68,11 @@ def wait_for(condition, what: str, timeout_s: float = WAIT_S):
             "--reject_without_workers (env LIGHTQ_REJECT_WITHOUT_WORKERS): input should be a valid boolean",
         ),
         (["--device", "cuda"], {}, "--device cuda: CUDA is not available"),
+        # A key list that holds no key served everyone without one; the key is never echoed.
+        ([], {"LIGHTQ_API_KEYS": ",,,"}, "--api_keys is set but holds no key"),
+        ([], {"LIGHTQ_API_KEYS": "team-a:,team-b:sk-secret"}, "'team-a:' names a tenant and no key"),
+        (["--redis_url", "garbage"], {}, "--redis_url (env LIGHTQ_REDIS_URL): string should match pattern"),
+        (["--workers", "2", "--worker_id", "w1"], {}, "--worker_id names one worker; --workers 2 start several"),
     ],
 )
 def test_a_bad_setting_is_one_line_and_nothing_starts(tmp_path, args, env, says):
@@ -80,7 +85,7 @@ def test_a_bad_setting_is_one_line_and_nothing_starts(tmp_path, args, env, says)
     assert done.returncode != 0
     output = (done.stdout + done.stderr).strip()
     assert len(output.splitlines()) == 1 and output.startswith("lightq: "), output
-    assert says in output
+    assert says in output and "sk-secret" not in output
     assert not (tmp_path / "data").exists(), "nothing (not even Redis) may start"
 
 
