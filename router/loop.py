@@ -31,7 +31,16 @@ from router.admission import Views, cacheable_prompt
 from router.dispatch import Dispatcher, Item
 from router.janitor import reap_dead_worker
 from router.lora import adapter_gone
-from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_weights, reserved_slots
+from router.ordering import (
+    OrderedQueue,
+    Tagger,
+    clear_if_gone,
+    forget,
+    forget_parts,
+    parse_weights,
+    reserved_slots,
+)
+from router.parking import Parked, Parking
 from router.preempt import Preempter, heads
 from router.registry import read_registry
 from router.reservations import Reservations
@@ -63,6 +72,7 @@ class Router:
         self.rule = AdmissionRule(settings.admission_rule)
         self._next_history_read = 0.0
         self.queue = OrderedQueue()
+        self.parking = Parking(settings.order_window)  # one tenant's flood past its share (router.parking)
         self.tagger = Tagger(client, self.keys, parse_weights(settings.tenant_weights), settings.max_tenants)
         self.tenant_records = TenantRecords(client, self.keys, settings.max_tenants)  # kept bounded
         self.stop_event = threading.Event()
@@ -108,6 +118,7 @@ class Router:
         self._refresh_history()
         loads = registry.admissible()
         self.views.refresh(loads, self.reservations.pending())
+        self._unpark()
         dispatched = self._dispatch(loads)
         if self.queue and not dispatched:
             self.stop_event.wait(self.settings.poll_ms / 1000)
@@ -148,7 +159,7 @@ class Router:
             if stream not in self._read_ids:  # a class new to this router: its group from entry 0
                 ensure_group(self.client, stream, ROUTER_GROUP)
                 self._read_ids[stream] = "0"
-            if self.queue.count(priority) < self.settings.order_window:
+            if self.queue.count(priority) < self.settings.order_window and not self.parking.full():
                 by_stream[stream] = priority
         if not by_stream:
             return
@@ -201,7 +212,38 @@ class Router:
                 taken.append((name, request))
                 self._queued_ids.add(name)
         for (name, _), (tag, request) in zip(taken, self.tagger.tags([r for _, r in taken])):
-            self.queue.add(name, request, tag)  # the request as charged: maybe to ``other``
+            # the request as charged: maybe to ``other``; past its tenant's share, parked
+            if self.parking.should_park(request, self.queue.tenant_count(request.priority, request.tenant)):
+                self.parking.park(Parked.of(name, tag, request))
+            else:
+                self.queue.add(name, request, tag)
+
+    def _unpark(self) -> None:
+        """Parked entries whose tenant has room in the queue again, read back from their streams
+        (one round trip) into their places in the order (``router.parking``)."""
+        due = self.parking.due(self.queue.tenant_count)
+        if not due:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for parked in due:
+            stream, raw_id = ingress.locate(self.keys, parked.handle)
+            pipe.xrange(stream, raw_id, raw_id)
+        for parked, found in zip(due, pipe.execute()):
+            request = self._parse(parked.priority, ingress.entry_id(parked.handle), found[0][1]) if found else None
+            if request is None:  # gone (Redis lost it) or unreadable (dead-lettered): out of the order
+                self._queued_ids.discard(parked.handle)
+                self._forget_parked(parked)
+                continue
+            if request.tenant != parked.tenant:
+                request = request.model_copy(update={"tenant": parked.tenant})  # charged as when read
+            self.queue.add(parked.handle, request, parked.tag)
+
+    def _forget_parked(self, parked: Parked) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        stream, raw_id = ingress.locate(self.keys, parked.handle)
+        pipe.xack(stream, ROUTER_GROUP, raw_id)
+        forget_parts(pipe, self.keys, parked.request_id, parked.priority, parked.model, parked.tenant)
+        pipe.execute()
 
     def _parse(self, priority: int, entry_id: str, fields: dict) -> GenerateRequest | None:
         try:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import Counter
 from collections.abc import Iterable, Iterator
 
 import redis
@@ -186,9 +187,15 @@ def forget(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest) ->
     Goes in the same transaction as the entry's XACK, so the order never keeps a request the
     stream no longer holds. The tenant's count drops only if the request was in the order.
     """
-    order_keys = [keys.order(request.priority), keys.waiting(request.model), keys.tenant_queued()]
-    field = class_tenant_field(request.priority, request.tenant)
-    pipe.eval(FORGET_LUA, len(order_keys), *order_keys, request.id, field)
+    forget_parts(pipe, keys, request.id, request.priority, request.model, request.tenant)
+
+
+def forget_parts(
+    pipe: redis.client.Pipeline, keys: Keys, request_id: str, priority: int, model: str | None, tenant: str
+) -> None:
+    """``forget`` from the parts the order keeps (a parked entry's: ``router.parking``)."""
+    order_keys = [keys.order(priority), keys.waiting(model), keys.tenant_queued()]
+    pipe.eval(FORGET_LUA, len(order_keys), *order_keys, request_id, class_tenant_field(priority, tenant))
 
 
 def clear_if_gone(client: redis.Redis, keys: Keys, request_id: str, model: str | None) -> None:
@@ -225,6 +232,7 @@ class OrderedQueue:
         self._keys: list[tuple] = []
         self._items: list[tuple[str, GenerateRequest]] = []
         self._tags: dict[str, float] = {}
+        self._tenants: Counter[tuple[int, str]] = Counter()  # (priority, tenant) -> entries held
 
     def add(self, entry_id: str, request: GenerateRequest, tag: float) -> None:
         key = (request.priority, tag, _entry_order(entry_id))
@@ -232,6 +240,7 @@ class OrderedQueue:
         self._keys.insert(at, key)
         self._items.insert(at, (entry_id, request))
         self._tags[entry_id] = tag
+        self._tenants[request.priority, request.tenant] += 1
 
     def put_back(self, items: Iterable[tuple[str, GenerateRequest]]) -> None:
         """Entries taken off the head and not dispatched: back in their places."""
@@ -241,7 +250,15 @@ class OrderedQueue:
     def popleft(self) -> tuple[str, GenerateRequest]:
         # The tag stays until the entry leaves for good (``drop``): a popped entry may come back.
         self._keys.pop(0)
-        return self._items.pop(0)
+        entry_id, request = self._items.pop(0)
+        self._tenants[request.priority, request.tenant] -= 1
+        if not self._tenants[request.priority, request.tenant]:
+            del self._tenants[request.priority, request.tenant]
+        return entry_id, request
+
+    def tenant_count(self, priority: int, tenant: str) -> int:
+        """Entries of one tenant in one class (``router.parking``)."""
+        return self._tenants.get((priority, tenant), 0)
 
     def drop(self, entry_id: str) -> None:
         self._tags.pop(entry_id, None)
