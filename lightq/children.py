@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from shared.service import PARENT_ENV
+
 log = logging.getLogger("lightq.serve")
 
 TAIL_LINES = 15
@@ -64,7 +66,7 @@ class Child:
 def spawn(role: str, env: dict[str, str]) -> Child:
     process = subprocess.Popen(
         [sys.executable, "-m", "lightq.cli", role],
-        env=env,
+        env={**env, PARENT_ENV: str(os.getpid())},  # the child dies with serve (shared.service)
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,

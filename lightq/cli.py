@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> None:
         check_tp(flags)
         sys.exit(serve(flags, workers))
     from lightq.checks import build_or_exit
+    from shared.service import die_with_serve
 
+    die_with_serve()  # a role lightq serve started ends with it, even when serve is SIGKILLed
     settings = build_or_exit(SERVICES[command], flags)  # a bad setting: one line, not a traceback
     if command == "producer":
         from producer.main import run

@@ -132,6 +132,7 @@ def embedded(port: int | None, data_dir: str, temporary: bool) -> ServeRedis:
         workdir=data_dir,
         appendfsync="everysec",
         pass_fds=(lock.fileno(),),
+        with_parent=True,  # a SIGKILLed serve takes its Redis with it (started and restarted on serve's main thread)
     )
     with open(os.path.join(data_dir, PORT_FILE), "w") as out:
         out.write(str(server.port))

@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ class EmbeddedRedis:
     port: int
     args: list[str] = field(default_factory=list)  # the command line, for a restart
     pass_fds: tuple[int, ...] = ()
+    with_parent: bool = False  # the server dies with the process that started it (``_launch``)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -57,7 +59,7 @@ class EmbeddedRedis:
     def restart(self, timeout_s: float = 10.0) -> None:
         """Start the server again (same port, same work directory: an append-only one keeps its data)."""
         self.stop(keep_data=True)
-        self.process = _launch(self.args, self.url, self.pass_fds, timeout_s)
+        self.process = _launch(self.args, self.url, self.pass_fds, timeout_s, self.with_parent)
 
     def stop(self, keep_data: bool = False) -> None:
         """SIGTERM: an append-only server writes its last entries and exits."""
@@ -79,10 +81,14 @@ def start_embedded_redis(
     workdir: str | None = None,
     appendfsync: str = "always",
     pass_fds: tuple[int, ...] = (),
+    with_parent: bool = False,
 ) -> EmbeddedRedis:
     """A running server. ``appendfsync``: ``always`` (tests), ``everysec`` (serving: a server that
     dies loses nothing, the kernel has the writes; only a machine crash can lose a second).
-    ``pass_fds``: descriptors the server keeps open (a lock held as long as it runs)."""
+    ``pass_fds``: descriptors the server keeps open (a lock held as long as it runs).
+    ``with_parent``: SIGTERM the server when this process dies, even by SIGKILL (``lightq serve``;
+    the thread that starts and restarts it must live as long as the process: Linux signals the
+    death of the thread that forked)."""
     port = port or free_port()
     workdir = workdir or tempfile.mkdtemp(prefix="lightq-redis-")
     os.makedirs(workdir, exist_ok=True)
@@ -102,11 +108,23 @@ def start_embedded_redis(
         workdir,
     ]
     url = f"redis://127.0.0.1:{port}/0"
-    process = _launch(args, url, pass_fds, timeout_s)
-    return EmbeddedRedis(process=process, url=url, workdir=workdir, port=port, args=args, pass_fds=pass_fds)
+    process = _launch(args, url, pass_fds, timeout_s, with_parent)
+    return EmbeddedRedis(process, url, workdir, port, args, pass_fds, with_parent)
 
 
-def _launch(args: list[str], url: str, pass_fds: tuple[int, ...], timeout_s: float) -> subprocess.Popen[bytes]:
+# Sets PR_SET_PDEATHSIG (kept across exec) and becomes the server: redis-server has no option of
+# its own to end with its parent. argv: the parent's pid, then the server's command line.
+WITH_PARENT = (
+    "import ctypes, os, signal, sys; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit(0); os.execvp(sys.argv[2], sys.argv[2:])"
+)
+
+
+def _launch(
+    args: list[str], url: str, pass_fds: tuple[int, ...], timeout_s: float, with_parent: bool = False
+) -> subprocess.Popen[bytes]:
+    if with_parent and sys.platform == "linux":
+        args = [sys.executable, "-c", WITH_PARENT, str(os.getpid()), *args]
     process = subprocess.Popen(
         args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=pass_fds
     )

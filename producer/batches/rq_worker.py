@@ -29,7 +29,6 @@ import logging
 import multiprocessing
 import os
 import re
-import signal
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -44,7 +43,7 @@ from rq.utils import now
 from shared.config import RqWorkerSettings
 from shared.housekeeping import run_all
 from shared.redis import OUTAGES, REDIS_FAILURES, answers, sync_client
-from shared.service import setup_logging
+from shared.service import die_with_parent, setup_logging
 
 log = logging.getLogger("lightq.rq")
 
@@ -137,7 +136,7 @@ def run(settings: RqWorkerSettings) -> None:
 
 def run_janitor(settings: dict) -> None:
     """The housekeeping worker (with rq's scheduler), in the child process."""
-    _die_with_parent()
+    die_with_parent()
     parsed = RqWorkerSettings.model_validate(settings)
     connection = redis.Redis.from_url(parsed.redis.batch_url)
     janitor_queue = queue(parsed.housekeeping.queue, connection)
@@ -178,16 +177,6 @@ def work_through_outages(url: str, make_worker, **work_args) -> None:
                 worker.scheduler.release_locks()
             except REDIS_FAILURES:
                 pass
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this process when its parent dies, even by SIGKILL."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def housekeeping_job_id(prefix: str, slot: int) -> str:

@@ -188,6 +188,21 @@ def in_append_only_file(data_dir: str, text: bytes) -> bool:
     return any(text in path.read_bytes() for path in Path(data_dir).rglob("*.aof"))
 
 
+def test_a_serve_killed_by_sigkill_takes_its_pool_with_it(tmp_path):
+    """Nothing restarts a child of a dead serve, and they kept its ports: a pool left behind ran on
+    unsupervised and a new serve could not start. Every child (its Redis too) ends with it."""
+    serve = Serve(tmp_path, [])
+    try:
+        assert any("redis-server" in open(f"/proc/{pid}/cmdline").read() for pid in serve.children)
+        serve.process.send_signal(signal.SIGKILL)
+        serve.process.wait(timeout=WAIT_S)
+        wait_for(lambda: not any(alive(pid) for pid in serve.children), "every child gone with serve")
+    finally:
+        serve.kill()
+    again = Serve(tmp_path, [])  # the same data directory and Redis files: free again
+    again.kill()
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path, how):
     # 200 ms a forward: the hog runs for minutes, holding the pool while the streamed request waits
