@@ -77,7 +77,10 @@ def _checked(response: httpx.Response, ok: int = 200) -> httpx.Response:
 
 
 def submit(client: httpx.Client, flags: dict[str, Any]) -> int:
-    with open(flags["file"], "rb") as f:
+    path = flags["file"]
+    if not os.path.isfile(path):  # missing, a folder, or /dev/zero (read for ever)
+        raise ApiFailure(f"{path}: not a file")
+    with open(path, "rb") as f:
         content = f.read()
     view = _checked(
         client.post("/v1/batches", content=content, headers={"Content-Type": "application/jsonl"}), 202

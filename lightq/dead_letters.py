@@ -36,9 +36,10 @@ def read_dead_letter(fields: dict[str, str]) -> DeadLetter:
         request: GenerateRequest | None = from_entry(GenerateRequest, rest)
     except ValueError:
         request = None
-    return DeadLetter(
+    failed_ms = fields.get("failed_ms", "0")
+    return DeadLetter(  # whatever else is in it (a hand-written entry): shown, never a crash of the tool
         reason=fields.get("reason", ""),
-        failed_ms=int(fields.get("failed_ms", 0)),
+        failed_ms=int(failed_ms) if failed_ms.isdigit() else 0,
         request=request,
         raw=None if request is not None else rest,
     )

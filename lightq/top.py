@@ -140,6 +140,8 @@ async def _loop(settings: RedisSettings, once: bool, interval: float, console: C
 def run(flags: dict[str, Any], console: Console | None = None) -> int:
     once = bool(flags.pop("once", False))
     interval = flags.pop("interval", None) or 1.0
+    if interval < 0:  # it would refresh without a pause, as fast as Redis answers
+        raise SystemExit(f"lightq top: --interval {interval:g}: seconds, above 0")
     url = find_serve_url(flags)  # no URL given: a running lightq serve's own Redis, if one runs
     if url is not None:
         flags["redis_url"] = url

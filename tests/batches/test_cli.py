@@ -64,3 +64,10 @@ async def test_submit_reports_a_bad_file_and_fails(settings, tokenizer, tmp_path
     async with serving(settings, tokenizer) as url:
         assert await asyncio.to_thread(lightq, "batch", "submit", str(batch_file), "--url", url) == 1
     assert "400: line 2: url" in capsys.readouterr().err
+
+
+def test_submit_of_what_is_not_a_file_is_one_line(tmp_path, capsys):
+    """A missing path was a traceback, and /dev/zero was read for ever; nothing is sent either way."""
+    for path in (str(tmp_path / "missing.jsonl"), "/dev/zero", str(tmp_path)):
+        assert lightq("batch", "submit", path, "--url", "http://127.0.0.1:9") == 1
+        assert capsys.readouterr().err.strip() == f"lightq batch: {path}: not a file"

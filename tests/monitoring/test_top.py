@@ -6,6 +6,7 @@ import io
 import subprocess
 import sys
 
+import pytest
 from rich.console import Console
 
 from lightq.top import bar, run, sparkline
@@ -146,3 +147,9 @@ def test_top_says_which_redis_it_reads_when_no_serve_is_found(tmp_path, monkeypa
     run({"once": True}, console=Console(file=io.StringIO(), width=160))
     held.close()
     assert read[1] == "redis://127.0.0.1:6000/0" and capsys.readouterr().err == ""  # found: nothing to say
+
+
+def test_a_negative_interval_is_refused(redis_settings):
+    """It refreshed without a pause, as fast as Redis answered."""
+    with pytest.raises(SystemExit, match="--interval -1: seconds, above 0"):
+        run({"interval": -1.0, "once": True, "redis_url": redis_settings.url})

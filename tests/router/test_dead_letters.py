@@ -42,6 +42,8 @@ def test_requeue_gives_fresh_attempts_and_keeps_emitted_tokens(redis_settings, r
 
 def test_cli_lists_dead_letters(redis_settings, rclient, keys):
     dead_letter_one(redis_settings, rclient, keys)
+    # A hand-written entry (a red team's): the tool raised on it and listed nothing until it went.
+    rclient.xadd(keys.dead_letters(), {"msg": "x", "reason": "by hand", "failed_ms": "notanint"})
     out = subprocess.run(
         [
             sys.executable,
@@ -58,7 +60,7 @@ def test_cli_lists_dead_letters(redis_settings, rclient, keys):
         text=True,
         check=True,
     )
-    assert "p" in out.stdout and "died" in out.stdout
+    assert "p" in out.stdout and "died" in out.stdout and "by hand" in out.stdout
 
 
 def test_an_unreadable_ingress_entry_is_parked_with_its_fields(redis_settings, rclient, keys):
