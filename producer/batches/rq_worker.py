@@ -29,6 +29,8 @@ import logging
 import multiprocessing
 import os
 import re
+import signal
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -118,6 +120,8 @@ def run(settings: RqWorkerSettings) -> None:
         target=run_janitor, args=(settings.model_dump(mode="json"),), name="lightq-janitor"
     )
     janitor.start()
+    lost = threading.Event()
+    threading.Thread(target=watch_janitor, args=(janitor, lost), name="janitor-watch", daemon=True).start()
     connection = redis.Redis.from_url(settings.redis.batch_url)
     try:
         from producer.batches.job import tokenizer_for
@@ -132,6 +136,20 @@ def run(settings: RqWorkerSettings) -> None:
         janitor.terminate()
         janitor.join(timeout=10)
         connection.close()
+    if lost.is_set():
+        raise SystemExit("lightq rq-worker: its housekeeping child died; exiting so that both start again")
+
+
+def watch_janitor(janitor: multiprocessing.process.BaseProcess, lost: threading.Event) -> None:
+    """A janitor that dies ends this process too (its batch job first, rq's warm stop), with an error,
+    so that whoever runs it (lightq serve, a container's restart policy) starts both again: forking a
+    new janitor from here, with the batch worker's threads running, is not safe. A dead janitor
+    would stop the housekeeping for good, and acknowledged ingress entries pile up unbounded."""
+    janitor.join()
+    if janitor.exitcode not in (0, -signal.SIGTERM):  # not our own stop
+        log.error("the housekeeping child exited with %s: stopping this rq worker", janitor.exitcode)
+        lost.set()
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_janitor(settings: dict) -> None:

@@ -105,3 +105,27 @@ async def test_a_batch_stopped_midway_resumes_in_the_next_rq_worker(
     out = output_lines((await client.get(f"/v1/batches/{view['id']}/output")).text)
     assert [line["custom_id"] for line in out] == [f"r{i}" for i in range(6)]
     assert len({line["response"]["request_id"] for line in out}) == 6
+
+
+async def test_a_dead_housekeeping_child_ends_the_rq_worker_so_that_both_start_again(rq_settings, tmp_path):
+    """Nothing started the janitor again, and the housekeeping stopped for good (acknowledged ingress
+    entries piled up); now the rq worker ends with an error and its supervisor restarts both."""
+    log_path = tmp_path / "rq-worker.log"
+    process = start_rq_worker(rq_settings, log_path)
+    try:
+        deadline = time.monotonic() + MUST_HAPPEN_S
+        janitor = None
+        while janitor is None and time.monotonic() < deadline:
+            children = open(f"/proc/{process.pid}/task/{process.pid}/children").read().split()
+            janitor = int(children[0]) if children else None
+            await asyncio.sleep(0.2)
+        assert janitor is not None, open(log_path).read()[-3000:]
+        await asyncio.sleep(2)  # its rq worker up
+        os.kill(janitor, signal.SIGKILL)
+        code = await asyncio.to_thread(process.wait, MUST_HAPPEN_S)
+        # an error exit, or SIGTERM's own where rq's handlers were not in yet: a supervisor restarts either
+        assert code != 0 and "the housekeeping child exited with -9" in open(log_path).read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
