@@ -228,7 +228,12 @@ class Router:
         for parked in due:
             stream, raw_id = ingress.locate(self.keys, parked.handle)
             pipe.xrange(stream, raw_id, raw_id)
-        for parked, found in zip(due, pipe.execute()):
+        try:
+            replies = pipe.execute()
+        except REDIS_FAILURES:  # an outage: parked again, first (they are in our pending list alone)
+            self.parking.restore(due)
+            raise
+        for parked, found in zip(due, replies):
             request = self._parse(parked.priority, ingress.entry_id(parked.handle), found[0][1]) if found else None
             if request is None:  # gone (Redis lost it) or unreadable (dead-lettered): out of the order
                 self._queued_ids.discard(parked.handle)

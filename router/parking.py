@@ -83,3 +83,9 @@ class Parking:
                 del self._by_tenant[key]
         self.count -= len(out)
         return out
+
+    def restore(self, parked: list[Parked]) -> None:
+        """Entries ``due`` handed out and that could not be read back (an outage): first again."""
+        for entry in reversed(parked):
+            self._by_tenant.setdefault((entry.priority, entry.tenant), deque()).appendleft(entry)
+        self.count += len(parked)

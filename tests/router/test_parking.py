@@ -52,3 +52,18 @@ def test_parked_entries_come_back_in_order_each_once_and_after_a_restart(redis_s
     flood = [i for i in sent if i.startswith("flood")]
     assert flood == sorted(flood)  # the tenant's own order kept
     assert restarted.parking.count == 0 and not rclient.xpending(keys.requests(), "routers")["pending"]
+
+
+def test_entries_handed_out_in_an_outage_are_parked_again_first():
+    """``due`` pops entries to read back; an outage before they are read must not lose them (they
+    are in this router's pending list alone) nor reorder the tenant's."""
+    from router.parking import Parked, Parking
+
+    parking = Parking(order_window=4)  # one a tenant in the queue
+    entries = [Parked(f"{i}-0", float(i), f"r{i}", 0, None, "t") for i in range(3)]
+    for entry in entries:
+        parking.park(entry)
+    due = parking.due(lambda priority, tenant: 0)
+    assert due == entries[:1] and parking.count == 2
+    parking.restore(due)
+    assert parking.count == 3 and parking.due(lambda priority, tenant: 0) == entries[:1]
