@@ -207,7 +207,10 @@ class RouterSettings(BaseSettings):
     )
     # router.ordering: priorities and fair shares apply to what a router holds, so it holds up to this many.
     order_window: int = Field(
-        1024, gt=0, description="queued requests of each priority class a router reads ahead to order (by tenant)"
+        1024,
+        gt=0,
+        description="queued requests of each priority class a router holds to order (by tenant), at most a "
+        "quarter of them one tenant's: it reads on past a tenant's flood, parking the rest",
     )
     tenant_weights: str = Field(
         "",
