@@ -25,6 +25,7 @@ batch resumes where it was (``producer.batches.job``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -136,8 +137,8 @@ def run(settings: RqWorkerSettings) -> None:
         janitor.terminate()
         janitor.join(timeout=10)
         connection.close()
-    if lost.is_set():
-        raise SystemExit("lightq rq-worker: its housekeeping child died; exiting so that both start again")
+        if lost.is_set():  # in place of rq's own exit (a cold stop raises SystemExit with code 0)
+            raise SystemExit("lightq rq-worker: its housekeeping child died; exiting so that both start again")
 
 
 def watch_janitor(janitor: multiprocessing.process.BaseProcess, lost: threading.Event) -> None:
@@ -146,6 +147,8 @@ def watch_janitor(janitor: multiprocessing.process.BaseProcess, lost: threading.
     new janitor from here, with the batch worker's threads running, is not safe. A dead janitor
     would stop the housekeeping for good, and acknowledged ingress entries pile up unbounded."""
     janitor.join()
+    with contextlib.suppress(ProcessLookupError):  # its group: rq's scheduler process, forked from it
+        os.killpg(janitor.pid, signal.SIGTERM)
     if janitor.exitcode not in (0, -signal.SIGTERM):  # not our own stop
         log.error("the housekeeping child exited with %s: stopping this rq worker", janitor.exitcode)
         lost.set()
@@ -155,6 +158,10 @@ def watch_janitor(janitor: multiprocessing.process.BaseProcess, lost: threading.
 def run_janitor(settings: dict) -> None:
     """The housekeeping worker (with rq's scheduler), in the child process."""
     die_with_parent()
+    # A group of its own, which rq's scheduler process (forked from this one) joins: a janitor that
+    # dies (SIGKILL) would leave that orphan holding the scheduler's lock for ever; its watcher ends
+    # the group (``watch_janitor``).
+    os.setpgid(0, 0)
     parsed = RqWorkerSettings.model_validate(settings)
     connection = redis.Redis.from_url(parsed.redis.batch_url)
     janitor_queue = queue(parsed.housekeeping.queue, connection)

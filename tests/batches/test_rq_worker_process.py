@@ -125,7 +125,28 @@ async def test_a_dead_housekeeping_child_ends_the_rq_worker_so_that_both_start_a
         code = await asyncio.to_thread(process.wait, MUST_HAPPEN_S)
         # an error exit, or SIGTERM's own where rq's handlers were not in yet: a supervisor restarts either
         assert code != 0 and "the housekeeping child exited with -9" in open(log_path).read()
+        # and rq's scheduler process, forked from the janitor, does not outlive it
+        prefix = rq_settings.redis.key_prefix.encode()
+        deadline = time.monotonic() + MUST_HAPPEN_S
+        while (left := ours(prefix)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not left
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def ours(prefix: bytes) -> list[int]:
+    """Live processes whose command line names ``prefix`` (this test's rq worker and its children)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if prefix in f.read():
+                    with open(f"/proc/{pid}/status") as status:
+                        if "State:\tZ" not in status.read():
+                            found.append(int(pid))
+        except OSError:
+            continue
+    return found
