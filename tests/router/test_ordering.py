@@ -229,18 +229,22 @@ def test_reserved_slots_keep_room_for_the_default_class(redis_settings, rclient,
 
 
 def test_a_class_waits_only_for_better_classes_of_its_own_model(redis_settings, rclient, keys):
-    first = make_router(redis_settings, rclient, "r1")
-    second = make_router(redis_settings, rclient, "r2")
+    # Records and router liveness that outlast a stall of the machine (it failed once in a loaded
+    # full run, a-low not sent: a 5 s record gone between two steps, most likely).
+    timing = dict(liveness_ttl_s=60.0, stale_load_s=60.0)
+    first = make_router(redis_settings, rclient, "r1", **timing)
+    second = make_router(redis_settings, rclient, "r2", **timing)
     submit(rclient, keys, "a-high", 5, 5, priority=0, model="a")
     first.step()  # r1 holds it; model a's worker is full
     submit(rclient, keys, "b-low", 5, 5, priority=1, model="b")
     submit(rclient, keys, "a-low", 5, 5, priority=1, model="a")
     second.step()  # r2 holds both low ones
-    publish_load(rclient, keys, "wa", max_total=BIG, running_max=1, requests=[(1, 0, 1, 1)], model="a")
-    publish_load(rclient, keys, "wb", max_total=BIG, model="b")
+    full = dict(max_total=BIG, running_max=1, requests=[(1, 0, 1, 1)], model="a", ttl_ms=60_000)
+    publish_load(rclient, keys, "wa", **full)
+    publish_load(rclient, keys, "wb", max_total=BIG, model="b", ttl_ms=60_000)
     second.step()
     assert inbox_ids(rclient, keys, "wb") == ["b-low"]  # b's pool is not held up by a's class 0
-    publish_load(rclient, keys, "wa", max_total=BIG, model="a")  # room on a's worker
+    publish_load(rclient, keys, "wa", max_total=BIG, model="a", ttl_ms=60_000)  # room on a's worker
     second.step()  # a-low waits behind a-high, which r1 holds
     assert inbox_ids(rclient, keys, "wa") == []
     first.step()
