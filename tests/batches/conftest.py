@@ -42,6 +42,15 @@ def rq_names(redis_settings):
     for member in client.smembers("rq:queues"):
         if tag.encode() in member:
             client.srem("rq:queues", member)
+    # rq's own registry of workers (a killed one never deregisters) and the records of ours, which rq
+    # keeps a minute after a worker stops: ours by the queues they name, and members whose record is gone
+    for member in client.smembers("rq:workers"):
+        if not client.exists(member):
+            client.srem("rq:workers", member)
+    for key in client.scan_iter(match="rq:worker:*", count=1000):
+        if client.type(key) == b"hash" and tag.encode() in (client.hget(key, "queues") or b""):
+            client.srem("rq:workers", key)
+            client.delete(key)
     client.close()
 
 
