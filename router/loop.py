@@ -31,16 +31,8 @@ from router.admission import Views, cacheable_prompt
 from router.dispatch import Dispatcher, Item
 from router.janitor import reap_dead_worker
 from router.lora import adapter_gone
-from router.ordering import (
-    OrderedQueue,
-    Tagger,
-    clear_if_gone,
-    forget,
-    forget_parts,
-    parse_weights,
-    reserved_slots,
-)
-from router.parking import Parked, Parking
+from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_weights, reserved_slots
+from router.parking import Parked, Parking, forget_parked
 from router.preempt import Preempter, heads
 from router.registry import read_registry
 from router.reservations import Reservations
@@ -219,36 +211,17 @@ class Router:
                 self.queue.add(name, request, tag)
 
     def _unpark(self) -> None:
-        """Parked entries whose tenant has room in the queue again, read back from their streams
-        (one round trip) into their places in the order (``router.parking``)."""
-        due = self.parking.due(self.queue.tenant_count)
-        if not due:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for parked in due:
-            stream, raw_id = ingress.locate(self.keys, parked.handle)
-            pipe.xrange(stream, raw_id, raw_id)
-        try:
-            replies = pipe.execute()
-        except REDIS_FAILURES:  # an outage: parked again, first (they are in our pending list alone)
-            self.parking.restore(due)
-            raise
-        for parked, found in zip(due, replies):
-            request = self._parse(parked.priority, ingress.entry_id(parked.handle), found[0][1]) if found else None
+        """Parked entries whose tenant has room in the queue again, read back (one round trip) into
+        their places in the order (``router.parking``)."""
+        for parked, fields in self.parking.read_back(self.client, self.keys, self.queue.tenant_count):
+            request = None if fields is None else self._parse(parked.priority, ingress.entry_id(parked.handle), fields)
             if request is None:  # gone (Redis lost it) or unreadable (dead-lettered): out of the order
                 self._queued_ids.discard(parked.handle)
-                self._forget_parked(parked)
+                forget_parked(self.client, self.keys, parked)
                 continue
-            if request.tenant != parked.tenant:
-                request = request.model_copy(update={"tenant": parked.tenant})  # charged as when read
+            if request.tenant != parked.tenant:  # charged as when read
+                request = request.model_copy(update={"tenant": parked.tenant})
             self.queue.add(parked.handle, request, parked.tag)
-
-    def _forget_parked(self, parked: Parked) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        stream, raw_id = ingress.locate(self.keys, parked.handle)
-        pipe.xack(stream, ROUTER_GROUP, raw_id)
-        forget_parts(pipe, self.keys, parked.request_id, parked.priority, parked.model, parked.tenant)
-        pipe.execute()
 
     def _parse(self, priority: int, entry_id: str, fields: dict) -> GenerateRequest | None:
         try:

@@ -27,6 +27,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
+
+from router.ordering import forget_parts
+from shared import ingress
+from shared.keys import ROUTER_GROUP, Keys
+from shared.redis import REDIS_FAILURES
 from shared.schemas import GenerateRequest
 
 # A tenant holds at most a quarter of the window in the queue: up to three tenants flooding a class
@@ -89,3 +95,29 @@ class Parking:
         for entry in reversed(parked):
             self._by_tenant.setdefault((entry.priority, entry.tenant), deque()).appendleft(entry)
         self.count += len(parked)
+
+    def read_back(self, client: redis.Redis, keys: Keys, in_queue: Callable[[int, str], int]) -> list:
+        """``due``'s entries with their stream fields, read in one round trip: (parked, fields), fields
+        None for an entry the stream no longer holds (Redis lost it). An outage parks them again."""
+        due = self.due(in_queue)
+        if not due:
+            return []
+        pipe = client.pipeline(transaction=False)
+        for parked in due:
+            stream, raw_id = ingress.locate(keys, parked.handle)
+            pipe.xrange(stream, raw_id, raw_id)
+        try:
+            replies = pipe.execute()
+        except REDIS_FAILURES:  # they are in this router's pending list alone: first again
+            self.restore(due)
+            raise
+        return [(parked, found[0][1] if found else None) for parked, found in zip(due, replies)]
+
+
+def forget_parked(client: redis.Redis, keys: Keys, parked: Parked) -> None:
+    """A parked entry that will never be dispatched (gone, unreadable): acknowledged, out of the order."""
+    pipe = client.pipeline(transaction=True)
+    stream, raw_id = ingress.locate(keys, parked.handle)
+    pipe.xack(stream, ROUTER_GROUP, raw_id)
+    forget_parts(pipe, keys, parked.request_id, parked.priority, parked.model, parked.tenant)
+    pipe.execute()

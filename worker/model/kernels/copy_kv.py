@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels.fp8_quant import INTERPRETED, round_to_e4m3
+from worker.model.kernels.fp8_quant import INTERPRETED, fp8_scale, fp8_values
 from worker.model.quant import FP8, FP8_MAX, FP8_MIN_SCALE, quantize_rows
 
 
@@ -26,11 +26,8 @@ from worker.model.quant import FP8, FP8_MAX, FP8_MIN_SCALE, quantize_rows
 def _quantize_heads(x, FP8_LIMIT: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """x [BLOCK_H, D] fp32 -> (x / scale clamped to +-448, scale [BLOCK_H]), one scale per head
     (ROUND_FIRST: rounded in fp32 already, for the interpreter's cast; see ``kernels.fp8_quant``)."""
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), FP8_LIMIT), MIN_SCALE)  # IEEE division, as torch
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_LIMIT), FP8_LIMIT)
-    if ROUND_FIRST:
-        q = round_to_e4m3(q)
-    return q, scale
+    scale = fp8_scale(tl.max(tl.abs(x), 1), FP8_LIMIT, MIN_SCALE)
+    return fp8_values(x, scale[:, None], FP8_LIMIT, ROUND_FIRST), scale
 
 
 @triton.jit

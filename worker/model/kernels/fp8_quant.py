@@ -42,6 +42,23 @@ def round_to_e4m3(x):
 
 
 @triton.jit
+def fp8_scale(amax, FP8_LIMIT: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A row's (or head's) scale from its amax: max(amax / 448, MIN_SCALE). div_rn: IEEE division, as
+    torch's (Triton's '/' may be the faster approximate one on a GPU). Every quantising kernel's rule."""
+    return tl.maximum(tl.math.div_rn(amax, FP8_LIMIT), MIN_SCALE)
+
+
+@triton.jit
+def fp8_values(x, scale, FP8_LIMIT: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """x / scale clamped to +-448, in fp32 (rounded to e4m3 already under the interpreter, ROUND_FIRST):
+    what the caller casts to e4m3 as it stores."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_LIMIT), FP8_LIMIT)
+    if ROUND_FIRST:
+        q = round_to_e4m3(q)
+    return q
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,
     q_ptr,
@@ -61,15 +78,12 @@ def _quantize_rows_kernel(
         offs = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # div_rn: IEEE division, as torch's (Triton's '/' may be the faster approximate one on a GPU)
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_LIMIT), MIN_SCALE)
+    scale = fp8_scale(tl.max(amax, 0), FP8_LIMIT, MIN_SCALE)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_LIMIT), FP8_LIMIT)
-        if ROUND_FIRST:
-            q = round_to_e4m3(q)
+        q = fp8_values(x, scale, FP8_LIMIT, ROUND_FIRST)
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels.fp8_quant import INTERPRETED, fp8_rows, round_to_e4m3
+from worker.model.kernels.fp8_quant import INTERPRETED, fp8_rows, fp8_scale, fp8_values
 from worker.model.quant import FP8_MAX, FP8_MIN_SCALE, QuantizedRows
 
 MAX_ROW = 65536  # one row must fit one program's registers
@@ -62,10 +62,8 @@ def _rmsnorm_kernel(
     if QUANT:
         # The row the unfused path quantises is y in the model dtype: round there first.
         y = (xf * rstd * w).to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), FP8_LIMIT), MIN_SCALE)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_LIMIT), FP8_LIMIT)
-        if ROUND_FIRST:
-            q = round_to_e4m3(q)
+        scale = fp8_scale(tl.max(tl.abs(y), 0), FP8_LIMIT, MIN_SCALE)
+        q = fp8_values(y, scale, FP8_LIMIT, ROUND_FIRST)
         tl.store(y_ptr + row * stride_y + offs, q.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, scale)
     else:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels.fp8_quant import INTERPRETED, fp8_rows, round_to_e4m3
+from worker.model.kernels.fp8_quant import INTERPRETED, fp8_rows, fp8_scale, fp8_values
 from worker.model.quant import FP8, FP8_MAX, FP8_MIN_SCALE, QuantizedRows
 
 BLOCK = 1024
@@ -71,23 +71,18 @@ def _silu_and_mul_fp8_kernel(
     if ONE_PASS:
         offs = tl.arange(0, BLOCK)
         y = _silu_mul_piece(x_row, offs, n_cols)  # masked lanes are 0: the amax is the row's
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), FP8_LIMIT), MIN_SCALE)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_LIMIT), FP8_LIMIT)
-        if ROUND_FIRST:
-            q = round_to_e4m3(q)
+        scale = fp8_scale(tl.max(tl.abs(y), 0), FP8_LIMIT, MIN_SCALE)
+        q = fp8_values(y, scale, FP8_LIMIT, ROUND_FIRST)
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < n_cols)
         tl.store(scale_ptr + row, scale)
         return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, n_cols, BLOCK):
         amax = tl.maximum(amax, tl.abs(_silu_mul_piece(x_row, c0 + tl.arange(0, BLOCK), n_cols)))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_LIMIT), MIN_SCALE)
+    scale = fp8_scale(tl.max(amax, 0), FP8_LIMIT, MIN_SCALE)
     for c0 in range(0, n_cols, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
-        y = _silu_mul_piece(x_row, offs, n_cols)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_LIMIT), FP8_LIMIT)
-        if ROUND_FIRST:
-            q = round_to_e4m3(q)
+        q = fp8_values(_silu_mul_piece(x_row, offs, n_cols), scale, FP8_LIMIT, ROUND_FIRST)
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < n_cols)
     tl.store(scale_ptr + row, scale)
 
