@@ -121,8 +121,9 @@ def run(settings: RqWorkerSettings) -> None:
         target=run_janitor, args=(settings.model_dump(mode="json"),), name="lightq-janitor"
     )
     janitor.start()
-    lost = threading.Event()
-    threading.Thread(target=watch_janitor, args=(janitor, lost), name="janitor-watch", daemon=True).start()
+    lost, stopping = threading.Event(), threading.Event()
+    args = (janitor, lost, stopping)
+    threading.Thread(target=watch_janitor, args=args, name="janitor-watch", daemon=True).start()
     connection = redis.Redis.from_url(settings.redis.batch_url)
     try:
         from producer.batches.job import tokenizer_for
@@ -134,25 +135,39 @@ def run(settings: RqWorkerSettings) -> None:
             lambda: BatchWorker([batch_queue], connection=connection, serializer=JSONSerializer),
         )
     finally:
+        stopping.set()  # before the janitor ends: its watcher must not take our own stop for a death
         janitor.terminate()
         janitor.join(timeout=10)
+        end_group(janitor)
         connection.close()
         if lost.is_set():  # in place of rq's own exit (a cold stop raises SystemExit with code 0)
             raise SystemExit("lightq rq-worker: its housekeeping child died; exiting so that both start again")
 
 
-def watch_janitor(janitor: multiprocessing.process.BaseProcess, lost: threading.Event) -> None:
+def watch_janitor(
+    janitor: multiprocessing.process.BaseProcess, lost: threading.Event, stopping: threading.Event
+) -> None:
     """A janitor that dies ends this process too (its batch job first, rq's warm stop), with an error,
     so that whoever runs it (lightq serve, a container's restart policy) starts both again: forking a
     new janitor from here, with the batch worker's threads running, is not safe. A dead janitor
-    would stop the housekeeping for good, and acknowledged ingress entries pile up unbounded."""
+    would stop the housekeeping for good, and acknowledged ingress entries pile up unbounded.
+
+    ``stopping`` is set by our own stop before it ends the janitor: then the main thread's join may
+    reap the child first, and this thread's join returns with exitcode None (waitpid's ECHILD)."""
     janitor.join()
-    with contextlib.suppress(ProcessLookupError):  # its group: rq's scheduler process, forked from it
-        os.killpg(janitor.pid, signal.SIGTERM)
+    end_group(janitor)
+    if stopping.is_set():
+        return
     if janitor.exitcode not in (0, -signal.SIGTERM):  # not our own stop
         log.error("the housekeeping child exited with %s: stopping this rq worker", janitor.exitcode)
         lost.set()
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def end_group(janitor: multiprocessing.process.BaseProcess) -> None:
+    """Ends the janitor's process group: rq's scheduler process, forked from it, outlives it otherwise."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(janitor.pid, signal.SIGTERM)
 
 
 def run_janitor(settings: dict) -> None:

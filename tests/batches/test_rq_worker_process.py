@@ -150,3 +150,25 @@ def ours(prefix: bytes) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def test_our_own_stop_is_not_taken_for_a_dead_janitor(monkeypatch):
+    """At a stop, the main thread's join may reap the janitor before its watcher's join does; the
+    watcher's then returns with exitcode None (waitpid's ECHILD). That once logged "the housekeeping
+    child exited with None" as an error and signalled the worker (a CI failure of a quiet ctrl-c)."""
+    import multiprocessing
+    import threading
+
+    from producer.batches import rq_worker
+
+    janitor = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    janitor.start()
+    os.kill(janitor.pid, signal.SIGTERM)
+    os.waitpid(janitor.pid, 0)  # reaped behind the Process object's back, as the main thread's join does
+    signals: list = []
+    monkeypatch.setattr(rq_worker.os, "kill", lambda pid, sig: signals.append((pid, sig)))
+    lost, stopping = threading.Event(), threading.Event()
+    stopping.set()
+    rq_worker.watch_janitor(janitor, lost, stopping)
+    assert janitor.exitcode is None  # the race's state, reproduced
+    assert not lost.is_set() and signals == []
