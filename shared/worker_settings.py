@@ -77,6 +77,13 @@ class WorkerSettings(BaseSettings):
         description="publisher processes per worker (detokenising and Redis writes, each "
         "a shard of the requests; default: 1, 2 with 16 cores or more)",
     )
+    publisher_stall_s: float = Field(
+        20.0,
+        gt=0,
+        description="seconds a publisher process may leave steps it was sent unwritten, while Redis answers, "
+        "before it is taken for stuck (frozen, or hung on a dead connection): it is killed and the worker "
+        "hands its requests back and exits, as when a publisher dies",
+    )
     stream_flush_ms: float = Field(
         STREAM_FLUSH_MS,
         ge=0,

@@ -208,7 +208,7 @@ def counting_trio(tmp_path_factory):
         shared.redis_server = start_embedded_redis(appendonly=True)
         extra = ["--model_dir", "counting", "--max_total_token_num", "60000", "--max_req_total_len", "1100"]
         extra += ["--liveness_ttl_s", "1.5", "--drain_timeout", str(DRAIN_TIMEOUT_S)]
-        extra += ["--counting_step_ms", str(COUNTING_STEP_MS)]
+        extra += ["--counting_step_ms", str(COUNTING_STEP_MS), "--publisher_stall_s", "5"]
         try:
             return start_stack(log, redis_url=shared.redis_server.url, prefix="lightq-chaos", workers=3, extra=extra)
         except BaseException:

@@ -1,6 +1,7 @@
-"""A publisher process killed mid-stream (real processes, counting model): its worker hands its
-requests back and exits, they resume elsewhere, and every client stream carries each index
-once, with exactly the tokens the model makes."""
+"""A publisher process killed mid-stream, or frozen (SIGSTOP: alive, writing nothing, until its
+worker's watchdog kills it after ``--publisher_stall_s``), real processes, counting model: its
+worker hands its requests back and exits, they resume elsewhere, and every client stream carries
+each index once, with exactly the tokens the model makes."""
 
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ async def stream(client: httpx.AsyncClient, http: str, prompt: list[int]) -> lis
     return seen
 
 
-async def kill_a_publisher(stack) -> int:
-    """Once some tokens are out, SIGKILL a publisher of a worker that runs something."""
+async def signal_a_publisher(stack, sig: signal.Signals) -> int:
+    """Once some tokens are out, send ``sig`` to a publisher of a worker that runs something."""
     client = stack.client()
     deadline = time.monotonic() + MUST_HAPPEN_S
     while time.monotonic() < deadline:
@@ -69,22 +70,24 @@ async def kill_a_publisher(stack) -> int:
             victim = pid_of(sorted(busy)[0])
             pids = publisher_pids(victim)
             assert pids, f"worker {victim} has no publisher process"
-            os.kill(pids[0], signal.SIGKILL)
+            os.kill(pids[0], sig)
             client.close()
             return victim
         await asyncio.sleep(0.02)
     raise AssertionError("no worker got busy")
 
 
-async def run(stack) -> tuple[list[tuple[list[int], list[int]]], int]:
+async def run(stack, sig: signal.Signals) -> tuple[list[tuple[list[int], list[int]]], int]:
     prompts = [[1500 + i] for i in range(12)]
     async with httpx.AsyncClient(timeout=180) as client:
-        results = await asyncio.gather(*(stream(client, stack.http, p) for p in prompts), kill_a_publisher(stack))
+        streams = (stream(client, stack.http, p) for p in prompts)
+        results = await asyncio.gather(*streams, signal_a_publisher(stack, sig))
     return list(zip(prompts, results[:-1])), results[-1]
 
 
-def test_a_killed_publisher_loses_and_repeats_no_token(stack):
-    streams, victim = asyncio.run(run(stack))
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_killed_or_frozen_publisher_loses_and_repeats_no_token(stack, sig):
+    streams, victim = asyncio.run(run(stack, sig))
     for prompt, seen in streams:
         assert seen == expected_tokens(prompt[-1], NEW_TOKENS, COUNTING_VOCAB)
     # The streams may all end before the worker notices its publisher is gone (the others carried
@@ -96,3 +99,5 @@ def test_a_killed_publisher_loses_and_repeats_no_token(stack):
     while f"(pid {victim}) exited with 1" not in (log := stack.test_log()):
         assert time.monotonic() < deadline, "the worker of a dead publisher must exit with an error"
         time.sleep(0.5)
+    if sig is signal.SIGSTOP:
+        assert "while Redis answers: killed" in log  # the watchdog, not a death, ended it

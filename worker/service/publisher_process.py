@@ -19,7 +19,13 @@ pipe or dies (end of file); a publisher that dies makes ``put`` or
 ``check`` raise ``PublisherDied``, and the worker hands its inbox back and
 exits. Its requests then resume on a worker from the last token Redis
 holds, as after any worker death: the chunk stream is the record, so no
-index is lost or repeated.
+index is lost or repeated. A publisher that lives but writes nothing
+(frozen, or hung on a connection that died without a word) would stall its
+requests for ever while the worker's heartbeat said all is well: each
+process counts the steps it has written in shared memory, and a watchdog
+thread kills one that has left steps unwritten for ``--publisher_stall_s``
+while Redis answers (an outage is waited out, not punished), which turns
+it into the death above.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
+import time
 import zlib
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.sharedctypes import Synchronized
 
 from shared.model_files import load_tokenizer, resolve
 from shared.redis import sync_client
@@ -60,11 +69,18 @@ class PublisherDied(RuntimeError):
     """A publisher process is gone: tokens the model loop made since its last write are lost."""
 
 
+WATCH_PERIOD_S = 1.0
+
+
 @dataclass
 class _Shard:
     process: multiprocessing.process.BaseProcess
     events: Connection  # the model loop writes steps here
     stops: Connection  # and reads stop-string ends here
+    written: Synchronized  # steps the process has written to Redis (it counts; shared memory)
+    sent: int = 0  # steps the model loop has sent it
+    progress_at: float = 0.0  # monotonic time it was last seen caught up or moving on (the watchdog's)
+    last_written: int = 0
 
 
 class PublisherLink:
@@ -72,19 +88,22 @@ class PublisherLink:
 
     def __init__(self, settings: WorkerSettings, worker_id: str):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
+        self.settings = settings
         self.shards: list[_Shard] = []
         self._child_ends: list[Connection] = []
+        self._closing = threading.Event()
         for shard in range(settings.publishers):
             events_in, events_out = ctx.Pipe(duplex=False)
             stops_in, stops_out = ctx.Pipe(duplex=False)
             _grow(events_out)
+            written = ctx.Value("q", 0, lock=False)  # one writer (the process), one reader (the watchdog)
             process = ctx.Process(
                 target=run,
-                args=(settings, worker_id, shard, events_in, stops_out),
+                args=(settings, worker_id, shard, events_in, stops_out, written),
                 name=f"lightq-publisher-{worker_id}-{shard}",
                 daemon=True,
             )
-            self.shards.append(_Shard(process, events_out, stops_in))
+            self.shards.append(_Shard(process, events_out, stops_in, written))
             self._child_ends += [events_in, stops_out]
 
     def start(self) -> None:
@@ -92,7 +111,47 @@ class PublisherLink:
             shard.process.start()
         for end in self._child_ends:  # only the children hold them now: a death reads as end of file here
             end.close()
+        threading.Thread(target=self._watch, name="publisher-watchdog", daemon=True).start()
         log.info("publisher processes %s started", [s.process.pid for s in self.shards])
+
+    def _watch(self) -> None:
+        """Kills a publisher that has left steps unwritten for ``--publisher_stall_s`` while Redis
+        answers: the model loop then finds it dead (``put``, ``check``). A thread, because the model
+        loop itself may be the one blocked (in ``put``, on a full pipe). While a shard is behind and
+        not moving, Redis is asked every period: an outage restarts every clock (the publishers wait
+        it out, retrying at most ``Backoff``'s cap apart, and get the whole stall time after it)."""
+        client = None
+        while not self._closing.wait(WATCH_PERIOD_S):
+            if not self.stalled(time.monotonic(), WATCH_PERIOD_S):
+                continue
+            client = client or sync_client(self.settings.redis)
+            try:
+                client.ping()
+            except Exception:
+                for shard in self.shards:
+                    shard.progress_at = time.monotonic()
+                continue
+            for shard in self.stalled(time.monotonic(), self.settings.publisher_stall_s):
+                log.error(
+                    "publisher process %d wrote none of %d steps in %.0f s while Redis answers: killed",
+                    shard.process.pid,
+                    shard.sent - shard.written.value,
+                    self.settings.publisher_stall_s,
+                )
+                shard.process.kill()
+        if client is not None:
+            client.close()
+
+    def stalled(self, now: float, for_s: float) -> list[_Shard]:
+        """The live shards behind on their steps that have written none for more than ``for_s``."""
+        stalled = []
+        for shard in self.shards:
+            written = shard.written.value
+            if written >= shard.sent or written != shard.last_written or not shard.progress_at:
+                shard.progress_at, shard.last_written = now, written
+            elif now - shard.progress_at > for_s and shard.process.is_alive():
+                stalled.append(shard)
+        return stalled
 
     def wait_ready(self) -> None:
         """Until every publisher has its tokenizer and Redis: a worker must not take requests before
@@ -115,6 +174,7 @@ class PublisherLink:
         # writes fastest. Anything that leaves the worker goes through shared.codec.
         data = pickle.dumps((now_ms(), events), protocol=pickle.HIGHEST_PROTOCOL)  # once for all shards
         for shard in self.shards:
+            shard.sent += 1  # first: the watchdog must see a send that blocks on a full pipe
             try:
                 shard.events.send_bytes(data)
             except OSError as exc:  # BrokenPipeError among them
@@ -139,6 +199,7 @@ class PublisherLink:
 
     def close(self) -> None:
         """Publish everything sent so far, then stop the processes (at once where one is dead)."""
+        self._closing.set()
         for shard in self.shards:
             if shard.process.is_alive():
                 try:
@@ -161,7 +222,9 @@ def _grow(conn: Connection) -> None:
         pass
 
 
-def run(settings: WorkerSettings, worker_id: str, shard: int, events: Connection, stops: Connection) -> None:
+def run(
+    settings: WorkerSettings, worker_id: str, shard: int, events: Connection, stops: Connection, written: Synchronized
+) -> None:
     """A publisher process: write its shard of each step's events until the worker closes the pipe.
 
     It waits for steps no longer than its next flush is due (``Publisher.wait_s``: at once for a
@@ -190,6 +253,7 @@ def run(settings: WorkerSettings, worker_id: str, shard: int, events: Connection
         # After the last step (the worker closed the pipe, or died) everything goes, retries bounded.
         stopped += publisher.flush(everything=last, give_up_s=ORPHAN_RETRY_S if last else None)
         flushes, steps_taken = flushes + 1, steps_taken + len(batch)
+        written.value = steps_taken  # the watchdog's sign of life (``PublisherLink.stuck``)
         if stopped and not last:
             stops.send(publisher.tagged(stopped))
         if last:
