@@ -77,8 +77,8 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
                 settings.reject_without_workers,
                 deadline_s=2 * settings.redis_timeout_s,
             ),
-            api_key_hashes=key_hashes(settings.api_keys),
-            key_tenants=key_tenants(settings.api_keys),
+            api_key_hashes=key_hashes(settings.api_keys, settings.admin_api_keys),
+            key_tenants=key_tenants(settings.api_keys, settings.admin_api_keys),
             batch_redis=batches,
         )
         # The cluster view is read on a thread of its own; /metrics serves the last read.

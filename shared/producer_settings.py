@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings
 
 from shared.config import BatchSettings, ModelSettings, RedisSettings, frozen_settings, usable_cores
@@ -19,7 +19,7 @@ def default_producers() -> int:
     return min(4, max(1, usable_cores() // 4))
 
 
-def api_key_entries(api_keys: str) -> list[tuple[str | None, str]]:
+def api_key_entries(api_keys: str, flag: str = "--api_keys") -> list[tuple[str | None, str]]:
     """``--api_keys`` as (tenant, key): comma-separated, each ``KEY`` or ``TENANT:KEY`` (split at the
     first ':'; a key of its own holding ':' needs a tenant before it); blank items and spaces ignored.
     ValueError for an item with a tenant and no key, or a setting that is not blank and holds no key:
@@ -29,11 +29,11 @@ def api_key_entries(api_keys: str) -> list[tuple[str | None, str]]:
     for item in api_keys.split(","):
         tenant, sep, key = item.strip().partition(":")
         if sep and not key.strip():
-            raise ValueError(f"--api_keys: {item.strip()!r} names a tenant and no key")
+            raise ValueError(f"{flag}: {item.strip()!r} names a tenant and no key")
         if tenant.strip() or key.strip():
             out.append((tenant.strip() or None, key.strip()) if sep else (None, tenant.strip()))
     if api_keys.strip() and not out:
-        raise ValueError("--api_keys is set but holds no key (leave it unset to run without keys)")
+        raise ValueError(f"{flag} is set but holds no key (leave it unset to run without keys)")
     return out
 
 
@@ -117,14 +117,21 @@ class ProducerSettings(BaseSettings):
         "but /health (and /metrics with --metrics_open) needs "
         "'Authorization: Bearer KEY'",
     )
+    admin_api_keys: SecretStr = Field(
+        SecretStr(""),
+        description="comma-separated API keys (KEY or TENANT:KEY, as --api_keys) that may also use the "
+        "operator's routes: loading and unloading LoRA adapters for the whole pool, /metrics and the "
+        "dashboard (every tenant's names and counts); with keys on, any other key gets 403 there",
+    )
     rate_limit_rpm: int = Field(
         0, ge=0, description="requests (POSTs) per minute per API key; 429 past it (0: no limit)"
     )
 
-    @field_validator("api_keys")
+    @field_validator("api_keys", "admin_api_keys")
     @classmethod
-    def _keys_parse(cls, value: SecretStr) -> SecretStr:
-        api_key_entries(value.get_secret_value())  # a list that holds no key is refused at start
+    def _keys_parse(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
+        # A list that holds no key is refused at start.
+        api_key_entries(value.get_secret_value(), f"--{info.field_name}")
         return value
 
     metrics_open: bool = Field(False, description="with --api_keys, leave /metrics open (for scrapers without a key)")

@@ -15,6 +15,11 @@ stored: a request records its key's hash in its status hash, and another key
 asking for it (status, stream, cancel) gets the 404 of an unknown id, so it
 cannot even learn that the id exists. Without keys the API is open, as before.
 
+Keys in ``--admin_api_keys`` are keys too, and the only ones that may use the
+operator's routes (``ADMIN_PATHS``: adapters loaded for the whole pool, and
+``/metrics`` and the dashboard, which name every tenant): any other key gets
+403 ``admin_key_required`` there (``front_door.KeyGuard``).
+
 Failed key attempts are counted per client address in this process
 (``front_door.FailedAttempts``); past ``--max_auth_failures`` in
 ``--auth_failure_window_s`` the address gets 429 until its window clears.
@@ -44,6 +49,8 @@ from shared.schemas import MAX_TENANT_CHARS
 # Liveness probes stay open (they tell nothing but "up"); /metrics only with --metrics_open.
 OPEN_PATHS = frozenset({"/health", "/healthz"})
 METRICS_PATH = "/metrics"
+# The operator's routes (prefixes): with keys on, only --admin_api_keys' keys get in.
+ADMIN_PATHS = (METRICS_PATH, "/dashboard", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 SCOPE_KEY = "lightq.key_hash"  # where KeyGuard leaves the verified key's hash in the ASGI scope
 WINDOW_S = 60
 bearer = HTTPBearer(auto_error=False, description="an API key, when the server was started with --api_keys")
@@ -57,23 +64,37 @@ def open_paths(metrics_open: bool) -> frozenset[str]:
     return OPEN_PATHS | {METRICS_PATH} if metrics_open else OPEN_PATHS
 
 
-def _entries(api_keys: SecretStr) -> list[tuple[str | None, str]]:
-    """``--api_keys`` as (tenant, key) (``shared.producer_settings.api_key_entries``, which the
-    settings already checked)."""
-    return api_key_entries(api_keys.get_secret_value())
+def _entries(*key_lists: SecretStr) -> list[tuple[str | None, str]]:
+    """``--api_keys`` (and ``--admin_api_keys``) as (tenant, key)
+    (``shared.producer_settings.api_key_entries``, which the settings already checked)."""
+    return [entry for keys in key_lists for entry in api_key_entries(keys.get_secret_value())]
 
 
-def key_hashes(api_keys: SecretStr) -> frozenset[str]:
+def key_hashes(*key_lists: SecretStr) -> frozenset[str]:
     """The configured keys, hashed (without their tenants)."""
-    return frozenset(hash_key(key) for _, key in _entries(api_keys))
+    return frozenset(hash_key(key) for _, key in _entries(*key_lists))
 
 
-def key_tenants(api_keys: SecretStr) -> dict[str, str]:
+def key_tenants(*key_lists: SecretStr) -> dict[str, str]:
     """Each key's tenant (router.ordering shares tokens fairly between tenants): the one given
     before it, else its own, ``key-`` and the start of its hash (never the key itself)."""
     return {
-        hash_key(key): (tenant or f"key-{hash_key(key)[:8]}")[:MAX_TENANT_CHARS] for tenant, key in _entries(api_keys)
+        hash_key(key): (tenant or f"key-{hash_key(key)[:8]}")[:MAX_TENANT_CHARS] for tenant, key in _entries(*key_lists)
     }
+
+
+def admin_only(path: str) -> bool:
+    return path.startswith(ADMIN_PATHS)
+
+
+def admin_refusal() -> ApiError:
+    return ApiError(
+        403,
+        "this route is the operator's: it needs a key of --admin_api_keys",
+        code="admin_key_required",
+        reason="forbidden",
+        kind="permission_error",
+    )
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,15 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from producer.api.errors import REJECT_REASON_HEADER, ApiError, error_response, retry_later
-from producer.edge.auth import SCOPE_KEY, hash_key, key_hashes, open_paths, unauthorized
+from producer.edge.auth import (
+    SCOPE_KEY,
+    admin_only,
+    admin_refusal,
+    hash_key,
+    key_hashes,
+    open_paths,
+    unauthorized,
+)
 from shared.producer_settings import ProducerSettings
 
 BROWSER_PAGES = ("/dashboard", "/docs", "/redoc")  # their 401 asks the browser for the key (HTTP Basic)
@@ -125,9 +133,16 @@ async def _answer(scope: Scope, receive: Receive, send: Send, error: ApiError) -
 
 class KeyGuard:
     def __init__(
-        self, app: ASGIApp, hashes: frozenset[str], open_: frozenset[str], failures: FailedAttempts, known: KnownKeys
+        self,
+        app: ASGIApp,
+        hashes: frozenset[str],
+        open_: frozenset[str],
+        failures: FailedAttempts,
+        known: KnownKeys,
+        admins: frozenset[str] = frozenset(),
     ) -> None:
         self.app, self.hashes, self.open, self.failures, self.known = app, hashes, open_, failures, known
+        self.admins = admins  # the keys (hashed, among ``hashes``) the operator's routes take
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.hashes or scope["path"] in self.open:
@@ -139,6 +154,9 @@ class KeyGuard:
         wait_s = self.failures.retry_after(address)
         if key_hash in self.hashes and (not wait_s or (address, key_hash) in self.known):
             self.known.add(address, key_hash)
+            if admin_only(scope["path"]) and key_hash not in self.admins:
+                await _answer(scope, receive, send, admin_refusal())  # a right key: not a guess
+                return
             scope[SCOPE_KEY] = key_hash
             await self.app(scope, receive, send)
             return
@@ -211,8 +229,9 @@ def install(app: FastAPI, settings: ProducerSettings) -> None:
     app.add_middleware(JsonOnly)
     app.add_middleware(
         KeyGuard,
-        hashes=key_hashes(settings.api_keys),
+        hashes=key_hashes(settings.api_keys, settings.admin_api_keys),
         open_=open_paths(settings.metrics_open),
+        admins=key_hashes(settings.admin_api_keys),
         failures=FailedAttempts(settings.max_auth_failures, settings.auth_failure_window_s),
         known=KnownKeys(),
     )

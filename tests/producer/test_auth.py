@@ -1,4 +1,5 @@
-"""API keys: 401 without one, per-key rate limits, and one key cannot see another's requests."""
+"""API keys: 401 without one, per-key rate limits, one key cannot see another's requests, and the
+operator's routes take only an admin key."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pydantic import SecretStr
 from producer.app import create_app
 from producer.edge.auth import key_hashes
 from shared.producer_settings import ProducerSettings
+from tests.producer.test_priority import queued
 
 KEY_A, KEY_B = "sk-alpha-0123456789", "sk-bravo-9876543210"
+ADMIN = "sk-admin-5555555555"
 BODY = {"inputs": "hello", "parameters": {"max_new_tokens": 2}}
 
 
@@ -23,7 +26,13 @@ def auth(key: str) -> dict[str, str]:
 @pytest.fixture
 async def keyed(settings, tokenizer):
     app = create_app(
-        settings.model_copy(update={"api_keys": SecretStr(f" {KEY_A}, ,{KEY_B} "), "rate_limit_rpm": 4}),
+        settings.model_copy(
+            update={
+                "api_keys": SecretStr(f" {KEY_A}, ,{KEY_B} "),
+                "admin_api_keys": SecretStr(f"ops:{ADMIN}"),
+                "rate_limit_rpm": 4,
+            }
+        ),
         tokenizer=tokenizer,
     )
     async with app.router.lifespan_context(app):
@@ -50,7 +59,34 @@ async def test_no_key_or_a_wrong_one_is_401(keyed, rclient, redis_settings, head
 async def test_probes_stay_open(keyed):
     assert (await keyed.get("/health")).status_code == 200
     assert (await keyed.get("/metrics")).status_code == 401  # a key, unless --metrics_open (test_front_door)
-    assert (await keyed.get("/metrics", headers=auth(KEY_A))).status_code == 200
+    assert (await keyed.get("/metrics", headers=auth(ADMIN))).status_code == 200
+
+
+OPERATOR_ROUTES = [
+    ("GET", "/metrics", None),
+    ("GET", "/dashboard", None),
+    ("GET", "/dashboard/data", None),
+    ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}),
+    ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), OPERATOR_ROUTES, ids=[r[1] for r in OPERATOR_ROUTES])
+async def test_the_operators_routes_take_only_an_admin_key(keyed, rclient, redis_settings, method, path, body):
+    """Before, any key could load or unload adapters for the whole pool, and read every tenant's
+    names and counts on /metrics and the dashboard."""
+    response = await keyed.request(method, path, json=body, headers=auth(KEY_A))
+    assert response.status_code == 403, response.text
+    assert response.json()["error"]["code"] == "admin_key_required"
+    assert list(rclient.scan_iter(match=f"{redis_settings.key_prefix}:*")) == []
+    response = await keyed.request(method, path, json=body, headers=auth(ADMIN))
+    assert response.status_code not in (401, 403), response.text  # past the door (the route's own answer)
+
+
+async def test_an_admin_key_is_a_key_and_its_tenant_is_its_own(keyed, rclient, keys):
+    submitted = await keyed.post("/v1/requests", json=BODY, headers=auth(ADMIN))
+    assert submitted.status_code == 202, submitted.text
+    assert [r.tenant for r in queued(rclient, keys)] == ["ops"]
 
 
 async def test_requests_belong_to_their_key(keyed, worker, aredis, keys):

@@ -38,7 +38,8 @@ def basic(password: str) -> dict[str, str]:
 
 
 async def test_with_keys_every_page_but_health_needs_one(settings, tokenizer):
-    async with serving(settings, tokenizer, api_keys=SecretStr(KEY)) as client:
+    """(The operator's pages, /metrics and the dashboard, take an admin key: ``test_auth``.)"""
+    async with serving(settings, tokenizer, admin_api_keys=SecretStr(KEY)) as client:
         assert (await client.get("/health")).status_code == 200
         for path in GUARDED:
             response = await client.get(path)

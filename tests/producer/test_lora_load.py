@@ -156,12 +156,16 @@ async def test_unloading_what_is_not_loaded(lora_client, aredis, keys):
     assert await registry(aredis, keys) is None
 
 
-async def test_the_routes_need_an_api_key(lora_settings, tokenizer, aredis, keys, tmp_path):
-    keyed = lora_settings.model_copy(update={"api_keys": SecretStr("sk-lora")})
+async def test_the_routes_need_an_admin_key(lora_settings, tokenizer, aredis, keys, tmp_path):
+    """No key: 401; a key that is not the operator's: 403 (loading changes the whole pool); an
+    admin key: done."""
+    keyed = lora_settings.model_copy(update={"api_keys": SecretStr("sk-user"), "admin_api_keys": SecretStr("sk-lora")})
     body = {"lora_name": "poems", "lora_path": make_folder(tmp_path, "poems")}
-    async for client in open_client(keyed, tokenizer):
-        for path, sent in [("/v1/load_lora_adapter", body), ("/v1/unload_lora_adapter", {"lora_name": "poems"})]:
-            assert (await client.post(path, json=sent)).status_code == 401
+    routes = [("/v1/load_lora_adapter", body), ("/v1/unload_lora_adapter", {"lora_name": "poems"})]
+    for headers, status in [({}, 401), ({"Authorization": "Bearer sk-user"}, 403)]:
+        async for client in open_client(keyed, tokenizer, headers):
+            for path, sent in routes:
+                assert (await client.post(path, json=sent)).status_code == status
         assert await registry(aredis, keys) is None
     async for client in open_client(keyed, tokenizer, {"Authorization": "Bearer sk-lora"}):
         assert (await client.post("/v1/load_lora_adapter", json=body)).status_code == 202
