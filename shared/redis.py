@@ -8,6 +8,9 @@ within one slot (``shared.keys``: the control plane ``{q}``, a request group's d
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -207,6 +210,21 @@ def answers(url: str, timeout_s: float = 0.5) -> bool:
             client.close()
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return False
+
+
+def wait_until_up(client: redis.Redis, log: logging.Logger, give_up: Callable[[], bool] = lambda: False) -> bool:
+    """PING until Redis answers (True), with backoff and a warning per try, or until ``give_up()``
+    (False): a process started before its Redis (compose, a host that boots first) waits for it,
+    saying why, instead of dying with a connection traceback."""
+    backoff = Backoff()
+    while not give_up():
+        try:
+            client.ping()
+            return True
+        except OUTAGES as exc:
+            log.warning("Redis unreachable (%s): retrying in %.1f s", exc, backoff.delay)
+            time.sleep(backoff.next())
+    return False
 
 
 class Backoff:

@@ -16,7 +16,7 @@ import torch
 from shared.admission import AdmissionRule
 from shared.metrics_server import serve_metrics
 from shared.model_files import load_config, load_tokenizer, resolve
-from shared.redis import sync_client
+from shared.redis import sync_client, wait_until_up
 from shared.service import default_id, setup_logging, stop_on_signals
 from shared.worker_settings import WorkerSettings
 from worker.engine.engine import Engine, EngineLimits
@@ -270,6 +270,10 @@ def run_service(settings: WorkerSettings, group=None) -> None:
         publisher.close()
         return
     client = sync_client(settings.redis)
+    if not wait_until_up(client, log, give_up=stop.is_set):
+        log.info("worker %s stopped while Redis was unreachable: never served", worker_id)
+        publisher.close()
+        return
     metrics = WorkerMetrics(worker_id)
     metrics.registry.register(WorkerCollector(engine, client, settings.redis.keys, worker_id))
     server = serve_metrics(metrics.registry, settings.metrics_port)

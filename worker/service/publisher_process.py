@@ -44,7 +44,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import Synchronized
 
 from shared.model_files import load_tokenizer, resolve
-from shared.redis import sync_client
+from shared.redis import sync_client, wait_until_up
 from shared.request_log import now_ms
 from shared.service import setup_logging
 from shared.worker_settings import WorkerSettings
@@ -243,7 +243,9 @@ def run(
     publisher = Publisher(
         settings, client, tokenizer, worker_id, lambda rid: owner(rid, shards) == shard, lambda: os.getppid() == worker
     )
-    client.ping()  # connected (or failing here, at start, not on the first write)
+    # Connected before READY; the worker may stop (its pipe closed or ended: poll) or die meanwhile.
+    if not wait_until_up(client, log, give_up=lambda: os.getppid() != worker or events.poll()):
+        return
     stops.send(READY)
     flushes = steps_taken = 0
     while (steps := _next_steps(events, publisher.wait_s())) is not None:
