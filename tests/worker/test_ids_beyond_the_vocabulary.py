@@ -16,11 +16,12 @@ from shared.schemas import GenerateRequest, SamplingParams
 from shared.worker_settings import WorkerSettings
 from tests.worker.test_penalties import EOS, reference
 from tests.worker.token_rows import flat
-from worker.engine.events import Ended, Token
+from worker.engine.events import Ended, Token, Tokens
 from worker.engine.request import Req
 from worker.main import build_engine
 from worker.model.counting_model import COUNTING_VOCAB, expected_tokens
 from worker.runner.penalties import PenaltyBatch, TokenCounts
+from worker.runner.sampler import FLOOR_LOGPROB
 
 V = 40
 CPU = torch.device("cpu")
@@ -71,13 +72,21 @@ def test_the_counting_stand_in_answers_a_prompt_id_beyond_its_logits(params):
     assert reasons == [None, None, "length"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="worker/runner/prompt_logprobs.py gathers log_softmax at the prompt's ids (not this task's file; "
-    "reported to the lead): an id past the logits' columns should score FLOOR_LOGPROB, as the model cannot "
-    "produce it",
-)
 def test_prompt_logprobs_of_an_id_beyond_the_logits():
-    tokens, _ = run(counting_engine(), [5, 6160, 7], prompt_logprobs=2)
-    assert tokens == expected_tokens(7, 3, COUNTING_VOCAB)
+    """The id past the logits scores the floor (the model cannot produce it); before, the gather
+    raised and killed the worker at each of the request's three attempts (red team 3)."""
+    engine = counting_engine()
+    msg = GenerateRequest(
+        id="r", prompt_ids=[5, 6, 6160], params=SamplingParams(max_new_tokens=3, prompt_logprobs=2), created_ms=0
+    )
+    engine.add(Req(msg=msg, inbox_id="1-0"))
+    records = []
+    while engine.has_work:
+        records += [e for e in engine.step() if isinstance(e, Tokens)]
+    tokens = [t.token_id for t in flat(records) if isinstance(t, Token)]
+    assert tokens == expected_tokens(6160, 3, COUNTING_VOCAB)
+    scored = [p for r in records for p in r.prompts.values()]
+    assert len(scored) == 1 and len(scored[0]) == 2
+    (after_5, _), (after_6, _) = scored[0]
+    assert after_5 == pytest.approx(0.0, abs=1e-3)  # 6 follows 5: a column of the logits, scored as usual
+    assert after_6 == FLOOR_LOGPROB

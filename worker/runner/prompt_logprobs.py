@@ -73,7 +73,11 @@ def _score(logits: torch.Tensor, targets: list[int], req: Req) -> list[tuple[flo
 def _score_block(logits: torch.Tensor, targets: list[int], req: Req) -> list[tuple[float, list[tuple[int, float]]]]:
     logp = torch.log_softmax(logits.float(), dim=-1)  # [m, V]
     ids = torch.tensor(targets, device=logits.device)[:, None]
-    parts = [logp.gather(1, ids).double().clamp_min(FLOOR_LOGPROB)]
+    # An id of the tokenizer past the logits' columns (a stand-in, or an output layer narrower than
+    # the tokenizer) is one the model can never produce: the floor, not an index past V.
+    outside = ids >= logp.shape[-1]
+    chosen = logp.gather(1, ids.clamp(max=logp.shape[-1] - 1)).masked_fill(outside, FLOOR_LOGPROB)
+    parts = [chosen.double().clamp_min(FLOOR_LOGPROB)]
     k = req.msg.params.prompt_logprobs or 0
     if k:
         top = logp.topk(k, dim=-1)
