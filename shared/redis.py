@@ -217,14 +217,15 @@ def wait_until_up(client: redis.Redis, log: logging.Logger, give_up: Callable[[]
     (False): a process started before its Redis (compose, a host that boots first) waits for it,
     saying why, instead of dying with a connection traceback."""
     backoff = Backoff()
-    while not give_up():
+    while True:
         try:
             client.ping()
             return True
         except OUTAGES as exc:
+            if give_up():  # asked only after a failure: an answering Redis is always taken
+                return False
             log.warning("Redis unreachable (%s): retrying in %.1f s", exc, backoff.delay)
             time.sleep(backoff.next())
-    return False
 
 
 class Backoff:

@@ -30,6 +30,11 @@ class WorkerLoad(FrozenModel):
     draining: bool = False
     model: str | None = Field(None, description="the served model name (None: takes any request)")
     running_max_req_size: int | None = Field(None, description="most requests the worker runs at once")
+    admission_limit: int | None = Field(
+        None,
+        description="KV tokens one request's samples may need and surely start on this worker alone: its pool "
+        "less what the admission policy keeps free (--admission_margin); None: the whole pool (an older worker)",
+    )
     adapters: list[str] = Field(
         default_factory=list, description="the LoRA adapters new requests may name here (--lora_modules', run-time)"
     )
@@ -105,23 +110,33 @@ def misfit(request: GenerateRequest, loads: list[WorkerLoad]) -> str | None:
     ours = [load for load in loads if load.takes(request.model, request.adapter)]
     if not ours or any(fits(request, load) for load in ours):
         return None
-    pool = max(load.max_total_tokens for load in ours)
+    largest = max(ours, key=admits)
+    pool, limit = largest.max_total_tokens, admits(largest)
     max_new = request.params.max_new_tokens
-    if request.max_tokens_needed > pool:
+    if request.max_tokens_needed > limit:
         outputs = f"{request.n} samples of max_new_tokens {max_new}" if request.n > 1 else f"max_new_tokens {max_new}"
+        within = f"the {pool} of the largest worker's pool" + (
+            f" less the share admission keeps free ({limit})" if limit < pool else ""
+        )
         return (
             f"this request can need {request.max_tokens_needed} KV tokens (a prompt of {request.num_prompt_tokens} "
-            f"tokens and {outputs}), over the {pool} of the largest worker's pool: lower max_tokens"
-            + (" or n" if request.n > 1 else "")
+            f"tokens and {outputs}), over {within}: lower max_tokens" + (" or n" if request.n > 1 else "")
         )
     most = max(load.running_max_req_size or 0 for load in ours)
     return f"its {request.n} samples run together, and a worker here runs at most {most} requests at once: lower n"
 
 
+def admits(load: WorkerLoad) -> int:
+    """The KV tokens one request may need on ``load``'s worker and surely start there alone. A
+    request between this and the pool started only if the output-length history said it would
+    end early: it passed the producer's check and then failed in the router (red team 3)."""
+    return load.max_total_tokens if load.admission_limit is None else load.admission_limit
+
+
 def fits(request: GenerateRequest, load: WorkerLoad) -> bool:
     """Whether ``request`` fits ``load``'s worker with nothing else running there."""
     most = load.running_max_req_size
-    return request.max_tokens_needed <= load.max_total_tokens and (most is None or request.n <= most)
+    return request.max_tokens_needed <= admits(load) and (most is None or request.n <= most)
 
 
 class PreemptAsk(FrozenModel):

@@ -7,7 +7,8 @@ ever, and every request of its class and worse classes with it: one client's ``n
 large ``max_tokens`` stopped the pool. So the producer refuses it with a 400 before it writes
 anything: its most KV tokens (``GenerateRequest.max_tokens_needed``: the prompt once, each
 sample's ``max_new_tokens``) must fit the pool of a live worker that serves its model (and
-adapter), and its samples that worker's ``running_max_req_size``.
+adapter), less the share its admission policy keeps free (``shared.worker_load.admits``), and
+its samples that worker's ``running_max_req_size``.
 
 While no such worker is live nothing is refused here (one may be starting, or all are being
 replaced); the router ends a request that still fits none once some are (``router.loop``).
@@ -25,7 +26,7 @@ import redis.asyncio as aioredis
 from producer.api.errors import bad_request
 from shared.keys import Keys
 from shared.schemas import GenerateRequest
-from shared.worker_load import TOO_LARGE, WorkerLoad, misfit
+from shared.worker_load import TOO_LARGE, WorkerLoad, admits, misfit
 
 REFRESH_S = 2.0  # the workers' records, for the fit
 LIVE_REFRESH_S = 0.5  # whether any worker is live, for the no-worker 503
@@ -71,10 +72,11 @@ class PoolFit:
         return self.loads
 
     async def largest(self, model: str | None, adapter: str | None = None) -> int:
-        """The KV tokens of the largest live pool that takes ``model`` (and ``adapter``): what a prompt
-        and its ``n`` answers may fill without a ``max_tokens`` (no bound while none is known)."""
+        """The KV tokens admission lets one request need on the largest live pool that takes
+        ``model`` (and ``adapter``; ``admits``): what a prompt and its ``n`` answers may fill without
+        a ``max_tokens`` (no bound while none is known)."""
         loads = [load for load in await self.refresh() if load.takes(model, adapter)]
-        return max((load.max_total_tokens for load in loads), default=sys.maxsize)
+        return max((admits(load) for load in loads), default=sys.maxsize)
 
     async def any_live(self) -> bool:
         """Whether any worker has a heartbeat (a record this version cannot read counts too)."""

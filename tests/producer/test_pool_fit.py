@@ -84,3 +84,20 @@ async def test_a_batch_chat_line_without_max_tokens_shares_the_pool_as_the_route
         assert request.params.max_new_tokens == (1000 - len(request.prompt_ids)) // 4
     finally:
         await services.redis.aclose()
+
+
+async def test_what_admission_keeps_free_is_not_offered_at_the_door(client, app, aredis, keys: Keys, rclient):
+    """A worker's record says what admission lets one request need there (its pool less the policy's
+    margin). A request between that and the pool passed the door and then failed in the router (or
+    ran, as the output-length history had it); a chat without max_tokens and n=4 always landed
+    there (red team 3). Now the first is a 400 at the door and the second shares the limit."""
+    publish_load(rclient, keys, "w1", max_total=1000, admission_limit=950)
+    before = await keys_now(aredis)
+    body = {"inputs": [1] * 10, "parameters": {"max_new_tokens": 960}}  # 970 KV tokens: within the pool
+    response = await client.post("/generate", json=body)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "request_too_large", response.text
+    assert "less the share admission keeps free (950)" in response.json()["error"]["message"]
+    assert await keys_now(aredis) == before
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 4}
+    request, _ = await prepare_chat(ChatCompletionRequest.model_validate(chat), app.state.services)
+    assert request.params.max_new_tokens == (950 - len(request.prompt_ids)) // 4

@@ -22,6 +22,7 @@ def publish_load(
     running_max: int | None = None,
     age_ms: int = 0,
     model: str | None = None,
+    admission_limit: int | None = None,
 ) -> None:
     """A worker's record; without ``requests``, one request holding ``committed`` tokens with
     nothing left to add (so every policy projects ``committed``)."""
@@ -39,6 +40,7 @@ def publish_load(
         num_waiting=0,
         last_inbox_id=last_inbox_id,
         running_max_req_size=running_max,
+        admission_limit=admission_limit,
         model=model,
         requests=[tuple(r) for r in requests],
     )

@@ -80,6 +80,7 @@ def test_service_heartbeat_reaches_the_router(redis_settings, rclient, keys):
     registry = read_registry(rclient, keys, stale_ms=5000)
     load = registry.admissible()["w1"]
     assert load.requests == [(17, 7, 50, 0), (22, 2, 30, 1), (8, 3, 100, 0)] and load.last_inbox_id == "9-0"
+    assert load.admission_limit == 950  # the pool less past-future's 5% margin: what the producer checks by
     big = GenerateRequest(
         id="x", prompt_ids=[1] * 500, created_ms=0, params=SamplingParams(max_new_tokens=500, ignore_eos=True)
     )

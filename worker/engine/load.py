@@ -127,6 +127,7 @@ def build_load(
     max_preemptions: int = 0,
     preempt_asks_read: int = 0,
     lora: AdapterView = NO_ADAPTERS,
+    admission_limit: int | None = None,
 ) -> WorkerLoad:
     snap = engine.snapshot()
     reqs = engine.requests()
@@ -151,6 +152,7 @@ def build_load(
         resident_adapters=list(lora.resident),
         lora_failed=list(lora.failed),
         running_max_req_size=engine.limits.running_max_req_size,
+        admission_limit=admission_limit,
         requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in states],
         preemptible=preemptible_classes(reqs, max_preemptions),
         max_preemptions=max_preemptions,

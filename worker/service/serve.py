@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from shared.admission import AdmissionRule
 from shared.codec import from_entry
 from shared.keys import WORKER_GROUP
 from shared.log_limit import LogLimiter
@@ -70,6 +71,10 @@ class WorkerService:
             settings.model.adapter_names,
         )
         self.publisher = publisher  # started by the caller (it loads while the model does)
+        # What one request may need here and surely start alone (the rule's, as the router's: from
+        # the same settings): the record says it, and the producer checks requests against it.
+        rule = AdmissionRule(settings.admission_rule)
+        self.admission_limit = int(rule.policy.limit(engine.limits.max_total_tokens))
         self.heartbeat = Heartbeat(client, self.keys, worker_id, settings.heartbeat_s, self.load)
         self.stop_event = threading.Event()
         self.last_inbox_id = "0-0"
@@ -104,6 +109,7 @@ class WorkerService:
             self.settings.max_preemptions,
             self.num_asks_read,  # read before the engine is: a record with the count shows the pauses
             self.lora.view,
+            self.admission_limit,
         )
 
     def run(self) -> None:
