@@ -342,8 +342,8 @@ class Router:
     def _cancelled(self) -> set[str]:
         """Queued requests whose client cancelled them, looked up in one round trip at most every
         ``CANCEL_CHECK_S`` (a step can take a millisecond; a request cancelled since the last look
-        is still stopped by its worker, which checks cancels every step). Found ones stay in the
-        set until they reach the head of the queue and end there."""
+        is still stopped by its worker, which checks cancels every step). At each look, those and
+        the ones past their deadline end wherever they wait (``_end_waiting``)."""
         now = time.monotonic()
         if now >= self._next_cancel_check:
             self._next_cancel_check = now + CANCEL_CHECK_S
@@ -352,7 +352,26 @@ class Router:
             if ids:
                 hits = self.client.mget([self.keys.cancel(i) for i in ids])
                 self._cancelled_ids.update(i for i, hit in zip(ids, hits) if hit is not None)
+            self._end_waiting()
         return self._cancelled_ids
+
+    def _end_waiting(self) -> None:
+        """Cancelled and expired requests end now, not when they reach the head: behind requests
+        that wait for room, a cancelled stream stayed open and a 0.5 s timeout ended after 21 s."""
+        at = now_ms()
+        ending = [
+            (entry_id, request)
+            for entry_id, request in self.queue
+            if request.id in self._cancelled_ids or (request.deadline_ms is not None and at > request.deadline_ms)
+        ]
+        if not ending:
+            return
+        self.queue.remove({entry_id for entry_id, _ in ending})
+        for entry_id, request in ending:
+            status = RequestStatus.CANCELLED if request.id in self._cancelled_ids else RequestStatus.EXPIRED
+            self._finish(entry_id, request, status, status.value)
+            self._cancelled_ids.discard(request.id)
+            self._queued_ids.discard(entry_id)
 
     def _choose(self, request: GenerateRequest) -> str | None:
         """A worker for the request (a group: all its samples, the prompt once), counted on its

@@ -256,6 +256,17 @@ class OrderedQueue:
             del self._tenants[request.priority, request.tenant]
         return entry_id, request
 
+    def remove(self, entry_ids: set[str]) -> None:
+        """Entries anywhere in the queue taken out for good (cancelled or expired while waiting)."""
+        kept = [(key, item) for key, item in zip(self._keys, self._items) if item[0] not in entry_ids]
+        for entry_id, request in self._items:
+            if entry_id in entry_ids:
+                self._tenants[request.priority, request.tenant] -= 1
+                if not self._tenants[request.priority, request.tenant]:
+                    del self._tenants[request.priority, request.tenant]
+                self._tags.pop(entry_id, None)
+        self._keys, self._items = [k for k, _ in kept], [i for _, i in kept]
+
     def tenant_count(self, priority: int, tenant: str) -> int:
         """Entries of one tenant in one class (``router.parking``)."""
         return self._tenants.get((priority, tenant), 0)

@@ -59,8 +59,10 @@ def submit(
     n: int = 1,
     priority: int = 0,
     tenant: str = "default",
+    deadline_ms: int | None = None,
 ) -> GenerateRequest:
     msg = GenerateRequest(
+        deadline_ms=deadline_ms,
         id=request_id,
         prompt_ids=list(range(1, prompt_len + 1)),
         model=model,

@@ -1,5 +1,7 @@
 """The router against a real Redis, with workers played by the test."""
 
+import time
+
 import pytest
 
 from router.janitor import reap_dead_worker
@@ -7,8 +9,9 @@ from router.loop import Router
 from shared.chunk_schemas import TokenChunk
 from shared.chunks import emitted_chunks
 from shared.codec import from_entry
-from shared.config import AdmissionSettings, RouterSettings
+from shared.config import CANCEL_CHECK_S, AdmissionSettings, RouterSettings
 from shared.keys import ROUTER_GROUP, Keys
+from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, RequestMeta, RequestStatus
 from tests.chunks import append_chunk
 from tests.router.helpers import finished_lengths, inbox_ids, publish_load, start_on, submit
@@ -70,6 +73,34 @@ def test_cancelled_request_is_finalised_without_dispatch(redis_settings, rclient
     assert meta.status is RequestStatus.CANCELLED
     assert emitted_chunks(rclient, keys, "q0")[-1].finish_reason == "cancelled"
     assert rclient.ttl(keys.meta("q0")) > 0
+
+
+def test_cancelled_and_expired_requests_end_wherever_they_wait(redis_settings, rclient, keys):
+    """Not only at the head of the queue: behind a request that waits for room, a cancelled stream
+    stayed open and a 0.5 s timeout ended after 21 s (red team 3)."""
+    publish_load(rclient, keys, "w1", max_total=100, requests=[(50, 0, 45, 1)])  # no room for "big"
+    router = make_router(redis_settings, rclient)
+    submit(rclient, keys, "big", 20, 20)
+    submit(rclient, keys, "gone", 1, 1)
+    submit(rclient, keys, "late", 1, 1, deadline_ms=now_ms() + 200)
+    submit(rclient, keys, "kept", 1, 1)
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == []  # every one waits behind "big"
+    rclient.set(keys.cancel("gone"), 1)
+    time.sleep(CANCEL_CHECK_S + 0.25)  # the next look at cancels, and past "late"'s deadline
+    router.step()
+    status = {r: RequestMeta.from_hash(rclient.hgetall(keys.meta(r))).status for r in ("big", "gone", "late", "kept")}
+    assert status == {
+        "big": RequestStatus.QUEUED,
+        "gone": RequestStatus.CANCELLED,
+        "late": RequestStatus.EXPIRED,
+        "kept": RequestStatus.QUEUED,
+    }
+    assert emitted_chunks(rclient, keys, "late")[-1].finish_reason == "expired"
+    assert rclient.xpending(keys.requests(), ROUTER_GROUP)["pending"] == 2  # big and kept, still in order
+    publish_load(rclient, keys, "w1", max_total=100)
+    router.step()
+    assert inbox_ids(rclient, keys, "w1") == ["big", "kept"]
 
 
 def test_dead_worker_requests_go_back_with_emitted_tokens(redis_settings, rclient, keys):
