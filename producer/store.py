@@ -127,6 +127,7 @@ async def enqueue(
         max_new_tokens=request.params.max_new_tokens,
         created_ms=request.created_ms,
         key_hash=key_hash,
+        samples=request.n if request.n > 1 else None,
     )
     args = [ROUTER_GROUP, max_queue_tokens, cost, codec.FIELD, codec.encode(request)]
     args += [keys.requests(), request.priority]  # the class-0 stream's name: the others add ':PRIORITY'

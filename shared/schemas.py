@@ -267,6 +267,8 @@ class RequestMeta(BaseModel):
     # new to a class already holding --max_tenants tenants (router.ordering). Set by the router
     # that tags it, so a router that reads it again charges it alike.
     charged_to: str | None = None
+    # The request's samples (n), written only when above 1: status views and replays read each.
+    samples: int = 1
     # The fencing token (shared.request_log): bumped by every dispatch and by whoever takes the
     # request back (a requeue, an end by a router); a worker writes only with the epoch it got.
     epoch: int = 0

@@ -219,7 +219,8 @@ class RequestView(BaseModel):
 
     id: str
     status: RequestStatus
-    output_text: str
+    output_text: str = Field(description="the output so far (with n > 1: the first sample's)")
+    output_texts: list[str] | None = Field(None, description="with n > 1: each sample's output so far, by choice")
     output_tokens: int
     prompt_tokens: int
     finish_reason: FinishReason | None

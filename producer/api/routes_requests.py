@@ -52,7 +52,7 @@ async def _meta_or_404(services: Services, request_id: str, caller: Caller) -> R
 
 async def request_view(services: Services, request_id: str, meta: RequestMeta) -> RequestView:
     """The status hash plus the (de-duplicated) output so far."""
-    reader = follower(services, request_id, own=False)
+    reader = follower(services, request_id, n=meta.samples, own=False)
     delivered = [
         chunk
         for entry_id, run in await store.read_range(services.redis, services.keys, request_id)
@@ -63,7 +63,12 @@ async def request_view(services: Services, request_id: str, meta: RequestMeta) -
     return RequestView(
         id=request_id,
         status=meta.status,
-        output_text="".join(chunk.text for chunk in tokens),
+        output_text="".join(chunk.text for chunk in tokens if chunk.choice == 0),
+        output_texts=[
+            "".join(chunk.text for chunk in tokens if chunk.choice == choice) for choice in range(meta.samples)
+        ]
+        if meta.samples > 1
+        else None,
         output_tokens=max(meta.output_tokens, len(tokens)),
         prompt_tokens=meta.prompt_tokens,
         finish_reason=meta.finish_reason,
@@ -126,8 +131,8 @@ async def stream_request(
 ) -> EventStream:
     """Replay the chunks as SSE, a token an event (``id:`` its place: the stream entry id, ``.k`` for
     the k-th token of a run that more tokens follow), after ``Last-Event-ID`` if given."""
-    await _meta_or_404(services, request_id, caller)
-    reader = follower(services, request_id, own=False)  # submitted anywhere: no wakes to count on
+    meta = await _meta_or_404(services, request_id, caller)
+    reader = follower(services, request_id, n=meta.samples, own=False)  # from anywhere: no wakes to count on
     if last_event_id:
         await reader.resume_after(_event_id(last_event_id))
     return EventStream(sse(reader, replay_event))

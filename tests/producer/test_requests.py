@@ -15,6 +15,7 @@ VIEW_KEYS = {
     "id",
     "status",
     "output_text",
+    "output_texts",
     "output_tokens",
     "prompt_tokens",
     "finish_reason",
@@ -165,3 +166,23 @@ async def test_stream_follows_live_and_drops_repeats(client, worker):
     # Resuming after the first entry must still drop the repeat of index 0.
     resumed = await client.get(f"/v1/requests/{request_id}/stream", headers={"Last-Event-ID": first})
     assert [c["text"] for _, c in replay_events(resumed.text)] == ["b"]
+
+
+async def test_a_groups_view_and_replay_carry_every_sample(client, worker, aredis, keys):
+    """n > 1: the status gives each sample's text and the replay every sample's tokens to the end of
+    the last; before, both held sample 0 alone (the replay ended with it) while output_tokens
+    counted all (red team 3)."""
+    body = {"inputs": "hi", "parameters": {"max_new_tokens": 2, "n": 3, "best_of": 3, "do_sample": True}}
+    task = asyncio.create_task(client.post("/generate", json=body))  # (/v1/requests takes n = 1 only)
+    request = await worker.take()
+    await worker.generate(request, ["a", "b"])
+    response = await task
+    assert response.status_code == 200, response.text
+    request_id = response.headers["X-Request-Id"]
+    assert (await aredis.hget(keys.meta(request_id), "samples")) == "3"
+    view = (await client.get(f"/v1/requests/{request_id}")).json()
+    assert view["output_text"] == "ab" and view["output_texts"] == ["ab", "a1b1", "a2b2"]
+    events = replay_events((await client.get(f"/v1/requests/{request_id}/stream")).text)
+    by_choice = {c: [e["text"] for _, e in events if e["choice"] == c] for c in range(3)}
+    assert by_choice == {0: ["a", "b"], 1: ["a1", "b1"], 2: ["a2", "b2"]}
+    assert sum(e["finished"] for _, e in events) == 3
