@@ -81,7 +81,7 @@ def chat_message(plan: ToolPlan | None, text: str, reason: str | None) -> tuple[
     calls = _calls(plan, text, reason)
     if calls is None:
         return ChatMessageOut(content=_content(plan, text)), reason
-    return ChatMessageOut(content=None, tool_calls=[c.dump() for c in calls]), _call_reason(reason)
+    return ChatMessageOut(content=None, tool_calls=[c.dump() for c in calls]), _call_reason(reason, calls)
 
 
 def _calls(plan: ToolPlan | None, text: str, reason: str | None) -> list[ToolCall] | None:
@@ -97,8 +97,19 @@ def _content(plan: ToolPlan | None, text: str) -> str:
     return "" if plan is not None and plan.mode == "required" else text
 
 
-def _call_reason(reason: str | None) -> str | None:
-    return "tool_calls" if reason == "stop" else reason
+def _call_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    """``tool_calls`` for calls that ended whole. The worker's "stop" is also a stop string's: one
+    that cut a named call's arguments short left them unparsable, and "tool_calls" would tell the
+    client to run them (red team 3); that stays "stop"."""
+    return "tool_calls" if reason == "stop" and all(_parses(call.arguments) for call in calls) else reason
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _indexed(calls: list[ToolCall]) -> list[dict[str, Any]]:
@@ -124,10 +135,12 @@ class ToolStream:
     def delta(self, choice: int, text: str, reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
         """The delta for one chunk's ``text`` (None: nothing to send yet) and the finish reason to send."""
         if self.plan.mode == "named":
+            self.held[choice] += text  # the whole arguments, for the finish reason
             arguments = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
             if reason is None:
                 return (arguments or None), None
-            return arguments, _call_reason(reason)
+            call = ToolCall(self.ids[choice], self.plan.named or "", self.held[choice].strip())
+            return arguments, _call_reason(reason, [call])
         if self.is_content[choice]:
             content = {"content": text} if text else None
             return (content, None) if reason is None else (content or {}, reason)
@@ -142,4 +155,4 @@ class ToolStream:
         if calls is None:
             content = _content(self.plan, self.held[choice])
             return ({"content": content} if content else {}), reason
-        return {"tool_calls": _indexed(calls)}, _call_reason(reason)
+        return {"tool_calls": _indexed(calls)}, _call_reason(reason, calls)

@@ -95,3 +95,21 @@ def test_a_cut_answer_is_its_calls_with_finish_reason_length(mode):
     assert (message.content, reason) == ("" if mode == "required" else cut, "length")
     stream = ToolStream(plan, 1)
     assert stream.delta(0, cut, "length") == (({} if mode == "required" else {"content": cut}), "length")
+
+
+@pytest.mark.parametrize("text", ['{"city": "', '{"city": "Paris"'])
+def test_a_named_call_a_stop_string_cut_short_is_no_finished_call(text):
+    """The worker's "stop" is also a stop string's (``"stop": ["Paris"]`` or ``["}"]``): arguments
+    cut short by one are not a call to run, so the reason stays "stop"; before, it was "tool_calls"
+    with unparsable arguments (red team 3). A whole call stays "tool_calls"."""
+    plan = ToolPlan("named", (WEATHER,), named="get_weather")
+    message, reason = chat_message(plan, text, "stop")
+    assert reason == "stop" and message.tool_calls[0]["function"]["arguments"] == text
+    stream = ToolStream(plan, 1)
+    stream.delta(0, text[:3], None)
+    assert stream.delta(0, text[3:], "stop")[1] == "stop"
+    whole = '{"city": "Paris"}'
+    assert chat_message(plan, whole, "stop")[1] == "tool_calls"
+    stream = ToolStream(plan, 1)
+    stream.delta(0, whole[:5], None)
+    assert stream.delta(0, whole[5:], "stop")[1] == "tool_calls"
