@@ -14,6 +14,7 @@ import asyncio
 import os
 import sys
 import time
+import unicodedata
 from collections import deque
 from typing import Any
 
@@ -69,6 +70,12 @@ def summary(snap: ClusterSnapshot, depths: list[float]) -> Text:
     return Text.from_markup("\n".join(lines))
 
 
+def printable(name: str) -> str:
+    """A name a client chose, its control and format characters shown as '?': rich escapes its
+    markup, not a terminal's escape sequences (the producer refuses them; older records may hold them)."""
+    return "".join("?" if unicodedata.category(c) in ("Cc", "Cf") else c for c in name)
+
+
 def shares(snap: ClusterSnapshot, most: int = 6) -> list[str]:
     """The priority order's state (router.ordering): queued per class, and the tenants that were
     served the most tokens, with what each has queued (none of it when nothing was ever ordered)."""
@@ -80,7 +87,8 @@ def shares(snap: ClusterSnapshot, most: int = 6) -> list[str]:
     classes = " · ".join(f"{p}: [bold]{n}[/]" for p, n in sorted(per_class.items())) or "none"
     top = sorted(set(snap.tenant_queued) | set(snap.tenant_served), key=lambda k: -snap.tenant_served.get(k, 0))
     tenants = " · ".join(
-        f"{escape(t)} (class {p}) {snap.tenant_queued.get((p, t), 0)} queued, {snap.tenant_served.get((p, t), 0)} tok"
+        f"{escape(printable(t))} (class {p}) {snap.tenant_queued.get((p, t), 0)} queued, "
+        f"{snap.tenant_served.get((p, t), 0)} tok"
         for p, t in top[:most]
     )
     return [f"classes queued per priority {classes}", f"tenants {tenants}"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
+import unicodedata
 import uuid
 from typing import Any
 
@@ -95,6 +96,10 @@ def user_tenant(user: str | None) -> str:
         return DEFAULT_TENANT
     if len(user) > MAX_TENANT_CHARS:
         raise bad_request(f"user: at most {MAX_TENANT_CHARS} characters, got {len(user)}", param="user")
+    # A tenant is shown to operators (lightq top, /metrics, the dashboard): a control or format
+    # character (escapes, newlines, bidi overrides) would write into their terminals.
+    if any(unicodedata.category(c) in ("Cc", "Cf") for c in user):
+        raise bad_request("user: control and format characters are not allowed", param="user")
     return user
 
 

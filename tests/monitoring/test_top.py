@@ -9,7 +9,7 @@ import sys
 import pytest
 from rich.console import Console
 
-from lightq.top import bar, run, sparkline
+from lightq.top import bar, printable, run, sparkline
 from shared.codec import encode
 from shared.keys import ROUTER_GROUP
 from shared.redis import ensure_group
@@ -153,3 +153,10 @@ def test_a_negative_interval_is_refused(redis_settings):
     """It refreshed without a pause, as fast as Redis answered."""
     with pytest.raises(SystemExit, match="--interval -1: seconds, above 0"):
         run({"interval": -1.0, "once": True, "redis_url": redis_settings.url})
+
+
+def test_a_tenants_control_characters_never_reach_the_terminal():
+    """rich escapes markup, not a terminal's escape sequences; tenants the producer took before it
+    refused them may still be in the records (red team 3)."""
+    assert printable("\x1b[41mEVIL\x1b]0;pwned\x07") == "?[41mEVIL?]0;pwned?"
+    assert printable("a\nb\u202ec") == "a?b?c" and printable("équipe-α") == "équipe-α"

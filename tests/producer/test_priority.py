@@ -60,6 +60,10 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "priority": -101}, "priority"),
     ("/v1/completions", {**COMPLETION, "priority": "1"}, "priority"),
     ("/v1/completions", {**COMPLETION, "user": "u" * 129}, "user"),
+    # A terminal escape (and a title change) in lightq top, a line break, a bidi override (red team 3).
+    ("/v1/completions", {**COMPLETION, "user": "\u001b[41mEVIL\u001b]0;pwned\u0007"}, "user"),
+    ("/v1/chat/completions", {**CHAT, "user": "a\nb"}, "user"),
+    ("/v1/chat/completions", {**CHAT, "user": "abc\u202edef"}, "user"),
 ]
 
 
