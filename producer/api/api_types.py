@@ -183,6 +183,9 @@ class StreamEvent(BaseModel):
     finish_reason: FinishReason | None
     details: Any = None
     error: str | None = None
+    prompt_logprobs: list[PromptTokenDetail] | None = Field(
+        None, description="with parameters.prompt_logprobs: on the first event only (the worker sends them with it)"
+    )
 
     def to_json(self) -> str:
         return dump_without_empty_error(self)
@@ -193,8 +196,14 @@ def special_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(getattr(tokenizer, "all_special_ids", None) or ())
 
 
-def stream_event(chunk: TokenChunk, prompt_tokens: int, special: frozenset[int] = frozenset()) -> str:
-    """A ``/generate_stream`` event exactly as LightLLM frames it: ``data:`` without a space."""
+def stream_event(
+    chunk: TokenChunk,
+    prompt_tokens: int,
+    special: frozenset[int] = frozenset(),
+    prompt_logprobs: list[PromptTokenDetail] | None = None,
+) -> str:
+    """A ``/generate_stream`` event exactly as LightLLM frames it: ``data:`` without a space;
+    ``prompt_logprobs``: the prompt's scores, where this chunk brought them."""
     count = chunk.index + (chunk.token_id is not None)
     token = StreamToken(
         id=chunk.token_id,
@@ -204,7 +213,13 @@ def stream_event(chunk: TokenChunk, prompt_tokens: int, special: frozenset[int] 
         count_output_tokens=count,
         prompt_tokens=prompt_tokens,
     )
-    event = StreamEvent(token=token, finished=chunk.finished, finish_reason=chunk.finish_reason, error=chunk.error)
+    event = StreamEvent(
+        token=token,
+        finished=chunk.finished,
+        finish_reason=chunk.finish_reason,
+        error=chunk.error,
+        prompt_logprobs=prompt_logprobs,
+    )
     return f"data:{event.to_json()}\n\n"
 
 

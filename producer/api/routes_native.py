@@ -110,9 +110,15 @@ async def generate_stream(
         )
     queued = await submit(body, "generate_stream", services, caller.key_hash)
     special = special_ids(services.tokenizer)  # LightLLM's "special" flag of each token event
+    scored = queued.params.prompt_logprobs is not None  # sent with the first event (dropped before)
+
+    def event(_entry_id, chunk: TokenChunk) -> str:
+        details = prompt_details(queued.prompt_ids, [chunk]) if scored and chunk.prompt_logprobs is not None else None
+        return stream_event(chunk, queued.num_prompt_tokens, special, details)
+
     events = sse(
         follower(services, queued.id),
-        lambda _entry_id, chunk: stream_event(chunk, queued.num_prompt_tokens, special),
+        event,
         disconnected=request.is_disconnected,
         on_abandon=functools.partial(abandon, services, queued.id),
     )

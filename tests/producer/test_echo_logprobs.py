@@ -102,3 +102,19 @@ async def test_generate_returns_the_prompts_logprobs(client, worker, tokenizer):
     assert [d["id"] for d in details] == ids and details[0]["logprob"] is None
     assert [d["logprob"] for d in details[1:]] == [-0.5 - p for p in range(len(ids) - 1)]
     assert details[1]["top_logprobs"] == [[ids[1], -0.5], [200, -9.0]]
+
+
+async def test_generate_stream_sends_the_prompts_logprobs_with_its_first_event(client, worker, tokenizer):
+    """They were computed on the worker and dropped on the stream (red team 3)."""
+    answering = asyncio.create_task(answer_with_prompt_logprobs(worker, ["X", "Y"]))
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "prompt_logprobs": 1}}
+    response = await client.post("/generate_stream", content=json.dumps(body))
+    await answering
+    assert response.status_code == 200, response.text
+    events = [json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:")]
+    assert [e["token"]["text"] for e in events] == ["X", "Y"]
+    ids = tokenizer.encode(PROMPT)
+    details = events[0]["prompt_logprobs"]
+    assert [d["id"] for d in details] == ids and details[0]["logprob"] is None
+    assert [d["logprob"] for d in details[1:]] == [-0.5 - p for p in range(len(ids) - 1)]
+    assert "prompt_logprobs" not in events[1]  # once
