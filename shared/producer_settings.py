@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings
 
@@ -152,6 +154,20 @@ class ProducerSettings(BaseSettings):
         description="comma-separated addresses or networks of proxies whose X-Forwarded-For and "
         "X-Forwarded-Proto are trusted ('*': any); none: the connection's own address is the client's",
     )
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _proxies_parse(cls, value: str) -> str:
+        """Each an address or network, or '*': uvicorn takes any other word as a literal that no
+        client address matches, so a typo silently trusted no proxy at all."""
+        for item in (part.strip() for part in value.split(",")):
+            if item and item != "*":
+                try:
+                    ipaddress.ip_network(item, strict=False)
+                except ValueError:
+                    raise ValueError(f"--forwarded_allow_ips: {item!r} is not an address or network") from None
+        return value
+
     metrics_tenants: int = Field(
         16,
         ge=0,

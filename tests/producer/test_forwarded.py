@@ -10,12 +10,14 @@ import asyncio
 import contextlib
 
 import httpx
+import pytest
 import uvicorn
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 from producer.app import create_app
 from producer.main import server_options
 from shared.embedded_redis import free_port
+from shared.producer_settings import ProducerSettings
 
 OWNER, OTHER_KEY = "sk-owner-0123456789abcdef", "sk-second-0123456789abcdef"
 LIMIT = 10
@@ -74,3 +76,12 @@ async def test_the_owner_keeps_working_from_a_throttled_address(settings, tokeni
         assert await get(client, OWNER) == 200  # ...but not for a key that already worked from it
         # A key never used from here gets what a guess gets, right or not: nothing to learn.
         assert await get(client, OTHER_KEY) == 429
+
+
+@pytest.mark.parametrize("value", ["not-an-ip", "10.0.0.5,proxy.local", "10.0.0.300"])
+def test_a_proxy_list_that_names_no_address_is_refused_at_start(value):
+    """uvicorn takes any other word as a literal no client address matches: a typo trusted no
+    proxy, silently (red team 2)."""
+    with pytest.raises(ValidationError, match="forwarded_allow_ips"):
+        ProducerSettings(forwarded_allow_ips=value)
+    assert ProducerSettings(forwarded_allow_ips="10.0.0.5, 10.0.0.0/24, ::1, *").forwarded_allow_ips
