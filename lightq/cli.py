@@ -40,7 +40,13 @@ def parser() -> argparse.ArgumentParser:
 
     add_quantize_arguments(sub.add_parser("quantize", help="round a model's linear weights to FP8 by GPTQ"))
     dead = sub.add_parser("dead-letters", help="list dead-lettered requests, or requeue them")
-    dead.add_argument("action", choices=["list", "requeue"], help="requeue: give entries fresh attempts")
+    dead.add_argument(
+        "action",
+        nargs="?",
+        default="list",
+        choices=["list", "requeue"],
+        help="list (the default), or requeue: give entries fresh attempts",
+    )
     dead.add_argument("entry_ids", nargs="*", help="dead-letter entry ids to requeue (default: all)")
     add_flags(dead, RedisSettings)
     return top

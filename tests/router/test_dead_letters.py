@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from lightq.dead_letters import list_dead, requeue_dead
 from router.loop import Router
 from shared.chunk_schemas import TokenChunk
@@ -40,7 +42,8 @@ def test_requeue_gives_fresh_attempts_and_keeps_emitted_tokens(redis_settings, r
     assert all(parse_run(f).token_ids for _, f in rclient.xrange(keys.chunks("p")))  # the end chunk went
 
 
-def test_cli_lists_dead_letters(redis_settings, rclient, keys):
+@pytest.mark.parametrize("action", [["list"], []], ids=["list", "the-default"])
+def test_cli_lists_dead_letters(redis_settings, rclient, keys, action):
     dead_letter_one(redis_settings, rclient, keys)
     # A hand-written entry (a red team's): the tool raised on it and listed nothing until it went.
     rclient.xadd(keys.dead_letters(), {"msg": "x", "reason": "by hand", "failed_ms": "notanint"})
@@ -50,7 +53,7 @@ def test_cli_lists_dead_letters(redis_settings, rclient, keys):
             "-m",
             "lightq.cli",
             "dead-letters",
-            "list",
+            *action,  # none: list (it said "entry_ids is required")
             "--redis_url",
             redis_settings.url,
             "--redis_key_prefix",
