@@ -77,7 +77,7 @@ def from_validation(errors: list[dict], *, reason: str = "invalid_request") -> A
 
 def _is_union_tag(part: object) -> bool:
     """pydantic names the member of a union it tried (``stop.str``, ``prompt.list[int]``): not a field."""
-    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"})
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "dict"})
 
 
 def error_response(status: int, detail: ErrorDetail, headers: dict[str, str] | None = None) -> JSONResponse:

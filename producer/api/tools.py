@@ -28,9 +28,9 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from producer.api.errors import ApiError, bad_request
 from producer.api.structured import SchemaLimits, check_constraint, check_cost, parsed, schema_constraint
@@ -72,7 +72,16 @@ class NamedToolChoice(_Request):
     function: FunctionName
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+def _choice_kind(value: Any) -> str:
+    return "str" if isinstance(value, str) else "dict"  # the tags producer.api.errors leaves out of ``param``
+
+
+# Tagged, so that an object's error names its own field (``{"type": "function", "function": {}}`` was
+# told "Input should be 'none', 'auto' or 'required'"), and a string's the three modes.
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("str")] | Annotated[NamedToolChoice, Tag("dict")],
+    Discriminator(_choice_kind),
+]
 
 
 @dataclass(frozen=True)

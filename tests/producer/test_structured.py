@@ -47,6 +47,9 @@ BAD = [
     (CHAT, chat(response_format={"type": "json_schema"}), "response_format.json_schema", "invalid_response_format"),
     (CHAT, chat(tool_choice="auto"), "tool_choice", "invalid_tool_choice"),
     (CHAT, chat(tools=[WEATHER], tool_choice=UNKNOWN), "tool_choice", "invalid_tool_choice"),
+    # An object's error names its own field (it was told "Input should be 'none', 'auto' or 'required'")
+    (CHAT, chat(tools=[WEATHER], tool_choice={"type": "function", "function": {}}), "tool_choice.function.name", None),
+    (CHAT, chat(tools=[WEATHER], tool_choice="maybe"), "tool_choice", None),
     (CHAT, chat(functions=[WEATHER["function"]]), "functions", "unsupported_parameter"),
     (CHAT, chat(function_call="auto"), "functions", "unsupported_parameter"),
     (CHAT, chat(tools=[BAD_TOOL]), "tools.0.function.parameters", "invalid_json_schema"),
