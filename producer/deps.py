@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from producer.api.api_types import GenerateBody
 from producer.api.errors import bad_request, from_validation, not_found
+from producer.api.vocabulary import Vocabulary
 from producer.edge.backlog import Gate
 from producer.monitoring.metrics import ProducerMetrics
 from producer.streams.stream_hub import StreamHub
@@ -42,8 +43,11 @@ class Services:
     # Batch records and rq's queue (RedisSettings.batch_url): ``redis`` itself on one server, a client
     # of --redis_rq_url's on a cluster, None on a cluster without one (batches answer 501).
     batch_redis: aioredis.Redis | None = None
+    # The tokenizer's ids as logprobs show them (text and raw bytes), made from ``tokenizer``.
+    vocabulary: Vocabulary = field(init=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "vocabulary", Vocabulary(self.tokenizer))
         if self.batch_redis is None and self.settings.redis.batch_url == self.settings.redis.url:
             object.__setattr__(self, "batch_redis", self.redis)
 

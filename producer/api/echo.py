@@ -18,13 +18,13 @@ from shared.chunk_schemas import TokenChunk
 
 
 def prompt_part(
-    tokenizer: Any, prompt_ids: list[int], chunks: list[TokenChunk], top_of: Any, logprob_of: Any
+    vocab: Any, prompt_ids: list[int], chunks: list[TokenChunk], top_of: Any, logprob_of: Any
 ) -> CompletionLogprobs:
     """The prompt's logprobs from the chunk that carries them (a choice of this prompt's request)."""
     scored = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
     if scored is None or len(scored) != len(prompt_ids) - 1:
         raise ValueError("the worker sent no prompt logprobs for an echo request")
-    texts = [tokenizer.decode([i], skip_special_tokens=False) for i in prompt_ids]
+    texts = [vocab.text(i) for i in prompt_ids]
     offsets, offset = [], 0
     for text in texts:
         offsets.append(offset)

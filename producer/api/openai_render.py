@@ -39,6 +39,7 @@ from producer.api.openai_types import (
 from producer.api.structured import failure
 from producer.api.tool_render import ToolStream, chat_message
 from producer.api.tools import ToolPlan
+from producer.api.vocabulary import Vocabulary
 from shared.chunk_schemas import TokenChunk
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # "abort": vLLM's name
@@ -75,8 +76,8 @@ def _logprob(value: float | None) -> float:
     return value if value is not None and math.isfinite(value) else NO_LOGPROB
 
 
-def _token_str(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+def _token_str(vocab: Vocabulary, token_id: int) -> str:
+    return vocab.text(token_id)
 
 
 def _usage(call: Call, completion_tokens: int) -> Usage:
@@ -92,12 +93,12 @@ def _raise_if_failed(last: TokenChunk) -> None:
         raise failure(last.error)  # a 400 when the worker could not apply the constraint, else a 500
 
 
-def response(call: Call, chunks: list[TokenChunk], tokenizer: Any) -> CompletionResponse | ChatCompletionResponse:
+def response(call: Call, chunks: list[TokenChunk], vocab: Vocabulary) -> CompletionResponse | ChatCompletionResponse:
     """The non-streaming answer (``call.num_choices`` choices) from all of a request's chunks."""
     by_choice = [[c for c in chunks if c.choice == i] for i in range(call.num_choices)]
     for own in by_choice:
         _raise_if_failed(own[-1])
-    choices = [_choice(call, i, own, tokenizer, chunks) for i, own in enumerate(by_choice)]
+    choices = [_choice(call, i, own, vocab, chunks) for i, own in enumerate(by_choice)]
     usage = _usage(call, 0 if call.score_only else sum(c.token_id is not None for c in chunks))
     if call.kind == "chat":
         return ChatCompletionResponse(id=call.id, created=call.created, model=call.model, choices=choices, usage=usage)
@@ -105,7 +106,7 @@ def response(call: Call, chunks: list[TokenChunk], tokenizer: Any) -> Completion
 
 
 def _choice(
-    call: Call, index: int, chunks: list[TokenChunk], tokenizer: Any, every: list[TokenChunk]
+    call: Call, index: int, chunks: list[TokenChunk], vocab: Vocabulary, every: list[TokenChunk]
 ) -> ChatChoice | CompletionChoice:
     """One choice from its own chunks (the last one ends it); ``every``: the whole answer's, where an
     echoed prompt's logprobs are (with its request's first token, whichever choice that was)."""
@@ -115,50 +116,51 @@ def _choice(
     if call.score_only:
         reason = "length"
     if call.kind == "chat":
-        logprobs = ChatLogprobs(content=[_chat_logprob(tokenizer, c) for c in tokens]) if call.logprobs else None
+        logprobs = ChatLogprobs(content=[_chat_logprob(vocab, c) for c in tokens]) if call.logprobs else None
         message, reason = chat_message(call.tools, text, reason)
         return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason)
     echo_text = call.echo_of(index)
-    logprobs = _completion_logprobs(tokenizer, tokens, len(echo_text)) if call.logprobs else None
+    logprobs = _completion_logprobs(vocab, tokens, len(echo_text)) if call.logprobs else None
     if logprobs is not None and call.prompt_ids:
         siblings = [c for c in every if c.choice // call.n == index // call.n]
         prompt = echo.prompt_part(
-            tokenizer, call.prompt_ids[index // call.n], siblings, lambda i: _token_str(tokenizer, i), _logprob
+            vocab, call.prompt_ids[index // call.n], siblings, lambda i: _token_str(vocab, i), _logprob
         )
         logprobs = echo.joined(prompt, logprobs)
     return CompletionChoice(index=index, text=echo_text + text, logprobs=logprobs, finish_reason=reason)
 
 
-def _chat_top(tokenizer: Any, token_id: int, logprob: float | None) -> ChatTopLogprob:
-    token = _token_str(tokenizer, token_id)
-    return ChatTopLogprob(token=token, logprob=_logprob(logprob), bytes=list(token.encode()))
+def _chat_top(vocab: Vocabulary, token_id: int, logprob: float | None) -> ChatTopLogprob:
+    # The token's own bytes, not its text's: a byte of an emoji decodes alone to U+FFFD (red team 3).
+    token = _token_str(vocab, token_id)
+    return ChatTopLogprob(token=token, logprob=_logprob(logprob), bytes=vocab.raw(token_id))
 
 
-def _chat_logprob(tokenizer: Any, chunk: TokenChunk) -> ChatTokenLogprob:
-    chosen = _chat_top(tokenizer, chunk.token_id, chunk.logprob)
-    top = [_chat_top(tokenizer, i, lp) for i, lp in chunk.top_logprobs or []]
+def _chat_logprob(vocab: Vocabulary, chunk: TokenChunk) -> ChatTokenLogprob:
+    chosen = _chat_top(vocab, chunk.token_id, chunk.logprob)
+    top = [_chat_top(vocab, i, lp) for i, lp in chunk.top_logprobs or []]
     return ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top)
 
 
-def _completion_top(tokenizer: Any, chunk: TokenChunk) -> dict[str, float]:
+def _completion_top(vocab: Vocabulary, chunk: TokenChunk) -> dict[str, float]:
     """``{text: logprob}``, most likely first, then the chosen token if it is not among them
     (two ids with one text keep the likelier one, as a dict keyed by text must)."""
     top: dict[str, float] = {}
     for token_id, logprob in [*(chunk.top_logprobs or []), (chunk.token_id, chunk.logprob)]:
-        top.setdefault(_token_str(tokenizer, token_id), _logprob(logprob))
+        top.setdefault(_token_str(vocab, token_id), _logprob(logprob))
     return top
 
 
-def _completion_logprobs(tokenizer: Any, tokens: list[TokenChunk], offset: int) -> CompletionLogprobs:
+def _completion_logprobs(vocab: Vocabulary, tokens: list[TokenChunk], offset: int) -> CompletionLogprobs:
     offsets = []
     for chunk in tokens:
         offsets.append(offset)
         offset += len(chunk.text)
     # Up to logprobs + 1 entries a position: the alternatives asked for, and the chosen token
     # (alone with logprobs=0, as OpenAI and vLLM answer).
-    top = [_completion_top(tokenizer, c) for c in tokens]
+    top = [_completion_top(vocab, c) for c in tokens]
     return CompletionLogprobs(
-        tokens=[_token_str(tokenizer, c.token_id) for c in tokens],
+        tokens=[_token_str(vocab, c.token_id) for c in tokens],
         token_logprobs=[_logprob(c.logprob) for c in tokens],
         top_logprobs=top,
         text_offset=offsets,
@@ -179,8 +181,8 @@ DONE = "data: [DONE]\n\n"
 class StreamRenderer:
     """SSE events of one streamed request: ``start()``, ``chunk()`` per chunk, ``end()``."""
 
-    def __init__(self, call: Call, tokenizer: Any) -> None:
-        self.call, self.tokenizer = call, tokenizer
+    def __init__(self, call: Call, vocab: Vocabulary) -> None:
+        self.call, self.vocab = call, vocab
         self.completion_tokens = 0
         self.offsets = [0] * call.num_choices  # per choice: characters streamed so far (completions' text_offset)
         self.failed = False
@@ -242,8 +244,8 @@ class StreamRenderer:
 
     def _logprobs(self, chunk: TokenChunk) -> dict[str, Any]:
         if self.call.kind == "chat":
-            return {"content": [_chat_logprob(self.tokenizer, chunk).model_dump()]}
-        return _completion_logprobs(self.tokenizer, [chunk], self.offsets[chunk.choice]).model_dump()
+            return {"content": [_chat_logprob(self.vocab, chunk).model_dump()]}
+        return _completion_logprobs(self.vocab, [chunk], self.offsets[chunk.choice]).model_dump()
 
     def end(self) -> list[str]:
         events = []

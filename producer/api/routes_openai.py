@@ -257,7 +257,7 @@ async def _answer(
     reader = followers[0] if len(followers) == 1 else MergedFollower(followers)
     on_abandon = functools.partial(abandon_all, services, [one.id for one in queued])
     if stream:
-        renderer = StreamRenderer(call, services.tokenizer)
+        renderer = StreamRenderer(call, services.vocabulary)
         return EventStream(
             rendered(reader, renderer, request.is_disconnected, on_abandon),
             request_id=queued[0].id if len(queued) == 1 else None,
@@ -265,4 +265,4 @@ async def _answer(
     chunks = await collect(reader, request.is_disconnected, on_abandon)
     if chunks is None:
         return Response(status_code=499)  # nobody is listening any more
-    return JSONResponse(response(call, chunks, services.tokenizer).model_dump(mode="json"))
+    return JSONResponse(response(call, chunks, services.vocabulary).model_dump(mode="json"))

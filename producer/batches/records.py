@@ -30,6 +30,7 @@ from producer.api.routes_native import failed, generate_result
 from producer.api.routes_openai import prepare_chat, prepare_completion
 from producer.api.structured import failure
 from producer.api.submit import prepare
+from producer.api.vocabulary import Vocabulary
 from producer.deps import Services
 from shared.chunk_schemas import TokenChunk
 from shared.schemas import GenerateRequest
@@ -124,7 +125,7 @@ async def prepare_line(line: BatchLine, services: Services) -> Prepared:
         chat = _parse_body(ChatCompletionRequest, raw)
         _no_stream(chat.stream)
         request, call = await prepare_chat(chat, services)
-    return Prepared(request, functools.partial(_render_openai, call, services.tokenizer))
+    return Prepared(request, functools.partial(_render_openai, call, services.vocabulary))
 
 
 def _parse_body(model: type[BaseModel], raw: str) -> Any:
@@ -146,9 +147,9 @@ def _render_native(prompt_tokens: int, details: bool, n: int, request_id: str, c
     return json.loads(dump_without_empty_error(result))
 
 
-def _render_openai(call: Call, tokenizer: Any, request_id: str, chunks: list[TokenChunk]) -> dict:
+def _render_openai(call: Call, vocab: Vocabulary, request_id: str, chunks: list[TokenChunk]) -> dict:
     kind = call.id.split("-", 1)[0]  # "cmpl" or "chatcmpl": the id names the request actually followed
-    return response(replace(call, id=f"{kind}-{request_id}"), chunks, tokenizer).model_dump(mode="json")
+    return response(replace(call, id=f"{kind}-{request_id}"), chunks, vocab).model_dump(mode="json")
 
 
 def error_body(exc: ApiError) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from producer.api.openai_render import Call, response
+from producer.api.vocabulary import Vocabulary
 from shared.chunk_schemas import TokenChunk
 from tests.producer.fake_worker import fake_top
 
@@ -82,8 +83,9 @@ def test_a_sampled_token_outside_the_alternatives_joins_the_completion_dict(toke
         request_id="r", index=0, token_id=300, text="x", logprob=-4.0, top_logprobs=[(100, -0.5), (101, -1.0)]
     )
     call = Call("completion", "cmpl-r", 0, MODEL, 3, logprobs=True)
+    vocab = Vocabulary(tokenizer)
     top = (
-        response(call, [chunk.model_copy(update={"finished": True, "finish_reason": "length"})], tokenizer)
+        response(call, [chunk.model_copy(update={"finished": True, "finish_reason": "length"})], vocab)
         .choices[0]
         .logprobs.top_logprobs
     )
@@ -91,7 +93,7 @@ def test_a_sampled_token_outside_the_alternatives_joins_the_completion_dict(toke
     chat = response(
         Call("chat", "chatcmpl-r", 0, MODEL, 3, logprobs=True),
         [chunk.model_copy(update={"finished": True, "finish_reason": "length"})],
-        tokenizer,
+        vocab,
     )
     entry = chat.choices[0].logprobs.content[0]
     assert (entry.token, entry.logprob) == (tokenizer.decode([300]), -4.0)
@@ -99,3 +101,21 @@ def test_a_sampled_token_outside_the_alternatives_joins_the_completion_dict(toke
         (tokenizer.decode([100]), -0.5),
         (tokenizer.decode([101]), -1.0),
     ]
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own(tokenizer):
+    """An emoji is three byte-level tokens here, each decoding alone to U+FFFD: their bytes (OpenAI's
+    field for this) must be the tokens' own, so that a client rebuilds the emoji (they were the
+    replacement character's, EF BF BD, for each: red team 3)."""
+    ids = tokenizer.encode("😀")
+    assert len(ids) > 1 and all(tokenizer.decode([i]) == "\ufffd" for i in ids)
+    chunks = [
+        TokenChunk(request_id="r", index=k, token_id=i, text="", logprob=-0.1, top_logprobs=[(i, -0.1)])
+        for k, i in enumerate(ids)
+    ]
+    chunks[-1] = chunks[-1].model_copy(update={"text": "😀", "finished": True, "finish_reason": "length"})
+    chat = response(Call("chat", "chatcmpl-r", 0, MODEL, len(ids), logprobs=True), chunks, Vocabulary(tokenizer))
+    content = chat.choices[0].logprobs.content
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == "😀"
+    assert [entry.top_logprobs[0].bytes for entry in content] == [entry.bytes for entry in content]
+    assert Vocabulary(tokenizer).raw(tokenizer.encode(" hello")[0]) == list(b" hello")

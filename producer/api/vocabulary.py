@@ -1,0 +1,31 @@
+"""A token id as the OpenAI routes show it in logprobs: its text and its raw bytes.
+
+A byte-level tokenizer splits a character it has no token for (an emoji, much CJK) into tokens
+of a byte or two each; decoded alone, each is U+FFFD. OpenAI's ``bytes`` field exists for this:
+a client rebuilds the text from the tokens' bytes. They come from xgrammar's decoded vocabulary
+(it knows byte-level, byte-fallback and raw vocabularies), built at the first use in a process,
+~0.4 s for SmolLM2's 49,152 tokens, so an app that never answers logprobs never pays it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xgrammar as xgr
+
+
+class Vocabulary:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._bytes: list[bytes] | None = None
+
+    def text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def raw(self, token_id: int) -> list[int]:
+        """The token's bytes (its text's UTF-8 for an id past the decoded vocabulary)."""
+        if self._bytes is None:
+            self._bytes = [bytes(b) for b in xgr.TokenizerInfo.from_huggingface(self.tokenizer).decoded_vocab]
+        if 0 <= token_id < len(self._bytes):
+            return list(self._bytes[token_id])
+        return list(self.text(token_id).encode())
