@@ -30,7 +30,7 @@ from producer.monitoring import dashboard
 from producer.monitoring.client_latency import ClientLatency
 from producer.monitoring.cluster_view import ClusterView
 from producer.monitoring.metrics import ProducerMetrics
-from producer.redis_client import producer_client
+from producer.redis_client import producer_client, trim_idle_forever
 from producer.streams.stream_hub import StreamHub
 from shared.flags import build
 from shared.model_files import load_tokenizer, resolve, served_name
@@ -86,9 +86,11 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
             metrics, lambda: producer_client(settings), keys, settings.metrics_refresh_s
         )
         view.start()
+        trimming = asyncio.create_task(trim_idle_forever(redis))  # a burst's connections do not stay
         try:
             yield
         finally:
+            trimming.cancel()
             await asyncio.to_thread(view.stop)
             await hub.close()
             await redis.aclose()
