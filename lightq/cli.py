@@ -22,7 +22,7 @@ SERVICES = {
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="lightq", description=__doc__)
+    top = argparse.ArgumentParser(prog="lightq", description=(__doc__ or "").replace("``", ""))
     add_version(top)
     sub = top.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="producer + router + workers on this machine")

@@ -30,7 +30,7 @@ from producer.api.structured import failure
 from producer.api.submit import abandon, submit
 from producer.deps import GenerateBodyDep, ServicesDep
 from producer.edge.auth import CallerDep
-from producer.streams.streaming import EventStream, collect, follower, sse
+from producer.streams.streaming import EventStream, collect, follower, sse, unanswered
 from shared.chunk_schemas import TokenChunk
 
 router = APIRouter()
@@ -47,7 +47,7 @@ async def generate(request: Request, body: GenerateBodyDep, services: ServicesDe
         functools.partial(abandon, services, queued.id),
     )
     if chunks is None:
-        return Response(status_code=499)  # nobody is listening any more
+        return unanswered([queued.id])  # the client left (499), or this producer is stopping (503)
     result = generate_result(chunks, queued.num_prompt_tokens, body.params.return_details, queued.n)
     if queued.params.prompt_logprobs is not None:
         result = result.model_copy(update={"prompt_logprobs": prompt_details(queued.prompt_ids, chunks)})

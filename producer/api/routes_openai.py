@@ -39,7 +39,7 @@ from producer.deps import Services, ServicesDep, parse_body
 from producer.edge.auth import CallerDep
 from producer.edge.pool_fit import PoolFit
 from producer.streams.merged_follower import MergedFollower
-from producer.streams.streaming import EventStream, collect, follower, rendered
+from producer.streams.streaming import EventStream, collect, follower, rendered, unanswered
 from shared.schemas import GenerateRequest
 
 router = APIRouter(prefix="/v1")
@@ -264,5 +264,5 @@ async def _answer(
         )
     chunks = await collect(reader, request.is_disconnected, on_abandon)
     if chunks is None:
-        return Response(status_code=499)  # nobody is listening any more
+        return unanswered([one.id for one in queued])  # the client left (499), or this producer stops (503)
     return JSONResponse(response(call, chunks, services.vocabulary).model_dump(mode="json"))

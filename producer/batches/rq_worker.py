@@ -193,7 +193,10 @@ def run_janitor(settings: dict) -> None:
             maintenance_interval=interval,
         )
 
-    work_through_outages(parsed.redis.batch_url, janitor, with_scheduler=True)
+    # Its jobs are the housekeeping every interval: rq's INFO lines for each (4 a minute) were a third
+    # of an idle serve's log. Warnings and errors still show; LIGHTQ_LOG_LEVEL=DEBUG shows them all.
+    quiet = "DEBUG" if os.environ.get("LIGHTQ_LOG_LEVEL", "INFO").upper() == "DEBUG" else "WARNING"
+    work_through_outages(parsed.redis.batch_url, janitor, with_scheduler=True, logging_level=quiet)
 
 
 def work_through_outages(url: str, make_worker, **work_args) -> None:
@@ -203,7 +206,8 @@ def work_through_outages(url: str, make_worker, **work_args) -> None:
         worker = None
         try:
             worker = make_worker()
-            worker.work(logging_level=os.environ.get("LIGHTQ_LOG_LEVEL", "INFO"), **work_args)
+            work_args.setdefault("logging_level", os.environ.get("LIGHTQ_LOG_LEVEL", "INFO"))
+            worker.work(**work_args)
         except OUTAGES as exc:
             log.warning("rq worker: Redis unreachable (%s): starting again when it answers", exc)
         if worker is not None and worker._shutdown_requested_date is not None:  # SIGTERM/SIGINT (rq's own)

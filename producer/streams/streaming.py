@@ -27,11 +27,12 @@ from typing import Any, Protocol
 
 import anyio
 import redis.asyncio as aioredis
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from producer import store
 from producer.api.api_types import StreamEvent, StreamToken
+from producer.api.errors import error_response, retry_later
 from producer.deps import Services
 from producer.redis_client import with_reconnect
 from producer.streams.stream_hub import StreamHub
@@ -328,6 +329,23 @@ class Follower(Protocol):
     @property
     def finished(self) -> bool: ...
     def follow(self, disconnected: Check | None = None) -> AsyncIterator[tuple[str | None, TokenChunk]]: ...
+
+
+def unanswered(request_ids: list[str]) -> Response:
+    """A whole answer's route whose follow ended before the end: a 499 when its client left (nobody
+    reads it); when this producer is stopping, a 503 naming the requests, which run on (an empty 499
+    left a ``/generate`` client without the id to poll its answer by: the walkthrough's finding)."""
+    if not server_stopping():
+        return Response(status_code=499)
+    where = ", ".join(f"/v1/requests/{request_id}" for request_id in request_ids)
+    error = retry_later(
+        503,
+        f"this producer is stopping; the request runs on and its answer will be at {where} (any producer)",
+        "producer_stopping",
+        1,
+    )
+    error.headers = {**(error.headers or {}), "X-Request-Id": request_ids[0]}
+    return error_response(error.status, error.detail, error.headers)
 
 
 async def collect(

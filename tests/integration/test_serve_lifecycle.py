@@ -184,6 +184,18 @@ def open_stream(http: str, events: list[dict]) -> threading.Thread:
     return thread
 
 
+def open_generate(http: str, replies: list[httpx.Response]) -> threading.Thread:
+    """A ``/generate`` call that waits in the queue as the stream does; its answer collected."""
+    body = {"inputs": "count", "parameters": {"max_new_tokens": 300, "ignore_eos": True}}
+    thread = threading.Thread(target=lambda: replies.append(httpx.post(f"{http}/generate", json=body, timeout=120)))
+    thread.start()
+    return thread
+
+
+def queued_requests(client) -> int:
+    return sum(client.hget(key, "status") == "queued" for key in client.scan_iter(match=Keys("lightq").meta("*")))
+
+
 def in_append_only_file(data_dir: str, text: bytes) -> bool:
     return any(text in path.read_bytes() for path in Path(data_dir).rglob("*.aof"))
 
@@ -228,6 +240,9 @@ def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path
         wait_for(lambda: events, "the stream's headers")
         request_id = events[0]["id"]
         assert serve.client().hget(Keys("lightq").meta(request_id), "status") == "queued"
+        replies: list[httpx.Response] = []
+        call = open_generate(serve.http, replies)
+        wait_for(lambda: queued_requests(serve.client()) == 2, "the /generate call queued too")
         before_stop = len(serve.log())
         if how == "ctrl-c":
             os.killpg(serve.process.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
@@ -235,6 +250,13 @@ def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path
             serve.process.send_signal(signal.SIGTERM)
         assert serve.process.wait(timeout=WAIT_S) == 0, serve.log()[-3000:]
         stream.join(timeout=WAIT_S)
+        call.join(timeout=WAIT_S)
+        # The waiting /generate is told the producer stops and where its answer will be (an empty
+        # 499 left it without the id), and its request runs on, as the stream's does.
+        [answer] = replies
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "producer_stopping", answer.text
+        generate_id = answer.headers["x-request-id"]
+        assert f"/v1/requests/{generate_id}" in answer.json()["error"]["message"]
         log = serve.log()[before_stop:]  # (a Redis outage above is noisy, and may be)
         assert "Traceback" not in log and "ERROR" not in log, log[-5000:]
         assert not any(alive(pid) for pid in serve.children), "every child, Redis included, is stopped"
@@ -247,9 +269,10 @@ def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path
         client = redis.Redis.from_url(restarted.url, decode_responses=True)
         assert client.get("lightq:test-marker") == "kept"
         keys = Keys("lightq")
-        status = client.hget(keys.meta(request_id), "status")
-        assert status == "queued", status  # never cancelled by the stop: the next serve runs it
-        assert not client.exists(keys.cancel(request_id))
+        for rid in (request_id, generate_id):
+            status = client.hget(keys.meta(rid), "status")
+            assert status == "queued", status  # never cancelled by the stop: the next serve runs it
+            assert not client.exists(keys.cancel(rid))
     finally:
         restarted.stop()
 
