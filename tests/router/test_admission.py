@@ -201,3 +201,40 @@ def test_what_a_better_class_may_pause_counts_requests_sent_since_the_record():
     assert res.preemptible({"a": record}) == {"a": [(2, 7 + 10, 1 + 2), (1, 45, 3), (0, 10, 1)]}
     res.settle({"a": record.model_copy(update={"last_inbox_id": "5-0"})})  # the record shows 4-0 and 5-0 now
     assert res.preemptible({"a": record}) == {"a": [(2, 10, 2), (1, 40, 2), (0, 10, 1)]}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_what_a_worker_says_one_request_may_need_the_router_always_starts_alone(name):
+    """A worker's record carries its policy's ``limit`` of its pool (``admission_limit``), the
+    producer's bound at the door: every request within it must start on an empty worker whatever
+    the history says (one the door let through and the router refused was a 200 and then an
+    error: red team 3), and for the conservative policy one past it never starts. (For the
+    aggressive one the bound is stricter than it must be: past its watermark only the prompt
+    matters, which one number at the door cannot say.)"""
+    policy = POLICIES[name](estimator(prior=2048), 0.05)
+    pool = 1000
+    limit = int(policy.limit(pool))
+    assert limit == {"conservative": 1000, "aggressive": 900}.get(name, 950)
+    empty = WorkerLoad(
+        worker_id="w",
+        seq=1,
+        ts_ms=0,
+        max_total_tokens=pool,
+        used_tokens=0,
+        committed_tokens=0,
+        num_running=0,
+        num_waiting=0,
+        requests=[],
+        admission_limit=limit,
+    )
+    views = Views(policy)
+    views.refresh({"w": empty}, {})
+    for prompt in (1, 10, limit // 2, limit - 1):
+        msg = GenerateRequest(
+            id="r", prompt_ids=[1] * prompt, params=SamplingParams(max_new_tokens=limit - prompt), created_ms=0
+        )
+        assert msg.max_tokens_needed == limit
+        assert not views.fits_nowhere(msg, request_states(msg)), (name, prompt)
+    over = GenerateRequest(id="o", prompt_ids=[1] * 10, params=SamplingParams(max_new_tokens=pool - 9), created_ms=0)
+    if name == "conservative":
+        assert views.fits_nowhere(over, request_states(over))
