@@ -214,7 +214,7 @@ def test_what_a_worker_says_one_request_may_need_the_router_always_starts_alone(
     policy = POLICIES[name](estimator(prior=2048), 0.05)
     pool = 1000
     limit = int(policy.limit(pool))
-    assert limit == {"conservative": 1000, "aggressive": 900}.get(name, 950)
+    assert limit == {"conservative": 1000}.get(name, 950)  # the margin, or the aggressive watermark
     empty = WorkerLoad(
         worker_id="w",
         seq=1,
