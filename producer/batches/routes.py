@@ -9,6 +9,7 @@ stored with the batch's record and its rq job in one transaction. The job
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from typing import Annotated
 
@@ -129,9 +130,10 @@ def _not_found(batch_id: str) -> ApiError:
 async def create_batch(request: Request, services: ServicesDep, caller: CallerDep) -> BatchView:
     """Check every line (a 400 names the first bad one; nothing is written), then store and enqueue."""
     try:
-        text = (await request.body()).decode("utf-8")
+        text = (await request.body()).decode("utf-8-sig")  # a byte-order mark (Notepad's) is no JSON
     except UnicodeDecodeError:
         raise bad_request("the file is not UTF-8 text", code="invalid_encoding", reason="invalid_batch") from None
+    refuse_openai_file_reference(text)
     _store(services)  # before anything is read: a pool without a place for batches says so
     lines = parse_lines(text, services.settings.batch.max_requests)
     await validate_lines(lines, line_numbers(text), services)
@@ -146,6 +148,25 @@ async def create_batch(request: Request, services: ServicesDep, caller: CallerDe
     )
     await asyncio.to_thread(submit_job, services.settings, batch_id, text, record, owner(caller))
     return await _view(services, batch_id, record)
+
+
+def refuse_openai_file_reference(text: str) -> None:
+    """OpenAI's SDK sends ``{"input_file_id": ...}`` after an upload to ``/v1/files``, which lightq
+    has not: say so, rather than "line 1: custom_id: Field required"."""
+    if '"input_file_id"' not in text[:4096] or "\n" in text.strip():
+        return
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return
+    if isinstance(body, dict) and "input_file_id" in body:
+        raise bad_request(
+            "lightq has no /v1/files: POST the JSONL batch file itself as this request's body "
+            "(Content-Type: application/jsonl), or use `lightq batch submit FILE`",
+            param="input_file_id",
+            code="unsupported_parameter",
+            reason="invalid_batch",
+        )
 
 
 def submit_job(settings: ProducerSettings, batch_id: str, text: str, record: BatchRecord, owner: str) -> None:

@@ -39,6 +39,8 @@ CASES = {
     ),
     "stream": (jsonl(completion_line("a", stream=True)), "line 1: /v1/completions (custom_id 'a'): stream"),
     "empty file": ("\n\n", "the file has no requests"),
+    # What OpenAI's SDK sends after an upload to /v1/files (lightq has none): said so (red team 4)
+    "a file id": (json.dumps({"input_file_id": "file-abc", "endpoint": "/v1/chat/completions"}), "no /v1/files"),
 }
 
 
@@ -65,3 +67,10 @@ async def test_too_many_requests_are_refused(app, client, settings):
     response = await client.post("/v1/batches", content=text)
     assert response.status_code == 400
     assert "more than 2 requests" in response.json()["error"]["message"]
+
+
+async def test_a_byte_order_mark_is_not_the_first_lines_problem(client, rq_conn, rq_names):
+    """Notepad's UTF-8 files start with one: it was "line 1: the line is not valid JSON" (red team 4)."""
+    response = await client.post("/v1/batches", content=b"\xef\xbb\xbf" + GOOD.encode())
+    assert response.status_code == 202, response.text
+    assert queue(rq_names.batch, rq_conn).count == 1
