@@ -91,9 +91,12 @@ class BatchWorker(QuickUnsubscribe, Worker):
 
     def request_stop(self, signum, frame):
         self._shutdown_requested_date = now() - timedelta(seconds=2)  # rq ignores a repeat within 1 s
-        # No Redis call here: the signal may have interrupted one (its pool's lock held). ``teardown``
-        # puts the job back once rq's loop has unwound.
-        self.stopped_job_id = self.get_current_job_id()
+        # No Redis call here: the signal may have interrupted one (its pool's lock held), and Redis
+        # may be gone (serve's, at its death). rq's ``get_current_job_id`` asks Redis when idle, so
+        # the job is read from the worker's own memory; ``teardown`` puts it back once rq's loop
+        # has unwound.
+        running = list(self.executions.values())
+        self.stopped_job_id = running[0].job_id if running else None
         self.request_force_stop(signum, frame)  # kills the job process, waits for it, SystemExit
 
     def teardown(self):

@@ -47,14 +47,22 @@ def run_serve(args: list[str], data_dir: str, env: dict[str, str] | None = None)
     )
 
 
-def wait_for(condition, what: str, timeout_s: float = WAIT_S):
+def wait_for(condition, what: str, timeout_s: float = WAIT_S, what_then=None):
+    """``what_then``: what to say of the state when it times out (which processes live, say)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f": {what_then()}" if what_then else ""))
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:200]
+    except OSError:
+        return f"{pid} (gone)"
 
 
 @pytest.mark.parametrize(
@@ -208,7 +216,11 @@ def test_a_serve_killed_by_sigkill_takes_its_pool_with_it(tmp_path):
         assert any("redis-server" in open(f"/proc/{pid}/cmdline").read() for pid in serve.children)
         serve.process.send_signal(signal.SIGKILL)
         serve.process.wait(timeout=WAIT_S)
-        wait_for(lambda: not any(alive(pid) for pid in serve.children), "every child gone with serve")
+        wait_for(
+            lambda: not any(alive(pid) for pid in serve.children),
+            "every child gone with serve",
+            what_then=lambda: [cmdline(pid) for pid in serve.children if alive(pid)],
+        )
     finally:
         serve.kill()
     again = Serve(tmp_path, [])  # the same data directory and Redis files: free again
