@@ -7,6 +7,7 @@ Flash-decoding in two launches:
     so each K/V tile is loaded once per group, not once per query head. It
     writes a normalised partial output and its base-2 log-sum-exp.
   stage 2, grid (B, Hq): merges the partials of the splits request b uses.
+  With one split (large batches) stage 1 writes o itself and stage 2 is not launched.
 Splitting the sequence keeps the GPU busy when B * Hkv is small and contexts
 are long; splits past a request's length exit at once.
 
@@ -92,6 +93,7 @@ def _decode_stage1_kernel(
     HEAD_MAJOR: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_F16: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     # HEAD_MAJOR: grid (Hkv, B, splits), so a request's KV groups run side by side and read the
     # same pool rows (K and V of every head share a row) at about the same time.
@@ -103,15 +105,22 @@ def _decode_stage1_kernel(
     split_end = tl.minimum(split_start + split_len, seq_len)
     if HAS_WINDOW:
         split_start = tl.maximum(split_start, seq_len - window)  # positions before it left the window
-    # Grid sized for max_seq_len: splits past this request's end (or before its window) have no work.
-    if split_start >= split_end:
-        return
-    row = tl.load(req_rows_ptr + b).to(tl.int64)
-
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < GROUP  # rows past the group are padding for tl.dot
     heads = g * GROUP + offs_h
     offs_d = tl.arange(0, HEAD_DIM)
+    base = b.to(tl.int64) * stride_pb + heads * stride_ph + s * stride_ps  # [BLOCK_H]
+    # Grid sized for max_seq_len: splits past this request's end (or before its window) have no work.
+    if split_start >= split_end:
+        if DIRECT:  # a padding request (seq_len 0) of a captured batch: zeros, as stage 2 would write
+            tl.store(
+                part_o_ptr + base[:, None] + offs_d[None, :],
+                tl.zeros([BLOCK_H, HEAD_DIM], part_o_ptr.dtype.element_ty),
+                mask=h_mask[:, None],
+            )
+        return
+    row = tl.load(req_rows_ptr + b).to(tl.int64)
+
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=h_mask[:, None],
@@ -155,10 +164,11 @@ def _decode_stage1_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    # The split holds >= 1 position, so l_i > 0.
-    base = b.to(tl.int64) * stride_pb + heads * stride_ph + s * stride_ps  # [BLOCK_H]
-    tl.store(part_o_ptr + base[:, None] + offs_d[None, :], acc / l_i[:, None], mask=h_mask[:, None])
-    tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + s, m_i + tl.log2(l_i), mask=h_mask)
+    # The split holds >= 1 position, so l_i > 0. DIRECT: part_o is o itself, in q's dtype.
+    out = acc / l_i[:, None]
+    tl.store(part_o_ptr + base[:, None] + offs_d[None, :], out.to(part_o_ptr.dtype.element_ty), mask=h_mask[:, None])
+    if not DIRECT:
+        tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + s, m_i + tl.log2(l_i), mask=h_mask)
 
 
 @triton.jit
@@ -301,8 +311,15 @@ def decode_attention(
     else:
         split_len = triton.cdiv(max(1, max_seq_len), num_splits)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    part_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    # One split (every large batch: B * Hkv programs fill the card) needs no merge: stage 1 writes o
+    # itself, and neither the fp32 partials nor stage 2's pass over them exist.
+    direct = num_splits == 1
+    if direct:
+        part_o, part_strides, part_lse, lse_strides = o, (o.stride(0), o.stride(1), 0), q, (0, 0)
+    else:
+        part_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_strides, lse_strides = part_o.stride()[:3], part_lse.stride()[:2]
     grid = (num_kv_heads, batch, num_splits) if tiles.head_major else (batch, num_kv_heads, num_splits)
     _decode_stage1_kernel[grid](
         # Without ALiBi, q stands in for the slopes pointer: never read, but a tensor either way.
@@ -328,8 +345,8 @@ def decode_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         req_table.stride(0),
-        *part_o.stride()[:3],
-        *part_lse.stride()[:2],
+        *part_strides,
+        *lse_strides,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
@@ -339,9 +356,12 @@ def decode_attention(
         HEAD_MAJOR=tiles.head_major,
         KV_FP8=k_scale is not None,
         KV_F16=tiles.fp16_dot,
+        DIRECT=direct,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+    if direct:
+        return
     _decode_stage2_kernel[(batch, num_heads)](
         part_o,
         part_lse,
