@@ -91,18 +91,47 @@ def job_services(settings: ProducerSettings, tokenizer: Any = None) -> Services:
 
 
 def on_failure(job: Any, connection: Any, exc_type: type, exc: BaseException, traceback: Any) -> None:
-    """rq failure callback: a job with no retries left marks its batch failed."""
+    """rq failure callback: a job with no retries left marks its batch failed. What it answered
+    stays downloadable, as a cancelled batch's does: the output has every line, in order, the
+    unanswered ones with a ``batch_failed`` error; the working records go and the rest keeps
+    the batch's TTL (they had none: a failed batch's answers stayed in Redis for good)."""
     if job.retries_left:
         return
     batch_id, settings = job.args
-    keys = Keys(settings["redis"]["key_prefix"])
-    name = getattr(exc_type, "__name__", "error")
-    connection.hset(
-        keys.batch(batch_id),
-        mapping=BatchRecord.fields(
-            status=BatchStatus.FAILED, failed_at=now_s(), error=f"the batch job failed: {name}: {exc}"
-        ),
-    )
+    keys, ttl_s = Keys(settings["redis"]["key_prefix"]), int(settings["batch"]["ttl_s"])
+    error = f"the batch job failed: {getattr(exc_type, '__name__', 'error')}: {exc}"
+    output, unanswered = failed_output(connection, keys, batch_id, error, int(settings["batch"]["max_requests"]))
+    with connection.pipeline(transaction=True) as pipe:
+        pipe.set(keys.batch_output(batch_id), output, ex=ttl_s)
+        pipe.delete(keys.batch_results(batch_id), keys.batch_inflight(batch_id))
+        pipe.hincrby(keys.batch(batch_id), "failed", unanswered)
+        pipe.hset(
+            keys.batch(batch_id),
+            mapping=BatchRecord.fields(
+                status=BatchStatus.FAILED, failed_at=now_s(), expires_at=now_s() + ttl_s, error=error
+            ),
+        )
+        pipe.expire(keys.batch(batch_id), ttl_s)
+        pipe.expire(keys.batch_input(batch_id), ttl_s)
+        pipe.execute()
+
+
+def failed_output(connection: Any, keys: Keys, batch_id: str, error: str, max_requests: int) -> tuple[str, int]:
+    """(the output JSONL of a failed batch, how many of its lines had no answer). ``connection``
+    is rq's (bytes replies). Requests still in the pool run to their ends unread."""
+    answered = {int(i): line.decode() for i, line in connection.hgetall(keys.batch_results(batch_id)).items()}
+    sent = {int(i): rid.decode() for i, rid in connection.hgetall(keys.batch_inflight(batch_id)).items()}
+    text = connection.get(keys.batch_input(batch_id))
+    try:
+        lines = parse_lines(text.decode(), max_requests) if text is not None else []
+    except ApiError:  # checked at submission: only a changed limit gets here; keep what was answered
+        lines = []
+    failure = {"code": "batch_failed", "message": error}
+    out = [
+        answered[i] if i in answered else output_line(line.custom_id, sent.get(i), None, None, error=failure)
+        for i, line in enumerate(lines)
+    ] or [answered[i] for i in sorted(answered)]
+    return "".join(line + "\n" for line in out), max(len(lines) - len(answered), 0)
 
 
 class Feeder:

@@ -233,7 +233,7 @@ async def _view(services: Services, batch_id: str, record: BatchRecord) -> Batch
     )
 
 
-_WITH_OUTPUT = (BatchStatus.COMPLETED, BatchStatus.CANCELLED)
+_WITH_OUTPUT = (BatchStatus.COMPLETED, BatchStatus.CANCELLED, BatchStatus.FAILED)
 
 
 async def _status_counts(services: Services, batch_id: str, unanswered: int) -> dict[str, int]:
@@ -286,7 +286,7 @@ async def get_batch(batch_id: BatchIdDep, services: ServicesDep, caller: CallerD
     responses={**ERRORS, 200: {"content": {JSONL: {}}}, 409: {"description": "not finished yet"}},
 )
 async def get_output(batch_id: BatchIdDep, services: ServicesDep, caller: CallerDep) -> Response:
-    """The output JSONL, in input order, once the batch is completed (or cancelled)."""
+    """The output JSONL, in input order, once the batch has ended (completed, cancelled or failed)."""
     record = await _record_or_404(services, batch_id, caller)
     if record.status not in _WITH_OUTPUT:
         raise ApiError(

@@ -161,13 +161,35 @@ async def test_unknown_batches_are_404_and_unfinished_output_is_409(client):
     assert response.json()["error"]["code"] == "batch_not_finished"
 
 
-async def test_a_job_out_of_retries_marks_its_batch_failed(client, settings, rq_conn, rq_names):
-    view = await submit(client, jsonl(completion_line("a")))
+async def test_a_job_out_of_retries_marks_its_batch_failed_and_keeps_what_it_answered(
+    client, settings, rq_conn, rq_names, rclient, keys
+):
+    view = await submit(client, jsonl(completion_line("a"), completion_line("b"), completion_line("c")))
+    batch_id = view["id"]
     job = queue(rq_names.batch, rq_conn).jobs[0]
     assert job.retries_left == settings.batch.retries
+    # As a run leaves them when it dies: line 0 answered, line 1 sent and unanswered, line 2 not sent.
+    answered = '{"id": "batch_req_r0", "custom_id": "a", "response": {"status_code": 200}, "error": null}'
+    rclient.hset(keys.batch_results(batch_id), "0", answered)
+    rclient.hincrby(keys.batch(batch_id), "completed", 1)
+    rclient.hset(keys.batch_inflight(batch_id), "1", "r1")
     job.retries_left = 0
     on_failure(job, rq_conn, RuntimeError, RuntimeError("boom"), None)
-    view = (await client.get(f"/v1/batches/{view['id']}")).json()
-    assert view["status"] == "failed" and view["failed_at"]
+    view = (await client.get(f"/v1/batches/{batch_id}")).json()
+    assert view["status"] == "failed" and view["failed_at"] and view["expires_at"]
     assert "RuntimeError: boom" in view["error"]
-    assert (await client.get(f"/v1/batches/{view['id']}/output")).status_code == 409
+    assert view["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    response = await client.get(view["output_url"])
+    assert response.status_code == 200, response.text
+    first, second, third = output_lines(response.text)
+    assert first == {"id": "batch_req_r0", "custom_id": "a", "response": {"status_code": 200}, "error": None}
+    assert second["custom_id"] == "b" and second["id"] == "batch_req_r1" and second["response"] is None
+    assert third["custom_id"] == "c" and third["response"] is None
+    assert {second["error"]["code"], third["error"]["code"]} == {"batch_failed"}
+    assert "RuntimeError: boom" in third["error"]["message"]
+    # The working records are gone; what stays has the batch's TTL.
+    assert not rclient.exists(keys.batch_results(batch_id), keys.batch_inflight(batch_id))
+    assert all(
+        0 < rclient.ttl(key) <= settings.batch.ttl_s
+        for key in (keys.batch(batch_id), keys.batch_input(batch_id), keys.batch_output(batch_id))
+    )
