@@ -30,7 +30,8 @@ from producer.api.structured import failure
 from producer.api.submit import abandon, submit
 from producer.deps import GenerateBodyDep, ServicesDep
 from producer.edge.auth import CallerDep
-from producer.streams.streaming import EventStream, collect, follower, sse, unanswered
+from producer.streams.responses import EventStream, collect, sse, unanswered
+from producer.streams.streaming import follower
 from shared.chunk_schemas import TokenChunk
 
 router = APIRouter()

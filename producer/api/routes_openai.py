@@ -39,7 +39,8 @@ from producer.deps import Services, ServicesDep, parse_body
 from producer.edge.auth import CallerDep
 from producer.edge.pool_fit import PoolFit
 from producer.streams.merged_follower import MergedFollower
-from producer.streams.streaming import EventStream, collect, follower, rendered, unanswered
+from producer.streams.responses import EventStream, collect, rendered, unanswered
+from producer.streams.streaming import follower
 from shared.schemas import GenerateRequest
 
 router = APIRouter(prefix="/v1")

@@ -20,7 +20,8 @@ from producer.api.params import check_group
 from producer.api.submit import submit
 from producer.deps import GenerateBodyDep, RequestIdDep, Services, ServicesDep
 from producer.edge.auth import Caller, CallerDep
-from producer.streams.streaming import EventStream, follower, replay_event, sse
+from producer.streams.responses import EventStream, replay_event, sse
+from producer.streams.streaming import follower
 from shared.schemas import RequestMeta
 
 router = APIRouter(prefix="/v1/requests")
