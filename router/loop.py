@@ -29,10 +29,10 @@ import redis
 from router import liveness
 from router.admission import Views, cacheable_prompt
 from router.dispatch import Dispatcher, Item
+from router.intake import Intake
 from router.janitor import reap_dead_worker
 from router.lora import adapter_gone
-from router.ordering import OrderedQueue, Tagger, clear_if_gone, forget, parse_weights, reserved_slots
-from router.parking import Parked, Parking, forget_parked
+from router.ordering import OrderedQueue, clear_if_gone, forget, reserved_slots
 from router.preempt import Preempter, heads
 from router.registry import read_registry
 from router.reservations import Reservations
@@ -40,14 +40,13 @@ from router.tenant_records import TenantRecords
 from shared import ingress
 from shared.admission import AdmissionRule, request_states
 from shared.batch_view import Candidate
-from shared.codec import entry, from_entry
 from shared.config import CANCEL_CHECK_S, RouterSettings
 from shared.keys import ROUTER_GROUP
 from shared.log_limit import LogLimiter
 from shared.lora import gone_error
-from shared.redis import OUTAGES, REDIS_FAILURES, Backoff, ensure_group
+from shared.redis import OUTAGES, REDIS_FAILURES, Backoff
 from shared.request_log import end_request, now_ms
-from shared.schemas import DeadLetter, GenerateRequest, RequestStatus
+from shared.schemas import GenerateRequest, RequestStatus
 from shared.worker_load import misfit, too_large_error
 
 log = logging.getLogger("lightq.router")
@@ -64,15 +63,11 @@ class Router:
         self.rule = AdmissionRule(settings.admission_rule)
         self._next_history_read = 0.0
         self.queue = OrderedQueue()
-        self.parking = Parking(settings.order_window)  # one tenant's flood past its share (router.parking)
-        self.tagger = Tagger(client, self.keys, parse_weights(settings.tenant_weights), settings.max_tenants)
+        self.intake = Intake(settings, client, router_id, self.queue)  # the ingress streams into the queue
+        self.parking, self.tagger = self.intake.parking, self.intake.tagger
         self.tenant_records = TenantRecords(client, self.keys, settings.max_tenants)  # kept bounded
         self.stop_event = threading.Event()
-        # Per class stream (shared.ingress): "0" first, our own pending entries (after a restart)
-        # page by page, then ">" for new ones. A stream is listed here once its group exists.
-        self._read_ids: dict[str, str] = {}
         self._next_housekeeping = 0.0
-        self._queued_ids: set[str] = set()
         self._cancelled_ids: set[str] = set()  # queued requests found cancelled, until they end here
         self._next_cancel_check = 0.0
         # admissible workers, prepared for this step's decisions
@@ -100,7 +95,7 @@ class Router:
     def step(self) -> int:
         """Read, reap, dispatch; returns how many requests were dispatched."""
         self._housekeeping()
-        self._read()
+        self.intake.read()
         registry = read_registry(self.client, self.keys, int(self.settings.stale_load_s * 1000))
         for worker_id in registry.dead:
             reap_dead_worker(
@@ -110,7 +105,7 @@ class Router:
         self._refresh_history()
         loads = registry.admissible()
         self.views.refresh(loads, self.reservations.pending())
-        self._unpark()
+        self.intake.unpark()
         dispatched = self._dispatch(loads)
         if self.queue and not dispatched:
             self.stop_event.wait(self.settings.poll_ms / 1000)
@@ -126,12 +121,11 @@ class Router:
         if now < self._next_housekeeping:
             return
         self._next_housekeeping = now + self.settings.liveness_ttl_s / 3
-        for stream in self._read_ids:
-            ensure_group(self.client, stream, ROUTER_GROUP)
+        self.intake.ensure_groups()
         liveness.beat(self.client, self.keys, self.router_id, self.settings.liveness_ttl_s)
         self.tenant_records.compact()
         for priority, entries in liveness.claim_from_dead_routers(self.client, self.keys, self.router_id):
-            self._take(priority, entries)
+            self.intake.take(priority, entries)
 
     def _refresh_history(self) -> None:
         now = time.monotonic()
@@ -140,100 +134,6 @@ class Router:
         self._next_history_read = now + self.settings.admission_rule.history_refresh_s
         self.rule.learn(self.client.lrange(self.keys.output_lengths(), 0, self.rule.history.window - 1))
         self.views.clear()  # their draws came from the old history
-
-    def _read(self) -> None:
-        """New entries of every class this router holds fewer than ``order_window`` of, in one
-        XREADGROUP over their streams (``shared.ingress``: a flood of one class never hides a
-        better one). Up to ``read_batch`` a stream per read, so a class may pass the window by
-        less than that."""
-        by_stream: dict[str, int] = {}
-        for priority, stream in ingress.streams(self.client, self.keys):
-            if stream not in self._read_ids:  # a class new to this router: its group from entry 0
-                ensure_group(self.client, stream, ROUTER_GROUP)
-                self._read_ids[stream] = "0"
-            if self.queue.count(priority) < self.settings.order_window and not self.parking.full():
-                by_stream[stream] = priority
-        if not by_stream:
-            return
-        count = self.settings.read_batch
-        restarting = {s: self._read_ids[s] for s in by_stream if self._read_ids[s] != ">"}
-        if restarting:  # after a restart: entries we read but never dispatched, page by page
-            got = self._xreadgroup(restarting, by_stream, count, None)
-            for stream in restarting:
-                entries = got.get(stream, [])
-                self._read_ids[stream] = entries[-1][0] if len(entries) == count else ">"
-            if any(got.values()):
-                return
-        block = None if self.queue else self.settings.poll_ms
-        self._xreadgroup(dict.fromkeys(by_stream, ">"), by_stream, count, block)
-
-    def _xreadgroup(
-        self, ids: dict[str, str], priorities: dict[str, int], count: int, block: int | None
-    ) -> dict[str, list]:
-        try:
-            reply = self.client.xreadgroup(ROUTER_GROUP, self.router_id, ids, count=count, block=block)
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            # Redis lost the group under us (restarted empty, flushed, the stream evicted), long before
-            # housekeeping would notice: made again now, and our own pending entries read from the
-            # start of the new one. (It raised out of the loop before: the router exited, and serve
-            # took three such exits for a failed start and stopped the pool.)
-            log.warning("router %s: Redis lost the consumer group of %s; made again", self.router_id, list(ids))
-            for stream in ids:
-                ensure_group(self.client, stream, ROUTER_GROUP)
-                self._read_ids[stream] = "0"
-            return {}
-        got = {stream: entries for stream, entries in reply or []}
-        for stream, entries in got.items():
-            self._take(priorities[stream], entries)
-        return got
-
-    def _take(self, priority: int, entries: list) -> None:
-        """Entries of class ``priority``'s stream into the queue, each at its place in the order
-        (tags from Redis, one round trip); the queue names them by ``ingress.handle``."""
-        taken: list[tuple[str, GenerateRequest]] = []
-        for entry_id, fields in entries:
-            # An entry can reach us twice: claimed from a dead router, then re-read from our own
-            # pending list. The queue holds each entry once.
-            name = ingress.handle(priority, entry_id)
-            if name in self._queued_ids:
-                continue
-            request = self._parse(priority, entry_id, fields)
-            if request is not None:
-                taken.append((name, request))
-                self._queued_ids.add(name)
-        for (name, _), (tag, request) in zip(taken, self.tagger.tags([r for _, r in taken])):
-            # the request as charged: maybe to ``other``; past its tenant's share, parked
-            if self.parking.should_park(request, self.queue.tenant_count(request.priority, request.tenant)):
-                self.parking.park(Parked.of(name, tag, request))
-            else:
-                self.queue.add(name, request, tag)
-
-    def _unpark(self) -> None:
-        """Parked entries whose tenant has room in the queue again, read back (one round trip) into
-        their places in the order (``router.parking``)."""
-        for parked, fields in self.parking.read_back(self.client, self.keys, self.queue.tenant_count):
-            request = None if fields is None else self._parse(parked.priority, ingress.entry_id(parked.handle), fields)
-            if request is None:  # gone (Redis lost it) or unreadable (dead-lettered): out of the order
-                self._queued_ids.discard(parked.handle)
-                forget_parked(self.client, self.keys, parked)
-                continue
-            if request.tenant != parked.tenant:  # charged as when read
-                request = request.model_copy(update={"tenant": parked.tenant})
-            self.queue.add(parked.handle, request, parked.tag)
-
-    def _parse(self, priority: int, entry_id: str, fields: dict) -> GenerateRequest | None:
-        try:
-            return from_entry(GenerateRequest, fields)
-        except ValueError as exc:  # unreadable: never retry it, keep it for inspection
-            log.error("dead-lettering unreadable entry %s: %s", entry_id, exc)
-            pipe = self.client.pipeline(transaction=True)
-            letter = DeadLetter(reason=f"unreadable: {exc}"[:500], failed_ms=now_ms(), raw=fields)
-            pipe.xadd(self.keys.dead_letters(), entry(letter))
-            pipe.xack(self.keys.requests(priority), ROUTER_GROUP, entry_id)
-            pipe.execute()
-            return None
 
     def _dispatch(self, loads) -> int:
         loads = dict(loads)  # a worker found dead while dispatching leaves this step's choice
@@ -313,12 +213,12 @@ class Router:
         for item, outcome in zip(run, self.dispatcher.send_many(run)):
             if outcome.inbox_id is not None:
                 self.reservations.add(item.worker_id, outcome.inbox_id, item.request)
-                self._queued_ids.discard(item.entry_id)
+                self.intake.queued_ids.discard(item.entry_id)
                 self.queue.drop(item.entry_id)
                 continue
             if outcome.duplicate:  # a copy of a request an inbox holds: gone, and not counted anywhere
                 log.warning("%s is in an inbox already: a second entry of it was dropped", item.request.id)
-                self._queued_ids.discard(item.entry_id)
+                self.intake.queued_ids.discard(item.entry_id)
                 self.queue.drop(item.entry_id)
                 rebuild.add(item.worker_id)
                 continue
@@ -337,7 +237,7 @@ class Router:
     def _pop(self) -> None:
         entry_id, _ = self.queue.popleft()
         self.queue.drop(entry_id)
-        self._queued_ids.discard(entry_id)
+        self.intake.queued_ids.discard(entry_id)
 
     def _cancelled(self) -> set[str]:
         """Queued requests whose client cancelled them, looked up in one round trip at most every
@@ -371,7 +271,7 @@ class Router:
             status = RequestStatus.CANCELLED if request.id in self._cancelled_ids else RequestStatus.EXPIRED
             self._finish(entry_id, request, status, status.value)
             self._cancelled_ids.discard(request.id)
-            self._queued_ids.discard(entry_id)
+            self.intake.queued_ids.discard(entry_id)
 
     def _choose(self, request: GenerateRequest) -> str | None:
         """A worker for the request (a group: all its samples, the prompt once), counted on its

@@ -104,7 +104,7 @@ def test_no_dispatch_to_a_worker_whose_record_expired_after_the_registry_read(re
     router = Router(RouterSettings(redis=redis_settings, poll_ms=5), rclient, "r1")
     ensure_group(rclient, keys.requests(), ROUTER_GROUP)
     submit(rclient, keys, "q0")
-    router._read()
+    router.intake.read()
     loads = read_registry(rclient, keys).live
     rclient.delete(keys.load("w1"))  # w1 dies: the janitor may be emptying its inbox right now
     assert router._dispatch(loads) == 0
