@@ -49,6 +49,7 @@ from shared.producer_settings import ProducerSettings, default_producers
 from shared.service import setup_logging
 
 GRACEFUL_SHUTDOWN_S = 5
+WORKER_HEALTHCHECK_S = 60
 APP_FACTORY = "producer.app:app_from_env"
 
 
@@ -80,6 +81,11 @@ def server_options(settings: ProducerSettings) -> dict:
         "proxy_headers": bool(settings.forwarded_allow_ips),
         "forwarded_allow_ips": settings.forwarded_allow_ips or None,
         "log_config": access_log_config(),
+        # N processes: uvicorn's supervisor kills a child that leaves its ping unanswered this long;
+        # the default 5 s is shorter than a child's imports take on a busy machine (its answering
+        # thread waits for the GIL), and on 2 loaded cores every child was killed at start, again
+        # and again (uvicorn 0.55).
+        "timeout_worker_healthcheck": WORKER_HEALTHCHECK_S,
     }
 
 
