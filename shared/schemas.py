@@ -88,7 +88,7 @@ class SamplingParams(FrozenModel):
 
     max_new_tokens: int = Field(16, ge=1)
     do_sample: bool = False
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, le=1e6)  # finite in float32, as every float here
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     ignore_eos: bool = False
@@ -100,7 +100,7 @@ class SamplingParams(FrozenModel):
     )
     presence_penalty: float = Field(0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, ge=1e-3, allow_inf_nan=False)  # its reciprocal finite in float32
     min_p: float = Field(0.0, ge=0, le=1)
     top_logprobs: int = Field(
         0, ge=0, le=MAX_TOP_LOGPROBS, description="most likely alternatives to report with each token's logprob"

@@ -18,6 +18,9 @@ from shared.chunk_schemas import TokenChunk
 from shared.schemas import MAX_PRIORITY, MIN_PRIORITY, FinishReason, RequestStatus
 
 MAX_PENALTY = 1e4  # the native routes' bound on a penalty (OpenAI's routes: +-2)
+# Past ~3.4e38 a temperature is inf in float32 and the sampled row NaN (EOS at index 0 with a null
+# logprob, min_new_tokens broken; a red team's 1e39); 1e6 already makes every token equally likely.
+MAX_TEMPERATURE = 1e6
 
 
 class _Request(BaseModel):
@@ -46,7 +49,7 @@ class GenerateParameters(_Request):
     max_new_tokens: int | None = Field(None, ge=1)
     min_new_tokens: int | None = Field(None, ge=1, description="EOS cannot end the output before this")
     do_sample: bool = False
-    temperature: float = Field(1.0, ge=0, description="0: greedy, whatever do_sample says")
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, description="0: greedy, whatever do_sample says")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, le=INT32_MAX, description="-1 or 0: no top-k")
     min_p: float = Field(0.0, ge=0, le=1)

@@ -25,6 +25,7 @@ from producer.api.structured import ResponseFormat
 from producer.api.tools import Tool, ToolCallIn, ToolChoice
 from shared.schemas import MAX_PRIORITY, MIN_PRIORITY, Constraint, SamplingParams
 
+MIN_REPETITION_PENALTY = 1e-3
 GREEDY_BELOW = 1e-5  # temperature 0 (or this close) means greedy, as in LightLLM
 
 
@@ -55,7 +56,9 @@ class _SamplingFields(GuidedFields):
     # Extras (vLLM's names); top_k 0 or -1 disables it there, so both do here.
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    # Below 1e-3 a penalty only overflows: 1e-40 is 0 in float32 and the sampled row NaN (a red team's
+    # 1e-300: unreadable chunks, a 400 naming an internal field, a stream cut mid-way).
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=2)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description=TIMEOUT_DOC)  # lightq's own

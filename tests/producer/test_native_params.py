@@ -68,6 +68,8 @@ BAD = {  # parameters -> the name the 400 must carry
     "presence_huge": ({"presence_penalty": 1e300}, "parameters.presence_penalty"),
     "frequency_huge": ({"frequency_penalty": 1e39}, "parameters.frequency_penalty"),
     "repetition_huge": ({"repetition_penalty": 1e39}, "parameters.repetition_penalty"),
+    # inf in float32: the sampled row NaN, EOS at index 0 past min_new_tokens (red team 5)
+    "temperature_huge": ({"do_sample": True, "temperature": 1e39}, "parameters.temperature"),
     "min_new_zero": ({"min_new_tokens": 0}, "parameters.min_new_tokens"),
     "min_above_max": ({"min_new_tokens": 9, "max_new_tokens": 8}, "parameters.min_new_tokens"),
     "min_above_default_max": ({"min_new_tokens": 17}, "parameters.min_new_tokens"),

@@ -25,6 +25,8 @@ COMMON = {  # bad field -> the name the message and ``param`` must carry
     "presence_penalty": ({"presence_penalty": 2.5}, "presence_penalty"),
     "frequency_penalty": ({"frequency_penalty": -2.5}, "frequency_penalty"),
     "repetition_penalty": ({"repetition_penalty": 0}, "repetition_penalty"),
+    # 0 in float32: unreadable chunks, a 400 naming an internal field, streams cut (red team 5)
+    "repetition_penalty_tiny": ({"repetition_penalty": 1e-300}, "repetition_penalty"),
     "top_k": ({"top_k": -2}, "top_k"),
     "min_p": ({"min_p": 1.5}, "min_p"),
     "min_tokens": ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),

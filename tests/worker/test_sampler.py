@@ -99,3 +99,13 @@ def test_seeded_noise_is_exponential_and_keyed_by_token():
     assert noise.min() > 0 and abs(noise.mean().item() - 1.0) < 0.02 and abs(noise.var().item() - 1.0) < 0.05
     assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
     assert torch.equal(seeded_noise(keys[:1], 100)[0], noise[0, :100])  # a prefix of the vocab: same values
+
+
+def test_a_non_finite_row_reports_finite_logprobs():
+    # A row of NaN logits (what a float32 overflow made of a red team's parameters before the door
+    # bounded them): the logprobs a chunk carries stay numbers, never JSON's null.
+    logits = torch.randn(2, 30)
+    logits[1] = float("nan")
+    ids, logprobs, tops = sample(logits, build([SamplingParams(top_logprobs=3)] * 2, 30))
+    assert all(isinstance(lp, float) and lp == lp for lp in logprobs)
+    assert all(lp == lp and lp > float("-inf") for row in tops for _, lp in row)

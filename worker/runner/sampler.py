@@ -198,11 +198,11 @@ def launch_sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCount
     chosen = scaled.gather(1, ids[:, None]) - log_z  # [B, 1]
     # [B, 2 + 2k]: id, logprob, k alternative ids, their logprobs (k = the batch's largest ask; ids
     # are exact in float64), so everything comes back in one copy.
-    parts = [ids[:, None].to(torch.float64), chosen.to(torch.float64)]
+    parts = [ids[:, None].to(torch.float64), _finite(chosen.to(torch.float64))]
     k = max(batch.fixed.num_top, default=0)
     if k:
         top = scaled.topk(k, dim=-1)  # sorted, most likely first
-        parts += [top.indices.to(torch.float64), (top.values - log_z).to(torch.float64).clamp_min(FLOOR_LOGPROB)]
+        parts += [top.indices.to(torch.float64), _finite((top.values - log_z).to(torch.float64))]
     packed = torch.cat(parts, dim=1)
     if not packed.is_cuda:
         return PendingSampled(packed, None, batch.fixed.num_top, k, ids)
@@ -288,3 +288,9 @@ def seeded_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     # bits = 2**24 - 1 rounds to u = 1 in fp32 (x.5 past 2**24 is not representable): noise 0, and a
     # token filtered out (p = 0: top-k/p, a grammar) would race 0 / 0 = NaN, which argmax picks.
     return (-torch.log(u)).clamp_min_(MIN_NOISE)
+
+
+def _finite(logprobs: torch.Tensor) -> torch.Tensor:
+    """Logprobs a chunk can carry: -inf and NaN (a row the door's bounds should have kept finite)
+    become FLOOR_LOGPROB, never JSON's null, which no reader takes."""
+    return logprobs.nan_to_num(nan=FLOOR_LOGPROB, posinf=0.0, neginf=FLOOR_LOGPROB).clamp_min(FLOOR_LOGPROB)
