@@ -41,7 +41,7 @@ from shared.config import ModelSettings
 from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve, served_name
 from shared.producer_settings import ProducerSettings
-from shared.redis import async_client
+from shared.redis import REDIS_FAILURES, async_client
 
 log = logging.getLogger("lightq.batch")
 
@@ -198,6 +198,11 @@ class Feeder:
                 status, body = 200, prepared.render(request_id, await self._follow(request_id, prepared.request.n))
             except ApiError as exc:  # what the route would have answered
                 status, body = exc.status, error_body(exc)
+            except REDIS_FAILURES:
+                raise  # the job fails and rq runs it again: it resumes, this line included
+            except Exception as exc:  # a bug answering this line: its own 500, not the batch's failure
+                log.exception("batch %s line %d: answering it failed", self.batch_id, index + 1)
+                status, body = 500, error_body(line_failed(exc))
             await self._record(index, output_line(line.custom_id, request_id, status, body), ok=status == 200)
         finally:
             slots.release()
@@ -262,6 +267,17 @@ class Feeder:
 
     async def _set(self, **fields: Any) -> None:
         await self.store.hset(self.keys.batch(self.batch_id), mapping=BatchRecord.fields(**fields))
+
+
+def line_failed(exc: BaseException) -> ApiError:
+    """A line whose answer could not be built (an unreadable chunk, a bug in rendering): one line's
+    500, where it used to fail the whole batch after rq's retries (a red team's poison line)."""
+    return ApiError(
+        500,
+        f"answering this request failed: {type(exc).__name__}: {exc}"[:500],
+        code="generation_failed",
+        kind="server_error",
+    )
 
 
 def _raise_failed(tasks: set[asyncio.Task]) -> None:

@@ -86,10 +86,12 @@ async def pool(
     *,
     texts=(" a", " b"),
     fail_max_new: int | None = None,
+    poison_max_new: int | None = None,
     delay_s: float = 0.0,
     seen: list | None = None,
 ) -> AsyncIterator[list[GenerateRequest]]:
-    """The fake worker answers every request (``texts``); one with ``max_new_tokens == fail_max_new`` fails."""
+    """The fake worker answers every request (``texts``); one with ``max_new_tokens == fail_max_new`` fails;
+    one with ``poison_max_new`` gets an entry no reader takes (a null top logprob) before its answer."""
     taken: list[GenerateRequest] = [] if seen is None else seen
 
     stop = asyncio.Event()
@@ -101,6 +103,9 @@ async def pool(
             except TimeoutError:
                 continue
             taken.append(request)
+            if request.params.max_new_tokens == poison_max_new:
+                bad = '{"kind":"run","v":2,"request_id":"%s","choice":0,"index":0,"token_ids":[5],"texts":["a"],"logprobs":[-1.0],"top_logprobs":[[[5,null]]],"finished":false}'
+                await worker.redis.xadd(worker.keys.chunks(request.id), {"msg": bad % request.id})
             if request.params.max_new_tokens == fail_max_new:
                 await worker.end(request.id, 0, RequestStatus.FAILED, "error", error="the worker broke")
             else:

@@ -54,6 +54,22 @@ async def test_a_batch_answers_every_url_like_its_route_in_input_order(client, w
     )
 
 
+async def test_a_line_whose_answer_cannot_be_read_fails_alone(client, worker, run_rq, rclient, keys):
+    # A poison line (an entry no reader takes, as a NaN logprob once wrote): its own 500, and the
+    # batch completes with the other lines answered (it failed whole after rq's retries).
+    view = await submit(client, jsonl(completion_line("a"), completion_line("poison", max_tokens=7), chat_line("c")))
+    async with pool(worker, poison_max_new=7):
+        assert await run_rq()
+    view = (await client.get(f"/v1/batches/{view['id']}")).json()
+    assert view["status"] == "completed", view
+    assert view["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    a, poison, c = output_lines((await client.get(view["output_url"])).text)
+    assert a["response"]["status_code"] == 200 and c["response"]["status_code"] == 200
+    assert poison["response"]["status_code"] == 500
+    assert poison["response"]["body"]["error"]["code"] == "generation_failed"
+    assert not rclient.exists(keys.batch_results(view["id"]), keys.batch_inflight(view["id"]))
+
+
 async def test_no_more_than_max_in_flight_requests_are_in_the_pool(client, worker, run_rq, aredis, keys, settings):
     assert settings.batch.max_in_flight == 2
     view = await submit(client, jsonl(*[completion_line(f"r{i}") for i in range(6)]))
