@@ -55,7 +55,7 @@ def _whole_items(text: str) -> list[Any] | None:
     """A whole output's calls: one JSON value, an array of calls or one call."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's parser (a red team's 1,200 [)
         return None
     return value if isinstance(value, list) else [value]
 
@@ -71,7 +71,7 @@ def complete_items(text: str) -> list[Any] | None:
         at = len(start) - len(start[at:].lstrip(" \t\n\r,"))  # separators; the grammar puts them right
         try:
             item, at = decoder.raw_decode(start, at)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's parser (a red team's 1,200 [)
             return items
         items.append(item)
 
@@ -107,7 +107,7 @@ def _call_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
 def _parses(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's parser (a red team's 1,200 [)
         return False
     return True
 

@@ -209,7 +209,7 @@ def _arguments(call: ToolCallIn) -> Any:
     """A call's arguments as an object where they parse (transformers' form), else the text as sent."""
     try:
         return json.loads(call.function.arguments or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past Python's parser: a 500 before (red team 5)
         return call.function.arguments
 
 

@@ -11,7 +11,7 @@ import pytest
 import xgrammar as xgr
 
 from producer.api.tool_render import ToolStream, chat_message, complete_items, read_calls
-from producer.api.tools import CALLS_PER_TOOL, FunctionDef, ToolPlan
+from producer.api.tools import CALLS_PER_TOOL, CalledFunction, FunctionDef, ToolCallIn, ToolPlan, template_calls
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = FunctionDef(name="get_weather", parameters=CITY)
@@ -113,3 +113,26 @@ def test_a_named_call_a_stop_string_cut_short_is_no_finished_call(text):
     stream = ToolStream(plan, 1)
     stream.delta(0, whole[:5], None)
     assert stream.delta(0, whole[5:], "stop")[1] == "tool_calls"
+
+
+@pytest.mark.parametrize("mode", ["required", "auto"])
+@pytest.mark.parametrize("reason", ["stop", "length"])
+def test_text_nested_past_the_parser_is_no_call_and_no_500(mode, reason):
+    """A schema that lets the model nest arrays (a ``$ref`` to itself) over 1,200 tokens: Python's
+    parser gives up with RecursionError, which was a 500 after the whole generation (red team 5)."""
+    deep = "[" * 5000
+    assert complete_items(deep) == []
+    message, finish = chat_message(ToolPlan(mode, (WEATHER,)), deep, reason)
+    assert finish == reason and not message.tool_calls
+    named = ToolPlan("named", (WEATHER,), named="get_weather")
+    message, finish = chat_message(named, '{"city": ' + deep, "stop")
+    assert finish == "stop"  # arguments that do not parse: no finished call
+
+
+def test_a_conversations_call_nested_past_the_parser_goes_to_the_template_as_sent():
+    """An earlier turn's call whose arguments nest 100,000 deep: a 500 at the door before (red team 5)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    (call,) = template_calls([ToolCallIn(id="c1", function=CalledFunction(name="f", arguments=deep))])
+    assert call["function"]["arguments"] == deep
+    (call,) = template_calls([ToolCallIn(id="c2", function=CalledFunction(name="f", arguments='{"a": 1}'))])
+    assert call["function"]["arguments"] == {"a": 1}
