@@ -11,6 +11,7 @@ format (``output_line``): ``{"id", "custom_id", "response": {"status_code",
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import time
@@ -101,8 +102,11 @@ def _line_error(number: int, message: str, code: str | None) -> ApiError:
 
 
 async def validate_lines(lines: list[BatchLine], numbers: list[int], services: Services) -> None:
-    """Prepare every line as its route would (nothing is written); a 400 naming the first that fails."""
+    """Prepare every line as its route would (nothing is written); a 400 naming the first that fails.
+    A line's checks may never await (a token-id prompt: ~1.7 ms of CPU), so each line yields to the
+    event loop first: 50,000 lines held the producer's every client for minutes (red team 5)."""
     for line, number in zip(lines, numbers):
+        await asyncio.sleep(0)
         try:
             await prepare_line(line, services)
         except ApiError as exc:

@@ -135,8 +135,9 @@ async def create_batch(request: Request, services: ServicesDep, caller: CallerDe
         raise bad_request("the file is not UTF-8 text", code="invalid_encoding", reason="invalid_batch") from None
     refuse_openai_file_reference(text)
     _store(services)  # before anything is read: a pool without a place for batches says so
-    lines = parse_lines(text, services.settings.batch.max_requests)
-    await validate_lines(lines, line_numbers(text), services)
+    # Off the event loop: a 200 MB file takes seconds to split and parse.
+    lines = await asyncio.to_thread(parse_lines, text, services.settings.batch.max_requests)
+    await validate_lines(lines, await asyncio.to_thread(line_numbers, text), services)
     batch_id, ttl_s = new_batch_id(), services.settings.batch.ttl_s
     record = BatchRecord(
         status=BatchStatus.QUEUED,

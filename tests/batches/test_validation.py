@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import replace
 
 import pytest
 
+from producer.batches.records import parse_lines, validate_lines
 from producer.batches.rq_worker import queue
 from tests.batches.helpers import MODEL, chat_line, completion_line, generate_line, jsonl
 from tests.conftest import keys_with_prefix
@@ -74,3 +76,24 @@ async def test_a_byte_order_mark_is_not_the_first_lines_problem(client, rq_conn,
     response = await client.post("/v1/batches", content=b"\xef\xbb\xbf" + GOOD.encode())
     assert response.status_code == 202, response.text
     assert queue(rq_names.batch, rq_conn).count == 1
+
+
+async def test_checking_a_file_lets_other_clients_in_between_its_lines(app):
+    """A line's checks may never await (a token-id prompt), so 50,000 of them held every client of
+    the producer for minutes (red team 5): the check yields to the event loop between lines."""
+    lines = parse_lines(jsonl(*[completion_line(f"c{i}", prompt=[1] * 50) for i in range(200)]), 1000)
+    turns, done = 0, False
+
+    async def other_client() -> None:
+        nonlocal turns
+        while not done:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other_client())
+    await asyncio.sleep(0)
+    before = turns
+    await validate_lines(lines, list(range(1, 201)), app.state.services)
+    during, done = turns - before, True
+    await task
+    assert during >= 200  # a turn between every two lines (none at all before)
