@@ -45,9 +45,15 @@ class Services:
     batch_redis: aioredis.Redis | None = None
     # The tokenizer's ids as logprobs show them (text and raw bytes), made from ``tokenizer``.
     vocabulary: Vocabulary = field(init=False)
+    # Prompt text longer than this cannot fit the context (twice the tokens' longest text a token):
+    # refused before it is tokenised (a 2 MB prompt took 1.5 s of a core to be told it is too long).
+    max_prompt_chars: int | None = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "vocabulary", Vocabulary(self.tokenizer))
+        longest = self.vocabulary.longest_token_chars()
+        chars = None if longest is None else 2 * longest * self.settings.model.max_req_total_len
+        object.__setattr__(self, "max_prompt_chars", chars)
         if self.batch_redis is None and self.settings.redis.batch_url == self.settings.redis.url:
             object.__setattr__(self, "batch_redis", self.redis)
 

@@ -37,6 +37,15 @@ def template_messages(messages: list[ChatMessage], renders_tools: bool = False) 
     return out
 
 
+def content_chars(messages: list[ChatMessage]) -> int:
+    """Characters of the messages' text content: the prompt holds them all, so its tokens are at least
+    these over the longest a token stands for (``producer.api.submit.too_long``)."""
+    return sum(
+        len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or [])
+        for m in messages
+    )
+
+
 def _text(n: int, message: ChatMessage) -> str:
     """Message ``n``'s content as text; 400 where OpenAI's API requires what is missing: content but
     for an assistant's calls, a text part's ``text``, a tool result's ``tool_call_id``."""

@@ -26,14 +26,14 @@ from pydantic import Field
 
 from producer import store
 from producer.api.api_types import body_doc
-from producer.api.chat import chat_prompt_ids, completion_inputs, prompt_text
+from producer.api.chat import chat_prompt_ids, completion_inputs, content_chars, prompt_text
 from producer.api.errors import ApiError, bad_request
 from producer.api.lora import adapter_names
 from producer.api.openai_render import Call, StreamRenderer, response
 from producer.api.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from producer.api.params import check_prompt_length
 from producer.api.structured import SchemaLimits, check_constraint, check_no_min_tokens
-from producer.api.submit import abandon_all, enqueue, new_request, prompt_ids
+from producer.api.submit import abandon_all, enqueue, new_request, prompt_ids, too_long
 from producer.api.tools import output_constraint, plan_tools
 from producer.deps import Services, ServicesDep, parse_body
 from producer.edge.auth import CallerDep
@@ -159,7 +159,8 @@ async def prepare_completions(body: CompletionRequest, services: Services) -> tu
     params = body.sampling(max_new, services.tokenizer).model_copy(update=extra)
     queued: list[GenerateRequest] = []
     for i, inputs in enumerate(prompts):
-        ids = await prompt_ids(inputs, services.tokenizer, param="prompt" if len(prompts) == 1 else f"prompt.{i}")
+        param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        ids = await prompt_ids(inputs, services.tokenizer, param=param, max_chars=services.max_prompt_chars)
         check_prompt_length(len(ids), services.settings.model.max_req_input_len, "prompt")
         check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
         queued.append(new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user, adapter))
@@ -223,6 +224,7 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     requested, param = body.requested_constraint()
     constraint = await output_constraint(requested, param, plan, SchemaLimits.of(services.settings))
     check_no_min_tokens(constraint, body.min_tokens, "min_tokens")
+    too_long(content_chars(body.messages), services.max_prompt_chars, "messages")
     ids = await chat_prompt_ids(body.messages, services.tokenizer, plan)
     check_prompt_length(len(ids), services.settings.model.max_req_input_len, "messages")
     limit = services.settings.model.max_req_total_len

@@ -21,11 +21,15 @@ from shared.request_log import now_ms
 from shared.schemas import DEFAULT_TENANT, MAX_TENANT_CHARS, GenerateRequest, SamplingParams
 
 
-async def prompt_ids(inputs: str | list[int], tokenizer: Any, param: str = "inputs") -> list[int]:
-    """Token ids of the prompt; text is encoded off the event loop."""
+async def prompt_ids(
+    inputs: str | list[int], tokenizer: Any, param: str = "inputs", max_chars: int | None = None
+) -> list[int]:
+    """Token ids of the prompt; text is encoded off the event loop, unless it is longer than
+    ``max_chars`` (``Services.max_prompt_chars``: it cannot fit)."""
     if not inputs:
         raise bad_request(f"{param} is empty", param=param, code="empty_input", reason="empty_input")
     if isinstance(inputs, str):
+        too_long(len(inputs), max_chars, param)
         ids = list(await asyncio.to_thread(tokenizer.encode, inputs))
         if not ids:
             raise bad_request(f"{param} encodes to no tokens", param=param, code="empty_input", reason="empty_input")
@@ -40,6 +44,17 @@ async def prompt_ids(inputs: str | list[int], tokenizer: Any, param: str = "inpu
             reason="invalid_token_id",
         )
     return list(inputs)
+
+
+def too_long(chars: int, max_chars: int | None, param: str) -> None:
+    """A 400 for prompt text too long to fit however it tokenises, before anything tokenises it."""
+    if max_chars is not None and chars > max_chars:
+        raise bad_request(
+            f"{param}: {chars} characters cannot fit the model's context (at most {max_chars} could)",
+            param=param,
+            code="context_length_exceeded",
+            reason="too_long",
+        )
 
 
 def check_length(num_prompt_tokens: int, max_new_tokens: int, max_req_total_len: int) -> None:
@@ -113,7 +128,7 @@ async def prepare(body: GenerateBody, services: Services) -> GenerateRequest:
         constraint = await check_constraint(params.constraint, param, SchemaLimits.of(settings))
         params = params.model_copy(update={"constraint": constraint})
         check_no_min_tokens(params.constraint, params.min_new_tokens, "parameters.min_new_tokens")
-    ids = await prompt_ids(body.inputs, tokenizer)
+    ids = await prompt_ids(body.inputs, tokenizer, max_chars=services.max_prompt_chars)
     check_prompt_length(len(ids), settings.model.max_req_input_len, "inputs")
     check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)
     return new_request(ids, params, body.params.timeout, n, body.params.priority, adapter=adapter)

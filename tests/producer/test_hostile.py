@@ -130,3 +130,27 @@ async def test_bad_last_event_id_is_400(client, last_event_id):
     submitted = (await client.post("/v1/requests", json={"inputs": "hi"})).json()
     headers = [(b"last-event-id", last_event_id.encode("latin-1"))]
     assert_refused(await client.get(submitted["stream_url"], headers=headers), (400,))
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions", "/v1/chat/completions"])
+async def test_prompt_text_too_long_for_any_tokenisation_is_400_untokenised(
+    app, client, rclient, redis_settings, route
+):
+    """Text longer than the context times the longest text a token stands for cannot fit however it
+    tokenises: a 400 before it is tokenised (a red team's 2 MB prompts took a core 1.5 s each)."""
+    services = app.state.services
+    assert services.max_prompt_chars == 2 * services.vocabulary.longest_token_chars() * 2048
+    text = "a" * (services.max_prompt_chars + 1)
+    body = {
+        "/generate": {"inputs": text},
+        "/v1/completions": {"model": MODEL, "prompt": text},
+        "/v1/chat/completions": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}],
+        },
+    }[route]
+    response = await client.post(route, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "characters cannot fit" in error["message"], error
+    assert keys_with_prefix(rclient, redis_settings.key_prefix) == []
