@@ -33,7 +33,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from producer.api.errors import ApiError, bad_request
-from producer.api.structured import SchemaLimits, check_constraint, check_cost, parsed, schema_constraint
+from producer.api.structured import (
+    SchemaLimits,
+    check_constraint,
+    check_cost,
+    json_value,
+    parsed,
+    pattern_cost,
+    schema_constraint,
+)
 from shared.schemas import Constraint
 
 # ``required`` with parallel calls: the array's maxItems is this times the number of tools. Enough
@@ -252,6 +260,28 @@ def _tool_param(n: int) -> str:
     return f"tools.{n}.function.parameters"
 
 
+def check_tools_cost(plan: ToolPlan, limits: SchemaLimits) -> None:
+    """Each tool's parameters within the schema limits, and all of them together: every one is parsed,
+    so 60 tools each just within the pattern cost took 21 s of the producer's CPU a request (red team 5)."""
+    schemas = [schema_constraint(t.parameters) for t in plan.tools if t.parameters is not None]
+    for n, tool in enumerate(plan.tools):
+        if tool.parameters is not None:
+            check_cost(schema_constraint(tool.parameters), _tool_param(n), limits)
+    chars = sum(len(c.spec) for c in schemas)
+    cost = sum(pattern_cost(json_value(c.spec)) for c in schemas)
+    if chars > limits.chars or cost > limits.pattern_cost:
+        what = (
+            f"{chars} characters, more than max_schema_chars ({limits.chars})"
+            if chars > limits.chars
+            else f"counted repetitions costing {cost}, more than max_schema_pattern_cost ({limits.pattern_cost})"
+        )
+        raise bad_request(
+            f"tools: their parameters together have {what}; offer fewer tools or smaller schemas",
+            param="tools",
+            code="constraint_too_large" if chars > limits.chars else "constraint_too_costly",
+        )
+
+
 async def output_constraint(
     requested: Constraint | None, param: str, plan: ToolPlan | None, limits: SchemaLimits
 ) -> Constraint | None:
@@ -260,9 +290,7 @@ async def output_constraint(
     are within the limits and valid: parsed once, inside the forced call's grammar or alone."""
     if plan is None:
         return await check_constraint(requested, param, limits)
-    for n, tool in enumerate(plan.tools):
-        if tool.parameters is not None:
-            check_cost(schema_constraint(tool.parameters), _tool_param(n), limits)
+    check_tools_cost(plan, limits)
     forced = plan.constraint()
     if forced is not None and requested is not None:
         raise bad_request(

@@ -23,6 +23,10 @@ CLOCK = {"type": "function", "function": {"name": "get_time"}}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
+def tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 def chat(**extra):
     return {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, **extra}
 
@@ -85,6 +89,9 @@ BAD = [
     (CHAT, chat(guided_json={"type": "string", "pattern": "[a-z]{3,2001}"}), "guided_json", "constraint_too_costly"),
     (GEN, native(guided_json={"type": "object", "patternProperties": {"^a{2001}$": {}}}), "parameters.guided_json", "constraint_too_costly"),  # noqa: E501
     (CHAT, chat(guided_json={"anyOf": [{"pattern": "x{1000,}"}] * 5}), "guided_json", "constraint_too_costly"),
+    # each tool just within the cost, all of them far past it: 21 s of the producer's CPU (red team 5)
+    (CHAT, chat(tools=[tool(f"t{n}", {"type": "object", "properties": {"a": {"pattern": "^[a-z]{1,1999}$"}}}) for n in range(60)]), "tools", "constraint_too_costly"),  # noqa: E501
+    (CHAT, chat(tools=[tool(f"t{n}", {"type": "object", "description": "x" * 4_000}) for n in range(60)]), "tools", "constraint_too_large"),  # noqa: E501
 ]  # fmt: skip
 
 
