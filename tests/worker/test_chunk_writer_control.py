@@ -33,3 +33,14 @@ def test_a_flush_with_a_start_sends_it(rclient, keys):
     assert out[0].written and rclient.hget(keys.meta("r-2"), "status") == "running"
     stale = writer.flush([RequestWrite("r-2", epoch=0, start={"status": "queued"})], lengths=[], released=[])
     assert not stale[0].written and rclient.hget(keys.meta("r-2"), "status") == "running"
+
+
+def test_an_end_gives_a_cancel_that_raced_it_the_ttl(rclient, keys):
+    """A cancel asked while the request ran (its key set without a TTL: the status hash had none) and
+    an end by length: the key stayed for good until housekeeping found it (red team 5)."""
+    writer = ChunkWriter(rclient, keys, "w-1", ttl_s=60, history_len=8)
+    rclient.hset(keys.meta("r-3"), "epoch", 1)
+    rclient.set(keys.cancel("r-3"), "1")
+    out = writer.flush([RequestWrite("r-3", epoch=1, end={"status": "finished"})], lengths=[], released=[])
+    assert out[0].written
+    assert 0 < rclient.ttl(keys.cancel("r-3")) <= 60 and 0 < rclient.ttl(keys.meta("r-3")) <= 60

@@ -119,7 +119,7 @@ while a <= #ARGV do
     if nend > 0 then
       redis.call('HSET', meta, unpack(ARGV, first_end, first_end + nend - 1))
       redis.call('EXPIRE', meta, ttl)
-      if string.find(flags, 'x', 1, true) then redis.call('EXPIRE', cancel, ttl) end
+      redis.call('EXPIRE', cancel, ttl)  -- a cancel that raced the end too (a no-op where none was asked)
     end
     if string.find(flags, 'f', 1, true) then
       fences[#fences + 1] = {place, redis.call('HINCRBY', meta, 'epoch', 1)}
@@ -139,7 +139,6 @@ class RequestWrite:
     start: dict[str, str] = field(default_factory=dict)  # status hash fields of 'running'
     runs: list[str] = field(default_factory=list)  # ChunkRun JSON, in order
     end: dict[str, str] = field(default_factory=dict)  # the final status hash fields
-    expire_cancel: bool = False  # it ended cancelled: its cancel key exists and gets the TTL too
     fence: bool = False  # take a new epoch after these writes (a preemption hands it back)
     reply_to: str | None = None  # the producer to wake (GenerateRequest.reply_to)
 
@@ -227,7 +226,7 @@ class ChunkWriter:
 
 
 def _flags(w: RequestWrite) -> str:
-    return "".join(flag for flag, on in (("x", w.expire_cancel), ("f", w.fence)) if on) or "-"
+    return "f" if w.fence else "-"
 
 
 def _flat(fields: dict[str, str]) -> list[str]:

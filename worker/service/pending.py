@@ -74,7 +74,6 @@ class Waiting:
     runs: list[Run] = field(default_factory=list)
     open: dict[int, Run] = field(default_factory=dict)  # per sample: the run its next token joins
     end: dict[str, str] = field(default_factory=dict)
-    expire_cancel: bool = False
     preempted: tuple[GenerateRequest, str] | None = None  # (its message, inbox entry): fence, send it back
     urgent: bool = False
 
@@ -95,7 +94,6 @@ class Waiting:
             self.start,
             [run.json(request_id) for run in self.runs],
             self.end,
-            self.expire_cancel,
             self.preempted is not None,
             reply_to,
         )

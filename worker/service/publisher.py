@@ -204,7 +204,6 @@ class Publisher:
         end = waiting.token(event.choice, event.num_output)
         end.finished, end.reason, end.error = True, event.reason, event.error
         waiting.close(event.choice)
-        waiting.expire_cancel = event.reason == "cancelled"
         self._sample_ended(waiting, event.request_id, event.status, event.reason, event.num_output, event.error)
 
     def _sample_ended(
