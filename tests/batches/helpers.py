@@ -104,8 +104,9 @@ async def pool(
                 continue
             taken.append(request)
             if request.params.max_new_tokens == poison_max_new:
-                bad = '{"kind":"run","v":2,"request_id":"%s","choice":0,"index":0,"token_ids":[5],"texts":["a"],"logprobs":[-1.0],"top_logprobs":[[[5,null]]],"finished":false}'
-                await worker.redis.xadd(worker.keys.chunks(request.id), {"msg": bad % request.id})
+                fields = {"request_id": request.id, "token_ids": [5], "texts": ["a"], "logprobs": [-1.0]}
+                bad = {"kind": "run", "v": 2, "choice": 0, "index": 0, **fields, "top_logprobs": [[[5, None]]]}
+                await worker.redis.xadd(worker.keys.chunks(request.id), {"msg": json.dumps(bad)})
             if request.params.max_new_tokens == fail_max_new:
                 await worker.end(request.id, 0, RequestStatus.FAILED, "error", error="the worker broke")
             else:
