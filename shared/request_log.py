@@ -84,7 +84,10 @@ def fence(client: redis.Redis, keys: Keys, request_id: str) -> int:
     (its runs). A run the holder writes between the two is in the stream before this returns: the
     chunks a caller reads after it are final."""
     epoch = int(client.register_script(FENCE_LUA)(keys=[keys.meta(request_id)], args=list(TERMINAL)))
-    if epoch > 0:
+    # Epoch 1: it was 0, no dispatch ever took one, so no worker ever held the request and none can
+    # write its runs: no data fence (it lives a week; every request that expired or was cancelled in
+    # the queue left one, ~200 bytes each, a red team's soak).
+    if epoch > 1:
         raise_data_fence(client, keys, request_id, epoch)
     return epoch
 
