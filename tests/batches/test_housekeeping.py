@@ -35,6 +35,24 @@ def test_trim_keeps_every_entry_a_consumer_group_still_needs(rclient, keys):
     assert trim_ingress(rclient, keys) == 0
 
 
+def test_trim_takes_pending_entries_acknowledged_between_its_reads(rclient, keys, monkeypatch):
+    """XINFO says entries are pending, the router acknowledges them, then XPENDING has no oldest: the
+    trim raised and the whole housekeeping run was lost (a red team's soak, once in ~40 runs)."""
+    stream = keys.requests()
+    ids = [rclient.xadd(stream, {"msg": str(i)}) for i in range(3)]
+    ensure_group(rclient, stream, ROUTER_GROUP)
+    rclient.xreadgroup(ROUTER_GROUP, "r1", {stream: ">"})
+    xinfo_groups = rclient.xinfo_groups
+
+    def then_acknowledged(name):
+        groups = xinfo_groups(name)
+        rclient.xack(stream, ROUTER_GROUP, *ids)  # the router, between the two reads
+        return groups
+
+    monkeypatch.setattr(rclient, "xinfo_groups", then_acknowledged)
+    assert trim_ingress(rclient, keys) == 3 and rclient.xlen(stream) == 0
+
+
 def _chunks(rclient, keys, request_id: str, at_ms: int | None = None) -> None:
     chunk = TokenChunk(request_id=request_id, index=0, token_id=1, text="x")
     rclient.xadd(keys.chunks(request_id), entry(chunk), id=f"{at_ms}-0" if at_ms else "*")
