@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 from urllib.parse import urlparse
 
+import redis
+
 from router.registry import read_registry
 from shared.config import RedisSettings
 from shared.embedded_redis import EmbeddedRedis, free_port, start_embedded_redis
@@ -34,6 +36,7 @@ from shared.redis import answers, is_cluster, sync_client
 log = logging.getLogger("lightq.serve")
 
 PORT_FILE = "redis.port"
+LOG_COMPACT_MIN_BYTES = 32 << 20  # a smaller log is replayed in moments: left as it is
 
 
 @dataclass
@@ -137,7 +140,26 @@ def embedded(port: int | None, data_dir: str, temporary: bool) -> ServeRedis:
     with open(os.path.join(data_dir, PORT_FILE), "w") as out:
         out.write(str(server.port))
     log.info("embedded Redis at %s (append-only, data in %s)", server.url, data_dir)
+    compact_log(server.url)
     return ServeRedis(server.url, server, lock, temporary)
+
+
+def compact_log(url: str) -> bool:
+    """Rewrite the append-only log (in the background) when it holds far more than the data: Redis
+    measures its own rewrite rule from the size at start, so a serve that writes less than the file
+    already holds never rewrote it, and each restart started larger (a red team's soak: 2 MB to 94 MB
+    over five restarts, 1% of it live). True when a rewrite was started."""
+    client = redis.Redis.from_url(url)
+    try:
+        log_bytes = int(client.info("persistence").get("aof_current_size", 0))
+        data_bytes = int(client.info("memory")["used_memory"])
+        if log_bytes < max(LOG_COMPACT_MIN_BYTES, 4 * data_bytes):
+            return False
+        client.bgrewriteaof()
+        log.info("the append-only log is %d MB for %d MB of data: rewriting it", log_bytes >> 20, data_bytes >> 20)
+        return True
+    finally:
+        client.close()
 
 
 def saved_port(data_dir: str) -> int:
