@@ -137,6 +137,7 @@ def measure(tree: Path, args, label: str) -> dict[str, tuple[Cost, float]]:
         except subprocess.TimeoutExpired:
             process.kill()
         redis_server.stop()
+        shutil.rmtree(log_path.parent, ignore_errors=True)  # its serve.log: a run leaves nothing behind
     return out
 
 
