@@ -50,7 +50,6 @@ def sampling_params(draw) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=max_new,
         do_sample=draw(st.booleans()),
-        temperature=draw(st.one_of(st.floats(0.05, 3.0), st.sampled_from([1e-6, 1.0, 100.0]))),
         top_p=draw(st.one_of(st.just(1.0), st.floats(0.01, 1.0))),
         top_k=draw(st.one_of(st.sampled_from([-1, 0, 1]), st.integers(2, 60), st.just(10**6))),
         min_p=draw(st.one_of(st.just(0.0), st.floats(0.0, 1.0))),
@@ -60,7 +59,9 @@ def sampling_params(draw) -> SamplingParams:
         stop_sequences=tuple(draw(st.lists(st.text(min_size=1, max_size=3), max_size=2))),
         presence_penalty=draw(penalty),
         frequency_penalty=draw(penalty),
-        repetition_penalty=draw(st.one_of(st.just(1.0), st.floats(0.01, 10.0), st.sampled_from([1e-4, 1e4]))),
+        # the wire's bounds: at least 1e-3 (0 in float32 made NaN rows), up to the native routes' 1e4
+        repetition_penalty=draw(st.one_of(st.just(1.0), st.floats(0.01, 10.0), st.sampled_from([1e-3, 1e4]))),
+        temperature=draw(st.one_of(st.floats(0.05, 3.0), st.sampled_from([1e-6, 1.0, 100.0, 1e6]))),
         top_logprobs=draw(st.integers(0, MAX_TOP_LOGPROBS)),
         prompt_logprobs=draw(st.one_of(st.none(), st.integers(0, MAX_TOP_LOGPROBS))),
     )
