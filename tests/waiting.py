@@ -8,4 +8,34 @@ by ``MUST_HAPPEN_S``: far above any machine's slowness, below pytest's own timeo
 600 s a test), so a real hang still fails with the test's own message.
 """
 
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+T = TypeVar("T")
+
 MUST_HAPPEN_S = 300.0
+
+
+async def loop_turns_during(work: Awaitable[T]) -> tuple[T, int]:
+    """``work``'s result, and how many turns another task on the event loop got while it ran: 0 when
+    ``work`` held the loop throughout (no await that suspends)."""
+    turns, done = 0, False
+
+    async def other_client() -> None:
+        nonlocal turns
+        while not done:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other_client())
+    await asyncio.sleep(0)
+    before = turns
+    try:
+        result = await work
+    finally:
+        during, done = turns - before, True
+        await task
+    return result, during

@@ -148,8 +148,9 @@ def pattern_cost(value: Any) -> int:
     return cost
 
 
-def check_cost(constraint: Constraint, param: str, limits: SchemaLimits) -> None:
-    """A 400 naming the limit when ``constraint`` may cost more to parse than the limits allow."""
+def check_cost(constraint: Constraint, param: str, limits: SchemaLimits) -> int:
+    """A 400 naming the limit when ``constraint`` may cost more to parse than the limits allow; else
+    its patterns' cost (0 for a regex or grammar)."""
     if len(constraint.spec) > limits.chars:
         raise bad_request(
             f"{param}: {len(constraint.spec)} characters, more than max_schema_chars ({limits.chars})",
@@ -157,7 +158,7 @@ def check_cost(constraint: Constraint, param: str, limits: SchemaLimits) -> None
             code="constraint_too_large",
         )
     if constraint.kind != "json_schema":
-        return
+        return 0
     value = json_value(constraint.spec)
     if json_depth(value, limits.depth) > limits.depth:
         raise bad_request(
@@ -172,6 +173,7 @@ def check_cost(constraint: Constraint, param: str, limits: SchemaLimits) -> None
             param=param,
             code="constraint_too_costly",
         )
+    return cost
 
 
 def parse(constraint: Constraint) -> str:

@@ -37,9 +37,7 @@ from producer.api.structured import (
     SchemaLimits,
     check_constraint,
     check_cost,
-    json_value,
     parsed,
-    pattern_cost,
     schema_constraint,
 )
 from shared.schemas import Constraint
@@ -263,12 +261,12 @@ def _tool_param(n: int) -> str:
 def check_tools_cost(plan: ToolPlan, limits: SchemaLimits) -> None:
     """Each tool's parameters within the schema limits, and all of them together: every one is parsed,
     so 60 tools each just within the pattern cost took 21 s of the producer's CPU a request (red team 5)."""
-    schemas = [schema_constraint(t.parameters) for t in plan.tools if t.parameters is not None]
+    chars = cost = 0
     for n, tool in enumerate(plan.tools):
         if tool.parameters is not None:
-            check_cost(schema_constraint(tool.parameters), _tool_param(n), limits)
-    chars = sum(len(c.spec) for c in schemas)
-    cost = sum(pattern_cost(json_value(c.spec)) for c in schemas)
+            constraint = schema_constraint(tool.parameters)
+            cost += check_cost(constraint, _tool_param(n), limits)
+            chars += len(constraint.spec)
     if chars > limits.chars or cost > limits.pattern_cost:
         what = (
             f"{chars} characters, more than max_schema_chars ({limits.chars})"

@@ -24,8 +24,7 @@ class Vocabulary:
         level BPE writes a byte a character, so a token's text has at most that many; added and
         special tokens included). None for a tokenizer without a vocabulary to read."""
         get_vocab = getattr(self.tokenizer, "get_vocab", None)
-        vocab = get_vocab() if get_vocab is not None else None
-        return max(map(len, vocab), default=0) or None if vocab else None
+        return max(map(len, get_vocab() if get_vocab is not None else ()), default=0) or None
 
     def text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import replace
 
@@ -12,6 +11,7 @@ from producer.batches.records import parse_lines, validate_lines
 from producer.batches.rq_worker import queue
 from tests.batches.helpers import MODEL, chat_line, completion_line, generate_line, jsonl
 from tests.conftest import keys_with_prefix
+from tests.waiting import loop_turns_during
 
 GOOD = json.dumps(completion_line("ok")) + "\n"
 
@@ -82,18 +82,5 @@ async def test_checking_a_file_lets_other_clients_in_between_its_lines(app):
     """A line's checks may never await (a token-id prompt), so 50,000 of them held every client of
     the producer for minutes (red team 5): the check yields to the event loop between lines."""
     lines = parse_lines(jsonl(*[completion_line(f"c{i}", prompt=[1] * 50) for i in range(200)]), 1000)
-    turns, done = 0, False
-
-    async def other_client() -> None:
-        nonlocal turns
-        while not done:
-            turns += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(other_client())
-    await asyncio.sleep(0)
-    before = turns
-    await validate_lines(lines, list(range(1, 201)), app.state.services)
-    during, done = turns - before, True
-    await task
+    _, during = await loop_turns_during(validate_lines(lines, list(range(1, 201)), app.state.services))
     assert during >= 200  # a turn between every two lines (none at all before)

@@ -9,6 +9,7 @@ import pytest
 from producer.app import create_app
 from producer.edge.body_limit import BodyLimit
 from tests.conftest import keys_with_prefix
+from tests.waiting import loop_turns_during
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 NATIVE = ["/generate", "/generate_stream", "/v1/requests"]
@@ -169,7 +170,6 @@ class RawRequest:
 async def test_a_large_body_is_validated_off_the_event_loop():
     """400,000 prompts in 1.6 MB took pydantic 3 s, every other client of the producer waiting (red
     team 5): past LARGE_BODY_BYTES the validation runs on a thread and the loop serves others."""
-    import asyncio
     import json
 
     from producer.api.openai_types import CompletionRequest
@@ -177,18 +177,5 @@ async def test_a_large_body_is_validated_off_the_event_loop():
 
     raw = json.dumps({"model": MODEL, "prompt": [[1]] * 40_000}).encode()
     assert len(raw) > LARGE_BODY_BYTES
-    turns, done = 0, False
-
-    async def other_client() -> None:
-        nonlocal turns
-        while not done:
-            turns += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(other_client())
-    await asyncio.sleep(0)
-    before = turns
-    body = await parse_body(RawRequest(raw), CompletionRequest)
-    during, done = turns - before, True
-    await task
+    body, during = await loop_turns_during(parse_body(RawRequest(raw), CompletionRequest))
     assert len(body.prompt) == 40_000 and during > 0
