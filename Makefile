@@ -58,12 +58,12 @@ lint: install-test
 	$(VENV)/bin/mypy
 
 # Pin what this venv holds now (after `make install-test CONSTRAINTS=` and a passing `make test`): every
-# installed distribution but the project, torch (installed by hand above: CPU or CUDA builds differ) and the
-# packaging tools.
+# installed distribution but the project, torch and triton (installed by hand above or kept from the venv:
+# CPU or CUDA builds differ, and each torch asks for its own triton) and the packaging tools.
 constraints: install-test
 	{ echo "# The versions the suite passed with (make constraints; Python $$($(PY) -c 'import platform; print(platform.python_version())'))"; \
 	  $(PIP) list --format=freeze --exclude-editable 2>/dev/null \
-		| grep -viE '^(lightq|torch|pip|setuptools|wheel)==' | sort -f; } > constraints.txt.new
+		| grep -viE '^(lightq|torch|triton|pip|setuptools|wheel)==' | sort -f; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
 clean:
