@@ -16,6 +16,12 @@ a new request of N prompt tokens are timed too (a prefill forward, then the deco
 the prefill forward's time. With ``--trace B`` a torch profiler table of the kernels of one eager
 forward at batch B follows (kernel times are the graph's; eager only adds
 launch gaps), grouped by kernel name, so the largest costs read off the top.
+
+With ``--lora-adapters N`` (issue 32), request i runs with adapter i mod N, each a random adapter of
+``--lora-rank`` on every projection and a device slot of its own, registered at run time over
+``--lora-files`` files as the offline bench's 1,000-adapter run does: ``--lora-adapters 64 --batches
+77`` is that run's slot-bound decode step (64 adapters, ~77 requests), to set against the same batch
+without adapters from a run without the flag.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ import cProfile
 import pstats
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.engine.lora_adapters import register_many, write_adapters
 from bench.engine.offline import sync
 from bench.engine.shapes import SHAPES, config_dir
 from shared.config import ModelSettings
@@ -72,8 +80,9 @@ class Timed:
         return each
 
 
-def fill(engine, batch: int, context: int, vocab: int, rng, steps: int) -> list[Req]:
-    """B requests prefilled and decoding; ``steps`` new tokens each, so all of them fit the pool at once."""
+def fill(engine, batch: int, context: int, vocab: int, rng, steps: int, adapters: list[str] = ()) -> list[Req]:
+    """B requests prefilled and decoding; ``steps`` new tokens each, so all of them fit the pool at once.
+    ``adapters``: request i runs with adapter i mod their number (none: the base model)."""
     reqs = []
     for i in range(batch):
         msg = GenerateRequest(
@@ -81,6 +90,7 @@ def fill(engine, batch: int, context: int, vocab: int, rng, steps: int) -> list[
             prompt_ids=rng.integers(3, vocab, size=context).tolist(),
             created_ms=0,
             params=SamplingParams(max_new_tokens=steps, ignore_eos=True),
+            adapter=adapters[i % len(adapters)] if adapters else None,
         )
         reqs.append(Req(msg=msg, inbox_id=f"{i}-0"))
         engine.add(reqs[-1])
@@ -202,12 +212,19 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         "--quantization", choices=["none", "fp8", "fp8_w8a16"], default="none", help="the worker's --quantization"
     )
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
+    parser.add_argument("--lora-adapters", type=int, default=0, help="request i runs with adapter i mod this")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--lora-files", type=int, default=8, help="distinct adapter files the names share")
+    parser.add_argument("--lora-dir", default="/tmp/lightq-bench-lora", help="where the adapters are written, once")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     traced = {int(b) for b in args.trace.split(",") if b}
     room = args.steps + 8 if args.arrival else 0  # arrivals join the running batch, one a step
     settings = WorkerSettings(
-        model=ModelSettings(model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048),
+        model=ModelSettings(
+            model_dir=f"dummy:{config_dir(args.model_shape)}", max_req_total_len=2048, max_lora_rank=args.lora_rank
+        ),
+        max_loras=args.lora_adapters,
         device=args.device,
         batch_max_tokens=8192,
         overlap="off",  # the split steps; measure_overlapped turns it on for its own
@@ -217,12 +234,18 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = build_engine(settings)
+    names: list[str] = []
+    if args.lora_adapters:  # every name its own slot, all of them resident (paged in as requests start)
+        files = write_adapters(
+            args.model_shape, min(args.lora_files, args.lora_adapters), args.lora_rank, Path(args.lora_dir)
+        )
+        names = register_many(engine.runner.adapters, engine.runner.model, files, args.lora_adapters, args.lora_rank)
     vocab, rng = SHAPES[args.model_shape]["vocab_size"], np.random.default_rng(0)
     rows = []
     for b in batches:
         # Enough tokens that none ends while timed: the first admitted decode through the fill's prefill steps too.
         fill_steps = b * args.context // settings.batch_max_tokens + 1
-        reqs = fill(engine, b, args.context, vocab, rng, fill_steps + 3 * args.steps + 10)
+        reqs = fill(engine, b, args.context, vocab, rng, fill_steps + 3 * args.steps + 10, names)
         rows.append((b, 0, measure(engine, args.steps)))
         rows[-1][2]["overlapped"] = measure_overlapped(engine, args.steps)
         if args.arrival:  # steps that each take in a new request: its prefill, then the decode
@@ -234,7 +257,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
                 trace_arrival(engine, rng.integers(3, vocab, size=args.arrival).tolist())
         for req in reqs:
             engine.cancel(req)
-    print(f"\n{args.model_shape}, context {args.context}, median of {args.steps} engine steps (ms)")
+    lora = f", {args.lora_adapters} LoRA adapters of rank {args.lora_rank}" if args.lora_adapters else ""
+    print(f"\n{args.model_shape}, context {args.context}{lora}, median of {args.steps} engine steps (ms)")
     print(
         f"{'batch':>5} {'arrival':>11} {'step':>8} {'decode':>8} {'prefill':>8} {'sample':>8} {'host':>8} {'tok/s':>9}"
         f" {'overlapped':>10} {'tok/s':>9}"

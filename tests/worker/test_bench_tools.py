@@ -45,6 +45,25 @@ def test_step_profile_times_steps_of_a_fully_decoding_batch(capsys):
     assert "median of 3 engine steps" in capsys.readouterr().out
 
 
+def test_step_profile_runs_each_request_with_its_adapter(capsys, monkeypatch, tmp_path):
+    """--lora-adapters 3 at batch 4: the deltas are computed for slots of three distinct adapters."""
+    from worker.lora import delta
+
+    seen: set[int] = set()
+    real = delta.lora_delta_ref
+
+    def spy(x, a, b, slots):
+        seen.update(slots.tolist())
+        return real(x, a, b, slots)
+
+    monkeypatch.setattr(delta, "lora_delta_ref", spy)
+    argv = ["--model-shape", "tiny", "--batches", "4", "--context", "8", "--steps", "2", "--device", "cpu"]
+    rows = step_profile.main([*argv, "--lora-adapters", "3", "--lora-rank", "4", "--lora-dir", str(tmp_path)])
+    assert sorted(rows) == [4] and rows[4]["forward"] > 0
+    assert len(seen - {0}) == 3  # request i with adapter i mod 3, each in a slot of its own
+    assert "3 LoRA adapters of rank 4" in capsys.readouterr().out
+
+
 def test_offline_timeline_accounts_for_every_step(capsys):
     settings = offline.WorkerSettings(
         model=offline.ModelSettings(model_dir=f"dummy:{config_dir('tiny')}", max_req_total_len=256),
