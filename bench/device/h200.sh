@@ -22,6 +22,7 @@
 #   bash bench/device/h200.sh setup lora-tests lora-1000   (the same after the kernels' and paging's changes, tests first)
 #   bash bench/device/h200.sh setup lora-tests lora-arms   (issue 32: page-ins by copies, staged, staged ahead)
 #   bash bench/device/h200.sh setup lora-step      (issue 32: the slot-bound decode step by kernel, with and without adapters)
+#   bash bench/device/h200.sh setup lora-tune      (issue 32: the decode LoRA kernels' tiles at that step's batch)
 #   bash bench/device/h200.sh setup lora-route      (issue 32: four workers on one GPU, 200 adapters in a Zipf mix,
 #       adapter-aware vs load-only routing; SmolLM2's shape, random weights; carry .whl .tok)
 #   bash bench/device/h200.sh setup cluster-scale   (issue 30: carry .whl .tok .carry/redis7, made here with
@@ -253,6 +254,9 @@ for part in "$@"; do
       for n in 0 64; do timeout 240 python3 -m bench.engine.step_profile --model-shape llama3-8b --batches 16,77 \
         --steps 20 --trace 77 --lora-adapters $n 2>&1 | grep -v Warning | tee "$OUT/lora_step_$n.log" \
         | grep -E -A24 "^kernels|median of" | cut -c1-160; done ;;
+    lora-tune)  # issue 32: both decode LoRA kernels' tiles on the model's layers at the slot-bound step's batch
+      timeout 300 python3 -m bench.engine.lora_kernels --tune --adapters 64 --batches ${LORA_TUNE_BATCHES:-77} 2>&1 \
+        | tee "$OUT/lora_tune.log" | grep -v Warning ;;
     lora-arms)  # issue 32: the base model, then 1,000 adapters / 64 resident paged in three ways (--lora-page-in:
       # piece-by-piece copies as before, staged in one DMA and one launch, and staged with copies ahead)
       timeout 150 python3 -m bench.engine.offline --model-shape llama3-8b --timeline 2>&1 | tr '\r' '\n' \

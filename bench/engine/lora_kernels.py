@@ -4,6 +4,13 @@ where the worker switches from one to the other (``worker.lora.delta.GROUPED_FRO
 
     python3 -m bench.engine.lora_kernels                      # on a CUDA machine; one table
     python3 -m bench.engine.lora_kernels --adapters 100 --rank 16 --batches 8,16,32,64,128,256,512,768
+    python3 -m bench.engine.lora_kernels --tune --adapters 64 --batches 77   # tiles, on the model's layers
+
+``--tune``: each kernel's expand tile (``block_n``) and shrink K per program (``split_k``) swept on the
+worker's own adapted layers of Llama-3-8B (qkv and gate_up fused, their B block diagonal), each
+config checked against the reference first; per config, the four layers' sum times 32 layers: a
+decode step's LoRA time at that batch (the 1,000-adapter run's slot-bound step is ~77 tokens over
+64 adapters).
 
 Each case first checks both against the PyTorch reference (``lora_delta_ref``) on the same random
 inputs, then times each with triton.testing.do_bench (median, L2 flushed between runs). The grouped
@@ -53,12 +60,70 @@ def _case(t: int, k: int, n: int, adapters: int, rank: int) -> tuple[float, floa
     )
 
 
+# Llama-3-8B's adapted layers as the worker fuses them: (K, each shard's output rows)
+LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+          "down": (14336, (4096,))}  # fmt: skip
+
+
+def _layer(k: int, sizes: tuple[int, ...], adapters: int, rank: int):
+    """A and B stacks as ``AdapterSet`` builds them (B block diagonal), slot 0 zeros, and its Shards."""
+    from worker.model.kernels.lora_shards import Shards
+
+    dev, n, r = torch.device("cuda"), sum(sizes), rank * len(sizes)
+    a = (torch.randn(adapters + 1, r, k, device=dev) / k**0.5).bfloat16()
+    b = torch.zeros(adapters + 1, n, r, device=dev, dtype=torch.bfloat16)
+    for i, size in enumerate(sizes):
+        row = sum(sizes[:i])
+        block = torch.randn(adapters + 1, size, rank, device=dev) / rank**0.5
+        b[:, row : row + size, i * rank : (i + 1) * rank] = block
+    a[0], b[0] = 0, 0
+    ends = tuple(sum(sizes[: i + 1]) for i in range(len(sizes)))
+    return a, b, Shards(ends, rank)
+
+
+def tune(t: int, adapters: int, rank: int) -> None:
+    import itertools
+
+    import triton.testing
+
+    from worker.lora.delta import lora_delta_ref
+    from worker.model.kernels.bgmv import bgmv
+    from worker.model.kernels.bgmv_grouped import bgmv_grouped, group_tokens
+
+    slots = torch.randint(1, adapters + 1, (t,), device="cuda", dtype=torch.int32)
+    groups = group_tokens(slots, adapters + 1)
+    layers = {name: (_layer(k, sizes, adapters, rank), torch.randn(t, k, device="cuda").bfloat16())
+              for name, (k, sizes) in LAYERS.items()}  # fmt: skip
+    kernels = {"bgmv": lambda y, x, a, b, sh, bn, sk: bgmv(y, x, a, b, slots, shards=sh, block_n=bn, split_k=sk),
+               "grouped": lambda y, x, a, b, sh, bn, sk: bgmv_grouped(y, x, a, b, groups, shards=sh, block_n=bn,
+                                                                      split_k=sk)}  # fmt: skip
+    distinct = len(set(slots.tolist()))
+    print(f"{t} tokens over {distinct} of {adapters} adapters, rank {rank}: ms a layer, and x 32 layers")
+    print(f"{'kernel':<9}{'block_n':>8}{'split_k':>8}" + "".join(f"{name:>9}" for name in LAYERS) + f"{'step ms':>9}")
+    for kernel, (bn, sk) in itertools.product(kernels, itertools.product((64, 128, 256), (256, 512, 1024))):
+        row = []
+        for (a, b, shards), x in layers.values():
+            y = torch.zeros(t, b.shape[1], device="cuda", dtype=torch.bfloat16)
+            kernels[kernel](y, x, a, b, shards, bn, sk)
+            want = lora_delta_ref(x, a, b, slots)
+            assert ((y.float() - want).norm() / want.norm()).item() < 2e-2, (kernel, bn, sk)
+            row.append(triton.testing.do_bench(lambda: kernels[kernel](y, x, a, b, shards, bn, sk),  # noqa: B023
+                                               warmup=25, rep=100, return_mode="median"))  # fmt: skip
+        cells = "".join(f"{ms:>9.4f}" for ms in row)
+        print(f"{kernel:<9}{bn:>8}{sk:>8}{cells}{sum(row) * 32:>9.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapters", type=int, default=100)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--batches", default="4,8,16,32,64,128,256,512,768")
+    parser.add_argument("--tune", action="store_true", help="sweep the tiles on the model's layers (above)")
     args = parser.parse_args()
+    if args.tune:
+        for t in [int(b) for b in args.batches.split(",")]:
+            tune(t, args.adapters, args.rank)
+        return
     print(f"{'shape':<22}{'tokens':>7}{'bgmv ms':>10}{'grouped ms':>11}{'grouped/bgmv':>13}{'max rel err':>13}")
     sort_ms = []
     for name, (k, n) in SHAPES.items():

@@ -107,6 +107,31 @@ def test_grouped_bgmv_matches_reference(slots, rank, k, n, dtype):
     assert_close(y, want.to(dtype), SGMV_FP32_CUDA if dtype == torch.float32 and DEVICE.type == "cuda" else None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_n, split_k", [(128, 256), (256, 1024)])
+def test_both_decode_kernels_match_the_reference_at_other_tiles(block_n, split_k, dtype):
+    """The tiles ``bench.engine.lora_kernels --tune`` sweeps: wider output tiles over fused shards on
+    their boundaries (the zero blocks NaN, never read), K split in other chunks, poisoned scratch."""
+    sizes, rank, k = [256, 256, 256], 16, 1100  # K over 1 to 5 splits, not a multiple of one
+    a, b, seen = block_diagonal(sizes, rank, k, dtype, float("nan"))
+    shards, r, n = Shards((256, 512, 768), rank), rank * len(sizes), sum(sizes)
+    token_slots = torch.tensor([3, 1, 0, 2, 1, 3, 2, 2, 1], dtype=torch.int32, device=DEVICE)
+    t = token_slots.shape[0]
+    x = torch.randn(t, k, device=DEVICE).to(dtype)
+    y0 = torch.randn(t, n, device=DEVICE).to(dtype)
+    want = expected(y0, x, a, seen, token_slots).to(dtype)
+    splits = shrink_splits(k, split_k)
+    y = y0.clone()
+    bgmv(y, x, a, b, token_slots, v=poisoned(t, r).expand(splits, -1, r).clone(), shards=shards, block_n=block_n,
+         split_k=split_k)  # fmt: skip
+    assert_close(y, want)
+    y, groups = y0.clone(), group_tokens(token_slots, 4)
+    places = groups.block_slots.shape[0] * BLOCK_M
+    v = poisoned(places, r).expand(splits, -1, r).clone()
+    bgmv_grouped(y, x, a, b, groups, v=v, shards=shards, block_n=block_n, split_k=split_k)
+    assert_close(y, want, SGMV_FP32_CUDA if dtype == torch.float32 and DEVICE.type == "cuda" else None)
+
+
 def test_grouping_puts_each_slots_tokens_in_whole_blocks_of_their_own():
     slots = torch.tensor([3, 1, 0, 3, 1, 1] + [2] * 17, dtype=torch.int32, device=DEVICE)
     groups = group_tokens(slots, 5)

@@ -27,9 +27,9 @@ from worker.model.kernels.lora_shards import Shards, block_ranks, expand_span
 BLOCK_N, BLOCK_K, SPLIT_K = 64, 128, 512
 
 
-def shrink_splits(k: int) -> int:
+def shrink_splits(k: int, split_k: int = SPLIT_K) -> int:
     """How many programs share a token's K in the shrink: the first dimension of its scratch."""
-    return triton.cdiv(k, SPLIT_K)
+    return triton.cdiv(k, split_k)
 
 
 @triton.jit
@@ -80,28 +80,31 @@ def bgmv(
     slots: torch.Tensor,
     v: torch.Tensor | None = None,
     shards: Shards | None = None,
+    block_n: int = BLOCK_N,
+    split_k: int = SPLIT_K,
 ) -> torch.Tensor:
     """y [T, N] += each token's delta, in place; x [T, K], A [S, R, K], B [S, N, R], slots [T].
-    ``v``: the [shrink_splits(K), T, R] fp32 scratch of partial sums (tests pass a poisoned one).
-    ``shards``: B is block diagonal so (``lora_shards``)."""
+    ``v``: the [shrink_splits(K, split_k), T, R] fp32 scratch of partial sums (tests pass a poisoned one).
+    ``shards``: B is block diagonal so (``lora_shards``). ``block_n``, ``split_k``: the expand's output
+    tile and the shrink's K per program (a benchmark's sweep)."""
     (t, k), (num_slots, r, k_a), (_, n, r_b) = x.shape, a.shape, b.shape
     assert k_a == k and r_b == r and b.shape[0] == num_slots and y.shape == (t, n), (x.shape, a.shape, b.shape)
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
     assert slots.shape == (t,) and a.dtype == b.dtype
     if t == 0:
         return y
-    splits = shrink_splits(k)
+    splits = shrink_splits(k, split_k)
     v = torch.empty(splits, t, r, dtype=torch.float32, device=x.device) if v is None else v
     assert v.shape == (splits, t, r) and v.stride(2) == 1
     block_r = block_ranks(r)
     block_k = min(BLOCK_K, max(16, 4096 // block_r))  # an [R, K] tile of A at most 4,096 values
     _shrink[(t, splits)](
         x, a, v, slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
-        CHUNK=SPLIT_K, BR=block_r, BK=block_k,
+        CHUNK=split_k, BR=block_r, BK=block_k,
     )  # fmt: skip
-    end0, end1, ranks = expand_span(shards, n, r, BLOCK_N)
-    _expand[(t, triton.cdiv(n, BLOCK_N))](
+    end0, end1, ranks = expand_span(shards, n, r, block_n)
+    _expand[(t, triton.cdiv(n, block_n))](
         v, b, y, slots, n, ranks, end0, end1, v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        SPLITS=splits, BN=BLOCK_N, BR=block_ranks(ranks),
+        SPLITS=splits, BN=block_n, BR=block_ranks(ranks),
     )  # fmt: skip
     return y

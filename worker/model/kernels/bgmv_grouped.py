@@ -121,17 +121,20 @@ def bgmv_grouped(
     groups: TokenGroups,
     v: torch.Tensor | None = None,
     shards: Shards | None = None,
+    block_n: int = BLOCK_N,
+    split_k: int = SPLIT_K,
 ) -> torch.Tensor:
     """y [T, N] += each token's delta, in place; x [T, K], A [S, R, K], B [S, N, R], ``groups`` from
-    ``group_tokens`` over the batch's slots. ``v``: the [splits, blocks * BLOCK_M, R] fp32 scratch
-    (tests pass a poisoned one). ``shards``: B is block diagonal so (``lora_shards``)."""
+    ``group_tokens`` over the batch's slots. ``v``: the [cdiv(K, split_k), blocks * BLOCK_M, R] fp32
+    scratch (tests pass a poisoned one). ``shards``: B is block diagonal so (``lora_shards``).
+    ``block_n``, ``split_k``: the expand's output tile and the shrink's K per program (a benchmark's sweep)."""
     (t, k), (num_slots, r, k_a), (_, n, r_b) = x.shape, a.shape, b.shape
     assert k_a == k and r_b == r and b.shape[0] == num_slots and y.shape == (t, n), (x.shape, a.shape, b.shape)
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
     blocks = groups.block_slots.shape[0]
     if t == 0 or blocks == 0:
         return y
-    splits, places = triton.cdiv(k, SPLIT_K), blocks * BLOCK_M
+    splits, places = triton.cdiv(k, split_k), blocks * BLOCK_M
     v = torch.empty(splits, places, r, dtype=torch.float32, device=x.device) if v is None else v
     assert v.shape == (splits, places, r) and v.stride(2) == 1
     block_r = block_ranks(r)
@@ -139,12 +142,12 @@ def bgmv_grouped(
     block_k = BLOCK_K if a.element_size() <= 2 else BLOCK_K // 2
     _shrink[(blocks, splits)](
         x, a, v, groups.tokens, groups.block_slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0),
-        v.stride(1), CHUNK=SPLIT_K, BM=BLOCK_M, BR=block_r, BK=block_k,
+        v.stride(1), CHUNK=split_k, BM=BLOCK_M, BR=block_r, BK=block_k,
     )  # fmt: skip
     total = v[0] if splits == 1 else v.sum(0)  # the splits added once (a fixed-order reduction)
-    end0, end1, ranks = expand_span(shards, n, r, BLOCK_N)
-    _expand[(blocks, triton.cdiv(n, BLOCK_N))](
+    end0, end1, ranks = expand_span(shards, n, r, block_n)
+    _expand[(blocks, triton.cdiv(n, block_n))](
         total, b, y, groups.tokens, groups.block_slots, n, ranks, end0, end1, total.stride(0), b.stride(0),
-        b.stride(1), y.stride(0), BM=BLOCK_M, BN=BLOCK_N, BR=block_ranks(ranks),
+        b.stride(1), y.stride(0), BM=BLOCK_M, BN=block_n, BR=block_ranks(ranks),
     )  # fmt: skip
     return y
