@@ -133,8 +133,15 @@ class WorkerSettings(BaseSettings):
         ge=1,
         description="once every --max_loras slot is held by running requests, page adapters in again only when "
         "this many slots are free, so the waiting requests start together in one prefill step rather than one "
-        "a step (1: page in as each slot frees); on a GPU also how many waiting adapters are copied ahead, into "
-        "staging buffers of one adapter at --max_lora_rank each",
+        "a step (1: page in as each slot frees)",
+    )
+    lora_prefetch: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="on a GPU, how many adapters of requests waiting for a --max_loras slot are copied ahead "
+        "(host to device, beside the running steps) into staging buffers of one adapter at --max_lora_rank each, "
+        "allocated at start, so their page-ins need no copy from the host (0: as many as --lora_page_batch)",
     )
     seed: int = Field(0, description="seed for dummy weights")
     counting_step_ms: float = Field(

@@ -161,6 +161,7 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
             settings.model.max_lora_rank,
             settings.max_loras,
             settings.lora_page_batch,
+            settings.lora_prefetch,
         )
         log.info(
             "LoRA adapters %s and %d run-time slots: rank <= %d, %.1f MiB",

@@ -23,6 +23,7 @@
 #   bash bench/device/h200.sh setup lora-tests lora-arms   (issue 32: page-ins by copies, staged, staged ahead)
 #   bash bench/device/h200.sh setup lora-step      (issue 32: the slot-bound decode step by kernel, with and without adapters)
 #   bash bench/device/h200.sh setup lora-tune      (issue 32: the decode LoRA kernels' tiles at that step's batch)
+#   bash bench/device/h200.sh setup lora-prefetch  (issue 32: 1,000 adapters with 8 then 24 adapters copied ahead)
 #   bash bench/device/h200.sh setup lora-route      (issue 32: four workers on one GPU, 200 adapters in a Zipf mix,
 #       adapter-aware vs load-only routing; SmolLM2's shape, random weights; carry .whl .tok)
 #   bash bench/device/h200.sh setup cluster-scale   (issue 30: carry .whl .tok .carry/redis7, made here with
@@ -257,6 +258,12 @@ for part in "$@"; do
     lora-tune)  # issue 32: both decode LoRA kernels' tiles on the model's layers at the slot-bound step's batch
       timeout 300 python3 -m bench.engine.lora_kernels --tune --adapters 64 --batches ${LORA_TUNE_BATCHES:-77} 2>&1 \
         | tee "$OUT/lora_tune.log" | grep -v Warning ;;
+    lora-prefetch)  # issue 32: 1,000 adapters / 64 resident with --lora_prefetch 8 (the default: the page batch) and
+      # 24, alternately (LORA_PREFETCH_ARMS overrides), over 16 files (the names' own slots, as lora-1000's 100)
+      for p in ${LORA_PREFETCH_ARMS:-8 24 8 24}; do echo "--- --lora-prefetch $p"
+        timeout 200 python3 -m bench.engine.offline --model-shape llama3-8b --lora-adapters 1000 --lora-files 16 \
+          --lora-resident 64 --lora-rank 16 --lora-prefetch $p --timeline 2>&1 | tr '\r' '\n' \
+          | tee "$OUT/offline_lora_prefetch_$p.log" | grep -E "^(lightq|LoRA: [0-9]+ adapters paged|with prefill|decode, batch)"; done ;;
     lora-arms)  # issue 32: the base model, then 1,000 adapters / 64 resident paged in three ways (--lora-page-in:
       # piece-by-piece copies as before, staged in one DMA and one launch, and staged with copies ahead)
       timeout 150 python3 -m bench.engine.offline --model-shape llama3-8b --timeline 2>&1 | tr '\r' '\n' \

@@ -123,6 +123,7 @@ def run_lightq(args, work, tally: Tally) -> float:
         ),
         max_loras=args.lora_resident,
         lora_page_batch=args.lora_page_batch,
+        lora_prefetch=args.lora_prefetch,
         device=args.device,
         max_total_token_num=args.max_total_token_num,
         batch_max_tokens=args.batch_max_tokens,
@@ -301,6 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--lora-files", type=int, default=0, help="with --lora-resident: distinct files (0: one each)")
     parser.add_argument("--lora-page-batch", type=int, default=8, help="the worker's --lora_page_batch")
+    parser.add_argument("--lora-prefetch", type=int, default=0, help="the worker's --lora_prefetch")
     parser.add_argument(
         "--lora-page-in", choices=("ahead", "staged", "copies"), default="ahead", help=page_in_by.__doc__
     )
@@ -321,6 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     name += " fp8-kv" if args.kv_cache_dtype == "fp8_e4m3" else ""
     name += f" lora {args.lora_adapters}x r{args.lora_rank}" if args.lora_adapters else ""
     name += f" resident {args.lora_resident}" if args.lora_resident else ""
+    name += f" prefetch {args.lora_prefetch}" if args.lora_prefetch else ""
     ours = report(name, work, seconds, tally)
     if args.peer == "hf":
         gc.collect()  # the engine (weights, KV pool, graphs) must be gone before the peer loads

@@ -293,6 +293,19 @@ def page_in_both_ways(base: str, folders: dict[str, str], order: list[str], devi
     assert staged.prefetched == staged.used == len(order) // 2 and staged.free == [0]
 
 
+def test_adapters_copied_ahead_take_the_page_batch_of_buffers_unless_more_are_asked(tiny):  # noqa: F811
+    """--lora_prefetch: its staging buffers, each one adapter at the stacks' rank; 0: --lora_page_batch."""
+    sizes = {}
+    for prefetch, want in ((0, 2), (5, 5)):
+        model, _ = load_model(ModelSource("hf", tiny[1]), torch.float32, "cpu")
+        lora = AdapterSet([], spare=4, rank=MAX_RANK, page_batch=2, prefetch=prefetch)
+        size = lora.install(model, staging=True)
+        assert lora.staging is not None and len(lora.staging.ahead) == want
+        assert lora.staging.nbytes == (want + 1) * lora.staging.direct.numel() * 4  # counted in the stacks' bytes
+        sizes[want] = size
+    assert sizes[5] - sizes[2] == 3 * lora.staging.direct.numel() * 4
+
+
 def test_staged_copies_keep_their_buffers_until_used_or_stale():
     """Staging's bookkeeping: askers beyond the spare buffers cost nothing; a staged copy nobody pages
     in gives its buffer up after STALE times as many page-ins went by; a used or forgotten one frees it."""

@@ -54,7 +54,9 @@ class AdapterSet:
     """``adapters`` in slots 1..N; ``spare`` more slots, a cache of the adapters loaded at run time
     (``register``), each as large as ``rank`` on every adaptable layer (the module's docstring)."""
 
-    def __init__(self, adapters: list[LoraAdapter], spare: int = 0, rank: int = 0, page_batch: int = 1):
+    def __init__(
+        self, adapters: list[LoraAdapter], spare: int = 0, rank: int = 0, page_batch: int = 1, prefetch: int = 0
+    ):
         self.slots = {a.name: i + 1 for i, a in enumerate(adapters)}  # on the device: name -> slot
         self.host: dict[str, LoraAdapter] = {}  # run-time adapters (host memory), on the device or not
         self.recent: OrderedDict[str, None] = OrderedDict()  # run-time ones on the device, least recent first
@@ -65,6 +67,8 @@ class AdapterSet:
         self.spare = spare
         # Once every run-time slot was pinned, page in again only when this many are free (AdapterPins).
         self.page_batch = max(1, min(page_batch, spare))
+        # Staging buffers for adapters copied ahead of their page-ins (install; 0: page_batch of them).
+        self.prefetch_buffers = prefetch or self.page_batch
         self.spare_rank = rank if spare else 0
         self.max_rank = max([a.rank for a in adapters] + [self.spare_rank])
         self.bound: ForwardBatch | None = None  # set by ``bind`` for one forward
@@ -106,8 +110,8 @@ class AdapterSet:
         ``LoraLinear`` holding its stacks (the model's dtype, the layer's device); the stacks' bytes.
         The stacks never move or grow after this: a captured CUDA graph reads them where they are.
         ``staging`` (default: spare slots on a GPU): buffers as large as the largest adapter the stacks
-        take, so page-ins copy an adapter's host buffer in one DMA and one launch, ``page_batch`` of
-        them ahead of their slots (``worker.lora.staging``)."""
+        take, so page-ins copy an adapter's host buffer in one DMA and one launch, ``prefetch_buffers``
+        of them ahead of their slots (``worker.lora.staging``)."""
         names = {name for a in self._adapters for name in a.modules}
         if self.spare_rank:
             names |= set(adaptable_layers(model))
@@ -130,7 +134,7 @@ class AdapterSet:
             most = sum(layer.lora_a[0].numel() + sum(layer.sizes) * layer.rank for layer in self.layers.values())
             from worker.lora.staging import Staging  # triton's kernel: only where page-ins stage
 
-            self.staging = Staging(most, model.dtype, device, ahead=self.page_batch if self.spare else 0)
+            self.staging = Staging(most, model.dtype, device, ahead=self.prefetch_buffers if self.spare else 0)
             size += self.staging.nbytes
         for adapter in self._adapters:
             self._write(self.slots[adapter.name], adapter)
@@ -246,12 +250,15 @@ def adaptable_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, Linear) and name.rpartition(".")[2] != "lm_head"]
 
 
-def load_adapters(specs: list[str], model: nn.Module, max_rank: int, spare: int = 0, page_batch: int = 1) -> AdapterSet:
+def load_adapters(
+    specs: list[str], model: nn.Module, max_rank: int, spare: int = 0, page_batch: int = 1, prefetch: int = 0
+) -> AdapterSet:
     """--lora_modules' adapters read, checked against ``model`` (its weights loaded) and installed,
     with ``spare`` slots of rank ``max_rank`` for adapters loaded at run time (--max_loras), paged
-    in ``page_batch`` at a time once they were all pinned (--lora_page_batch)."""
+    in ``page_batch`` at a time once they were all pinned (--lora_page_batch), ``prefetch`` of the
+    waiting ones copied ahead on a GPU (--lora_prefetch; 0: ``page_batch``)."""
     adapters = [load_adapter(*parse_spec(spec), model=model, max_rank=max_rank) for spec in specs]
-    adapter_set = AdapterSet(adapters, spare, max_rank, page_batch)
+    adapter_set = AdapterSet(adapters, spare, max_rank, page_batch, prefetch)
     adapter_set.install(model)
     return adapter_set
 
