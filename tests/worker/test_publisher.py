@@ -168,6 +168,21 @@ def test_a_resumed_request_gets_back_its_held_text(publisher, client, keys, ids)
     assert [c.text for c in chunks(client, keys)] == ["42", "."]
 
 
+def test_a_resumed_request_cut_inside_a_character_gets_the_character(publisher, client, keys):
+    """A migration or pause between the bytes of one character (a byte-level tokenizer's CJK and
+    emoji): the bytes the earlier attempt held back are not lost (red team 7: '日本語' came back '日本')."""
+    from worker.service.detokenizer import IncrementalDecoder
+
+    tokenizer = publisher.texts.tokenizer
+    ids = tokenizer.encode(" 日本語と😀 ok", add_special_tokens=False)
+    cuts = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts  # the text has cuts inside characters
+    first = IncrementalDecoder(tokenizer, [1, 2, 3])
+    head = "".join(first.push(i) for i in ids[: cuts[0]])  # what the first attempt emitted
+    publish(publisher, [started(resume_ids=ids[: cuts[0]]), *tokens(ids, cuts[0], len(ids), last_reason="length")])
+    assert head + "".join(c.text for c in chunks(client, keys)) == " 日本語と😀 ok"
+
+
 def test_steps_written_together_keep_their_order_and_stops(publisher, client, keys, ids):
     """Several steps in one write (the publisher fell behind): chunks in order, each index once."""
     stopped = publish(publisher, [started(["answer"]), *tokens(ids, 0, 4)], steps=5)

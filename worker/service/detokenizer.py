@@ -9,6 +9,8 @@ it ends in an incomplete character (U+FFFD). The algorithm is TGI's and vLLM's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 CONTEXT_TOKENS = 5  # prompt tokens decoded as context so the first token's spacing is right
 
 
@@ -52,6 +54,18 @@ class IncrementalDecoder:
         return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
-def resumed_decoder(tokenizer, prompt_ids: list[int], resume_ids: list[int]) -> IncrementalDecoder:
-    """A decoder positioned after ``resume_ids`` (their text was already emitted)."""
-    return IncrementalDecoder(tokenizer, prompt_ids + resume_ids)
+def resumed_decoder(
+    tokenizer, prompt_ids: list[int], resume_ids: list[int], each: Callable[[int, str], None] | None = None
+) -> IncrementalDecoder:
+    """A decoder in the state the attempt that emitted ``resume_ids`` left it in (their text was
+    emitted; ``each(index, piece)`` sees it again, piece by piece): the tokens pushed again from the
+    prompt. A decoder simply started after them took every byte as emitted, and where they ended
+    inside a character (a byte-level tokenizer's CJK or emoji, cut by a migration or a pause), the
+    bytes the attempt held back were lost with the character (red team 7). Pushing them costs a
+    short decode a token, once a resume."""
+    decoder = IncrementalDecoder(tokenizer, prompt_ids)
+    for index, token_id in enumerate(resume_ids):
+        piece = decoder.push(token_id)
+        if each is not None:
+            each(index, piece)
+    return decoder

@@ -10,6 +10,7 @@ decoder and matcher back in the state that attempt left them in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.schemas import FinishReason, GenerateRequest
@@ -36,6 +37,15 @@ class Text:
     stopped_here: bool  # a stop string ended it while the engine runs it on: the engine must be told
 
 
+def _matching(matcher: StopMatcher, min_new_tokens: int) -> Callable[[int, str], None]:
+    """Each replayed piece (token ``index``'s text) into the matcher, as the attempt pushed it."""
+
+    def push(index: int, piece: str) -> None:
+        matcher.push(piece, armed=index + 1 >= min_new_tokens)
+
+    return push
+
+
 class Texts:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -46,22 +56,13 @@ class Texts:
         for choice in msg.open_choices:
             emitted = msg.emitted(choice)
             matcher = StopMatcher(msg.params.stop_sequences)
-            if matcher and emitted:
-                decoder = self._replay(msg, emitted, matcher)
-            else:
-                decoder = resumed_decoder(self.tokenizer, msg.prompt_ids, emitted)
+            # What the earlier attempt held back (a character's first bytes, text a stop string
+            # could complete) rebuilt from the same tokens: same pieces, same state. Its emitted
+            # text is discarded (the client has it); a stop it had completed would have ended the
+            # request, so none completes here.
+            replay = _matching(matcher, msg.params.min_new_tokens) if matcher else None
+            decoder = resumed_decoder(self.tokenizer, msg.prompt_ids, emitted, replay)
             self.outputs[(msg.id, choice)] = _Output(decoder, matcher, msg.params.min_new_tokens)
-
-    def _replay(self, msg: GenerateRequest, emitted: list[int], matcher: StopMatcher) -> IncrementalDecoder:
-        """Rebuild what the earlier attempt held back: same tokens, same pieces, same state.
-
-        (Its emitted text is discarded; the client has it. A stop it had completed
-        would have ended the request, so none completes here.)
-        """
-        decoder = IncrementalDecoder(self.tokenizer, msg.prompt_ids)
-        for index, token_id in enumerate(emitted):
-            matcher.push(decoder.push(token_id), armed=index + 1 >= msg.params.min_new_tokens)
-        return decoder
 
     def token(self, event: Token) -> Text:
         """The token's text; a sample that ends with it is forgotten."""
