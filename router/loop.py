@@ -157,7 +157,7 @@ class Router:
         run: list[Item] = []
         while self.queue and len(run) < self.settings.dispatch_batch:
             entry_id, request = self.queue[0]
-            expired = request.deadline_ms is not None and now_ms() > request.deadline_ms
+            expired = request.expired(now_ms())
             if request.id in cancelled or expired:
                 status = RequestStatus.CANCELLED if request.id in cancelled else RequestStatus.EXPIRED
                 self._finish(entry_id, request, status, status.value)
@@ -262,7 +262,7 @@ class Router:
         ending = [
             (entry_id, request)
             for entry_id, request in self.queue
-            if request.id in self._cancelled_ids or (request.deadline_ms is not None and at > request.deadline_ms)
+            if request.id in self._cancelled_ids or request.expired(at)
         ]
         if not ending:
             return

@@ -35,7 +35,7 @@ class RequestStatus(str, Enum):
     FINISHED = "finished"
     FAILED = "failed"
     CANCELLED = "cancelled"
-    EXPIRED = "expired"  # its deadline passed while it waited; it never ran
+    EXPIRED = "expired"  # its deadline passed while it waited, before its first token
 
     @property
     def is_terminal(self) -> bool:
@@ -147,7 +147,7 @@ class GenerateRequest(FrozenModel):
     created_ms: int
     attempt: int = 0
     resume_ids: list[int] = Field(default_factory=list)
-    deadline_ms: int | None = None  # Unix ms; a request still queued past it ends ``expired``
+    deadline_ms: int | None = None  # Unix ms; one still queued past it with nothing emitted ends ``expired``
     n: int = Field(1, ge=1, description="samples of this prompt (a group when > 1), prompt held once")
     model: str | None = Field(
         None, description="the served model name it is for: only workers serving it take it (None: any worker)"
@@ -190,6 +190,18 @@ class GenerateRequest(FrozenModel):
     def open_choices(self) -> list[int]:
         """The samples still to run: every choice but those a requeued group already finished."""
         return [c for c in range(self.n) if c not in self.finished_choices]
+
+    @property
+    def has_output(self) -> bool:
+        """Whether an earlier attempt emitted a token (the client has part of the answer)."""
+        return bool(self.resume_ids or self.finished_choices or any(self.group_resume))
+
+    def expired(self, at_ms: int) -> bool:
+        """Past its deadline with nothing emitted: ``timeout`` bounds the wait for an answer to
+        start, never an answer under way. A request moved off a dead worker or paused for a better
+        class comes back to the queue with its tokens and runs to its end (red team 7: a started
+        stream ended ``expired`` halfway after a migration or a pause)."""
+        return self.deadline_ms is not None and at_ms > self.deadline_ms and not self.has_output
 
     def emitted(self, choice: int) -> list[int]:
         """Tokens sample ``choice`` emitted before this attempt (a single request's ``resume_ids``)."""

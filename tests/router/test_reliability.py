@@ -2,6 +2,8 @@
 
 import time
 
+import pytest
+
 from router.loop import Router
 from shared.codec import entry, from_entry
 from shared.config import RouterSettings
@@ -88,6 +90,31 @@ def test_a_request_past_its_deadline_expires_without_running(redis_settings, rcl
     assert meta(rclient, keys, "late").status is RequestStatus.EXPIRED
     assert inbox_ids(rclient, keys, "w1") == []
     assert rclient.xpending(keys.requests(), ROUTER_GROUP)["pending"] == 0
+
+
+@pytest.mark.parametrize(
+    "progress",
+    [{"resume_ids": [7, 8, 9]}, {"n": 2, "group_resume": [[7], []]}, {"n": 2, "finished_choices": [0]}],
+    ids=["resumed", "group-resumed", "group-choice-finished"],
+)
+def test_an_answer_under_way_is_never_expired_by_its_deadline(redis_settings, rclient, keys, progress):
+    """Back in the queue with tokens out (its worker died, or it was paused for a better class) and
+    past its deadline: it goes on to a worker (red team 7: a started stream ended ``expired``)."""
+    router = make_router(redis_settings, rclient)
+    msg = GenerateRequest(
+        id="going",
+        prompt_ids=[1, 2],
+        params=SamplingParams(max_new_tokens=8),
+        created_ms=now_ms(),
+        deadline_ms=now_ms() - 1,
+        **progress,
+    )
+    rclient.hset(keys.meta("going"), mapping=RequestMeta.fields(status=RequestStatus.QUEUED))
+    rclient.xadd(keys.requests(), entry(msg))
+    publish_load(rclient, keys, "w1")
+    router.step()
+    assert meta(rclient, keys, "going").status is not RequestStatus.EXPIRED
+    assert inbox_ids(rclient, keys, "w1") == ["going"]
 
 
 def test_router_recreates_a_lost_consumer_group(redis_settings, rclient, keys):
