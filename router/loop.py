@@ -169,7 +169,8 @@ class Router:
             self.on_decision(request, worker_id, time.perf_counter() - started)
             if worker_id is None and adapter_gone(self.client, self.keys, request, loads):
                 # unloaded while it waited: no worker will ever take it (router.lora)
-                self._finish(entry_id, request, RequestStatus.FAILED, "error", gone_error(request.adapter or ""))
+                error = gone_error(request.adapter or "", started=request.has_output)
+                self._finish(entry_id, request, RequestStatus.FAILED, "error", error)
                 self._pop()
                 continue
             if worker_id is None and self.views.fits_nowhere(request, request_states(request)):

@@ -39,8 +39,16 @@ TARGETS = frozenset(
 GONE = "model_not_found"
 
 
-def gone_error(name: str) -> str:
-    """The error a request for adapter ``name`` ends with when the adapter went before it started."""
+def gone_error(name: str, started: bool = False) -> str:
+    """The error a request for adapter ``name`` ends with when no worker serves the adapter: it went
+    before the request started, or (``started``: it had sent tokens) it was unloaded while the request
+    ran and the request then had to move (its worker died): an unloaded adapter stays only on the
+    workers whose running requests use it, so a moved request finds it nowhere."""
+    if started:
+        return (
+            f"{GONE}: The LoRA adapter '{name}' was unloaded while this request ran, and the request had to "
+            "move to another worker (its own stopped), where the adapter is no longer served"
+        )
     return f"{GONE}: The LoRA adapter '{name}' is not served: unloaded before the request started, or never loaded"
 
 

@@ -28,7 +28,7 @@ def registry(rclient, keys, *names: str) -> None:
     rclient.set(keys.lora_registry(MODEL), encode(LoraRegistry(version=1, adapters={n: f"/a/{n}" for n in names})))
 
 
-def submit(rclient, keys, request_id: str, adapter: str) -> None:
+def submit(rclient, keys, request_id: str, adapter: str, resume_ids: tuple[int, ...] = ()) -> None:
     msg = GenerateRequest(
         id=request_id,
         prompt_ids=list(range(1, 11)),
@@ -36,6 +36,7 @@ def submit(rclient, keys, request_id: str, adapter: str) -> None:
         adapter=adapter,
         params=SamplingParams(max_new_tokens=4),
         created_ms=now_ms(),
+        resume_ids=list(resume_ids),
     )
     rclient.hset(keys.meta(request_id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED, created_ms=now_ms()))
     pipe = rclient.pipeline(transaction=True)
@@ -60,6 +61,19 @@ def test_a_queued_request_for_an_unloaded_adapter_ends_at_once(redis_settings, r
     assert inbox_ids(rclient, keys, "w1") == ["behind"]  # the queue behind it moves on
     answer = failure(last.error)  # what the producer tells the client
     assert answer.status == 404 and answer.detail.code == "model_not_found" and "'sql'" in answer.detail.message
+
+
+def test_a_moved_request_whose_adapter_was_unloaded_says_so(redis_settings, rclient, keys):
+    """Unloaded while it ran, then its worker died: back in the queue with its tokens, it finds the
+    adapter on no worker, and its error says that, not "unloaded before the request started" (red team 7)."""
+    worker(rclient, keys, "w1", ["poems"])
+    registry(rclient, keys, "poems")
+    router = make_router(redis_settings, rclient)
+    submit(rclient, keys, "moved", "sql", resume_ids=(5, 6))
+    router.step()
+    last = emitted_chunks(rclient, keys, "moved")[-1]
+    assert last.error == gone_error("sql", started=True) and "while this request ran" in last.error
+    assert failure(last.error).status == 404
 
 
 def test_it_waits_while_the_adapter_may_still_come(redis_settings, rclient, keys):

@@ -355,7 +355,7 @@ class WorkerService:
                 f"{Constraint.UNSUPPORTED}: this pool's workers apply no grammars (the model has no matching tokenizer)"
             )
         if msg.adapter is not None and msg.adapter not in self.lora.view.serving:  # the router checks its record
-            return gone_error(msg.adapter)  # unloaded after the router sent it here: a 404 to the client
+            return gone_error(msg.adapter, started=msg.has_output)  # unloaded after the router sent it: a 404
         return None
 
     def _free_stopped(self) -> None:
