@@ -229,6 +229,18 @@ class Readiness:
             if beat is not None and beat >= child.started_ms:
                 child.ready = True
 
+    def forget(self, child: Child) -> None:
+        """A worker child that exited: its load record goes now, so routers stop choosing it and hand
+        its inbox on at their next read, not when the record's TTL runs out (1.5 s or more: a request
+        sent meanwhile waited that long beside an idle worker, red team 7). It means what the
+        record's expiry means (a router's janitor fences the worker before its inbox moves)."""
+        if child.role != "worker":
+            return
+        try:
+            self.client.delete(self.keys.load(child.worker_id()))
+        except REDIS_FAILURES:  # Redis restarting: the record's TTL ends it as before
+            pass
+
 
 def watch(children: list[Child], stop: StopAsked, readiness: Readiness, store: ServeRedis) -> int:
     """Until stopped, replace dead children (the router re-dispatches a dead worker's
@@ -250,6 +262,7 @@ def watch(children: list[Child], stop: StopAsked, readiness: Readiness, store: S
                     del due[i]
                 continue
             child.flush_output()
+            readiness.forget(child)
             at_start_up = failed_at_start_up(child, now)
             delay = policy.delay(child, now)
             if delay is None:

@@ -227,6 +227,25 @@ def test_a_serve_killed_by_sigkill_takes_its_pool_with_it(tmp_path):
     again.kill()
 
 
+def test_a_dead_workers_record_goes_when_serve_sees_it_exit(tmp_path):
+    """Routers read a worker whose load record is gone as dead and hand its inbox on; serve deletes
+    the record of a worker child it sees exit, so nothing is sent to a dead worker for the rest of
+    the record's TTL (red team 7: 1.4 s waits beside an idle worker). Beats a minute apart give the
+    records a 3-minute TTL: a record gone within the wait below was deleted, not expired."""
+    serve = Serve(tmp_path, ["--workers", "2", "--heartbeat_s", "60"])
+    try:
+        client = serve.client()
+        keys = Keys("lightq")  # serve's default prefix
+        workers = client.zrange(keys.workers(), 0, -1)
+        assert len(workers) == 2 and all(client.pttl(keys.load(w)) > 120_000 for w in workers)
+        victim = workers[0]
+        os.kill(int(victim.rsplit("-", 1)[1]), signal.SIGKILL)
+        wait_for(lambda: not client.exists(keys.load(victim)), "the dead worker's record deleted", timeout_s=100)
+        assert client.exists(keys.load(workers[1]))  # the other one's stays
+    finally:
+        serve.kill()
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_stop_is_quiet_keeps_open_streams_requests_and_stops_redis_last(tmp_path, how):
     # 200 ms a forward: the hog runs for minutes, holding the pool while the streamed request waits
