@@ -115,6 +115,27 @@ def test_more_adapters_than_slots_are_paged_in_as_requests_need_them(tiny, adapt
         assert got[f"{name}"] == want[name][1], name
 
 
+def test_queued_requests_page_their_adapters_in_only_when_admission_reaches_them(tiny, adapters):  # noqa: F811
+    """Queuing a request begins its grammar, not its adapter's page-in: paged in on arrival, each
+    queued adapter evicted an idle one an earlier queued request needed (the 1,000-adapter run paged
+    ~1,000 in as its requests were queued). Each adapter not resident is paged in once, as it starts."""
+    folders, want = adapters
+    engine, runtime = runtime_engine(tiny[1], {}, spare=2)
+    runtime.update(LoraRegistry(version=1, adapters=folders))
+    runtime.reconcile(set())
+    lora = engine.runner.adapters
+    assert lora is not None
+    resident, loads = dict(lora.slots), lora.loads
+    names = [*resident, *(name for name in folders if name not in resident)]  # the resident ones first
+    reqs = [lora_req(f"q{i}", PROMPTS[i % len(PROMPTS)], name) for i, name in enumerate(names)]
+    for req in reqs:
+        engine.add(req)
+    assert dict(lora.slots) == resident and lora.loads == loads  # queued: nothing paged in or out
+    tokens = run_all(engine, [])
+    assert tokens == {f"q{i}": want[name][i % len(PROMPTS)] for i, name in enumerate(names)}
+    assert lora.loads - loads == len(names) - len(resident)  # each of the others once
+
+
 def test_the_least_recently_used_unpinned_adapter_is_evicted(tiny, adapters):  # noqa: F811
     folders, _ = adapters
     engine, runtime = runtime_engine(tiny[1], {"all16": folders["all16"]}, spare=2)

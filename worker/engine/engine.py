@@ -86,6 +86,7 @@ class Runner(Starter, Protocol):
 
     pool: TokenPool
 
+    def queued(self, req: Req) -> None: ...
     def finish(self, req: Req) -> None: ...
     def prefill(
         self, reqs: list[Req], num_new: list[int], completing: list[Req], forks: dict[Req, list[Req]] | None = None
@@ -169,7 +170,7 @@ class Engine:
             while at > 0 and self.waiting[at - 1].msg.priority > req.msg.priority:
                 at -= 1
             self.waiting.insert(at, req)
-        self.runner.prepare(req)
+        self.runner.queued(req)
 
     def requests(self) -> list[Req]:
         with self._lock:

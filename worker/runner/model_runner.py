@@ -126,6 +126,14 @@ class ModelRunner:
             return None
         return np.fromiter((self.adapters.slot(r.msg.adapter) for r in reqs), dtype=np.int64, count=len(reqs))
 
+    def queued(self, req: Req) -> None:
+        """``req`` was queued: begin what it needs that takes time off the loop (its grammar's compile,
+        ``Grammars.prepare``). Not its adapter: a page-in on arrival evicts the idle adapter of some
+        request queued before it (1,000 requests queued at once paged in ~1,000 adapters, each
+        evicting the last); adapters are paged in as admission reaches their requests (``prepare``)."""
+        if self.grammars is not None:
+            self.grammars.prepare(req)
+
     def prepare(self, req: Req) -> bool:
         """Whether ``req`` can start now: False while its grammar compiles (``Grammars.prepare``), or
         while its LoRA adapter cannot be paged in (every adapter slot used by started requests)."""
