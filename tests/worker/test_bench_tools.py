@@ -64,6 +64,22 @@ def test_step_profile_runs_each_request_with_its_adapter(capsys, monkeypatch, tm
     assert "3 LoRA adapters of rank 4" in capsys.readouterr().out
 
 
+def test_lora_paging_counts_every_page_in_by_where_its_copy_came_from(capsys, tmp_path):
+    """A small 1,000-adapter-like mix (more adapters than slots): every page-in counted once,
+    some from a buffer filled ahead, and each queued request's adapter paged in only as it starts."""
+    from bench.engine import lora_paging
+
+    argv = ["--model-shape", "tiny", "--device", "cpu", "--num-requests", "12", "--lora-adapters", "12"]
+    argv += ["--lora-files", "2", "--lora-resident", "4", "--lora-rank", "4", "--lora-page-batch", "2"]
+    counts = lora_paging.main([*argv, "--lora-prefetch", "3", "--lora-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert counts["staged"] > 0 and f"page-ins: {counts['staged'] + counts['direct']}," in out
+    assert "LoRA: 12 adapters over 2 files, at most 4 resident" in out
+    # the warm-up's 8 requests and the run's 12 (at most 12 distinct adapters): no
+    # adapter is paged in while its request only waits in the queue
+    assert counts["staged"] + counts["direct"] <= 8 + 12
+
+
 def test_offline_timeline_accounts_for_every_step(capsys):
     settings = offline.WorkerSettings(
         model=offline.ModelSettings(model_dir=f"dummy:{config_dir('tiny')}", max_req_total_len=256),
