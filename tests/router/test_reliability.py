@@ -74,18 +74,25 @@ def test_a_live_router_keeps_what_it_holds(redis_settings, rclient, keys):
     assert len(second.queue) == 0 and len(first.queue) == 1
 
 
-def test_a_request_past_its_deadline_expires_without_running(redis_settings, rclient, keys):
-    router = make_router(redis_settings, rclient)
+def queue_past_deadline(rclient, keys, request_id: str, max_new_tokens: int, **progress) -> None:
+    """A queued request whose deadline has passed (``progress``: what an earlier attempt emitted),
+    and a worker w1 with room for it."""
     msg = GenerateRequest(
-        id="late",
+        id=request_id,
         prompt_ids=[1, 2],
-        params=SamplingParams(max_new_tokens=4),
+        params=SamplingParams(max_new_tokens=max_new_tokens),
         created_ms=now_ms(),
         deadline_ms=now_ms() - 1,
+        **progress,
     )
-    rclient.hset(keys.meta("late"), mapping=RequestMeta.fields(status=RequestStatus.QUEUED))
+    rclient.hset(keys.meta(request_id), mapping=RequestMeta.fields(status=RequestStatus.QUEUED))
     rclient.xadd(keys.requests(), entry(msg))
     publish_load(rclient, keys, "w1")
+
+
+def test_a_request_past_its_deadline_expires_without_running(redis_settings, rclient, keys):
+    router = make_router(redis_settings, rclient)
+    queue_past_deadline(rclient, keys, "late", 4)
     router.step()
     assert meta(rclient, keys, "late").status is RequestStatus.EXPIRED
     assert inbox_ids(rclient, keys, "w1") == []
@@ -101,17 +108,7 @@ def test_an_answer_under_way_is_never_expired_by_its_deadline(redis_settings, rc
     """Back in the queue with tokens out (its worker died, or it was paused for a better class) and
     past its deadline: it goes on to a worker (red team 7: a started stream ended ``expired``)."""
     router = make_router(redis_settings, rclient)
-    msg = GenerateRequest(
-        id="going",
-        prompt_ids=[1, 2],
-        params=SamplingParams(max_new_tokens=8),
-        created_ms=now_ms(),
-        deadline_ms=now_ms() - 1,
-        **progress,
-    )
-    rclient.hset(keys.meta("going"), mapping=RequestMeta.fields(status=RequestStatus.QUEUED))
-    rclient.xadd(keys.requests(), entry(msg))
-    publish_load(rclient, keys, "w1")
+    queue_past_deadline(rclient, keys, "going", 8, **progress)
     router.step()
     assert meta(rclient, keys, "going").status is not RequestStatus.EXPIRED
     assert inbox_ids(rclient, keys, "w1") == ["going"]
