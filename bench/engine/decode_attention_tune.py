@@ -29,7 +29,9 @@ import statistics
 import torch
 
 from bench.engine.decode_step import time_cuda
-from worker.model.kernels.decode_attention import FP8_POOL_TILES, Stage1Tiles, decode_attention, decode_attention_ref
+from worker.model.kernels.attention_reference import decode_attention_ref
+from worker.model.kernels.decode_attention import decode_attention
+from worker.model.kernels.decode_launch import FP8_POOL_TILES, Stage1Tiles
 from worker.model.quant import quantize_rows
 
 HQ, HKV, D, COPIES = 32, 8, 128, 8

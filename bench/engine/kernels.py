@@ -87,7 +87,8 @@ def _paged_batch(seq_lens: list[int], cached_lens: list[int]):
 
 
 def bench_decode(batch: int, ctx: int) -> dict:
-    from worker.model.kernels.decode_attention import decode_attention, decode_attention_ref
+    from worker.model.kernels.attention_reference import decode_attention_ref
+    from worker.model.kernels.decode_attention import decode_attention
 
     kv_bytes = batch * ctx * 2 * HKV * D * BYTES
     copies = max(1, -(-L2_ROTATION_BYTES // kv_bytes))  # input sets the graph rotates over
@@ -113,7 +114,8 @@ def bench_decode(batch: int, ctx: int) -> dict:
 
 
 def bench_prefill(q_lens: list[int], cached_lens: list[int]) -> dict:
-    from worker.model.kernels.context_attention import context_attention, context_attention_ref
+    from worker.model.kernels.attention_reference import context_attention_ref
+    from worker.model.kernels.context_attention import context_attention
 
     seqs = [q + c for q, c in zip(q_lens, cached_lens)]
     pool, table, rows, seq_lens, cached = _paged_batch(seqs, cached_lens)

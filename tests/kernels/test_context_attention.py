@@ -1,7 +1,8 @@
 import pytest
 
 from tests.kernels.helpers import DTYPES, assert_close, make_batch, make_pool
-from worker.model.kernels.context_attention import context_attention, context_attention_ref
+from worker.model.kernels.attention_reference import context_attention_ref
+from worker.model.kernels.context_attention import context_attention
 
 # (q_lens, cached_lens, Hq, Hkv, D, block_m, block_n): lengths off the block
 # multiples, chunked / cached prefill (cached_lens > 0), a one-token request,

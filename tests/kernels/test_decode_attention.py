@@ -2,7 +2,9 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DTYPES, assert_close, make_batch, make_pool
-from worker.model.kernels.decode_attention import Stage1Tiles, choose_splits, decode_attention, decode_attention_ref
+from worker.model.kernels.attention_reference import decode_attention_ref
+from worker.model.kernels.decode_attention import decode_attention
+from worker.model.kernels.decode_launch import Stage1Tiles, choose_splits
 
 # (seq_lens, Hq, Hkv, D, num_splits, block_n): a one-token context, lengths
 # off the block and split multiples, one split, many splits (some past the

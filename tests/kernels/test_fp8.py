@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close, make_batch, make_pool, needs_cuda
-from worker.model.kernels.context_attention import context_attention, context_attention_ref
+from worker.model.kernels.attention_reference import context_attention_ref, decode_attention_ref
+from worker.model.kernels.context_attention import context_attention
 from worker.model.kernels.copy_kv import copy_kv, copy_kv_ref
-from worker.model.kernels.decode_attention import Stage1Tiles, decode_attention, decode_attention_ref
+from worker.model.kernels.decode_attention import decode_attention
+from worker.model.kernels.decode_launch import Stage1Tiles
 from worker.model.kernels.fp8_quant import quantize_rows as quantize_rows_kernel
 from worker.model.kernels.gemv import GemvConfig, gemv, gemv_ref
 from worker.model.kernels.rmsnorm import (

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close, make_batch, make_pool
-from worker.model.kernels.context_attention import context_attention, context_attention_ref
+from worker.model.kernels.attention_reference import context_attention_ref, decode_attention_ref
+from worker.model.kernels.context_attention import context_attention
 from worker.model.kernels.copy_kv import copy_kv_ref
-from worker.model.kernels.decode_attention import Stage1Tiles, decode_attention, decode_attention_ref
+from worker.model.kernels.decode_attention import decode_attention
+from worker.model.kernels.decode_launch import Stage1Tiles
 from worker.model.layers import alibi_slopes
 from worker.model.triton_attention import TritonAttention
 

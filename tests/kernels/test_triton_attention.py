@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close, make_batch, make_pool, needs_cuda
-from worker.model.kernels.context_attention import context_attention_ref
+from worker.model.kernels.attention_reference import context_attention_ref
 from worker.model.kernels.copy_kv import copy_kv_ref
 from worker.model.triton_attention import TritonAttention
 

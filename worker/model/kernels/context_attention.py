@@ -19,6 +19,10 @@ context (the common case) then costs one masked tile pass, no more.
 FP8 pool (``k_scale`` / ``v_scale`` given): as in decode_attention, tiles load as
 e4m3 and convert to q's dtype in registers; key scales multiply score columns
 after the dot, value scales the probabilities before the second.
+
+The input checks both attention kernels share are in ``attention_inputs``; the
+PyTorch reference the tests check this kernel against is ``attention_reference``'s
+``context_attention_ref``.
 """
 
 from __future__ import annotations
@@ -29,8 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.positions import position_scores
-from worker.model.quant import FP8
+from worker.model.kernels.attention_inputs import check_kv_scales, check_position_rules, scale_strides
 
 LOG2E = 1.4426950408889634
 
@@ -291,46 +294,6 @@ def launch_config(head_dim: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-def check_position_rules(q: torch.Tensor, alibi_slopes: torch.Tensor | None, window: int | None) -> None:
-    """alibi_slopes: fp32 [Hq] on q's device; window: a positive int. Shared with decode_attention."""
-    if alibi_slopes is not None:
-        assert alibi_slopes.shape == (q.shape[1],) and alibi_slopes.dtype == torch.float32, (
-            f"alibi_slopes {tuple(alibi_slopes.shape)} {alibi_slopes.dtype}: want fp32 [{q.shape[1]}]"
-        )
-        assert alibi_slopes.device == q.device and alibi_slopes.stride(0) == 1, (
-            "alibi_slopes: contiguous, on q's device"
-        )
-    assert window is None or window >= 1, f"window {window}: want None or >= 1"
-
-
-def check_kv_scales(q, k_cache, v_cache, k_scale, v_scale) -> None:
-    """The pool's dtype against q's: the same, or FP8 with fp32 scales [S, Hkv] (shared with decode_attention)."""
-    if k_scale is None and v_scale is None:
-        assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache share a dtype (or the cache is FP8)"
-        return
-    assert k_cache.dtype == v_cache.dtype == FP8, f"scales given for a {k_cache.dtype} cache: want FP8"
-    for scale in (k_scale, v_scale):
-        assert scale is not None and scale.shape == k_cache.shape[:2] and scale.dtype == torch.float32, (
-            f"k_scale / v_scale: want fp32 {tuple(k_cache.shape[:2])}"
-        )
-        assert scale.device == q.device, "scales on q's device"
-
-
-def scale_strides(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[int, int, int, int]:
-    """The kernels' stride_kss, stride_vss, stride_ksh, stride_vsh: scales [S, Hkv] by slot and head,
-    either way round in memory (``worker.model.kv_cache`` keeps a head's slots contiguous); zeros
-    when the pool is not FP8."""
-    if k_scale is None or v_scale is None:
-        return 0, 0, 0, 0
-    return k_scale.stride(0), v_scale.stride(0), k_scale.stride(1), v_scale.stride(1)
-
-
-def dequantized(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-    """fp32 [len(slots), Hkv, D] of a pool view [S, Hkv, D]; an FP8 one times its scales [S, Hkv]."""
-    rows = cache[slots].float()
-    return rows if scale is None else rows * scale[slots][:, :, None]
-
-
 def _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table) -> None:
     assert q.dim() == 3 and o.shape == q.shape, f"q {tuple(q.shape)} / o {tuple(o.shape)}: want [T, Hq, D]"
     assert k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "k_cache / v_cache: want equal [S, Hkv, D]"
@@ -425,41 +388,3 @@ def context_attention(
         KV_FP8=k_scale is not None,
         **cfg,
     )
-
-
-def context_attention_ref(
-    q,
-    k_cache,
-    v_cache,
-    q_starts,
-    q_lens,
-    cached_lens,
-    seq_lens,
-    req_rows,
-    req_table,
-    sm_scale: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    window: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain PyTorch, one request at a time, in fp32. Returns [T, Hq, D] in q's dtype.
-
-    The causal mask, ALiBi and the window come from worker.model.positions.position_scores,
-    the rule the model tests check against transformers. An FP8 pool is dequantised first.
-    """
-    num_heads, head_dim = q.shape[1:]
-    group = num_heads // k_cache.shape[1]
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    out = torch.empty_like(q)
-    for b in range(q_lens.shape[0]):
-        start, n, cached, seq = (int(x[b]) for x in (q_starts, q_lens, cached_lens, seq_lens))
-        slots = req_table[int(req_rows[b]), :seq].long()
-        k = dequantized(k_cache, k_scale, slots).repeat_interleave(group, dim=1)  # [seq, Hq, D]
-        v = dequantized(v_cache, v_scale, slots).repeat_interleave(group, dim=1)
-        qb = q[start : start + n].float()  # [n, Hq, D]
-        scores = torch.einsum("qhd,khd->qhk", qb, k) * scale  # [n, Hq, seq]
-        rel = torch.arange(seq)[None, :] - (cached + torch.arange(n))[:, None]  # [n, seq]
-        scores = position_scores(scores, rel.to(q.device), alibi_slopes, window)
-        out[start : start + n] = torch.einsum("qhk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
-    return out

@@ -28,28 +28,25 @@ FP8 pool (``k_scale`` / ``v_scale`` given, ``worker.model.kv_cache``): K and V
 tiles are loaded as e4m3 (half the bytes) and converted to q's dtype in registers
 (exact); a key's scale multiplies its score column after the dot, a value's
 scale its probability before the second dot, so no dequantised tile is formed.
+
+The split choice and stage 1's tiles are in ``decode_launch``; the PyTorch
+reference the tests check this kernel against is ``attention_reference``'s
+``decode_attention_ref``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels.context_attention import check_kv_scales, check_position_rules, dequantized, scale_strides
-from worker.model.positions import position_scores
+from worker.model.kernels.attention_inputs import check_kv_scales, check_position_rules, scale_strides
+from worker.model.kernels.decode_launch import FP8_POOL_TILES, Stage1Tiles, choose_splits
 
 LOG2E = 1.4426950408889634
-# Split choice and tiles from a sweep on an H200 (Llama-3-8B shapes, bf16, CUDA graphs):
-# B=256 x 4k context reads K/V at ~4.3 TB/s, the card's measured copy rate.
-MIN_SPLIT_LEN = 128  # shorter splits spend more on stage 2 than they win in parallelism
-MAX_SPLITS = 64
-PROGRAMS_PER_SM = 4  # stage-1 programs aimed at per SM when B * Hkv alone is too few
-DEFAULT_BLOCK_N = 128
 
 
 @triton.jit
@@ -218,42 +215,11 @@ def _decode_stage2_kernel(
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
-@dataclass(frozen=True)
-class Stage1Tiles:
-    """Stage 1's launch shape (``bench.engine.decode_attention_tune`` sweeps these)."""
-
-    block_n: int = DEFAULT_BLOCK_N
-    num_warps: int = 4
-    num_stages: int = 3
-    # Head-major: 2.8% less time summed over B = 8..768 on the slot layout decoding makes, up to 3% at
-    # B = 256 and 768 (bench.engine.decode_attention_tune on an H200, bench/RESULTS.md, issue 16).
-    head_major: bool = True
-    # An FP8 pool only: the dots in fp16 (q and the probabilities converted once, K and V by the
-    # hardware's e4m3 -> fp16) rather than in q's dtype (bf16: two conversions a K/V value on sm90).
-    fp16_dot: bool = False
-
-
-# An FP8 pool: the dots in fp16, four stages. 10% less time than bf16 dots at B=64 x 8,192 tokens
-# (2.48 against 2.24 TB/s of K/V), 2% at B=256 / 768 x 512 (bench.engine.decode_attention_tune --kv fp8,
-# an H100, bench/RESULTS.md).
-FP8_POOL_TILES = Stage1Tiles(num_stages=4, fp16_dot=True)
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the CPU interpreter: few programs, fast tests
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int) -> tuple[int, int]:
-    """(num_splits, split_len) from host ints only: about PROGRAMS_PER_SM per SM,
-    no split shorter than MIN_SPLIT_LEN, split_len a multiple of block_n."""
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, batch * num_kv_heads))
-    by_len = triton.cdiv(max_seq_len, MIN_SPLIT_LEN)
-    num_splits = max(1, min(want, by_len, MAX_SPLITS))
-    split_len = triton.cdiv(triton.cdiv(max(1, max_seq_len), num_splits), block_n) * block_n
-    return triton.cdiv(max(1, max_seq_len), split_len), split_len
 
 
 def _check_inputs(q, k_cache, v_cache, o, req_rows, seq_lens, req_table) -> None:
@@ -379,35 +345,3 @@ def decode_attention(
         HAS_WINDOW=window is not None,
         num_warps=4,
     )
-
-
-def decode_attention_ref(
-    q,
-    k_cache,
-    v_cache,
-    req_rows,
-    seq_lens,
-    req_table,
-    sm_scale: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    window: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain PyTorch in fp32, one request at a time. Returns [B, Hq, D] in q's dtype.
-    ALiBi and the window: worker.model.positions.position_scores, as the model tests check it.
-    An FP8 pool (k_scale / v_scale [S, Hkv]) is dequantised first: value x its token and head's scale."""
-    batch, num_heads, head_dim = q.shape
-    group = num_heads // k_cache.shape[1]
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    out = torch.empty_like(q)
-    for b in range(batch):
-        slots = req_table[int(req_rows[b]), : int(seq_lens[b])].long()
-        k = dequantized(k_cache, k_scale, slots).repeat_interleave(group, dim=1)  # [seq, Hq, D]
-        v = dequantized(v_cache, v_scale, slots).repeat_interleave(group, dim=1)
-        seq = slots.shape[0]
-        scores = torch.einsum("hd,khd->hk", q[b].float(), k)[None] * scale  # [1, Hq, seq]
-        rel = (torch.arange(seq, device=q.device) - (seq - 1))[None]  # [1, seq]: the query is the last token
-        scores = position_scores(scores, rel, alibi_slopes, window)
-        out[b] = torch.einsum("hk,khd->hd", scores[0].softmax(-1), v).to(q.dtype)
-    return out
