@@ -23,6 +23,7 @@ from shared.config import RedisSettings
 from shared.embedded_redis import start_embedded_redis
 from shared.keys import Keys
 from shared.redis import answers
+from tests.stack_order import group_users, last_user, note_last_users
 
 LOCAL_URL = os.environ.get("LIGHTQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -81,31 +82,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
         if item.nodeid.startswith(LONG):
             item.add_marker(pytest.mark.slow)
-    for name in SHARED_STACKS:  # each shared stack's tests one after another, where the first of them was
-        users = [item for item in items if name in item.fixturenames]
-        if users:
-            first = items.index(users[0])
-            rest = [item for item in items if name not in item.fixturenames]
-            items[:] = rest[:first] + users + rest[first:]
-
-
-# ``lightq serve`` stacks that tests of several modules share (tests.integration.stack.SharedStack): the
-# session fixture of each (the tests take ``<name>_stack``). Its tests run one after another (above),
-# and it stops after the last of them (``_last_user``), not at the session's end.
-SHARED_STACKS = ("smollm2_pair", "smollm2_single", "counting_trio", "counting_cluster")
-_LAST_USER: dict[str, str] = {}
+    group_users(items)
 
 
 def pytest_collection_finish(session):
-    """The last test of the run (what -k / -m left) that uses each shared stack."""
-    for item in session.items:
-        for name in SHARED_STACKS:
-            if name in item.fixturenames:
-                _LAST_USER[name] = item.nodeid
-
-
-def _last_user(name: str, request) -> bool:
-    return _LAST_USER.get(name) == request.node.nodeid
+    note_last_users(session.items)
 
 
 @pytest.fixture(scope="session")
@@ -136,150 +117,8 @@ def smollm2_pair(tmp_path_factory, smollm2_weights):
 @pytest.fixture
 def smollm2_pair_stack(smollm2_pair, request):
     yield smollm2_pair.get()
-    if _last_user("smollm2_pair", request):
+    if last_user("smollm2_pair", request):
         smollm2_pair.close()
-
-
-@pytest.fixture(scope="session")
-def smollm2_single(tmp_path_factory, redis_url, smollm2_weights):
-    """``lightq serve`` with 1 worker on the embedded SmolLM2, for the real clients
-    (tests/integration/test_openai_stack.py, test_structured_stack.py, test_structured_hardening.py,
-    test_readme_clients.py), on a Redis Cluster of 3 primaries of its own (issue 30: the SmolLM2 path on a
-    cluster, where ``smollm2_pair``'s e2e suite keeps one node; not the session's ``redis_cluster``,
-    whose tests flush it and kill its nodes), rq's queue on the test Redis as a cluster deployment has
-    it. Where no redis-server >= 7 is installed, on the test Redis. Its keys and cluster go afterwards."""
-    from tests.cluster import LocalCluster
-    from tests.integration.stack import COMPILE_TIMEOUT_S, SharedStack, Stack, remove_prefix_keys, start_stack
-
-    log = str(tmp_path_factory.mktemp("smollm2-single") / "serve.log")
-    try:
-        cluster: LocalCluster | None = LocalCluster(replicas=0)
-    except RuntimeError as exc:  # no redis-server >= 7: the cluster tests skip, this stack takes a node
-        print(f"smollm2_single on the test Redis: {exc}")
-        cluster = None
-    prefix = f"lightq-oai-{uuid.uuid4().hex[:8]}"
-
-    def start():
-        extra = ["--max_total_token_num", "8192", "--max_req_total_len", "1024"]
-        # A compile past 10 s fails (serve's default: 30): test_structured_hardening's costly schemas
-        # compiled in under 30 s on a fast 2-core machine and were not refused; the others' take ms.
-        extra += ["--grammar_compile_timeout_s", str(COMPILE_TIMEOUT_S)]
-        if cluster is None:
-            return start_stack(log, redis_url=redis_url, prefix=prefix, workers=1, extra=extra)
-        cluster.start()
-        extra += ["--redis_rq_url", redis_url]
-        try:
-            return start_stack(log, redis_url=cluster.url, prefix=prefix, workers=1, extra=extra)
-        except BaseException:
-            cluster.stop()
-            raise
-
-    def close(stack):
-        if cluster is None:
-            return Stack.close(stack)
-        try:
-            assert stack.stop() == 0, open(log).read()[-3000:]
-        finally:
-            cluster.stop()
-            remove_prefix_keys(redis_url, prefix)  # rq's; the cluster's keys went with it
-
-    shared = SharedStack(start, close, workers=1)
-    yield shared
-    shared.close()
-
-
-@pytest.fixture
-def smollm2_single_stack(smollm2_single, request):
-    yield smollm2_single.get()
-    if _last_user("smollm2_single", request):
-        smollm2_single.close()
-
-
-@pytest.fixture(scope="session")
-def counting_trio(tmp_path_factory):
-    """``lightq serve`` with 3 workers on the counting model (every output known in advance) and an
-    append-only embedded Redis of its own (``counting_trio.redis_server``, which a test restarts), for
-    the chaos tests (tests/integration/test_chaos.py, test_publisher_crash.py)."""
-    from tests.integration.stack import COUNTING_STEP_MS, DRAIN_TIMEOUT_S, SharedStack, start_stack
-
-    log = str(tmp_path_factory.mktemp("counting-trio") / "serve.log")
-
-    def start():
-        shared.redis_server = start_embedded_redis(appendonly=True)
-        extra = ["--model_dir", "counting", "--max_total_token_num", "60000", "--max_req_total_len", "1100"]
-        extra += ["--liveness_ttl_s", "1.5", "--drain_timeout", str(DRAIN_TIMEOUT_S)]
-        extra += ["--counting_step_ms", str(COUNTING_STEP_MS), "--publisher_stall_s", "5"]
-        try:
-            return start_stack(log, redis_url=shared.redis_server.url, prefix="lightq-chaos", workers=3, extra=extra)
-        except BaseException:
-            shared.redis_server.stop()
-            raise
-
-    def close(stack):
-        try:
-            stack.stop()
-        finally:
-            shared.redis_server.stop()
-
-    shared = SharedStack(start, close, workers=3)
-    yield shared
-    shared.close()
-
-
-@pytest.fixture
-def counting_trio_stack(counting_trio, request):
-    yield counting_trio.get()
-    if _last_user("counting_trio", request):
-        counting_trio.close()
-
-
-@pytest.fixture(scope="session")
-def counting_cluster(tmp_path_factory, redis_url):
-    """``lightq serve`` with 2 counting-model workers on a Redis Cluster of its own (3 primaries, 3
-    replicas: ``counting_cluster.cluster``, whose primaries the tests kill), rq's queue on the session's
-    plain Redis (``--redis_rq_url``), for tests/integration/test_cluster.py. Skipped where no
-    redis-server >= 7 is installed."""
-    from tests.cluster import LocalCluster
-    from tests.integration.stack import COUNTING_STEP_MS, DRAIN_TIMEOUT_S, SharedStack, remove_prefix_keys, start_stack
-
-    try:
-        cluster = LocalCluster(appendonly=True)  # the whole-cluster restart keeps every request
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    log = str(tmp_path_factory.mktemp("counting-cluster") / "serve.log")
-    prefix = f"lightq-cluster-{uuid.uuid4().hex[:6]}"
-
-    def start():
-        cluster.start()
-        extra = ["--model_dir", "counting", "--max_total_token_num", "60000", "--max_req_total_len", "1100"]
-        extra += ["--liveness_ttl_s", "3", "--drain_timeout", str(DRAIN_TIMEOUT_S), "--redis_rq_url", redis_url]
-        extra += ["--counting_step_ms", str(COUNTING_STEP_MS)]
-        try:
-            return start_stack(log, redis_url=cluster.url, prefix=prefix, workers=2, extra=extra)
-        except BaseException:
-            cluster.stop()
-            raise
-
-    def close(stack):
-        try:
-            stack.stop()
-        finally:
-            cluster.stop()
-            remove_prefix_keys(redis_url, prefix)
-
-    shared = SharedStack(start, close, workers=2)
-    shared.cluster = cluster  # type: ignore[attr-defined]
-    yield shared
-    shared.close()
-
-
-@pytest.fixture
-def counting_cluster_stack(counting_cluster, request):
-    if counting_cluster.cluster.nodes:  # a primary an earlier test killed comes back (as a replica)
-        counting_cluster.cluster.heal()
-    yield counting_cluster.get()
-    if _last_user("counting_cluster", request):
-        counting_cluster.close()
 
 
 @pytest.fixture(scope="session")
@@ -486,11 +325,6 @@ def rclient(redis_settings):
     client = redis.Redis.from_url(redis_settings.url, decode_responses=True)
     yield client
     client.close()
-
-
-def keys_with_prefix(client: redis.Redis, prefix: str) -> list[str]:
-    """Every key under a test's prefix: for 'leaves no trace' checks."""
-    return sorted(client.scan_iter(match=f"{prefix}:*", count=1000))
 
 
 @pytest.fixture

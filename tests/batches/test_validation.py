@@ -10,7 +10,7 @@ import pytest
 from producer.batches.records import parse_lines, validate_lines
 from producer.batches.rq_worker import queue
 from tests.batches.helpers import MODEL, chat_line, completion_line, generate_line, jsonl
-from tests.conftest import keys_with_prefix
+from tests.redis_keys import keys_with_prefix
 from tests.waiting import loop_turns_during
 
 GOOD = json.dumps(completion_line("ok")) + "\n"

@@ -21,7 +21,7 @@ from shared.keys import Keys
 from shared.model_files import load_config, load_tokenizer, resolve
 from shared.redis import answers, sync_client
 
-COMPILE_TIMEOUT_S = 10  # the SmolLM2 stack's --grammar_compile_timeout_s (tests/conftest.py's smollm2_single)
+COMPILE_TIMEOUT_S = 10  # the SmolLM2 stack's --grammar_compile_timeout_s (smollm2_single, in conftest.py here)
 # The shared counting stacks' --drain_timeout and --counting_step_ms. A step of at least 5 ms (a GPU's
 # is 6-25) keeps the chaos tests' requests running for a second or more on any machine: 200 tokens
 # outlast a heartbeat period or two (the mid-stream kill picks its victim from the workers' records,
@@ -125,7 +125,7 @@ class SharedStack:
     of seconds of CPU (every child imports torch, each worker loads its model) and each stop a few
     more; a stack per module paid that again and again for pools that differed in nothing the tests
     look at. Started by the first test that asks (``get``); closed (stopped, and its stop checked)
-    after the session's last test that uses it: tests/conftest.py runs a shared stack's tests one
+    after the session's last test that uses it: tests/stack_order.py runs a shared stack's tests one
     after another and closes it after the last, so it does not idle through the rest of the suite.
     Before each later test ``get`` waits until the pool is whole again (a test that killed a worker,
     a router or the producer leaves serve starting another), and starts the test's part of the log

@@ -34,7 +34,7 @@ def redis_server():
 
 @pytest.fixture
 def stack(counting_trio_stack):
-    """3 workers on the counting model (tests/conftest.py's ``counting_trio``): one ``lightq serve``
+    """3 workers on the counting model (tests/integration/conftest.py's ``counting_trio``): one ``lightq serve``
     for the four tests below that use it and test_publisher_crash.py, each meeting a whole pool."""
     return counting_trio_stack
 

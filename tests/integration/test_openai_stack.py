@@ -23,7 +23,7 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture
 def stack(smollm2_single_stack):
-    """1 worker on the embedded SmolLM2 and the test's Redis (tests/conftest.py's ``smollm2_single``,
+    """1 worker on the embedded SmolLM2 and the test's Redis (tests/integration/conftest.py's ``smollm2_single``,
     shared with test_structured_stack.py: its pool of 8,192 tokens, where this module's had 4,096;
     the largest request here, a group of 3 x 900 tokens, fits either)."""
     return smollm2_single_stack

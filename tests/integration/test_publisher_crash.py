@@ -25,7 +25,7 @@ NEW_TOKENS = 600
 
 @pytest.fixture
 def stack(counting_trio_stack):
-    """3 workers on the counting model, the chaos tests' stack (tests/conftest.py's ``counting_trio``:
+    """3 workers on the counting model, the chaos tests' stack (tests/integration/conftest.py's ``counting_trio``:
     a pool of its own cost one more start and stop of every process; a third worker changes nothing
     here: the victim is whichever worker is busy, and the rest resume its requests)."""
     return counting_trio_stack

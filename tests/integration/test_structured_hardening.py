@@ -93,7 +93,7 @@ ASK = [{"role": "user", "content": "Answer in one word: is the sky blue?"}]
 
 @pytest.fixture
 def stack(smollm2_single_stack):
-    return smollm2_single_stack  # tests/conftest.py's smollm2_single, shared with test_structured_stack.py
+    return smollm2_single_stack  # tests/integration/conftest.py's smollm2_single, shared with test_structured_stack.py
 
 
 @pytest.fixture

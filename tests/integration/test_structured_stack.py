@@ -51,8 +51,8 @@ def hf_dir(smollm2_hf_dir) -> str:
 
 @pytest.fixture
 def oai(smollm2_single_stack):
-    """The official client on 1 worker on the embedded SmolLM2 and the test's Redis (tests/conftest.py's
-    ``smollm2_single``, shared with test_openai_stack.py)."""
+    """The official client on 1 worker on the embedded SmolLM2 and the test's Redis
+    (tests/integration/conftest.py's ``smollm2_single``, shared with test_openai_stack.py)."""
     with openai.OpenAI(
         base_url=f"{smollm2_single_stack.http}/v1", api_key="unused", max_retries=0, timeout=120
     ) as client:

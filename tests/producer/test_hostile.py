@@ -8,7 +8,7 @@ import pytest
 
 from producer.app import create_app
 from producer.edge.body_limit import BodyLimit
-from tests.conftest import keys_with_prefix
+from tests.redis_keys import keys_with_prefix
 from tests.waiting import loop_turns_during
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

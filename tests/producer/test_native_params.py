@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests.conftest import keys_with_prefix
+from tests.redis_keys import keys_with_prefix
 
 ROUTES = ["/generate", "/generate_stream", "/v1/requests"]
 ALL = {

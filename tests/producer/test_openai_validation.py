@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests.conftest import keys_with_prefix
+from tests.redis_keys import keys_with_prefix
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -17,7 +17,7 @@ from shared import ingress
 from shared.codec import from_entry
 from shared.keys import Keys
 from shared.schemas import GenerateRequest
-from tests.conftest import keys_with_prefix
+from tests.redis_keys import keys_with_prefix
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -15,7 +15,7 @@ from producer.app import create_app
 from producer.batches.records import BatchLine, prepare_line
 from shared import codec
 from shared.schemas import GenerateRequest
-from tests.conftest import keys_with_prefix
+from tests.redis_keys import keys_with_prefix
 
 openai = pytest.importorskip("openai")
 

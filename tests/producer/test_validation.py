@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import keys_with_prefix
+from tests.redis_keys import keys_with_prefix
 
 ROUTES = ["/generate", "/generate_stream", "/v1/requests"]
 
