@@ -39,8 +39,8 @@ INTEGRATION = (  # starts real processes or the whole stack
     "tests/producer/test_quiet_probes.py::test_serves_probes",  # a producer.main process (50 s)
     "tests/worker/test_tp_engine.py",  # tensor-parallel follower processes (50 s)
     "tests/worker/test_models_tp.py",  # torch.multiprocessing ranks (70 s)
-    "tests/worker/test_publisher.py::test_the_publisher_processes",  # publisher processes (80 s)
-    "tests/worker/test_publisher.py::test_a_dead_publisher_process",
+    "tests/worker/test_publisher_writes.py::test_the_publisher_processes",  # publisher processes (80 s)
+    "tests/worker/test_publisher_writes.py::test_a_dead_publisher_process",
     "tests/worker/test_drain.py",  # a worker service with its publisher processes (35 s)
     "tests/monitoring/test_top.py::test_cli_once",  # `lightq top` in a subprocess
     "tests/router/test_dead_letters.py::test_cli_lists",  # `lightq dead-letters` in a subprocess
@@ -55,7 +55,7 @@ LONG = (  # in-process, but long: marked slow
     "tests/worker/test_group_resume.py::test_requeued_greedy_group",  # 14 cases (25 s)
     "tests/worker/test_group_resume.py::test_requeued_seeded_group",  # (5 s)
     "tests/worker/test_group_resume.py::test_a_poisoned_seed",  # (5 s)
-    "tests/worker/test_publisher.py::test_an_orphaned_publisher",  # retries a dead Redis (8 s)
+    "tests/worker/test_publisher_writes.py::test_an_orphaned_publisher",  # retries a dead Redis (8 s)
     "tests/worker/test_sampling_fuzz.py::test_smollm2",  # the fuzz on the embedded SmolLM2's CPU forwards
     # ALiBi and window rules over grids, under Triton's CPU interpreter (50 s); the kernels' own
     # reference tests stay in the fast set
