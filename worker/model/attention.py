@@ -57,7 +57,7 @@ class _DecodeGroup:
     members: torch.Tensor | None  # [b] their places in the batch (None: all of it, in order)
     size: int
     slots: torch.Tensor  # [b * L] pool slots to read, padding pointed at each request's first slot
-    mask: torch.Tensor  # [b, heads, 1, L] additive: -inf past seq_len and where a position rule hides
+    mask: torch.Tensor  # [b, heads, 1, L] additive, attention dtype: -inf past seq_len and where a rule hides
     new_slots: torch.Tensor  # [b] this step's token of each
     mirror: KVMirror | None  # its K/V kept from the last step (worker.model.kv_mirror), None: gathered
 
@@ -65,9 +65,12 @@ class _DecodeGroup:
 class TorchAttention:
     """The pure-PyTorch backend: the CPU path and the kernels' test oracle.
 
-    Scores and softmax are fp32 whatever the cache dtype (torch's
-    ``scaled_dot_product_attention`` on fp32 inputs, GQA without copying K/V
-    per query head). Masked-out keys (past seq_lens, or in the causal future,
+    Attention runs in the pool's ``attention_dtype`` (torch's fused
+    ``scaled_dot_product_attention``, GQA without copying K/V per query head):
+    fp32 over an fp32 or FP8 pool; over a bf16 or fp16 pool in that dtype, its
+    scores and softmax fp32 inside the kernel and the probabilities rounded to
+    it before P V, as the GPU kernels do (an fp32 copy of every key read cost a
+    CPU decode step more than it saved). Masked-out keys (past seq_lens, or in the causal future,
     or by a position rule) get probability exactly 0, and no slot a request
     has not written is ever read: a decode step's padding past a request's
     seq_len reads its own position 0 instead, so garbage in unused slots (the
@@ -116,9 +119,9 @@ class TorchAttention:
         (None: plain causal from the first key) -> [B, Hq, Q, D] fp32."""
         gqa = q.shape[-3] != keys.shape[-3]
         if rel is None:
-            return F.scaled_dot_product_attention(q.float(), keys, values, is_causal=True, enable_gqa=gqa)
-        mask = self._mask(rel, rules)
-        return F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, is_causal=True, enable_gqa=gqa)
+        mask = self._mask(rel, rules).to(keys.dtype)
+        return F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=gqa)
 
     @staticmethod
     def _mask(rel: torch.Tensor, rules: dict) -> torch.Tensor:
@@ -151,14 +154,15 @@ class TorchAttention:
     @staticmethod
     def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One query per request, q [b, Hq, D], over keys/values [b, Hkv, L, D] with an additive mask
-        [b, 1 or Hq, 1, L] -> [b, Hq, D] fp32. The Hq/Hkv query heads that share a KV head go in as
-        that head's queries ([b, Hkv, Hq/Hkv, D]; query heads are grouped as transformers' repeat_kv
-        has them), so each K/V is read once for all of them: 1.6-1.7x faster than ``enable_gqa``
+        [b, 1 or Hq, 1, L] in their dtype -> [b, Hq, D] in that dtype. The Hq/Hkv query heads that
+        share a KV head go in as that head's queries ([b, Hkv, Hq/Hkv, D]; query heads are grouped as
+        transformers' repeat_kv has them), so each K/V is read once for all of them: 1.6-1.7x faster than ``enable_gqa``
         with one query each at SmolLM2's shapes on the sandbox (bench/RESULTS.md, 2026-12-05)."""
         b, hq, d = q.shape
         hkv, length = keys.shape[1], keys.shape[2]
         mask = mask if mask.shape[1] == 1 else mask.view(b, hkv, hq // hkv, length)  # ALiBi's per-head rows
-        o = F.scaled_dot_product_attention(q.float().reshape(b, hkv, hq // hkv, d), keys, values, attn_mask=mask)
+        q = q.to(keys.dtype).reshape(b, hkv, hq // hkv, d)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return o.view(b, hq, d)
 
     def _decode_groups(self, batch: ForwardBatch, rules: dict) -> list[_DecodeGroup]:
@@ -194,9 +198,8 @@ class TorchAttention:
             new_slots = slots.gather(1, (lens - 1)[:, None]).reshape(-1)
             slots = torch.where(rel > 0, slots[:, :1], slots).reshape(-1)
             mirror, budget = self._mirror(tuple(rows.tolist()), lens, mirrors, budget)
-            groups.append(
-                _DecodeGroup(members, len(lens), slots, self._mask(rel[:, None, :], rules), new_slots, mirror)
-            )
+            mask = self._mask(rel[:, None, :], rules).to(self.cache.attention_dtype)  # once a step, not a layer
+            groups.append(_DecodeGroup(members, len(lens), slots, mask, new_slots, mirror))
         return groups
 
     def _mirror(

@@ -86,11 +86,19 @@ class KVCache:
         self.buffer[layer][slots] = q
         self.scales[layer][slots] = scale
 
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """What the PyTorch attention computes in over this pool (``read``'s dtype): a 16-bit float pool's
+        own dtype (products exact and sums fp32 inside torch's fused kernel, the probabilities rounded to
+        it before P V, as the GPU kernels have it; no fp32 copy of every key read), fp32 otherwise (an
+        fp32 pool; FP8, dequantised)."""
+        return self.buffer.dtype if self.buffer.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """fp32 [N, 2 * Hkv, D] of ``layer``'s slots [N] (flat), dequantised when FP8."""
+        """[N, 2 * Hkv, D] of ``layer``'s slots [N] (flat) in ``attention_dtype``, dequantised when FP8."""
         rows = self.buffer[layer].flatten(1).index_select(0, slots).view(-1, 2 * self.num_kv_heads, self.head_dim)
         if self.scales is None:
-            return rows.float()
+            return rows.to(self.attention_dtype)
         return rows.float() * self.scales[layer].index_select(0, slots)[:, :, None]
 
     @staticmethod

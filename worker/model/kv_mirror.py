@@ -10,10 +10,10 @@ gathered once, then extended.
 
 Invariants:
 - A mirror belongs to one decode group: its table rows in order (``rows``) and their lengths
-  (``lens``). Per layer it holds ``[b, 2 * Hkv, cap, D]`` fp32: member i's first ``lens[i]`` tokens'
-  K heads then V heads, as ``KVCache.read`` gives them (dequantised when FP8), so attention over a
-  mirror sees exactly what a gather would. Positions past a member's length hold finite values
-  (zeros, or its first token's K/V as the gather pads), always masked.
+  (``lens``). Per layer it holds ``[b, 2 * Hkv, cap, D]`` in the pool's ``attention_dtype``: member
+  i's first ``lens[i]`` tokens' K heads then V heads, as ``KVCache.read`` gives them (dequantised
+  when FP8), so attention over a mirror sees exactly what a gather would. Positions past a member's
+  length hold finite values (zeros, or its first token's K/V as the gather pads), always masked.
 - It is extended only by the decode step right after the one that built or extended it, for the
   same rows in the same order, every length one more and none past ``cap`` (``follows``). A forward
   that is not a decode (a prefill, a mixed step: the only way a row gets another request, or a
@@ -34,13 +34,15 @@ HEADROOM = 32  # positions a mirror grows by before it is gathered again (one fu
 class KVMirror:
     def __init__(self, rows: tuple[int, ...], lens: torch.Tensor, cap: int, num_layers: int):
         self.rows, self.lens, self.cap = rows, lens, cap
+        self.length = int(lens.max())  # the longest member's, read by every layer of the step
         self._layers: list[torch.Tensor | None] = [None] * num_layers
         self._append: torch.Tensor | None = None  # flat rows of this step's token per member and head
 
     @staticmethod
     def nbytes(size: int, cap: int, cache: KVCache) -> int:
         """What a mirror of ``size`` requests and ``cap`` positions costs over every layer."""
-        return size * cap * 2 * cache.num_kv_heads * cache.head_dim * 4 * cache.num_layers
+        per_position = 2 * cache.num_kv_heads * cache.head_dim * cache.attention_dtype.itemsize
+        return size * cap * per_position * cache.num_layers
 
     @staticmethod
     def cap_for(lens: torch.Tensor) -> int:
@@ -52,7 +54,7 @@ class KVMirror:
 
     def advance(self, lens: torch.Tensor, cache: KVCache) -> KVMirror:
         """Ready for the step after ``follows`` said yes: each layer takes one token per member."""
-        self.lens = lens
+        self.lens, self.length = lens, int(lens.max())
         heads = 2 * cache.num_kv_heads
         member_head = torch.arange(len(self.rows) * heads, device=lens.device).view(-1, heads)
         self._append = (member_head * self.cap + (lens - 1)[:, None]).reshape(-1)
@@ -62,10 +64,10 @@ class KVMirror:
         """K then V heads of the group in ``layer``, [b, 2 * Hkv, L, D] (L = the longest length), after
         this step's store. ``slots`` [b * L]: every position's slot (what a gather reads, padding
         pointed at each member's first slot); ``new_slots`` [b]: this step's token of each member."""
-        b, heads, length = len(self.rows), 2 * cache.num_kv_heads, int(self.lens.max())
+        b, heads, length = len(self.rows), 2 * cache.num_kv_heads, self.length
         buffer = self._layers[layer]
         if buffer is None or self._append is None:  # built this step: gathered whole
-            buffer = torch.zeros(b, heads, self.cap, cache.head_dim, device=slots.device)
+            buffer = torch.zeros(b, heads, self.cap, cache.head_dim, dtype=cache.attention_dtype, device=slots.device)
             buffer[:, :, :length] = cache.read(layer, slots).view(b, length, heads, -1).transpose(1, 2)
             self._layers[layer] = buffer
         else:

@@ -165,6 +165,15 @@ def packs(dtype: torch.dtype) -> bool:
         return False
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX): where ``--dtype auto`` picks bf16 on a
+    CPU. torch's own probes (private ones: a torch without them says no)."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:
+        return False
+
+
 SMALL_BATCH_ROWS = 64  # a Linear's decode-sized inputs: at 128 rows MKL was as fast for some shapes
 PACK_BUDGET_BYTES = 2 << 30  # packed copies double the weights' memory: models up to ~0.5 B params (fp32)
 
