@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.worker.model_harness import build_batch
-from worker.model.attention import MAX_DECODE_GROUPS, MIN_DECODE_GROUP, TorchAttention
+from worker.model.attention import MIN_DECODE_GROUP, TorchAttention, max_decode_groups
 from worker.model.kv_cache import KVCache
 from worker.model.layers import alibi_slopes
 from worker.model.quant import FP8
@@ -70,7 +70,7 @@ def test_decode_groups_match_the_dense_reference(num_requests, rules, dtype):
         tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: 8 bits of mantissa
         torch.testing.assert_close(out[b].float(), want, atol=tol, rtol=tol)
     groups = backend._decode_groups(batch, {"alibi_slopes": kw.get("alibi_slopes"), "window": kw.get("window")})
-    assert len(groups) == max(1, min(MAX_DECODE_GROUPS, num_requests // MIN_DECODE_GROUP))
+    assert len(groups) == max(1, min(max_decode_groups(dtype), num_requests // MIN_DECODE_GROUP))
     assert sum(g.size for g in groups) == num_requests
     assert torch.isnan(cache.buffer[0]).all(), "another layer was written"
 
