@@ -30,14 +30,14 @@ def _reference(q, keys, values, pos: int, slopes, window):
     return torch.einsum("hl,lhd->hd", probs, values).float()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rules", ["plain", "window", "alibi"])
 @pytest.mark.parametrize("num_requests", [3, 21, 40])
 def test_decode_groups_match_the_dense_reference(num_requests, rules, dtype):
     """Requests of spread lengths (several groups once there are 16 or more), every slot no request
     owns poisoned with NaN: each request's output is its own dense attention, and nothing leaks. A bf16
-    pool is attended in bf16 (``KVCache.attention_dtype``): within bf16's rounding of the probabilities
-    and the output."""
+    (or fp16) pool is attended in its dtype (``KVCache.attention_dtype``): within its rounding of the
+    probabilities and the output."""
     hq, hkv, d, num_slots, layer = 6, 2, 8, 4096, 1
     gen = torch.Generator().manual_seed(num_requests)
     cache = KVCache(2, num_slots, hkv, d, dtype, "cpu")
@@ -67,7 +67,7 @@ def test_decode_groups_match_the_dense_reference(num_requests, rules, dtype):
         keys = torch.cat((kv[:, :hkv], k[b : b + 1]))
         values = torch.cat((kv[:, hkv:], v[b : b + 1]))
         want = _reference(q[b], keys, values, c, kw.get("alibi_slopes"), kw.get("window"))
-        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: 8 bits of mantissa
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: 8 bits of mantissa (fp16: 11)
         torch.testing.assert_close(out[b].float(), want, atol=tol, rtol=tol)
     groups = backend._decode_groups(batch, {"alibi_slopes": kw.get("alibi_slopes"), "window": kw.get("window")})
     assert len(groups) == max(1, min(max_decode_groups(dtype), num_requests // MIN_DECODE_GROUP))
