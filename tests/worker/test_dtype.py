@@ -29,10 +29,14 @@ def test_the_suite_runs_fp32_unless_a_test_asks():
     assert WorkerSettings().dtype == "float32"
 
 
-def test_native_bf16_agrees_with_the_cpu_flags():
-    """On Linux the probe must say what /proc/cpuinfo says (AVX-512 BF16 or AMX tiles)."""
+def test_native_bf16_only_where_the_cpu_flags_say_so():
+    """On Linux a yes from the probe is backed by /proc/cpuinfo (AVX-512 BF16 or AMX tiles). Not the
+    converse: torch may say no where the flags say yes (AMX needs the kernel's permission), and then
+    fp32 is the safe answer."""
     try:
-        flags = open("/proc/cpuinfo").read().split()
+        with open("/proc/cpuinfo") as f:
+            flags = f.read().split()
     except OSError:
         return
-    assert native_bf16() == ("avx512_bf16" in flags or "amx_tile" in flags)
+    if native_bf16():
+        assert "avx512_bf16" in flags or "amx_tile" in flags
