@@ -77,3 +77,23 @@ def test_engine_top_logprobs_equal_a_reference_forward(tiny):
             assert abs(token.logprob - reference[i, token.token_id].item()) < 1e-4
         if rid == "five":  # greedy: the chosen token is the most likely alternative
             assert all(t.top[0] == (t.token_id, t.top[0][1]) for t in tokens[rid])
+
+
+def test_a_greedy_token_tied_with_others_is_listed_first_among_its_ties():
+    """bf16 logits tie often (the embedded model on a CPU with bf16, every GPU model): the token a
+    greedy row took (the argmax: the lowest id among ties) heads its alternatives and is never left
+    out of them for another token of the same logprob."""
+    vocab = 12
+    logits = torch.zeros(3, vocab)
+    logits[0, [3, 7, 9]] = 2.0  # three-way tie for the max: the argmax is 3
+    logits[1, [5, 6]] = 1.5  # two-way tie, and a better token
+    logits[1, 10] = 4.0
+    logits[2, [2, 4, 8, 11]] = 0.5  # ties at the max, k smaller than the ties
+    params = [SamplingParams(top_logprobs=2), SamplingParams(top_logprobs=3), SamplingParams(top_logprobs=1)]
+    batch = SamplingBatch.build(params, vocab, CPU, rows=[0, 1, 2], output_lens=[0, 0, 0])
+    for _ in range(20):  # topk's order among ties is not fixed: ask again
+        ids, chosen, top = sample(logits, batch)
+        assert ids == [3, 10, 2]
+        assert [i for i, _ in top[0]][0] == 3 and top[0][0][1] == top[0][1][1] == chosen[0]
+        assert [i for i, _ in top[1]][:1] == [10] and {i for i, _ in top[1][1:]} == {5, 6}
+        assert [i for i, _ in top[2]] == [2] and top[2][0][1] == chosen[2]

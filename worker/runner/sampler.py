@@ -201,8 +201,8 @@ def launch_sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCount
     parts = [ids[:, None].to(torch.float64), _finite(chosen.to(torch.float64))]
     k = max(batch.fixed.num_top, default=0)
     if k:
-        top = scaled.topk(k, dim=-1)  # sorted, most likely first
-        parts += [top.indices.to(torch.float64), _finite((top.values - log_z).to(torch.float64))]
+        top_ids, top_values = _top_with_chosen_first(scaled, ids, k)  # sorted, most likely first
+        parts += [top_ids.to(torch.float64), _finite((top_values - log_z).to(torch.float64))]
     packed = torch.cat(parts, dim=1)
     if not packed.is_cuda:
         return PendingSampled(packed, None, batch.fixed.num_top, k, ids)
@@ -211,6 +211,17 @@ def launch_sample(logits: torch.Tensor, batch: SamplingBatch, counts: TokenCount
     ready = torch.cuda.Event()
     ready.record()
     return PendingSampled(host, ready, batch.fixed.num_top, k, ids)
+
+
+def _top_with_chosen_first(scaled: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k most likely tokens [B, k] and their scaled logits, where the chosen token ranks
+    above the tokens tied with it (and so is never left out for one of them): bf16 logits tie often,
+    and ``topk`` orders ties as it likes, which listed another token of a greedy row's logprob first
+    or dropped the chosen one. Ranked on the chosen logit raised to the next float up, reported as is."""
+    chosen = scaled.gather(1, ids[:, None])
+    ranked = scaled.scatter(1, ids[:, None], torch.nextafter(chosen, torch.full_like(chosen, float("inf"))))
+    top_ids = ranked.topk(k, dim=-1).indices
+    return top_ids, scaled.gather(1, top_ids)
 
 
 def _log_normaliser(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
