@@ -41,15 +41,20 @@ $(VENV)/.installed-test: $(VENV)/.installed-serve
 serve: install
 	$(VENV)/bin/lightq serve $(ARGS)
 
-# The whole suite: the README's test command, and CI's.
+# The whole suite: the README's test command, and CI's. On every core (pytest-xdist, at most 4 workers):
+# a run's whole-stack tests wait on processes and timeouts, and one pytest process left a third of two
+# cores idle (bench/RESULTS.md). tests/conftest.py groups the tests that share a stack or a module.
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= auto
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --maxprocesses 4 --dist loadgroup)
 test: install-test
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(XDIST) $(ARGS)
 
 # The unit tests alone: without the tests marked integration (they start real processes or the
 # whole stack; tests/conftest.py marks them by path) or slow (they load the embedded model or run
 # long). What each costs on a 2-core machine: README, "Test it".
 test-fast: install-test
-	$(PY) -m pytest -q -m "not integration and not slow" $(ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not integration and not slow" $(ARGS)
 
 # Lint and format checks over the whole tree, then mypy on what pyproject.toml's [tool.mypy] names.
 lint: install-test

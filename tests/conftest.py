@@ -5,7 +5,6 @@ tests left keys without a TTL in the local Redis (``redis_left_clean``)."""
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import uuid
@@ -23,7 +22,8 @@ from shared.config import RedisSettings
 from shared.embedded_redis import start_embedded_redis
 from shared.keys import Keys
 from shared.redis import answers
-from tests.stack_order import group_users, last_user, note_last_users
+from tests.leak_check import LeakCheck
+from tests.stack_order import group_users, last_user, mark_xdist_groups, note_last_users
 
 LOCAL_URL = os.environ.get("LIGHTQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -88,6 +88,7 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid.startswith(LONG):
             item.add_marker(pytest.mark.slow)
     group_users(items)
+    mark_xdist_groups(items)
 
 
 def pytest_collection_finish(session):
@@ -270,41 +271,41 @@ def smollm2_hf_dir(tmp_path_factory) -> str:
     return out
 
 
-TEST_PREFIX = re.compile(r"lightq-test-[0-9a-f]{10}")  # redis_settings' prefixes (also in rq names)
-
-
 @pytest.fixture(scope="session")
-def session_prefixes() -> set[str]:
-    """The key prefixes this session's tests were given (redis_settings)."""
-    return set()
+def session_prefixes(request) -> set[str]:
+    """The key prefixes this session's tests were given (``redis_settings``), for the leak check."""
+    return request.config.lightq_prefixes
 
 
-@pytest.fixture(scope="session", autouse=True)
-def redis_left_clean(session_prefixes):
-    """Fails the session (an error at its last teardown) when its tests left keys without a TTL
-    in the shared local Redis; keys with a TTL go by themselves. What others write meanwhile is
-    left out: keys of other test sessions (their ``lightq-test-<hex>`` prefix was not given here),
-    and keys under a namespace that had keys before the session (a ``lightq serve`` of the user's
-    on the same Redis), unless they carry one of this session's prefixes (rq keys name them).
-    An embedded Redis goes with the session: nothing to check."""
-    if not answers(LOCAL_URL):
-        yield
+def pytest_sessionstart(session):
+    """The leak check's snapshot of the local Redis (tests/leak_check.py), taken where the session's
+    end is seen: in the one pytest process, or in xdist's controller before its workers start."""
+    session.config.lightq_prefixes = set()
+    if not hasattr(session.config, "workerinput"):
+        session.config.lightq_leaks = LeakCheck.start(LOCAL_URL)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """An xdist worker's prefixes, for the controller's leak check."""
+    node.config.lightq_prefixes.update(getattr(node, "workeroutput", {}).get("lightq_prefixes", ()))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the run when its tests left keys without a TTL in the local Redis (``LeakCheck``): checked
+    once every test of the run has ended (every xdist worker's too); a worker hands its prefixes on."""
+    config = session.config
+    if hasattr(config, "workeroutput"):
+        config.workeroutput["lightq_prefixes"] = sorted(config.lightq_prefixes)
         return
-    client = redis.Redis.from_url(LOCAL_URL, decode_responses=True)
-    before = set(client.scan_iter(count=1000))
-    namespaces = {key.partition(":")[0] for key in before}
-    yield
-    new = set(client.scan_iter(count=1000)) - before
-    leaked = sorted(key for key in new if client.ttl(key) == -1 and _ours(key, session_prefixes, namespaces))
-    client.close()
-    assert not leaked, f"tests left {len(leaked)} keys without a TTL in {LOCAL_URL}: {leaked[:20]}"
-
-
-def _ours(key: str, mine: set[str], namespaces: set[str]) -> bool:
-    prefixes = TEST_PREFIX.findall(key)
-    if prefixes:
-        return any(prefix in mine for prefix in prefixes)
-    return key.partition(":")[0] not in namespaces
+    check = getattr(config, "lightq_leaks", None)
+    leaked = check.leaked(config.lightq_prefixes) if check is not None else []
+    if leaked:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        message = f"tests left {len(leaked)} keys without a TTL in {LOCAL_URL}: {leaked[:20]}"
+        if reporter is not None:
+            reporter.write_line(message, red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

@@ -24,6 +24,13 @@ def group_users(items: list[pytest.Item]) -> None:
             items[:] = rest[:first] + users + rest[first:]
 
 
+def mark_xdist_groups(items: list[pytest.Item]) -> None:
+    """Each test's ``xdist_group``: its shared stack's name, else its module's path."""
+    for item in items:
+        stack = next((name for name in SHARED_STACKS if name in item.fixturenames), None)
+        item.add_marker(pytest.mark.xdist_group(stack or item.nodeid.split("::")[0]))
+
+
 def note_last_users(items: list[pytest.Item]) -> None:
     """The last test of the run (what -k / -m left) that uses each shared stack."""
     for item in items:
