@@ -96,7 +96,7 @@ def pytest_collection_finish(session):
     if getattr(session.config.option, "loadgroup", False) and not all("@" in item.nodeid for item in session.items):
         # pytest-xdist marks a grouped test by its node id; where that stops working (pytest-xdist#1386)
         # the groups would be ignored without a word, and every shared stack started on each worker
-        raise pytest.UsageError("pytest-xdist's --dist loadgroup did not group the tests: see pyproject.toml's pytest bound")
+        raise pytest.UsageError("pytest-xdist's loadgroup did not group the tests: see pyproject.toml's pytest bound")
     note_last_users(session.items)
 
 
