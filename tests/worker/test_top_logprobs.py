@@ -4,6 +4,7 @@ the distribution its chosen token's logprob comes from; rows that ask for
 none get None. Checked on the sampler alone and through the engine against a
 reference forward of the tiny random Llama."""
 
+import pytest
 import torch
 
 from shared.schemas import SamplingParams
@@ -79,18 +80,25 @@ def test_engine_top_logprobs_equal_a_reference_forward(tiny):
             assert all(t.top[0] == (t.token_id, t.top[0][1]) for t in tokens[rid])
 
 
-def test_a_greedy_token_tied_with_others_is_listed_first_among_its_ties():
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_greedy_token_tied_with_others_is_listed_first_among_its_ties(device, dtype):
     """bf16 logits tie often (the embedded model on a CPU with bf16, every GPU model): the token a
     greedy row took (the argmax: the lowest id among ties) heads its alternatives and is never left
-    out of them for another token of the same logprob."""
+    out of them for another token of the same logprob. On CUDA too (another topk, another argmax)."""
     vocab = 12
-    logits = torch.zeros(3, vocab)
+    logits = torch.zeros(3, vocab, dtype=dtype, device=device)
     logits[0, [3, 7, 9]] = 2.0  # three-way tie for the max: the argmax is 3
     logits[1, [5, 6]] = 1.5  # two-way tie, and a better token
     logits[1, 10] = 4.0
     logits[2, [2, 4, 8, 11]] = 0.5  # ties at the max, k smaller than the ties
     params = [SamplingParams(top_logprobs=2), SamplingParams(top_logprobs=3), SamplingParams(top_logprobs=1)]
-    batch = SamplingBatch.build(params, vocab, CPU, rows=[0, 1, 2], output_lens=[0, 0, 0])
+    batch = SamplingBatch.build(params, vocab, torch.device(device), rows=[0, 1, 2], output_lens=[0, 0, 0])
     for _ in range(20):  # topk's order among ties is not fixed: ask again
         ids, chosen, top = sample(logits, batch)
         assert ids == [3, 10, 2]
