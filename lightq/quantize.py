@@ -21,8 +21,10 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: every lightq process builds the CLI's parser, which names this module
+    import torch
 
 SHARD_BYTES = 4 << 30  # safetensors files of at most ~4 GiB, as transformers shards
 
@@ -61,8 +63,15 @@ def run(flags: dict) -> int:
     return 0
 
 
-@torch.inference_mode()
 def quantize(source, args: argparse.Namespace) -> None:
+    import torch
+
+    with torch.inference_mode():
+        _quantize(source, args)
+
+
+def _quantize(source, args: argparse.Namespace) -> None:
+    import torch
     from tqdm import tqdm
 
     from shared.config import ModelSettings
@@ -99,6 +108,8 @@ def quantize(source, args: argparse.Namespace) -> None:
 
 def calibration_text(model, tokenizer, args, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[seqs, seq_len] token ids: the file's text in consecutive windows, or sampled from the model."""
+    import torch
+
     from worker.runner.sequence_pool import SequencePool, sample_text
 
     if not args.calibration:

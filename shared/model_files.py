@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -116,13 +117,44 @@ def served_name(model_dir: str, served_model_name: str = "") -> str:
 def load_tokenizer(source: ModelSource, cache: str = "") -> PreTrainedTokenizerBase:
     """A transformers tokenizer for the source. A GGUF's is built from its metadata (seconds); with
     ``cache`` (--weights_cache) it is kept there and read back by later starts (``shared.gguf_meta``)."""
-    from transformers import AutoTokenizer
-
     if source.kind == "gguf":
-        return gguf_meta.from_gguf(AutoTokenizer, source.path, cache, "tokenizer")
+        return gguf_meta.cached(
+            source.path, cache, "tokenizer", lambda: _tokenizer_of_gguf(source.path), tokenizer_from_folder
+        )
     if source.path == "counting" or (source.kind == "dummy" and not _has_tokenizer(source.path)):
         return load_tokenizer(resolve("default"), cache)
-    return AutoTokenizer.from_pretrained(source.path)
+    return tokenizer_from_folder(source.path)
+
+
+def _tokenizer_of_gguf(path: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    return gguf_meta.from_gguf(AutoTokenizer, path, "", "tokenizer")
+
+
+# The tokenizer classes that are tokenizers' Rust tokenizer and nothing more (transformers 5 names it
+# ``TokenizersBackend``; 4.x ``PreTrainedTokenizerFast``): a folder that names one is read by that class.
+PLAIN_FAST = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def tokenizer_from_folder(folder: str) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(folder)``, without importing torch where the folder's
+    ``tokenizer_config.json`` names a plain fast tokenizer (``PLAIN_FAST``: every GGUF's, as kept by
+    ``shared.gguf_meta``): AutoTokenizer's module imports transformers' configuration code, which imports
+    torch, ~1.3 s of CPU and ~300 MB in the producer, the publishers and the rq worker, which never use it.
+    That class is the one AutoTokenizer would pick (it reads the same field); any other goes to it."""
+    config = os.path.join(folder, "tokenizer_config.json")
+    named = ""
+    if os.path.isfile(config):
+        with open(config) as f:
+            named = json.load(f).get("tokenizer_class") or ""
+    if named in PLAIN_FAST:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def load_config(source: ModelSource, cache: str = "") -> PretrainedConfig:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -43,6 +45,29 @@ def test_the_embedded_tokenizer_and_config_read_back_are_the_ggufs(tmp_path, smo
     want_config = {k: v for k, v in plain.to_dict().items() if k not in volatile}
     for each in (config, again):
         assert {k: v for k, v in each.to_dict().items() if k not in volatile} == want_config
+
+
+NO_TORCH = """
+import sys
+from lightq.cli import parser
+from shared.model_files import load_tokenizer, resolve
+
+parser()  # what every lightq process builds first
+tokenizer = load_tokenizer(resolve("default"), sys.argv[1])
+assert tokenizer.decode(tokenizer.encode("Hello, world!")) == "Hello, world!"
+print(sorted(name for name in ("torch", "xgrammar") if name in sys.modules))
+"""
+
+
+def test_a_kept_tokenizer_and_the_cli_load_without_torch(tmp_path, smollm2_tokenizer):
+    """The processes that only tokenise or route (a worker's publishers, the router) start without torch:
+    it cost each ~1.3 s of CPU and ~200 MB, when the CLI's parser imported it and the tokenizer came
+    through AutoTokenizer (``shared.model_files.tokenizer_from_folder``)."""
+    source = resolve("default")
+    smollm2_tokenizer.save_pretrained(gguf_meta.meta_folder(str(tmp_path), source.path, "tokenizer"))  # as kept
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 class Made:
