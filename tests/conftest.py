@@ -1,6 +1,6 @@
 """Shared fixtures: a real Redis (the local one, or an embedded one) with a
 key prefix of its own per test, removed afterwards; the session fails if its
-tests left keys without a TTL in the local Redis (``redis_left_clean``)."""
+tests left keys without a TTL in the local Redis (``tests.leak_check``, from the session hooks below)."""
 
 from __future__ import annotations
 
