@@ -7,9 +7,9 @@ where the worker switches from one to the other (``worker.lora.delta.GROUPED_FRO
     python3 -m bench.engine.lora_kernels --tune --adapters 64 --batches 77   # tiles, on the model's layers
 
 ``--tune``: each kernel's expand tile (``block_n``), shrink K per program (``split_k``) and, for the
-grouped kernel, output tiles per expand program (``tiles``) swept on the worker's own adapted layers of Llama-3-8B (qkv and gate_up fused, their B block diagonal), each
-config checked against the reference first; per config, the four layers' sum times 32 layers: a
-decode step's LoRA time at that batch (the 1,000-adapter run's slot-bound step is ~77 tokens over
+grouped kernel, output tiles per expand program (``tiles``) swept on the worker's own adapted layers
+of Llama-3-8B (qkv and gate_up fused, their B block diagonal), each config checked against the
+reference first; per config, the four layers' sum times 32 layers: a decode step's LoRA time at that batch (the 1,000-adapter run's slot-bound step is ~77 tokens over
 64 adapters).
 
 Each case first checks both against the PyTorch reference (``lora_delta_ref``) on the same random
