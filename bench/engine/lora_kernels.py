@@ -9,8 +9,8 @@ where the worker switches from one to the other (``worker.lora.delta.GROUPED_FRO
 ``--tune``: each kernel's expand tile (``block_n``), shrink K per program (``split_k``) and, for the
 grouped kernel, output tiles per expand program (``tiles``) swept on the worker's own adapted layers
 of Llama-3-8B (qkv and gate_up fused, their B block diagonal), each config checked against the
-reference first; per config, the four layers' sum times 32 layers: a decode step's LoRA time at that batch (the 1,000-adapter run's slot-bound step is ~77 tokens over
-64 adapters).
+reference first; per config, the four layers' sum times 32 layers: a decode step's LoRA time at
+that batch (the 1,000-adapter run's slot-bound step is ~77 tokens over 64 adapters).
 
 Each case first checks both against the PyTorch reference (``lora_delta_ref``) on the same random
 inputs, then times each with triton.testing.do_bench (median, L2 flushed between runs). The grouped
