@@ -120,9 +120,9 @@ def test_an_orphaned_publisher_stops_retrying_a_dead_redis(redis_settings, token
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from worker.service import publisher as publisher_module
+    from worker.service import pending
 
-    monkeypatch.setattr(publisher_module, "ORPHAN_RETRY_S", 0.2)
+    monkeypatch.setattr(pending, "ORPHAN_RETRY_S", 0.2)
     # Nothing listens on port 1. Without retries of the client's own (redis-py's default retries a
     # refused connection 3 times over ~5 s): each of the publisher's attempts fails at once.
     dead = redis_lib.Redis(port=1, socket_connect_timeout=0.05, retry=Retry(NoBackoff(), 0))

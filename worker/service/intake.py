@@ -1,4 +1,5 @@
-"""The worker's reads of Redis, off the model loop: its inbox, the routers' asks, cancels, history.
+"""The worker's reads of Redis, off the model loop (its inbox, the routers' asks, cancels, history),
+and what the loop does with what they found.
 
 The model loop used to read its inbox (and the routers' preemption asks) on
 every step, and the cancel keys of what it held every 50 ms: a round trip it
@@ -15,6 +16,14 @@ stalls the thread, never a step.
 
 Without its thread (``start`` not called: tests that turn the loop by hand)
 ``take`` reads inline, once a call, as the loop did.
+
+The loop's half (``ArrivalsMixin``, part of ``worker.service.serve.WorkerService``)
+takes what was read, between two steps: the run-time LoRA registry first (a
+request may name an adapter just loaded); each inbox entry into the engine,
+unless it is refused here (it ends ``failed``, saying why), an older copy of it
+still runs here (that copy stops, the request is queued again) or the worker
+drains (it goes back); the routers' asks and the pauses they (and, with
+``--preempt``, the arrivals) need; cancels; the output-length history.
 """
 
 from __future__ import annotations
@@ -32,10 +41,14 @@ from shared.codec import decode, from_entry
 from shared.config import CANCEL_CHECK_S
 from shared.keys import WORKER_GROUP, Keys
 from shared.log_limit import LogLimiter
-from shared.lora import LoraRegistry
+from shared.lora import LoraRegistry, gone_error
 from shared.redis import OUTAGES, Backoff, ensure_group
-from shared.schemas import GenerateRequest
-from shared.worker_load import PreemptAsk
+from shared.requeue import requeue
+from shared.schemas import Constraint, GenerateRequest, RequestStatus
+from shared.worker_load import PreemptAsk, too_large_error
+from worker.engine.events import Ended, Released
+from worker.engine.preempt import plan, unasked_plan
+from worker.engine.request import Req
 
 log = logging.getLogger("lightq.worker")
 
@@ -180,3 +193,104 @@ class Intake:
             outage.reset()
             if found:
                 self.arrivals.put(found)
+
+
+class ArrivalsMixin:
+    """``worker.service.serve.WorkerService``'s handling of what its ``Intake`` found, between two
+    steps. It works on the service's state (``engine``, ``publisher``, ``heartbeat``, ``lora``,
+    ``grammars``, ``settings``, ``client``, ``keys``, ``worker_id``, ``draining``, ``_unstarted``,
+    ``last_inbox_id``, ``num_asks_read``), which ``WorkerService.__init__`` makes."""
+
+    def _reconcile_adapters(self) -> None:
+        """Load and unload run-time adapters (``worker.lora.runtime``); the routers hear of it now."""
+        if self.lora.reconcile({req.msg.adapter for req in self.engine.requests() if req.msg.adapter}):
+            self.heartbeat.poke()
+
+    def _arrived(self, found: Arrivals) -> None:
+        if found.lora is not None:  # before the entries: a request may name an adapter just loaded
+            self.lora.update(found.lora)
+            self._reconcile_adapters()
+        arrived: list[Req] = []
+        for entry_id, msg, epoch in found.entries:
+            if self.draining:  # read before the intake stopped: it goes back, never started here
+                self._unstarted.append((msg, entry_id))
+                continue
+            if (req := self._take(entry_id, msg, epoch)) is not None:
+                arrived.append(req)
+            self.last_inbox_id = entry_id
+        if found.asks:
+            self._preempt(found.asks)
+        if self.settings.preempt:  # after the asks: what they made room for fits now, and asks nothing
+            self._pause(unasked_plan(self.engine, arrived, self.settings.max_preemptions), "unasked")
+        if found.cancelled:
+            cancelled = set(found.cancelled)
+            for req in self.engine.requests():  # a group's every sample
+                if req.id in cancelled:
+                    self.publisher.put(self.engine.cancel(req))
+        if found.history is not None:
+            self.engine.rule.learn(found.history)
+
+    def _preempt(self, asks: list[PreemptAsk]) -> None:
+        """Pause what the asks need (``worker.engine.preempt``), between two steps; the victims go
+        back to the queue through the publisher, after their tokens."""
+        for ask in asks:
+            self._pause(
+                plan(self.engine, ask, self.settings.max_preemptions), f"{ask.request_ids} (priority {ask.priority})"
+            )
+        self.num_asks_read += len(asks)  # after the pauses: a record showing the count shows them
+        self.heartbeat.poke()  # the asking router waits for the answer and admits against the record
+
+    def _pause(self, victims: list[Req], why: str) -> None:
+        if not victims:  # the usual answer, every pass with --preempt: nothing to take or publish
+            return
+        self.publisher.put(self.engine.preempt(victims))
+        log.info("paused %s for %s", [r.id for r in victims], why)
+        self.heartbeat.poke()
+
+    def _take(self, entry_id: str, msg: GenerateRequest, epoch: int) -> Req | None:
+        """The request added to the engine, or None (refused here, or a stale copy's twin)."""
+        stale = [req for req in self.engine.requests() if req.id == msg.id]
+        if stale:  # an older copy runs here: the pool took it back while this worker was cut off
+            self._requeue_stale(entry_id, msg, stale)
+            return None
+        error = self._refusal(msg)
+        if error is not None:
+            ended = Ended(msg.id, RequestStatus.FAILED, "error", msg.num_emitted, error, epoch=epoch)
+            self.publisher.put([ended, Released(msg.id, entry_id)])
+            return None
+        req = Req(msg=msg, inbox_id=entry_id, epoch=epoch)
+        self.engine.add(req)
+        return req
+
+    def _requeue_stale(self, entry_id: str, msg: GenerateRequest, stale: list) -> None:
+        """A request dispatched here again while its older copy still runs here (the pool gave up on
+        this worker, cut off or frozen, and it came back): the old copy stops (its writes are refused:
+        its epoch moved on) and the new entry goes back to the queue, to start anywhere once the old
+        copy is gone; two copies of one id are never in the engine together."""
+        for req in stale:
+            self.publisher.put(self.engine.stop(req))
+        log.warning("%s came back while its older copy ran here: the copy stops, the request is queued again", msg.id)
+        requeue(self.client, self.keys, msg, self.settings.redis.request_ttl_s, self.settings.max_attempts)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, entry_id)
+        pipe.xdel(self.keys.inbox(self.worker_id), entry_id)
+        pipe.execute()
+
+    def _refusal(self, msg: GenerateRequest) -> str | None:
+        """Why this worker cannot run ``msg`` (None: it can). A constraint is not compiled here: it
+        compiles off the loop while the request waits (``_end_failed_grammars`` ends it if it fails)."""
+        if msg.max_tokens_needed > self.engine.limits.max_total_tokens:  # the producer's 400, as its own check
+            return too_large_error(
+                f"this request can need {msg.max_tokens_needed} KV tokens; this worker's pool holds "
+                f"{self.engine.limits.max_total_tokens}"
+            )
+        if msg.params.prompt_logprobs is not None and self.settings.tp > 1:
+            return "prompt log-probabilities need a worker with --tp 1"
+        if msg.params.constraint is not None and self.grammars is None:
+            # no tokenizer that matches the model's vocabulary (the counting stand-in's): the client's 400
+            return (
+                f"{Constraint.UNSUPPORTED}: this pool's workers apply no grammars (the model has no matching tokenizer)"
+            )
+        if msg.adapter is not None and msg.adapter not in self.lora.view.serving:  # the router checks its record
+            return gone_error(msg.adapter, started=msg.has_output)  # unloaded after the router sent it: a 404
+        return None

@@ -32,28 +32,20 @@ loop to free, and its later events are dropped.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
 
-from shared.keys import WORKER_GROUP
-from shared.redis import OUTAGES, Backoff
 from shared.request_log import now_ms
-from shared.requeue import send_back
 from shared.schemas import FinishReason, GenerateRequest, RequestMeta, RequestStatus
 from shared.worker_settings import WorkerSettings
 from worker.engine.events import Ended, Event, Preempted, Released, Started, Token, Tokens
-from worker.service.chunk_writer import ChunkWriter, RequestWrite, Written
-from worker.service.pending import Pending, Waiting
+from worker.service.chunk_writer import ChunkWriter
+from worker.service.pending import FlushMixin, Pending, Waiting
 from worker.service.texts import Sample, Texts
 
-log = logging.getLogger("lightq.worker")
-
 OUTPUT_HISTORY_LEN = 1000
-ORPHAN_RETRY_S = 20.0  # how long a write retries through an outage once the worker is gone
 
 
 @dataclass
@@ -70,7 +62,10 @@ class _Request:
     ended: dict[int, int] = field(default_factory=dict)  # choice -> tokens written, of the samples that ended
 
 
-class Publisher:
+class Publisher(FlushMixin):
+    """A publisher process's state, and ``record``: events into waiting writes. Its flush to Redis
+    (``tagged``, ``wait_s``, ``flush``) is ``FlushMixin``'s, in ``worker.service.pending``."""
+
     def __init__(
         self,
         settings: WorkerSettings,
@@ -259,94 +254,6 @@ class Publisher:
         request = self.requests.pop(request_id, None)
         if request is not None and request_id in self.pending.waiting:
             self.finals[request_id] = request  # its last writes still wake its producer
-
-    # ---- waiting writes -> Redis --------------------------------------------------------------
-
-    def tagged(self, samples: list[Sample]) -> list[tuple[str, int, int]]:
-        """``samples`` (stopped or refused) with their copy's epoch, for the serve loop."""
-        tagged = [(rid, choice, self.stop_epochs.get(rid, 0)) for rid, choice in samples]
-        for rid, _ in samples:
-            self.stop_epochs.pop(rid, None)
-        return tagged
-
-    def wait_s(self) -> float | None:
-        """How long the process may wait for more events before a flush is due (None: no limit)."""
-        if self.released or self.lengths:
-            return 0.0
-        return self.pending.wait_s()
-
-    def flush(self, everything: bool = False, give_up_s: float | None = None) -> list[Sample]:
-        """Write what is due (all of it with ``everything``) in one call, retrying through a Redis
-        outage: chunks are never dropped while the worker lives. A retry after a lost reply may
-        repeat a run; readers drop repeated indexes. ``give_up_s`` (the worker is gone) bounds the
-        retries: what is not written is sampled again by the worker its requests move to, so an
-        orphan must not wait for a Redis that may never return. Returns the samples of requests
-        refused (their epoch moved on), for the serve loop to free."""
-        taken = self.pending.take(everything)
-        if not taken and not self.released and not self.lengths:
-            return []
-        writes = [self._write(rid, waiting) for rid, waiting in taken]
-        lengths, released, self.lengths, self.released = self.lengths, self.released, [], []
-        results = self._send(lambda: self.writer.flush(writes, lengths, released), give_up_s, len(writes))
-        if results is None:
-            return []
-        return self._settle(taken, writes, results, give_up_s)
-
-    def _write(self, request_id: str, waiting: Waiting) -> RequestWrite:
-        request = self.requests.get(request_id)
-        if request is None:  # its last writes, after its release; or a request refused on arrival
-            request = self.finals.pop(request_id, None)
-            if request is None:
-                return waiting.write(request_id, None)
-        return waiting.write(request_id, request.reply_to)
-
-    def _settle(
-        self, taken: list[tuple[str, Waiting]], writes: list[RequestWrite], results: list[Written], give_up_s
-    ) -> list[Sample]:
-        refused: list[Sample] = []
-        for (rid, waiting), write, result in zip(taken, writes, results):
-            request = self.requests.get(rid)
-            if request is not None and request.epoch != write.epoch:
-                request = None  # a newer copy of the request runs here now: only the old one's writes went
-            if not result.written:
-                log.warning("%s moved on (epoch %d is no longer its own): nothing more is written", rid, write.epoch)
-                if request is not None:  # the engine still runs it: it must be told
-                    refused += [(rid, c) for c in request.choices]
-                    self.stop_epochs[rid] = write.epoch
-                    for choice in request.choices:
-                        self.texts.drop((rid, choice))
-                    self.requests.pop(rid)
-                    self.fenced_out.add(rid)
-                continue
-            if waiting.preempted is not None:
-                msg, inbox_id = waiting.preempted
-                self._send(lambda m=msg, e=result.epoch, i=inbox_id: self._send_back(m, e, i), give_up_s, 1)
-        return refused
-
-    def _send_back(self, msg: GenerateRequest, epoch: int, inbox_id: str) -> None:
-        """A paused request back to the queue with the epoch its fence took, then its inbox entry goes
-        (a crash between the two leaves it in both: the janitor's requeue of the inbox makes a second
-        ingress entry, which the router drops while the first is dispatched, router.dispatch)."""
-        send_back(self.client, self.keys, msg, epoch)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xack(self.keys.inbox(self.worker_id), WORKER_GROUP, inbox_id)
-        pipe.xdel(self.keys.inbox(self.worker_id), inbox_id)
-        pipe.execute()
-
-    def _send(self, call: Callable, give_up_s: float | None, size: int):
-        backoff = Backoff()
-        deadline = None if give_up_s is None else time.monotonic() + give_up_s
-        while True:
-            try:
-                return call()
-            except OUTAGES as exc:
-                if deadline is None and not self.worker_alive():
-                    deadline = time.monotonic() + ORPHAN_RETRY_S
-                if deadline is not None and time.monotonic() > deadline:
-                    log.error("writing %d requests failed (%s): giving up, the worker is gone", size, exc)
-                    return None
-                log.warning("writing %d requests failed (%s): retrying in %.1f s", size, exc, backoff.delay)
-                time.sleep(backoff.next())
 
 
 def resumable(msg: GenerateRequest, request: _Request) -> GenerateRequest | None:

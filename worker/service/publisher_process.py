@@ -49,7 +49,8 @@ from shared.request_log import now_ms
 from shared.service import setup_logging
 from shared.worker_settings import WorkerSettings
 from worker.engine.events import Event
-from worker.service.publisher import ORPHAN_RETRY_S, Publisher
+from worker.service.pending import ORPHAN_RETRY_S
+from worker.service.publisher import Publisher
 
 log = logging.getLogger("lightq.worker")
 
