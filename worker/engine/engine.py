@@ -56,30 +56,26 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from shared.admission import AdmissionRule
-from shared.schemas import Constraint, FinishReason, RequestStatus
+from shared.schemas import RequestStatus
 from worker.engine.admission import Admission, EngineLimits, Starter, slots_needed
-from worker.engine.events import Ended, Event, Preempted, Released, Started, Tokens
+from worker.engine.events import Ended, Event, Preempted, Started
+from worker.engine.forwards import Forwards, Launched, Launcher
 from worker.engine.load import LoadSnapshot, request_states
 from worker.engine.preempt import handed_back, kv_lost, samples_of
-from worker.engine.request import GrammarStep, Phase, Req, sampling_after_prefill
+from worker.engine.request import Phase, Req
 from worker.engine.token_pool import TokenPool
 
 if TYPE_CHECKING:  # the engine itself stays free of torch
     from worker.runner.model_runner import DecodeForward
-    from worker.runner.sampler import PendingSampled, Sampled
+    from worker.runner.sampler import PendingSampled
 
 log = logging.getLogger("lightq.worker")
 
-# Why a sample whose grammar allowed no next token ended (a schema whose parts contradict: xgrammar
-# compiles it, and the mask of some state is empty); the client's 400 (``Constraint.INVALID``).
-STUCK_ERROR = "no token can follow the output so far under the constraint: it cannot be met (do its parts contradict?)"
 
-
-class Runner(Starter, Protocol):
+class Runner(Starter, Launcher, Protocol):
     """What the engine asks of ``worker.runner.model_runner.ModelRunner``: the pool's slots, a table
     row per request, and the forwards, each queued on the device (nothing waits until the engine
     lands its ``PendingSampled``)."""
@@ -87,24 +83,15 @@ class Runner(Starter, Protocol):
     pool: TokenPool
 
     def queued(self, req: Req) -> None: ...
-    def finish(self, req: Req) -> None: ...
-    def prefill(
-        self, reqs: list[Req], num_new: list[int], completing: list[Req], forks: dict[Req, list[Req]] | None = None
-    ) -> PendingSampled: ...
     def forward_decode(self, reqs: list[Req], ids_known: bool = True) -> DecodeForward: ...
     def sample_decode(self, launched: DecodeForward) -> PendingSampled: ...
-    def accept(self, reqs: list[Req], ids: list[int]) -> list[GrammarStep]: ...
 
 
-@dataclass(frozen=True)
-class Launched:
-    """Samples whose tokens are on their way from the device, in the order they were sampled."""
+class Engine(Forwards):
+    """A step's forwards, from launch to landing, and the release of the requests that end: ``Forwards``."""
 
-    reqs: list[Req]
-    pending: PendingSampled
+    runner: Runner
 
-
-class Engine:
     def __init__(
         self, runner: Runner, limits: EngineLimits, eos_ids: set[int], rule: AdmissionRule, overlap: bool = False
     ):
@@ -175,13 +162,6 @@ class Engine:
     def requests(self) -> list[Req]:
         with self._lock:
             return [*self.running, *self.waiting]
-
-    def suspects(self) -> list[Req]:
-        """The requests of the forwards under way: after a step raised, the ones it is blamed on (a
-        prefill's batch, or the decoding batch: the worker can tell no closer), whom a death counts
-        against (``shared.requeue``)."""
-        flying = self._in_flight.reqs if self._in_flight is not None else []
-        return [*self._prefilling, *self._decoding_now, *flying]
 
     def snapshot(self) -> LoadSnapshot:
         with self._lock:
@@ -296,43 +276,6 @@ class Engine:
         self.runner.slots.refresh_summary(idle=not self.has_work)  # on this thread: the tree is not thread-safe
         return events
 
-    def flush(self) -> list[Event]:
-        """Land the decode in flight, if any: its tokens, and the ends they make."""
-        launched, self._in_flight = self._in_flight, None
-        return self._land(launched) if launched is not None else []
-
-    def _decoding(self) -> list[Req]:
-        """The prefilled requests that feed a token this step: all but those whose token in flight
-        is their last (their length is known without it)."""
-        if self._in_flight is None:
-            return [r for r in self.running if r.is_prefilled]
-        flying = set(self._in_flight.reqs)
-        return [
-            r
-            for r in self.running
-            if r.is_prefilled and not (r in flying and len(r.output_ids) + 1 >= r.msg.params.max_new_tokens)
-        ]
-
-    def _launch_prefill(self, chunks: list[tuple[Req, int]]) -> Launched:
-        """One prefill forward over (request, tokens) chunks; those that complete sample."""
-        reqs = [r for r, _ in chunks]
-        completing = [r for r, n in chunks if n == r.num_uncached]
-        forks = {r: r.fork_members() for r in completing if r.is_unforked_leader}
-        pending = self.runner.prefill(reqs, [n for _, n in chunks], completing, forks)
-        self._join_forks(forks)
-        return Launched([r for _, r in sampling_after_prefill(completing, forks)], pending)
-
-    def _join_forks(self, forks: dict[Req, list[Req]]) -> None:
-        """A forked group's new samples run from now on (the runner gave them rows and the prompt)."""
-        with self._lock:
-            for leader, members in forks.items():
-                assert leader.group is not None, "only a group's leader forks"
-                leader.group.live += len(members)
-                leader.group.joined = True  # from now on each sample counts itself (Req.counted_group)
-                for member in members:
-                    member.phase = Phase.RUNNING
-                    self.running.append(member)
-
     def _admit(self) -> list[Req]:
         """Start what the rule allows of the waiting requests (``worker.engine.admission``)."""
         if not self.waiting:  # most steps: nothing to admit, so no O(batch) summary either
@@ -354,95 +297,3 @@ class Engine:
             log.info(
                 "paused %s (%d tokens out) to free KV slots: an estimate was short", victim.id, len(victim.output_ids)
             )
-
-    def _land(self, launched: Launched) -> list[Event]:
-        """Wait for ``launched``'s tokens; those of requests that ended meanwhile (found a step late,
-        cancelled, stopped, preempted) are dropped: nothing was published for them."""
-        if not launched.reqs:
-            return []
-        reqs, sampled = self._live(launched.reqs, launched.pending.result())
-        events: list[Event] = []
-        for req, step in zip(reqs, self.runner.accept(reqs, sampled.ids)):
-            req.is_grammar_complete = step is GrammarStep.ENDED
-            if step is GrammarStep.STUCK:  # its token was outside the grammar: never published
-                events += self._fail_running(req, f"{Constraint.INVALID}: {STUCK_ERROR}")
-        if events:
-            reqs, sampled = self._live(reqs, sampled, discarded=False)
-        return events + self._sample_and_finish(reqs, sampled)
-
-    def _live(self, reqs: list[Req], sampled: Sampled, discarded: bool = True) -> tuple[list[Req], Sampled]:
-        """The rows of requests that have not finished (``discarded``: count the others' tokens)."""
-        if all(r.phase is not Phase.FINISHED for r in reqs):
-            return reqs, sampled
-        live = [row for row, r in enumerate(reqs) if r.phase is not Phase.FINISHED]
-        if discarded:
-            self.num_discarded += len(reqs) - len(live)
-        return [reqs[row] for row in live], sampled._replace(
-            ids=[sampled.ids[row] for row in live],
-            logprobs=[sampled.logprobs[row] for row in live],
-            top=[sampled.top[row] for row in live],
-        )
-
-    def _fail_running(self, req: Req, error: str) -> list[Event]:
-        """End running sample ``req`` with ``error`` after the tokens it emitted."""
-        ended = Ended(
-            req.id, RequestStatus.FAILED, "error", len(req.output_ids), error, choice=req.choice, epoch=req.epoch
-        )
-        return [ended, *self._release(req, "error")]
-
-    def _sample_and_finish(self, reqs: list[Req], sampled: Sampled) -> list[Event]:
-        """The forward's tokens as one ``Tokens`` record (columns, no object per token), then
-        the releases of the requests they finished (after it: the publisher writes in order)."""
-        if not reqs:
-            return []
-        indexes: list[int] = []
-        reasons: dict[int, FinishReason] = {}
-        for row, (req, token_id) in enumerate(zip(reqs, sampled.ids)):
-            req.is_prefilled = True
-            req.output_ids.append(token_id)
-            indexes.append(len(req.output_ids) - 1)
-            reason = self._finish_reason(req, token_id)
-            if reason is not None:
-                reasons[row] = reason
-        tops = {row: top for row, top in enumerate(sampled.top) if top is not None}
-        prompts = {row: r.prompt_logprobs for row, r in enumerate(reqs) if r.prompt_logprobs is not None}
-        for row in prompts:  # they leave with the first token (worker.runner.prompt_logprobs)
-            reqs[row].prompt_logprobs = None
-        tokens = Tokens(
-            [r.id for r in reqs],
-            [r.choice for r in reqs],
-            indexes,
-            sampled.ids,
-            sampled.logprobs,
-            reasons,
-            tops,
-            prompts,
-        )
-        events: list[Event] = [tokens]
-        for row, reason in reasons.items():
-            events += self._release(reqs[row], reason)
-        return events
-
-    def _finish_reason(self, req: Req, token_id: int) -> FinishReason | None:
-        if req.is_grammar_complete or (token_id in self.eos_ids and not req.msg.params.ignore_eos):
-            return "stop"
-        if req.is_done_generating:
-            return "length"
-        return None
-
-    def _release(self, req: Req, reason: FinishReason) -> list[Event]:
-        """Free ``req``; its inbox entry goes when it was its group's last live sample."""
-        with self._lock:
-            if req.phase is Phase.RUNNING:
-                self.running.remove(req)
-                self.runner.finish(req)
-            else:
-                self.waiting.remove(req)
-            req.phase = Phase.FINISHED
-            req.finish_reason = reason
-        if req.group is not None:
-            req.group.ended[req.choice] = req.output_ids  # a pause of the others leaves it finished
-            req.group.live -= 1
-            if req.group.live > 0:
-                return []
-        return [Released(req.id, req.inbox_id)]

@@ -2,11 +2,12 @@
 
 It owns the TokenAttention bookkeeping on the device side: pool slots are
 taken from the ``TokenPool`` for every new token, recorded in the request
--> token table, and handed back when the request ends. Decode steps go
+-> token table, and handed back when the request ends (a request's row,
+from ``start`` to ``finish``: ``worker.runner.request_rows``). Decode steps go
 through CUDA graphs when a ``DecodeGraphs`` is attached (GPU), else eager.
 
 Every forward goes through ``forward(step)`` with the step's host arrays
-(``StepInputs``): it writes the table and runs the model. Under tensor
+(``StepInputs``, ``worker.runner.step_inputs``): it writes the table and runs the model. Under tensor
 parallelism rank 0's runner has ``on_forward`` set (``worker.runner.tp``), which
 hands each step to the other ranks first; they call ``forward`` with it.
 
@@ -31,7 +32,7 @@ read on the device (``last_ids``) when the host has not seen them yet.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,37 +42,13 @@ from worker.engine.radix_cache import NoCache, PrefixCache
 from worker.engine.request import GrammarStep, Req, sampling_after_prefill
 from worker.engine.token_pool import TokenPool
 from worker.lora.pins import AdapterPins
-from worker.model.forward_batch import ForwardBatch
 from worker.runner import prompt_logprobs
 from worker.runner.grammar import GrammarMask, Grammars
 from worker.runner.penalties import TokenCounts
 from worker.runner.req_table import ReqTable
+from worker.runner.request_rows import RequestRows
 from worker.runner.sampler import PendingSampled, RowParams, SamplingBatch, launch_sample
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """One forward's inputs on the host: all a tensor-parallel follower needs to run it too."""
-
-    input_ids: np.ndarray  # [T] int64, packed new tokens
-    positions: np.ndarray  # [T] their positions
-    slots: np.ndarray  # [T] their pool slots
-    rows: np.ndarray  # [B] request-table rows
-    cached: np.ndarray  # [B] tokens of each request already in the pool
-    q_lens: np.ndarray  # [B] new tokens of each request
-    is_decode: bool
-    # [F, 3] (member row, leader row, prompt length): table[member, :len] = table[leader, :len],
-    # after this step's writes (prefill steps only).
-    forks: np.ndarray = field(default_factory=lambda: np.empty((0, 3), dtype=np.int64))
-    # [P, 3] (row, position, slot): cached prefixes written into new rows before this step's tokens.
-    prefix: np.ndarray = field(default_factory=lambda: np.empty((0, 3), dtype=np.int64))
-    # [N] packed tokens to return logits for (None: each request's last); prompt logprobs, --tp 1 only.
-    logit_index: np.ndarray | None = None
-    # A decode whose input ids are its rows' last sampled ids, still on the device (``last_ids``;
-    # ``input_ids`` is then empty): the overlapped engine launched it before landing them. --tp 1 only.
-    ids_on_device: bool = False
-    # [B] each request's LoRA adapter slot (worker.lora.adapter_set; 0: none); None: no adapters here.
-    lora_slots: np.ndarray | None = None
+from worker.runner.step_inputs import StepInputs, forward_batch
 
 
 @dataclass(frozen=True)
@@ -118,6 +95,8 @@ class ModelRunner:
         self.last_ids = torch.zeros(table.hold_row + 1, dtype=torch.int64, device=device)
         self.adapters = getattr(model, "lora", None)  # worker.lora.adapter_set.AdapterSet, or None
         self.pins = AdapterPins(self.adapters) if self.adapters is not None else None
+        # Each request's row, from start to finish, and a group's fork (worker.runner.request_rows).
+        self.req_rows = RequestRows(table, self.slots, self.counts, grammars, self.adapters, self.pins)
 
     def lora_slots(self, reqs: list[Req]) -> np.ndarray | None:
         """[B] each request's adapter slot, None when this worker serves no adapter (a request naming one
@@ -127,74 +106,20 @@ class ModelRunner:
         return np.fromiter((self.adapters.slot(r.msg.adapter) for r in reqs), dtype=np.int64, count=len(reqs))
 
     def queued(self, req: Req) -> None:
-        """``req`` was queued: begin what it needs that takes time off the loop (its grammar's compile,
-        ``Grammars.prepare``). Not its adapter: a page-in on arrival evicts the idle adapter of some
-        request queued before it (1,000 requests queued at once paged in ~1,000 adapters, each
-        evicting the last); adapters are paged in as admission reaches their requests (``prepare``)."""
-        if self.grammars is not None:
-            self.grammars.prepare(req)
+        """``req`` was queued: what it needs that takes time starts off the loop (``RequestRows.queued``)."""
+        self.req_rows.queued(req)
 
     def prepare(self, req: Req) -> bool:
-        """Whether ``req`` can start now: False while its grammar compiles (``Grammars.prepare``), or
-        while its LoRA adapter cannot be paged in (every adapter slot used by started requests)."""
-        if req.msg.adapter is not None and self.pins is not None and not self.pins.page_in(req.msg.adapter):
-            return False
-        return self.grammars is None or self.grammars.prepare(req)
+        """Whether ``req`` can start now (``RequestRows.prepare``)."""
+        return self.req_rows.prepare(req)
 
     def start(self, req: Req) -> None:
-        if req.msg.adapter is not None and (self.adapters is None or req.msg.adapter not in self.adapters.slots):
-            raise ValueError(f"{req.id}: LoRA adapter {req.msg.adapter!r} is not served by this worker")
-        req.row = self.table.allocate_row()
-        if req.msg.adapter is not None and self.pins is not None:
-            self.pins.pin(req.row, req.msg.adapter)  # its adapter stays on the device until it ends
-        req.slot_ids = np.empty(req.max_len, dtype=np.int64)
-        req.num_cached = req.num_shared = 0
-        self._start_counts(req)
-        self._start_grammar(req)
-
-    def _start_grammar(self, req: Req) -> None:
-        if req.msg.params.constraint is None:
-            return
-        if self.grammars is None:
-            raise ValueError(f"{req.id}: a constrained request needs a worker built with its tokenizer's grammars")
-        self.grammars.start(req)
-
-    def _start_counts(self, req: Req) -> None:
-        """The row's token counts: prompt, and output so far (resumed or paused), for penalties."""
-        params = req.msg.params
-        if params.has_penalties or params.min_new_tokens:  # only they read the row's counts
-            self.counts.start(req.row, req.msg.prompt_ids, req.output_ids)
+        """Give ``req`` its table row, adapter pin, token counts and matcher (``RequestRows.start``)."""
+        self.req_rows.start(req)
 
     def finish(self, req: Req) -> None:
         """Free the request's row and own slots; a group's prompt slots go with their last holder."""
-        self.slots.release(req)
-        if self.pins is not None:
-            self.pins.unpin(req.row)
-        self.table.free_row(req.row)
-        if self.grammars is not None:
-            self.grammars.finish(req)
-        req.row = None
-        req.num_cached = req.num_shared = 0
-
-    def _fork(self, leader: Req, members: list[Req]) -> list[tuple[int, int, int]]:
-        """Share the leader's (complete) prompt with ``members``: rows, not K/V, are copied.
-        Each sample, the leader too, takes its choice's emitted tokens (a requeued group):
-        they are uncached, prefilled by later steps on top of the shared prompt."""
-        group, n = leader.group, len(leader.msg.prompt_ids)
-        group.forked, group.prompt_slots = True, leader.slot_ids[:n].copy()
-        self.slots.fork(leader)
-        group.holders = 1 + len(members)
-        leader.num_shared = n
-        leader.take_emitted()
-        if leader.output_ids:  # its row's counts and matcher were started from the prompt alone
-            self._start_counts(leader)
-            self._start_grammar(leader)
-        for member in members:
-            member.take_emitted()
-            self.start(member)
-            member.slot_ids[:n] = group.prompt_slots
-            member.num_cached = member.num_shared = n
-        return [(m.row, leader.row, n) for m in members]
+        self.req_rows.finish(req)
 
     @torch.inference_mode()
     def forward_decode(self, reqs: list[Req], ids_known: bool = True) -> DecodeForward:
@@ -259,7 +184,7 @@ class ModelRunner:
         prefix = self.slots.prefix_writes(reqs)
         for req in completing:  # before the fork: a leader's shared prompt moves to its group whole
             self.slots.share(req)
-        copies = [c for leader, members in forks.items() for c in self._fork(leader, members)]
+        copies = [c for leader, members in forks.items() for c in self.req_rows.fork(leader, members)]
         pairs = sampling_after_prefill(completing, forks)  # after the fork, which sets num_uncached
         index, last_rows = prompt_logprobs.logit_index(reqs, num_new)
         logits = self.forward(
@@ -316,20 +241,7 @@ class ModelRunner:
                 and graphs.can_run(len(step.rows), len(step.input_ids), len(step.forks))
             ):
                 return graphs.run(step.input_ids, step.positions, step.slots, int(step.rows[0]), int(step.cached[0]))
-        return self.model.forward(
-            self._batch(
-                step.input_ids,
-                step.positions,
-                step.slots,
-                step.rows,
-                step.cached,
-                step.q_lens,
-                step.is_decode,
-                step.logit_index,
-                step.ids_on_device,
-                step.lora_slots,
-            )
-        )
+        return self.model.forward(forward_batch(step, self.device, self.last_ids, self.table.table))
 
     def _mask(self, reqs: list[Req]) -> GrammarMask | None:
         return self.grammars.mask(reqs) if self.grammars is not None and reqs else None
@@ -356,40 +268,3 @@ class ModelRunner:
         assert batch.rows is not None
         self.last_ids[batch.rows] = pending.ids
         return pending
-
-    def _batch(
-        self,
-        input_ids,
-        positions,
-        slots,
-        rows,
-        cached,
-        q_lens,
-        is_decode: bool,
-        logit_index=None,
-        ids_on_device=False,
-        lora_slots=None,
-    ) -> ForwardBatch:
-        def dev(values: np.ndarray, dtype=torch.int32) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(values)).to(self.device, dtype=dtype, non_blocking=True)
-
-        seq_lens = cached + q_lens
-        q_starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
-        rows_on_device = dev(rows)
-        return ForwardBatch(
-            # a decode launched before its input ids landed reads them where the sampler left them
-            input_ids=self.last_ids[rows_on_device] if ids_on_device else dev(input_ids, torch.int64),
-            positions=dev(positions, torch.int64),
-            out_slots=dev(slots, torch.int64),
-            req_rows=rows_on_device,
-            cached_lens=dev(cached),
-            seq_lens=dev(seq_lens),
-            q_starts=dev(q_starts),
-            q_lens=dev(q_lens),
-            req_table=self.table.table,
-            max_seq_len=int(seq_lens.max()),
-            max_q_len=int(q_lens.max()),
-            is_decode=is_decode,
-            logit_index=None if logit_index is None else dev(logit_index, torch.int64),
-            lora_slots=None if lora_slots is None else dev(lora_slots),
-        )

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from worker.model.layers import TensorParallel
-from worker.runner.model_runner import StepInputs
+from worker.runner.step_inputs import StepInputs
 
 log = logging.getLogger("lightq.worker")
 
