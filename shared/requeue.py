@@ -130,7 +130,7 @@ def requeue(
 def send_back(client: redis.Redis, keys: Keys, request: GenerateRequest, epoch: int) -> bool:
     """``request`` (its resume fields set) queued again as a new ingress entry, if its epoch is
     still ``epoch`` (the one its taker fenced with). Also the path of a preempted request
-    (``worker.service.publisher``), whose resume fields the worker knows exactly."""
+    (the publisher's flush, ``worker.service.pending``), whose resume fields the worker knows exactly."""
     script = client.register_script(SEND_BACK_LUA)
     args = [epoch, request.priority, FIELD, encode(request), request.attempt]
     return bool(script(keys=[keys.meta(request.id), keys.requests(request.priority), keys.classes()], args=args))

@@ -14,7 +14,7 @@ first can, none is taken: a pause that admits nothing is pure loss.
 
 A victim leaves the engine at once (its slots freed) and goes back to the
 ingress stream with the tokens it emitted as ``resume_ids``, written by the
-publisher after those tokens' chunks (``worker.service.publisher``), so
+publisher after those tokens' chunks (``worker.service.pending``), so
 the worker that resumes it continues at the next index: the client sees a
 gap, never a lost or repeated token. A group (n > 1) is one victim: all its
 samples stop together (they share the prompt's slots and one inbox entry)
