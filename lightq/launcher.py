@@ -30,7 +30,7 @@ from typing import Any
 
 from lightq.children import FAILURES, Child, RestartPolicy, failed_at_start_up, spawn, stop_all
 from lightq.serve_redis import ServeRedis, open_redis
-from router.registry import read_registry
+from router.workers.registry import read_registry
 from shared.config import RedisSettings, ServeSettings
 from shared.flags import as_env, build
 from shared.producer_settings import ProducerSettings

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 import redis
 
-from router.registry import read_registry
+from router.workers.registry import read_registry
 from shared.config import RedisSettings
 from shared.embedded_redis import EmbeddedRedis, free_port, start_embedded_redis
 from shared.keys import Keys

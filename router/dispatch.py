@@ -1,7 +1,7 @@
 """Dispatches: requests into workers' inboxes, each checked against every router's dispatches.
 
 The router decides on its copy of the worker's inbox tail
-(``router.reservations``); this script writes the decision only if the
+(``router.workers.reservations``); this script writes the decision only if the
 copy is still complete, i.e. the inbox holds no entry after the ``tail``
 the router knows of. Then, atomically, it appends the request to the
 inbox, records the worker in the status hash and acknowledges the ingress
@@ -25,7 +25,7 @@ Priority classes are strict across routers: an item is not written while a
 request of a better class for the same model waits in the shared ``waiting``
 set (whichever router holds it), and nothing after it in the call is tried; the router
 waits for that request to go first. A written item leaves the order and
-its tenant is charged its tokens, in the same script (``router.ordering``).
+its tenant is charged its tokens, in the same script (``router.order.ordering``).
 
 The script also refuses a worker whose load record has expired: the
 janitor may be emptying that inbox (it reaps only workers without a
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import redis
 
-from router.ordering import cost
+from router.order.ordering import cost
 from shared import ingress
 from shared.codec import FIELD, encode, from_entry
 from shared.keys import ROUTER_GROUP, Keys, class_tenant_field
@@ -46,13 +46,13 @@ from shared.request_log import now_ms
 from shared.schemas import GenerateRequest, RequestMeta
 
 # KEYS: vtime, tenant_queued, tenant_served, then per item: inbox, load record, status hash,
-#       the class's order, the model's waiting set (router.ordering), the entry's ingress stream
+#       the class's order, the model's waiting set (router.order.ordering), the entry's ingress stream
 # ARGV: group, most newer entries to return, message field, then per item:
 #       tail, ingress entry id, message, request id, priority, "priority:tenant", cost,
 #       number of status args, status field/value pairs
 # Per item: {1, id} written; {0, newer} not written, newer entries; {-1} record expired;
 # {2} not tried, as an earlier item to the same inbox was not written (order per inbox holds);
-# {3, id} not written: request ``id`` of a better class waits (strict classes, router.ordering),
+# {3, id} not written: request ``id`` of a better class waits (strict classes, router.order.ordering),
 # and no later item of the call is tried either; {4} not written: the request is in an inbox
 # already (this entry is a copy; acknowledged and out of the order).
 DISPATCH_LUA = """

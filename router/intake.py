@@ -2,8 +2,8 @@
 
 One stream per priority class (``shared.ingress``), read through the ``routers`` consumer group
 in one XREADGROUP over every class the queue holds fewer than ``order_window`` of. Each entry
-gets its fair-share tag from Redis (``router.ordering.Tagger``, one round trip a read) and its
-place in the ``OrderedQueue``, or is parked past its tenant's share (``router.parking``). Entries
+gets its fair-share tag from Redis (``router.order.ordering.Tagger``, one round trip a read) and its
+place in the ``OrderedQueue``, or is parked past its tenant's share (``router.order.parking``). Entries
 stay pending in this router's list until the router dispatches or ends them: after a restart
 they are read again, page by page, from id 0. An entry that does not parse is dead-lettered.
 """
@@ -14,8 +14,8 @@ import logging
 
 import redis
 
-from router.ordering import OrderedQueue, Tagger, parse_weights
-from router.parking import Parked, Parking, forget_parked
+from router.order.ordering import OrderedQueue, Tagger, parse_weights
+from router.order.parking import Parked, Parking, forget_parked
 from shared import ingress
 from shared.codec import entry, from_entry
 from shared.config import RouterSettings
@@ -32,7 +32,7 @@ class Intake:
         self.settings, self.client, self.keys = settings, client, settings.redis.keys
         self.router_id = router_id
         self.queue = queue
-        self.parking = Parking(settings.order_window)  # one tenant's flood past its share (router.parking)
+        self.parking = Parking(settings.order_window)  # one tenant's flood past its share (router.order.parking)
         self.tagger = Tagger(client, self.keys, parse_weights(settings.tenant_weights), settings.max_tenants)
         # Per class stream (shared.ingress): "0" first, our own pending entries (after a restart)
         # page by page, then ">" for new ones. A stream is listed here once its group exists.
@@ -116,7 +116,7 @@ class Intake:
 
     def unpark(self) -> None:
         """Parked entries whose tenant has room in the queue again, read back (one round trip) into
-        their places in the order (``router.parking``)."""
+        their places in the order (``router.order.parking``)."""
         for parked, fields in self.parking.read_back(self.client, self.keys, self.queue.tenant_count):
             request = None if fields is None else self._parse(parked.priority, ingress.entry_id(parked.handle), fields)
             if request is None:  # gone (Redis lost it) or unreadable (dead-lettered): out of the order

@@ -7,7 +7,7 @@ before it leaves the entry pending (re-read with id 0 on restart) and a crash
 after it leaves the request in exactly one inbox. The script writes only if
 no other router dispatched to that worker since this one last looked;
 otherwise this router learns those dispatches and decides again. Requests
-are dispatched in the order of ``router.ordering`` (priority classes
+are dispatched in the order of ``router.order.ordering`` (priority classes
 strictly, fair shares of tokens between tenants inside a class, then
 arrival), which lives in Redis so every router orders alike; a router reads
 up to ``order_window`` entries of each class ahead to order them, from one
@@ -27,16 +27,17 @@ import time
 import redis
 
 from router import liveness
-from router.admission import Views, cacheable_prompt
+from router.admission.views import Views
+from router.admission.worker_view import cacheable_prompt
 from router.dispatch import Dispatcher, Item
 from router.intake import Intake
-from router.janitor import reap_dead_worker
-from router.lora import adapter_gone
-from router.ordering import OrderedQueue, clear_if_gone, forget, reserved_slots
+from router.lora.adapter_gone import adapter_gone
+from router.order.ordering import OrderedQueue, clear_if_gone, forget, reserved_slots
+from router.order.tenant_records import TenantRecords
 from router.preempt import Preempter, heads
-from router.registry import read_registry
-from router.reservations import Reservations
-from router.tenant_records import TenantRecords
+from router.workers.janitor import reap_dead_worker
+from router.workers.registry import read_registry
+from router.workers.reservations import Reservations
 from shared import ingress
 from shared.admission import AdmissionRule, request_states
 from shared.batch_view import Candidate
@@ -113,7 +114,7 @@ class Router:
 
     def _housekeeping(self) -> None:
         """Once per liveness period: say we are alive, drop fair-share records that change no tag
-        any more (``router.tenant_records``), take over dead routers' entries.
+        any more (``router.order.tenant_records``), take over dead routers' entries.
 
         Also recreates the consumer group if Redis lost it (a restart without persistence).
         """
@@ -168,7 +169,7 @@ class Router:
             worker_id = self._choose(request)
             self.on_decision(request, worker_id, time.perf_counter() - started)
             if worker_id is None and adapter_gone(self.client, self.keys, request, loads):
-                # unloaded while it waited: no worker will ever take it (router.lora)
+                # unloaded while it waited: no worker will ever take it (router.lora.adapter_gone)
                 error = gone_error(request.adapter or "", started=request.has_output)
                 self._finish(entry_id, request, RequestStatus.FAILED, "error", error)
                 self._pop()
@@ -278,7 +279,7 @@ class Router:
         """A worker for the request (a group: all its samples, the prompt once), counted on its
         view at once (the next decision sees it)."""
         candidate = Candidate(request_states(request), self.rule.policy)
-        # A request below the default class is checked with the reserved slots taken (router.ordering).
+        # A request below the default class is checked with the reserved slots taken (router.order.ordering).
         reserve = reserved_slots(self.settings.priority_reserve_slots if request.priority > 0 else 0)
         checked = Candidate(request_states(request) + reserve, self.rule.policy) if reserve else candidate
         worker_id = self.views.choose(checked, request.model, cacheable_prompt(request), request.adapter)  # cache-aware

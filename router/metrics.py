@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from router.loop import Router
-from router.registry import read_registry
+from router.workers.registry import read_registry
 from shared import ingress
 from shared.keys import ROUTER_GROUP, split_class_tenant_field
 from shared.peak import ReqState
@@ -200,7 +200,7 @@ class RouterCollector(Collector):
 
 
 def _shares(router: Router) -> Iterable[Metric]:
-    """The order's state in Redis (router.ordering), the same from every router: requests queued
+    """The order's state in Redis (router.order.ordering), the same from every router: requests queued
     per class and per tenant, and tokens dispatched per tenant (prompt + max_new_tokens, what the
     fair share counts); per class ``--metrics_tenants`` tenants and ``other`` (``shared.tenant_series``)."""
     k = router.settings.metrics_tenants

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import redis
 
-from router.admission import least_loaded_fit
+from router.admission.choice import least_loaded_fit
 from router.loop import Router
 from shared import ingress
 from shared.admission import request_states

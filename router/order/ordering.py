@@ -41,7 +41,7 @@ to the ``other`` tenant, for its tag and its counters (``default``,
 ``other`` and the tenants named in ``--tenant_weights`` always get their
 own). The router that tags it notes ``charged_to`` in its status hash, so
 a router that reads it again charges it alike. Records that no longer
-change any tag are dropped again (``router.tenant_records``).
+change any tag are dropped again (``router.order.tenant_records``).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def forget(pipe: redis.client.Pipeline, keys: Keys, request: GenerateRequest) ->
 def forget_parts(
     pipe: redis.client.Pipeline, keys: Keys, request_id: str, priority: int, model: str | None, tenant: str
 ) -> None:
-    """``forget`` from the parts the order keeps (a parked entry's: ``router.parking``)."""
+    """``forget`` from the parts the order keeps (a parked entry's: ``router.order.parking``)."""
     order_keys = [keys.order(priority), keys.waiting(model), keys.tenant_queued()]
     pipe.eval(FORGET_LUA, len(order_keys), *order_keys, request_id, class_tenant_field(priority, tenant))
 
@@ -268,7 +268,7 @@ class OrderedQueue:
         self._keys, self._items = [k for k, _ in kept], [i for _, i in kept]
 
     def tenant_count(self, priority: int, tenant: str) -> int:
-        """Entries of one tenant in one class (``router.parking``)."""
+        """Entries of one tenant in one class (``router.order.parking``)."""
         return self._tenants.get((priority, tenant), 0)
 
     def drop(self, entry_id: str) -> None:

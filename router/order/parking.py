@@ -1,6 +1,6 @@
 """Entries a router has read and ordered but does not hold: one tenant's flood past its share.
 
-Why: fair shares (``router.ordering``) order only what a router has read, and the ingress is read
+Why: fair shares (``router.order.ordering``) order only what a router has read, and the ingress is read
 first come, first read. A router that held at most ``--order_window`` entries of a class stopped
 reading it there, so another tenant's request behind a longer flood of one tenant waited until the
 flood drained: 95.8 s behind 2,000 requests of one API key on the counting model (a red team,
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import redis
 
-from router.ordering import forget_parts
+from router.order.ordering import forget_parts
 from shared import ingress
 from shared.keys import ROUTER_GROUP, Keys
 from shared.redis import REDIS_FAILURES

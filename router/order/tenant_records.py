@@ -1,7 +1,7 @@
 """Per-tenant state kept bounded: fair-share records dropped once they no longer change any tag,
 and the tokens-dispatched counters of tenants gone idle folded into ``other``.
 
-A tenant's record in a class is its virtual finish ``F`` (``router.ordering``); its next request
+A tenant's record in a class is its virtual finish ``F`` (``router.order.ordering``); its next request
 gets the tag ``max(V, F)``, ``V`` the class's virtual time, and a tenant without a record is
 tagged as if ``F`` were 0, i.e. at ``V`` (tags and ``V`` are never negative). ``V`` never goes
 down (the dispatch script only raises it), so once ``F <= V`` the record is dead weight: every
@@ -12,7 +12,7 @@ even then, so every tenant counted in ``tenant_queued`` has one, and that hash i
 the records' bound.
 
 Why ``F <= V`` is enough to stay bounded, not only tidy: a class holds at most ``--max_tenants``
-records (new tenants past them are charged to ``other``, ``router.ordering``). Records that never
+records (new tenants past them are charged to ``other``, ``router.order.ordering``). Records that never
 reach ``F <= V`` would pin them, but ``V`` moves up whenever a request tagged above it is
 dispatched, and ``other``'s tags climb by each request charged to it; so while new tenants are
 turned away, ``V`` passes the idle records' ``F`` and they go. An idle tenant loses nothing by

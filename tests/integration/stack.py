@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 import redis
 
-from router.registry import read_registry
+from router.workers.registry import read_registry
 from shared import gguf_meta
 from shared.config import RedisSettings
 from shared.embedded_redis import free_port

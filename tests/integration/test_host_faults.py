@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.registry import read_registry
+from router.workers.registry import read_registry
 from shared.config import RedisSettings
 from shared.keys import Keys
 from shared.redis import sync_client

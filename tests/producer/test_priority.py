@@ -12,7 +12,7 @@ from pydantic import SecretStr
 
 from producer.app import create_app
 from producer.edge.auth import hash_key, key_tenants
-from router.ordering import Tagger
+from router.order.ordering import Tagger
 from shared import ingress
 from shared.codec import from_entry
 from shared.keys import Keys

@@ -2,8 +2,8 @@
 
 import pytest
 
-from router.admission import Views
-from router.reservations import Reservations
+from router.admission.views import Views
+from router.workers.reservations import Reservations
 from shared.admission import POLICIES, PastFuture, request_state, request_states
 from shared.batch_view import Candidate
 from shared.history import Estimator, OutputLengthHistory

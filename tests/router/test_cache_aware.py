@@ -4,7 +4,8 @@ holder sends them elsewhere at once; without hits the choice is the least loaded
 
 import random
 
-from router.admission import HIT_WEIGHT, Views, cache_aware_fit, least_loaded_fit
+from router.admission.choice import HIT_WEIGHT, cache_aware_fit, least_loaded_fit
+from router.admission.views import Views
 from shared.admission import POLICIES, request_states
 from shared.batch_view import Candidate
 from shared.codec import encode

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from router.admission import Views, WorkerView, cacheable_prompt
+from router.admission.views import Views
+from router.admission.worker_view import WorkerView, cacheable_prompt
 from shared.admission import AdmissionRule, request_states
 from shared.batch_view import BatchView, Candidate
 from shared.codec import encode, entry

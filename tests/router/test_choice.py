@@ -1,6 +1,6 @@
 """The choice among admissible workers: least loaded first, a few checks per decision (no Redis)."""
 
-from router.admission import least_loaded_fit
+from router.admission.choice import least_loaded_fit
 
 
 def pick(uses, ratios, choices=2):

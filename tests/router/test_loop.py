@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from router.janitor import reap_dead_worker
 from router.loop import Router
+from router.workers.janitor import reap_dead_worker
 from shared.chunk_schemas import TokenChunk
 from shared.chunks import emitted_chunks
 from shared.codec import from_entry

@@ -6,7 +6,8 @@ load; a burst for one adapter meets the worker it was just sent to."""
 
 from __future__ import annotations
 
-from router.admission import Views, cacheable_prompt
+from router.admission.views import Views
+from router.admission.worker_view import cacheable_prompt
 from shared.admission import POLICIES, request_states
 from shared.batch_view import Candidate
 from tests.router.test_cache_aware import TURN1, TURN2, estimator, message, record, summary_after
@@ -81,7 +82,7 @@ def test_a_miss_goes_where_the_least_popular_adapter_would_be_evicted():
 
 
 def test_popularity_decays_and_stays_bounded():
-    from router.adapter_popularity import Popularity
+    from router.lora.adapter_popularity import Popularity
 
     popularity = Popularity()
     popularity.count("old")

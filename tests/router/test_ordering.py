@@ -12,7 +12,7 @@ from collections import deque
 import pytest
 
 from router.loop import Router
-from router.ordering import cost, parse_weights
+from router.order.ordering import cost, parse_weights
 from shared.config import RouterSettings
 from shared.keys import ROUTER_GROUP, class_tenant_field
 from shared.redis import ensure_group

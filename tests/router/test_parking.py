@@ -57,7 +57,7 @@ def test_parked_entries_come_back_in_order_each_once_and_after_a_restart(redis_s
 def test_entries_handed_out_in_an_outage_are_parked_again_first():
     """``due`` pops entries to read back; an outage before they are read must not lose them (they
     are in this router's pending list alone) nor reorder the tenant's."""
-    from router.parking import Parked, Parking
+    from router.order.parking import Parked, Parking
 
     parking = Parking(order_window=4)  # one a tenant in the queue
     entries = [Parked(f"{i}-0", float(i), f"r{i}", 0, None, "t") for i in range(3)]

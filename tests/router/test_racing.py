@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from router.loop import Router
-from router.registry import read_registry
+from router.workers.registry import read_registry
 from shared.admission import POLICIES, request_state
 from shared.codec import entry, from_entry
 from shared.config import AdmissionSettings, RouterSettings

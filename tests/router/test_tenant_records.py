@@ -11,7 +11,7 @@ import random
 import pytest
 
 from router.loop import Router
-from router.ordering import cost
+from router.order.ordering import cost
 from shared.config import RedisSettings, RouterSettings
 from shared.keys import ROUTER_GROUP, class_tenant_field
 from shared.redis import ensure_group

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from bench.sim.router_bench import choose_by_check
-from router.admission import Views, WorkerView
+from router.admission.views import Views
+from router.admission.worker_view import WorkerView
 from shared.admission import AdmissionRule, request_state, request_states
 from shared.batch_view import Candidate
 from shared.config import AdmissionSettings

@@ -1,6 +1,6 @@
 """The load record a worker publishes, down to what the router reads back."""
 
-from router.registry import read_registry
+from router.workers.registry import read_registry
 from shared.codec import decode, encode
 from shared.history import Estimator, OutputLengthHistory
 from shared.schemas import GenerateRequest, SamplingParams
