@@ -77,7 +77,7 @@ def printable(name: str) -> str:
 
 
 def shares(snap: ClusterSnapshot, most: int = 6) -> list[str]:
-    """The priority order's state (router.ordering): queued per class, and the tenants that were
+    """The priority order's state (router.order.ordering): queued per class, and the tenants that were
     served the most tokens, with what each has queued (none of it when nothing was ever ordered)."""
     if not snap.tenant_queued and not snap.tenant_served:
         return []

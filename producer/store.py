@@ -164,7 +164,7 @@ async def read_meta(redis: aioredis.Redis, keys: Keys, request_id: str) -> Reque
 async def queue_place(
     redis: aioredis.Redis, keys: Keys, request_id: str, model: str | None
 ) -> tuple[int | None, int | None]:
-    """A queued request's (priority, position) in the routers' order (``router.ordering``): requests
+    """A queued request's (priority, position) in the routers' order (``router.order.ordering``): requests
     of better classes waiting for its model, plus those before it in its class (of any model).
     (None, None) until a router has read it (it waits in the stream's lag) or once it left the
     queue. Two reads, not one snapshot: a guide."""

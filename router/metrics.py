@@ -47,7 +47,7 @@ class RouterMetrics:
         ).labels(**labels)
         self.decisions = Counter(
             "lightq:router_decisions",
-            "admission decisions by reason (router.admission.Reason): the chosen worker holds a prefix of "
+            "admission decisions by reason (router.admission.choice.Reason): the chosen worker holds a prefix of "
             "the prompt (a LoRA request's: its adapter), others did but load won, nobody held any, or the "
             "request waits",
             ["router", "reason"],

@@ -1,6 +1,6 @@
 """The admission checker: a batch prepared once, asked about many candidates.
 
-Both the router (one view per worker record, ``router.admission``) and the
+Both the router (one view per worker record, ``router.admission.worker_view``) and the
 worker (one view per admission pass over its own waiting queue,
 ``worker.engine.engine``) ask a ``BatchView`` whether a candidate fits: a
 request's state, or a group's samples' states with its prompt counted once.

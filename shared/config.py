@@ -205,7 +205,7 @@ class RouterSettings(BaseSettings):
         le=65535,
         description="port of this service's Prometheus /metrics (0: none; when taken, the next free port above it)",
     )
-    # router.ordering: priorities and fair shares apply to what a router holds, so it holds up to this many.
+    # router.order.ordering: priorities and fair shares apply to what a router holds, so it holds up to this many.
     order_window: int = Field(
         1024,
         gt=0,

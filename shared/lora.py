@@ -34,7 +34,7 @@ TARGETS = frozenset(
     | {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}
 )
 # A request whose adapter went (unloaded) before it started ends with an error that starts with this
-# code and ": " (the router's ``router.lora``, a worker's refusal): the producer answers 404
+# code and ": " (the router's ``router.lora.adapter_gone``, a worker's refusal): the producer answers 404
 # ``model_not_found``, as it answers a request naming an unknown adapter.
 GONE = "model_not_found"
 

@@ -1,6 +1,6 @@
 """Hashes of a prompt's prefixes at fixed token boundaries: how a worker says what its prefix
 cache holds and how the router recognises it in a request (``worker.engine.radix_cache``,
-``router.admission``).
+``router.admission.views``).
 
 ``prefix_hashes(ids)[k]`` stands for ``ids[: (k + 1) * PREFIX_BLOCK]``: each hash is chained
 from the previous one and the next block's ids, so equal hashes mean equal prefixes (up to a

@@ -18,11 +18,11 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_TOP_LOGPROBS = 20  # OpenAI chat's limit (completions' is 5)
-# Priorities are small integers: each one in use is a sorted set of its own in Redis (router.ordering).
+# Priorities are small integers: each one in use is a sorted set of its own in Redis (router.order.ordering).
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
 DEFAULT_TENANT = "default"
 # The fair-share bucket of tenants past the router's --max_tenants, and the /metrics series of
-# tenants past --metrics_tenants (router.ordering): per-tenant state stays bounded.
+# tenants past --metrics_tenants (router.order.ordering): per-tenant state stays bounded.
 OTHER_TENANT = "other"
 MAX_TENANT_CHARS = 128
 
@@ -157,7 +157,7 @@ class GenerateRequest(FrozenModel):
         description="the LoRA adapter (a --lora_modules name) its tokens are generated with (None: the base "
         "model): only workers publishing it take it; it travels with every requeue",
     )
-    # Scheduling (router.ordering): classes by ``priority`` (lower first, as in vLLM), and within
+    # Scheduling (router.order.ordering): classes by ``priority`` (lower first, as in vLLM), and within
     # a class fair shares of tokens between tenants. The producer sets ``tenant`` (the API key's
     # tenant, or OpenAI's ``user`` where keys are off); defaults keep older messages valid.
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="lower is served earlier")
@@ -276,7 +276,7 @@ class RequestMeta(BaseModel):
     finished_ms: int | None = None
     key_hash: str | None = None  # the submitting API key's hash (producer.edge.auth), never the key
     # The tenant whose fair share it is charged to, when not its own: ``other``, its tenant being
-    # new to a class already holding --max_tenants tenants (router.ordering). Set by the router
+    # new to a class already holding --max_tenants tenants (router.order.ordering). Set by the router
     # that tags it, so a router that reads it again charges it alike.
     charged_to: str | None = None
     # The request's samples (n), written only when above 1: status views and replays read each.

@@ -5,7 +5,7 @@ request cannot add series without bound. The producer's and the router's ``/metr
 Gauges (requests queued) put every other tenant's value in ``other``. Counters (tokens dispatched)
 cannot: a tenant entering the top ``k`` would take its tokens out of a summed ``other``, which a
 counter must never do (Prometheus reads a drop as a restart). Their ``other`` is the overflow
-tenant's own counter (``router.ordering``, ``router.tenant_records``: tenants past
+tenant's own counter (``router.order.ordering``, ``router.order.tenant_records``: tenants past
 ``--max_tenants`` and idle tenants folded there), and the tenants outside the top ``k`` are left
 out; every series shown only ever grows.
 """

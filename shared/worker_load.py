@@ -58,7 +58,7 @@ class WorkerLoad(FrozenModel):
     held_prefixes: list[int] = Field(
         default_factory=list,
         description="indexes into prefixes of the entries whose tokens running requests hold (counted "
-        "in requests): a request starting with one adds only the rest here (router.admission); the "
+        "in requests): a request starting with one adds only the rest here (router.admission.worker_view); the "
         "other entries are evictable, and a request that hits them holds them again",
     )
     prefix_asked_tokens: int = Field(0, description="tokens of admitted requests looked up in the cache, since start")

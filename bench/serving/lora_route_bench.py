@@ -19,7 +19,7 @@ token. Adapter loads are the workers' ``worker_lora_loads_total`` over their ``-
 endpoints, after the run less before it (the registration's own loads do not count).
 
 Arms: ``aware``, the default routing (a worker holding the adapter wins, traded against load:
-``router.admission.ADAPTER_HIT``), and ``least``, ``--no-cache_aware``: the switch that turns the
+``router.admission.views.ADAPTER_HIT``), and ``least``, ``--no-cache_aware``: the switch that turns the
 adapter hit off with the prefix hit (an adapter's prompt is never prefix-cached, so on this workload
 it is load-only routing). Every stage is bounded by ``--deadline-s`` in all.
 """

@@ -3,10 +3,10 @@
     .venv/bin/python -m bench.serving.tenant_flood                   # this tree
     .venv/bin/python -m bench.serving.tenant_flood --peer 0652da6    # an older commit first, same run
 
-Fair shares (``router/ordering.py``) promise a tenant that sends little the next free slot while
+Fair shares (``router/order/ordering.py``) promise a tenant that sends little the next free slot while
 another floods. They order only what a router has read, and a router read at most ``--order_window``
 (1,024) entries of a class ahead, so a flood longer than that hid everyone behind it until it
-drained (``router/parking.py`` reads on past it). This runs ``lightq serve`` on the counting model
+drained (``router/order/parking.py`` reads on past it). This runs ``lightq serve`` on the counting model
 (two workers of 4,096 tokens, 20 ms a step, so a flood takes minutes), queues ``--flood`` requests of
 200 tokens from key ``tb`` through 64 concurrent clients, then one of 5 tokens from key ``ta``, and
 times ``ta``'s from submission to its end. One line a tree:

@@ -9,7 +9,7 @@ at the inbox's newest entry, as if each worker took in everything sent to it
 and kept a steady batch. The ingress stream holds ``--requests`` requests
 before the clock starts; the real ``router.loop.Router`` steps until all are
 dispatched (each dispatch is the real Lua script into a real inbox). It runs
-twice: with the prepared worker views (``router.admission.Views``, production)
+twice: with the prepared worker views (``router.admission.views.Views``, production)
 and with ``choose_by_check``, every worker's check from scratch per request
 (the peer, as the router decided before the views), and prints one line each.
 """

@@ -250,7 +250,7 @@ class RequestView(BaseModel):
     stepped_ms: int | None  # the worker step that admitted it ended
     started_ms: int | None
     finished_ms: int | None
-    priority: int | None = Field(None, description="while queued: its class (router.ordering)")
+    priority: int | None = Field(None, description="while queued: its class (router.order.ordering)")
     queue_position: int | None = Field(
         None, description="while queued and read by a router: requests served before it as things stand (0: next)"
     )

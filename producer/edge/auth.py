@@ -76,7 +76,7 @@ def key_hashes(*key_lists: SecretStr) -> frozenset[str]:
 
 
 def key_tenants(*key_lists: SecretStr) -> dict[str, str]:
-    """Each key's tenant (router.ordering shares tokens fairly between tenants): the one given
+    """Each key's tenant (router.order.ordering shares tokens fairly between tenants): the one given
     before it, else its own, ``key-`` and the start of its hash (never the key itself)."""
     return {
         hash_key(key): (tenant or f"key-{hash_key(key)[:8]}")[:MAX_TENANT_CHARS] for tenant, key in _entries(*key_lists)

@@ -68,10 +68,10 @@ class ClusterSnapshot:
     loads: list[WorkerLoad] = field(default_factory=list)
     inboxes: dict[str, Backlog] = field(default_factory=dict)
     dead_letters: int = 0
-    # router.ordering's counters: (priority, tenant) -> requests queued, tokens dispatched
+    # router.order.ordering's counters: (priority, tenant) -> requests queued, tokens dispatched
     tenant_queued: dict[tuple[int, str], int] = field(default_factory=dict)
     tenant_served: dict[tuple[int, str], int] = field(default_factory=dict)
-    decisions: dict[str, int] = field(default_factory=dict)  # reason -> router decisions (router.admission.Reason)
+    decisions: dict[str, int] = field(default_factory=dict)  # reason -> decisions (router.admission.choice.Reason)
     recent: list[RecentRequest] = field(default_factory=list)
     window_s: float = WINDOW_S
 

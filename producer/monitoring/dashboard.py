@@ -77,7 +77,7 @@ def snapshot_json(snap: ClusterSnapshot, metrics: ProducerMetrics) -> dict:
 
 
 def priorities(snap: ClusterSnapshot) -> dict:
-    """router.ordering's counters: requests queued per class, and per (class, tenant) the requests
+    """router.order.ordering's counters: requests queued per class, and per (class, tenant) the requests
     queued and the tokens dispatched (``lightq:queue_class_depth``, ``queue_tenant_depth``,
     ``tenant_dispatched_tokens``); classes as strings, the JSON keys they become anyway."""
     classes: dict[str, int] = {}

@@ -199,7 +199,7 @@ class ProducerMetrics:
 
 
 def _ordering_families(snap: ClusterSnapshot, gauge, out: list[Metric], k: int) -> None:
-    """router.ordering's counters: requests queued per class and per (class, tenant), tokens
+    """router.order.ordering's counters: requests queued per class and per (class, tenant), tokens
     dispatched per (class, tenant); per class ``k`` tenants and ``other`` (``shared.tenant_series``)."""
     per_class: dict[int, int] = {}
     for (priority, _), n in snap.tenant_queued.items():
@@ -287,7 +287,7 @@ def cluster_families(snap: ClusterSnapshot, keys: Keys, metrics_tenants: int = 1
     _ordering_families(snap, gauge, out, metrics_tenants)
     decisions = CounterMetricFamily(
         "lightq:router_decisions",
-        "admission decisions of every router by reason (router.admission.Reason; from Redis)",
+        "admission decisions of every router by reason (router.admission.choice.Reason; from Redis)",
         labels=("reason",),
     )
     for reason, n in sorted(snap.decisions.items()):

@@ -43,7 +43,7 @@ async def test_data_equals_metrics(app, client, worker, aredis, keys):
     await aredis.set(keys.load("w1"), load.model_dump_json(), ex=60)
     await aredis.xadd(keys.dead_letters(), {"msg": "x", "reason": "test"})
     await aredis.hset(keys.router_decisions(), mapping={"prefix_hit": 5, "least_loaded": 2})  # as routers write it
-    # router.ordering's counters, as routers write them: a tenant can have a ':' in its name
+    # router.order.ordering's counters, as routers write them: a tenant can have a ':' in its name
     await aredis.hset(keys.tenant_queued(), mapping={"1:batch:a": 4, "0:chat": 2})
     await aredis.hset(keys.tenant_served(), mapping={"0:chat": 900, "1:batch:a": 5000, "1:idle": 70})
     request, _ = await generate_with(client, worker, ["a", "b"])

@@ -1,4 +1,4 @@
-"""The producer's /metrics shows router.ordering's counters: depth per class and per tenant,
+"""The producer's /metrics shows router.order.ordering's counters: depth per class and per tenant,
 tokens dispatched per tenant (the same numbers every router's own endpoint shows)."""
 
 from __future__ import annotations

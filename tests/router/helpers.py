@@ -93,6 +93,6 @@ def finished_lengths(client, keys: Keys, lengths: list[int]) -> None:
 
 def start_on(client, keys: Keys, request_id: str, worker_id: str) -> None:
     """The worker's start write (``running``, its id, a step time): a death of the worker is then
-    blamed on the request (``router.janitor.last_admission``)."""
+    blamed on the request (``router.workers.janitor.last_admission``)."""
     fields = RequestMeta.fields(status=RequestStatus.RUNNING, worker=worker_id, stepped_ms=now_ms())
     client.hset(keys.meta(request_id), mapping=fields)

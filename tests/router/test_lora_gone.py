@@ -1,5 +1,5 @@
 """A queued request whose LoRA adapter is unloaded before it starts ends at once with the
-``model_not_found`` error (the producer's 404), not at its timeout (``router.lora``); while a worker
+``model_not_found`` error (the producer's 404), not at its timeout (``router.lora.adapter_gone``); while a worker
 may still list the adapter (just loaded, or no worker up yet) it waits."""
 
 from __future__ import annotations

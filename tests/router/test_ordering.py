@@ -1,4 +1,4 @@
-"""router.ordering against a real Redis: strict classes, fair token shares between tenants (checked
+"""router.order.ordering against a real Redis: strict classes, fair token shares between tenants (checked
 against a brute-force virtual-token-counter model), the same order from two routers at once, and
 nothing lost or reordered when a router restarts."""
 

@@ -1,5 +1,5 @@
 """One tenant's flood longer than ``--order_window`` no longer hides another tenant's request behind
-it (``router.parking``): the router reads past its window, parks the flood's entries beyond the
+it (``router.order.parking``): the router reads past its window, parks the flood's entries beyond the
 tenant's share of the queue, and brings them back in order as the share frees (real Redis)."""
 
 from router.loop import Router

@@ -1,4 +1,4 @@
-"""The admission simulator (bench/sim/scheduler_sim.py), which runs router.admission.check: invariants on short runs."""
+"""The admission simulator (bench/sim/scheduler_sim.py), which runs shared.peak.check: invariants on short runs."""
 
 import pytest
 

@@ -3,7 +3,7 @@
 Besides the pool totals it lists, for every running or waiting request, the
 ``ReqState`` summary [prompt + output tokens, output tokens, max_new_tokens,
 ignore_eos] from which the router estimates each request's remaining
-length and the batch's peak (router.admission, shared.batch_view). A waiting request is
+length and the batch's peak (router.admission.worker_view, shared.batch_view). A waiting request is
 listed with the tokens it will hold once prefilled: the peak counts them
 from the start. A group counts its prompt once (``shared.peak.group_states``):
 before its fork as a state per open sample (a requeued group's finished

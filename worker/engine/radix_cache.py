@@ -78,7 +78,7 @@ def lease_path(lease: Lease | None) -> list[tuple[int, int]]:
 def held_hashes(leases: Iterable[Lease | None]) -> set[int]:
     """The prefix hashes (``Node.hashes``) of every boundary on the leases' paths: prefixes whose
     tokens the holders count in their load-record states (``worker.engine.load``), so a request
-    starting with one adds only the rest there (the router's discount, ``router.admission``)."""
+    starting with one adds only the rest there (the router's discount, ``router.admission.worker_view``)."""
     held: set[int] = set()
     seen: set[int] = set()
     for lease in leases:

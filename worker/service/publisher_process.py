@@ -157,7 +157,7 @@ class PublisherLink:
     def wait_ready(self) -> None:
         """Until every publisher has its tokenizer and Redis: a worker must not take requests before
         (their first events would wait in the pipe, and a death then would find them never started,
-        ``router.janitor``). Called before the first heartbeat, so the loads overlap the model's."""
+        ``router.workers.janitor``). Called before the first heartbeat, so the loads overlap the model's."""
         for shard in self.shards:
             try:
                 message = shard.stops.recv()
