@@ -6,11 +6,11 @@ where the worker switches from one to the other (``worker.lora.delta.GROUPED_FRO
     python3 -m bench.engine.lora_kernels --adapters 100 --rank 16 --batches 8,16,32,64,128,256,512,768
     python3 -m bench.engine.lora_kernels --tune --adapters 64 --batches 77   # tiles, on the model's layers
 
-``--tune``: each kernel's expand tile (``block_n``), shrink K per program (``split_k``) and, for the
-grouped kernel, output tiles per expand program (``tiles``) swept on the worker's own adapted layers
-of Llama-3-8B (qkv and gate_up fused, their B block diagonal), each config checked against the
-reference first; per config, the four layers' sum times 32 layers: a decode step's LoRA time at
-that batch (the 1,000-adapter run's slot-bound step is ~77 tokens over 64 adapters).
+``--tune``: each kernel's expand tile (``block_n``) and shrink K per program (``split_k``) swept on the
+worker's own adapted layers of Llama-3-8B (qkv and gate_up fused, their B block diagonal), each
+config checked against the reference first; per config, the four layers' sum times 32 layers: a
+decode step's LoRA time at that batch (the 1,000-adapter run's slot-bound step is ~77 tokens over
+64 adapters).
 
 Each case first checks both against the PyTorch reference (``lora_delta_ref``) on the same random
 inputs, then times each with triton.testing.do_bench (median, L2 flushed between runs). The grouped
@@ -94,27 +94,23 @@ def tune(t: int, adapters: int, rank: int) -> None:
     groups = group_tokens(slots, adapters + 1)
     layers = {name: (_layer(k, sizes, adapters, rank), torch.randn(t, k, device="cuda").bfloat16())
               for name, (k, sizes) in LAYERS.items()}  # fmt: skip
-    kernels = {"bgmv": lambda y, x, a, b, sh, bn, sk, tl: bgmv(y, x, a, b, slots, shards=sh, block_n=bn, split_k=sk),
-               "grouped": lambda y, x, a, b, sh, bn, sk, tl: bgmv_grouped(y, x, a, b, groups, shards=sh, block_n=bn,
-                                                                          split_k=sk, tiles=tl)}  # fmt: skip
-    sweeps = {"bgmv": itertools.product((64, 128, 256), (256, 512, 1024), (None,)),
-              "grouped": itertools.product((64, 128), (512, 1024), (1, 2, 4, 8, 16))}  # fmt: skip
+    kernels = {"bgmv": lambda y, x, a, b, sh, bn, sk: bgmv(y, x, a, b, slots, shards=sh, block_n=bn, split_k=sk),
+               "grouped": lambda y, x, a, b, sh, bn, sk: bgmv_grouped(y, x, a, b, groups, shards=sh, block_n=bn,
+                                                                      split_k=sk)}  # fmt: skip
     distinct = len(set(slots.tolist()))
     print(f"{t} tokens over {distinct} of {adapters} adapters, rank {rank}: ms a layer, and x 32 layers")
-    print(f"{'kernel':<9}{'block_n':>8}{'split_k':>8}{'tiles':>6}" + "".join(f"{name:>9}" for name in LAYERS)
-          + f"{'step ms':>9}")  # fmt: skip
-    for kernel, sweep in sweeps.items():
-        for bn, sk, tiles in sweep:
-            row = []
-            for (a, b, shards), x in layers.values():
-                y = torch.zeros(t, b.shape[1], device="cuda", dtype=torch.bfloat16)
-                kernels[kernel](y, x, a, b, shards, bn, sk, tiles)
-                want = lora_delta_ref(x, a, b, slots)
-                assert ((y.float() - want).norm() / want.norm()).item() < 2e-2, (kernel, bn, sk, tiles)
-                row.append(triton.testing.do_bench(lambda: kernels[kernel](y, x, a, b, shards, bn, sk, tiles),  # noqa: B023
-                                                   warmup=25, rep=100, return_mode="median"))  # fmt: skip
-            cells = "".join(f"{ms:>9.4f}" for ms in row)
-            print(f"{kernel:<9}{bn:>8}{sk:>8}{tiles or '-':>6}{cells}{sum(row) * 32:>9.3f}")
+    print(f"{'kernel':<9}{'block_n':>8}{'split_k':>8}" + "".join(f"{name:>9}" for name in LAYERS) + f"{'step ms':>9}")
+    for kernel, (bn, sk) in itertools.product(kernels, itertools.product((64, 128, 256), (256, 512, 1024))):
+        row = []
+        for (a, b, shards), x in layers.values():
+            y = torch.zeros(t, b.shape[1], device="cuda", dtype=torch.bfloat16)
+            kernels[kernel](y, x, a, b, shards, bn, sk)
+            want = lora_delta_ref(x, a, b, slots)
+            assert ((y.float() - want).norm() / want.norm()).item() < 2e-2, (kernel, bn, sk)
+            row.append(triton.testing.do_bench(lambda: kernels[kernel](y, x, a, b, shards, bn, sk),  # noqa: B023
+                                               warmup=25, rep=100, return_mode="median"))  # fmt: skip
+        cells = "".join(f"{ms:>9.4f}" for ms in row)
+        print(f"{kernel:<9}{bn:>8}{sk:>8}{cells}{sum(row) * 32:>9.3f}")
 
 
 def main() -> None:

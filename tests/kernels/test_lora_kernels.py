@@ -108,11 +108,10 @@ def test_grouped_bgmv_matches_reference(slots, rank, k, n, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_n, split_k, tiles", [(128, 256, 1), (256, 1024, 3), (64, 512, 16)])
-def test_both_decode_kernels_match_the_reference_at_other_tiles(block_n, split_k, tiles, dtype):
+@pytest.mark.parametrize("block_n, split_k", [(128, 256), (256, 1024)])
+def test_both_decode_kernels_match_the_reference_at_other_tiles(block_n, split_k, dtype):
     """The tiles ``bench.engine.lora_kernels --tune`` sweeps: wider output tiles over fused shards on
-    their boundaries (the zero blocks NaN, never read), K split in other chunks, poisoned scratch; the
-    grouped expand walking 1, 3 (a last program past the end) or 16 (crossing every shard) tiles."""
+    their boundaries (the zero blocks NaN, never read), K split in other chunks, poisoned scratch."""
     sizes, rank, k = [256, 256, 256], 16, 1100  # K over 1 to 5 splits, not a multiple of one
     a, b, seen = block_diagonal(sizes, rank, k, dtype, float("nan"))
     shards, r, n = Shards((256, 512, 768), rank), rank * len(sizes), sum(sizes)
@@ -129,7 +128,7 @@ def test_both_decode_kernels_match_the_reference_at_other_tiles(block_n, split_k
     y, groups = y0.clone(), group_tokens(token_slots, 4)
     places = groups.block_slots.shape[0] * BLOCK_M
     v = poisoned(places, r).expand(splits, -1, r).clone()
-    bgmv_grouped(y, x, a, b, groups, v=v, shards=shards, block_n=block_n, split_k=split_k, tiles=tiles)
+    bgmv_grouped(y, x, a, b, groups, v=v, shards=shards, block_n=block_n, split_k=split_k)
     assert_close(y, want, SGMV_FP32_CUDA if dtype == torch.float32 and DEVICE.type == "cuda" else None)
 
 

@@ -11,9 +11,7 @@ per token. The grouping is a handful of fixed-size tensor ops (a sort, a histogr
 a search), done once a forward (``AdapterSet.bind``), inside a captured decode graph too.
 
 The shrink (v = x A^T, fp32) splits K as ``bgmv`` does, so a few hundred tokens still fill the
-GPU; each expand program adds the splits' partial sums as it loads them, in a fixed order (a
-``v.sum`` between the kernels was 128 launches of ~4 us a decode step on an H100), once for the
-``EXPAND_TILES`` output tiles it walks. Slot 0 (no adapter, and a captured graph's
+GPU; the splits are summed once before the expand. Slot 0 (no adapter, and a captured graph's
 padded rows) gets no block: its rows of y are not touched. Every (token, output) is written by one
 program: no atomics, the same result every run. Small batches stay on ``bgmv``
 (``worker.lora.delta.GROUPED_FROM``): the grid is sized for the worst grouping, and at a few tokens
@@ -31,7 +29,6 @@ import triton.language as tl
 from worker.model.kernels.lora_shards import Shards, block_ranks, expand_span
 
 BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K = 16, 64, 128, 512
-EXPAND_TILES = 4  # output tiles an expand program walks, where the layer has that many (expand_tiles)
 
 
 @dataclass(frozen=True)
@@ -62,13 +59,6 @@ def group_tokens(slots: torch.Tensor, num_slots: int) -> TokenGroups:
     block_slots = torch.searchsorted(block_end, index, right=True)  # the slot whose blocks hold it
     block_slots = block_slots.masked_fill(index >= block_end[-1], 0).to(torch.int32)
     return TokenGroups(tokens[:-1], block_slots)
-
-
-def expand_tiles(n: int, block_n: int) -> int:
-    """Output tiles per expand program: each sums v's split partials once for all of them, and walks
-    them one after another (their loads pipelined), where one tile a program was a short chain of
-    dependent loads (slot, tokens, v, B, y) per 2 KB of B."""
-    return max(1, min(EXPAND_TILES, triton.cdiv(n, block_n)))
 
 
 @triton.jit
@@ -102,32 +92,25 @@ def _shrink(
 
 @triton.jit
 def _expand(
-    v, b, y, tokens, block_slots, N, R, RS, END0, END1, s_vs, s_v, s_bs, s_bn, s_y,
-    SPLITS: tl.constexpr, TILES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+    v, b, y, tokens, block_slots, N, RS, END0, END1, s_v, s_bs, s_bn, s_y,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
 ):  # fmt: skip
-    blk, group = tl.program_id(0), tl.program_id(1)
+    blk, nb = tl.program_id(0), tl.program_id(1)
     slot = tl.load(block_slots + blk).to(tl.int64)
     if slot == 0:
         return
     pos, tok, ok = _block_rows(tokens, blk, BM)
-    rs = tl.arange(0, BR)  # every rank of the layer: v is summed once for all the program's tiles
-    v_ptr = v + pos[:, None] * s_v + rs[None, :]
-    total = tl.zeros((BM, BR), dtype=tl.float32)
-    for split in tl.static_range(SPLITS):  # the shrink's partial sums, always in this order
-        total += tl.load(v_ptr + split * s_vs, mask=ok[:, None] & (rs[None, :] < R), other=0.0)
-    vt = total.to(b.dtype.element_ty)  # v in the weights' dtype: tensor cores, fp32 sums
-    for tile in tl.static_range(TILES):
-        c0 = (group * TILES + tile) * BN
-        cols = c0 + tl.arange(0, BN)
-        r0 = ((c0 >= END0).to(tl.int32) + (c0 >= END1).to(tl.int32)) * RS  # its shard's ranks (lora_shards)
-        shard = (rs >= r0) & (rs < r0 + RS)  # the other shards' B columns are zeros: never read
-        b_ptr = b + slot * s_bs + cols[:, None] * s_bn + rs[None, :]
-        bt = tl.load(b_ptr, mask=(cols[:, None] < N) & shard[None, :], other=0.0)  # [BN, BR]
-        acc = tl.dot(vt, tl.trans(bt))
-        y_ptr = y + tok[:, None] * s_y + cols[None, :]
-        mask = ok[:, None] & (cols[None, :] < N)
-        out = tl.load(y_ptr, mask=mask, other=0.0).to(tl.float32) + acc
-        tl.store(y_ptr, out.to(y.dtype.element_ty), mask=mask)
+    cols = nb * BN + tl.arange(0, BN)
+    r0 = ((nb * BN >= END0).to(tl.int32) + (nb * BN >= END1).to(tl.int32)) * RS  # its shard's ranks (lora_shards)
+    rs = tl.arange(0, BR)
+    vs = tl.load(v + pos[:, None] * s_v + r0 + rs[None, :], mask=ok[:, None] & (rs[None, :] < RS), other=0.0)
+    b_ptr = b + slot * s_bs + cols[:, None] * s_bn + r0 + rs[None, :]
+    bt = tl.load(b_ptr, mask=(cols[:, None] < N) & (rs[None, :] < RS), other=0.0)  # [BN, BR]
+    acc = tl.dot(vs.to(bt.dtype), tl.trans(bt))  # v in the weights' dtype: tensor cores, fp32 sums
+    y_ptr = y + tok[:, None] * s_y + cols[None, :]
+    mask = ok[:, None] & (cols[None, :] < N)
+    out = tl.load(y_ptr, mask=mask, other=0.0).to(tl.float32) + acc
+    tl.store(y_ptr, out.to(y.dtype.element_ty), mask=mask)
 
 
 def bgmv_grouped(
@@ -140,13 +123,11 @@ def bgmv_grouped(
     shards: Shards | None = None,
     block_n: int = BLOCK_N,
     split_k: int = SPLIT_K,
-    tiles: int | None = None,
 ) -> torch.Tensor:
     """y [T, N] += each token's delta, in place; x [T, K], A [S, R, K], B [S, N, R], ``groups`` from
     ``group_tokens`` over the batch's slots. ``v``: the [cdiv(K, split_k), blocks * BLOCK_M, R] fp32
     scratch (tests pass a poisoned one). ``shards``: B is block diagonal so (``lora_shards``).
-    ``block_n``, ``split_k``, ``tiles``: the expand's output tile, the shrink's K per program, and the
-    expand's tiles per program (default ``expand_tiles``; a benchmark's sweep)."""
+    ``block_n``, ``split_k``: the expand's output tile and the shrink's K per program (a benchmark's sweep)."""
     (t, k), (num_slots, r, k_a), (_, n, r_b) = x.shape, a.shape, b.shape
     assert k_a == k and r_b == r and b.shape[0] == num_slots and y.shape == (t, n), (x.shape, a.shape, b.shape)
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
@@ -163,11 +144,10 @@ def bgmv_grouped(
         x, a, v, groups.tokens, groups.block_slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0),
         v.stride(1), CHUNK=split_k, BM=BLOCK_M, BR=block_r, BK=block_k,
     )  # fmt: skip
-    block_n = min(block_n, max(16, 8192 // block_r))  # a [BN, BR] tile of B at most 8,192 values (registers)
+    total = v[0] if splits == 1 else v.sum(0)  # the splits added once (a fixed-order reduction)
     end0, end1, ranks = expand_span(shards, n, r, block_n)
-    tiles = expand_tiles(n, block_n) if tiles is None else tiles
-    _expand[(blocks, triton.cdiv(triton.cdiv(n, block_n), tiles))](
-        v, b, y, groups.tokens, groups.block_slots, n, r, ranks, end0, end1, v.stride(0), v.stride(1), b.stride(0),
-        b.stride(1), y.stride(0), SPLITS=splits, TILES=tiles, BM=BLOCK_M, BN=block_n, BR=block_r,
+    _expand[(blocks, triton.cdiv(n, block_n))](
+        total, b, y, groups.tokens, groups.block_slots, n, ranks, end0, end1, total.stride(0), b.stride(0),
+        b.stride(1), y.stride(0), BM=BLOCK_M, BN=block_n, BR=block_ranks(ranks),
     )  # fmt: skip
     return y
