@@ -141,3 +141,23 @@ def test_triton_attention_passes_rules(q_lens, cached_lens):
     )
     out = TritonAttention(cache).forward(0, q, k, v, replace(batch), **rules)
     assert_close(out, ref)
+
+
+def test_both_kernels_refuse_mismatched_inputs_before_launching():
+    """The pool checks both kernels share (``attention_inputs.check_pool_inputs``), and decode's own:
+    one q row per request."""
+    batch = make_batch([1, 1], [4, 2])
+    pool = make_pool(batch, 2, 32, torch.float32)
+    q = pool.new_empty(2, 4, 32).normal_()
+    k, v, rows, lens, table = pool[:, :2], pool[:, 2:], batch.req_rows, batch.seq_lens, batch.req_table
+    context = (q, k, v, batch.q_starts, batch.q_lens, batch.cached_lens, lens, rows, table, 1)
+    with pytest.raises(AssertionError, match="not a multiple of Hkv"):
+        decode_attention(pool.new_empty(2, 3, 32), k, v, pool.new_empty(2, 3, 32), rows, lens, table, 5)
+    with pytest.raises(AssertionError, match="index tensors: integer"):
+        decode_attention(q, k, v, torch.empty_like(q), rows.float(), lens, table, 5)
+    with pytest.raises(AssertionError, match="want one each"):
+        decode_attention(q[:1], k, v, torch.empty_like(q[:1]), rows, lens, table, 5)
+    with pytest.raises(AssertionError, match="share a dtype"):
+        context_attention(q, k, v, torch.empty_like(q, dtype=torch.float16), *context[3:])
+    with pytest.raises(AssertionError, match="index tensors: integer"):
+        context_attention(q, k, v, torch.empty_like(q), batch.q_starts, batch.q_lens.float(), *context[5:])

@@ -33,7 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels.attention_inputs import check_kv_scales, check_position_rules, scale_strides
+from worker.model.kernels.attention_inputs import (
+    check_kv_scales,
+    check_pool_inputs,
+    check_position_rules,
+    scale_strides,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -294,24 +299,6 @@ def launch_config(head_dim: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-def _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table) -> None:
-    assert q.dim() == 3 and o.shape == q.shape, f"q {tuple(q.shape)} / o {tuple(o.shape)}: want [T, Hq, D]"
-    assert k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "k_cache / v_cache: want equal [S, Hkv, D]"
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[1]
-    assert k_cache.shape[2] == head_dim, f"head_dim q {head_dim} vs cache {k_cache.shape[2]}"
-    assert num_heads % num_kv_heads == 0, f"Hq {num_heads} not a multiple of Hkv {num_kv_heads}"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: power of two >= 16 (tl.dot)"
-    assert q.dtype == o.dtype, "q and o share a dtype"
-    assert all(t.stride(-1) == 1 for t in (q, o, k_cache, v_cache)), "head dim must be contiguous"
-    batch = index_tensors[0].shape[0]
-    for t in index_tensors:
-        assert t.shape == (batch,) and not t.is_floating_point(), "index tensors: integer [B]"
-    assert req_table.dim() == 2 and req_table.stride(1) == 1 and not req_table.is_floating_point()
-    devices = {t.device for t in (q, k_cache, v_cache, o, req_table, *index_tensors)}
-    assert len(devices) == 1, f"inputs on several devices: {devices}"
-
-
 def context_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -340,7 +327,7 @@ def context_attention(
     k_scale / v_scale: [S, Hkv] fp32 of an FP8 pool (None: the pool is in q's dtype).
     """
     index_tensors = (q_starts, q_lens, cached_lens, seq_lens, req_rows)
-    _check_inputs(q, k_cache, v_cache, o, index_tensors, req_table)
+    check_pool_inputs(q, k_cache, v_cache, o, index_tensors, req_table)
     check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     check_position_rules(q, alibi_slopes, window)
     num_heads, head_dim = q.shape[1:]  # q: [T, Hq, D]
@@ -353,38 +340,11 @@ def context_attention(
     block_m, block_n = block_m or tile_m, block_n or tile_n
     grid = (batch, num_heads, triton.cdiv(max_q_len, block_m))
     _context_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        o,
-        q_starts,
-        q_lens,
-        cached_lens,
-        seq_lens,
-        req_rows,
-        req_table,
-        # Without ALiBi, q stands in for the slopes pointer: never read, but a tensor either way.
-        scale * LOG2E,
-        q if alibi_slopes is None else alibi_slopes,
-        window or 0,
-        q if k_scale is None else k_scale,  # q stands in when the pool is not FP8: never read
-        q if v_scale is None else v_scale,
-        *scale_strides(k_scale, v_scale),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        o.stride(0),
-        o.stride(1),
-        req_table.stride(0),
-        GROUP=num_heads // k_cache.shape[1],
-        HEAD_DIM=head_dim,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        HAS_ALIBI=alibi_slopes is not None,
-        HAS_WINDOW=window is not None,
-        KV_FP8=k_scale is not None,
-        **cfg,
-    )
+        q, k_cache, v_cache, o, q_starts, q_lens, cached_lens, seq_lens, req_rows, req_table, scale * LOG2E,
+        q if alibi_slopes is None else alibi_slopes,  # q stands in for what is off: never read, a tensor either way
+        window or 0, q if k_scale is None else k_scale, q if v_scale is None else v_scale,
+        *scale_strides(k_scale, v_scale), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), o.stride(0), o.stride(1), req_table.stride(0),
+        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=window is not None, KV_FP8=k_scale is not None, **cfg,
+    )  # fmt: skip

@@ -43,7 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.kernels.attention_inputs import check_kv_scales, check_position_rules, scale_strides
+from worker.model.kernels.attention_inputs import (
+    check_kv_scales,
+    check_pool_inputs,
+    check_position_rules,
+    scale_strides,
+)
 from worker.model.kernels.decode_launch import FP8_POOL_TILES, Stage1Tiles, choose_splits
 
 LOG2E = 1.4426950408889634
@@ -222,23 +227,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _check_inputs(q, k_cache, v_cache, o, req_rows, seq_lens, req_table) -> None:
-    assert q.dim() == 3 and o.shape == q.shape, f"q {tuple(q.shape)} / o {tuple(o.shape)}: want [B, Hq, D]"
-    assert k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "k_cache / v_cache: want equal [S, Hkv, D]"
-    batch, num_heads, head_dim = q.shape
-    assert k_cache.shape[2] == head_dim and num_heads % k_cache.shape[1] == 0, (
-        f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
-    )
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: power of two >= 16 (tl.dot)"
-    assert q.dtype == o.dtype, "q and o share a dtype"
-    assert all(t.stride(-1) == 1 for t in (q, o, k_cache, v_cache)), "head dim must be contiguous"
-    for t in (req_rows, seq_lens):
-        assert t.shape == (batch,) and not t.is_floating_point(), "req_rows / seq_lens: integer [B]"
-    assert req_table.dim() == 2 and req_table.stride(1) == 1 and not req_table.is_floating_point()
-    devices = {t.device for t in (q, k_cache, v_cache, o, req_rows, seq_lens, req_table)}
-    assert len(devices) == 1, f"inputs on several devices: {devices}"
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -263,7 +251,8 @@ def decode_attention(
     alibi_slopes [Hq] fp32 / window: the position rules, None for none.
     k_scale / v_scale: [S, Hkv] fp32 of an FP8 pool (None: the pool is in q's dtype).
     """
-    _check_inputs(q, k_cache, v_cache, o, req_rows, seq_lens, req_table)
+    check_pool_inputs(q, k_cache, v_cache, o, (req_rows, seq_lens), req_table)
+    assert req_rows.shape[0] == q.shape[0], f"{req_rows.shape[0]} requests, q has {q.shape[0]} rows: want one each"
     check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     check_position_rules(q, alibi_slopes, window)
     batch, num_heads, head_dim = q.shape  # q: [B, Hq, D]
