@@ -277,60 +277,20 @@ def decode_attention(
         part_strides, lse_strides = part_o.stride()[:3], part_lse.stride()[:2]
     grid = (num_kv_heads, batch, num_splits) if tiles.head_major else (batch, num_kv_heads, num_splits)
     _decode_stage1_kernel[grid](
-        # Without ALiBi, q stands in for the slopes pointer: never read, but a tensor either way.
-        q,
-        k_cache,
-        v_cache,
-        req_rows,
-        seq_lens,
-        req_table,
-        part_o,
-        part_lse,
-        scale * LOG2E,
-        split_len,
-        q if alibi_slopes is None else alibi_slopes,
-        window or 0,
-        q if k_scale is None else k_scale,  # q stands in when the pool is not FP8: never read
-        q if v_scale is None else v_scale,
-        *scale_strides(k_scale, v_scale),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        req_table.stride(0),
-        *part_strides,
-        *lse_strides,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=tiles.block_n,
-        HAS_ALIBI=alibi_slopes is not None,
-        HAS_WINDOW=window is not None,
-        HEAD_MAJOR=tiles.head_major,
-        KV_FP8=k_scale is not None,
-        KV_F16=tiles.fp16_dot,
-        DIRECT=direct,
-        num_warps=tiles.num_warps,
+        q, k_cache, v_cache, req_rows, seq_lens, req_table, part_o, part_lse, scale * LOG2E, split_len,
+        q if alibi_slopes is None else alibi_slopes,  # q stands in for what is off: never read, a tensor either way
+        window or 0, q if k_scale is None else k_scale, q if v_scale is None else v_scale,
+        *scale_strides(k_scale, v_scale), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_table.stride(0), *part_strides, *lse_strides,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
+        HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=window is not None, HEAD_MAJOR=tiles.head_major,
+        KV_FP8=k_scale is not None, KV_F16=tiles.fp16_dot, DIRECT=direct, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-    )
+    )  # fmt: skip
     if direct:
         return
     _decode_stage2_kernel[(batch, num_heads)](
-        part_o,
-        part_lse,
-        seq_lens,
-        o,
-        split_len,
-        num_splits,
-        window or 0,
-        *part_o.stride()[:3],
-        *part_lse.stride()[:2],
-        o.stride(0),
-        o.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        HAS_WINDOW=window is not None,
-        num_warps=4,
-    )
+        part_o, part_lse, seq_lens, o, split_len, num_splits, window or 0, *part_o.stride()[:3],
+        *part_lse.stride()[:2], o.stride(0), o.stride(1), HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits), HAS_WINDOW=window is not None, num_warps=4,
+    )  # fmt: skip
