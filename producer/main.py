@@ -29,7 +29,6 @@ workers load, and its 116 lines in one start buried the log. A failing probe is 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import os
@@ -44,7 +43,7 @@ import uvicorn.config
 from pydantic import SecretStr
 
 from producer.app import MULTIPROC_ENV, PARENT_ENV, create_app
-from shared.flags import add_flags, as_env, build, flat_fields, given
+from shared.flags import as_env, flat_fields, from_argv
 from shared.producer_settings import ProducerSettings, default_producers
 from shared.service import setup_logging
 
@@ -139,10 +138,7 @@ def settings_env(settings: ProducerSettings) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="lightq-producer", description=__doc__)
-    add_flags(parser, ProducerSettings)
-    args = parser.parse_args(None if argv is None else list(argv))
-    run(build(ProducerSettings, given(args)))
+    run(from_argv(ProducerSettings, "python -m producer.main", __doc__, argv))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from router.metrics import MeteredRouter, RouterCollector, RouterMetrics
 from shared.config import RouterSettings
+from shared.flags import from_argv
 from shared.metrics_server import serve_metrics
 from shared.redis import sync_client
 from shared.service import default_id, setup_logging, stop_on_signals
@@ -26,8 +29,9 @@ def run(settings: RouterSettings) -> None:
         client.close()
 
 
-def main() -> None:
-    run(RouterSettings())
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m router.main [flags]``: the flags ``lightq router`` takes (``--help`` lists them)."""
+    run(from_argv(RouterSettings, "python -m router.main", __doc__, argv))
 
 
 if __name__ == "__main__":

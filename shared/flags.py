@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from importlib import metadata
 from typing import Any, Literal, get_args, get_origin
 
@@ -203,6 +204,16 @@ def build(settings_cls: type[BaseSettings], flags: dict[str, Any]) -> BaseSettin
     for parent, cls in _nested(settings_cls).items():
         top[parent] = cls(**nested.get(parent, {}))
     return settings_cls(**top)
+
+
+def from_argv(
+    settings_cls: type[BaseSettings], prog: str, description: str | None, argv: Sequence[str] | None = None
+) -> BaseSettings:
+    """``settings_cls`` from a service module's own command line (``python -m router.main --help``):
+    the flags ``lightq <service>`` takes, the environment filling the rest."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_flags(parser, settings_cls)
+    return build(settings_cls, given(parser.parse_args(None if argv is None else list(argv))))
 
 
 def as_env(flags: dict[str, Any]) -> dict[str, str]:

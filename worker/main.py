@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import torch
 
 from shared.admission import AdmissionRule
+from shared.flags import from_argv
 from shared.metrics_server import serve_metrics
 from shared.model_files import load_config, load_tokenizer, resolve
 from shared.redis import sync_client, wait_until_up
@@ -299,8 +301,9 @@ def run_service(settings: WorkerSettings, group=None) -> None:
         client.close()
 
 
-def main() -> None:
-    run(WorkerSettings())
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m worker.main [flags]``: the flags ``lightq worker`` takes (``--help`` lists them)."""
+    run(from_argv(WorkerSettings, "python -m worker.main", __doc__, argv))
 
 
 if __name__ == "__main__":

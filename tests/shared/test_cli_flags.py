@@ -93,3 +93,18 @@ def test_version(capsys):
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("lightq ")
+
+
+@pytest.mark.parametrize("module", ["router.main", "worker.main", "producer.main"])
+def test_a_service_module_run_with_python_m_takes_its_flags(module):
+    """``python -m router.main --help`` printed nothing and started a router on the default Redis
+    (its ``main`` read the environment alone); each service module now takes the flags its
+    ``lightq`` subcommand takes, and refuses a bad one before anything starts."""
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"usage: python -m {module}") and "--redis_url" in shown.stdout
+    bad = subprocess.run([sys.executable, "-m", module, "--no_such_flag"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unrecognized arguments: --no_such_flag" in bad.stderr
