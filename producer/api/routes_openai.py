@@ -236,6 +236,8 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
         room = (pool - len(ids)) // body.num_choices
         max_new = max(min(limit - len(ids), room), 1)
     check_context(len(ids), max_new, limit, "messages")
+    if body.logprobs:  # the tokens' raw bytes (vocabulary.py), built off the event loop before a chunk needs them
+        await services.vocabulary.prepare()
     params = body.sampling(max_new, services.tokenizer).model_copy(update={"constraint": constraint})
     queued = new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user, adapter)
     call = Call(

@@ -119,3 +119,15 @@ def test_chat_logprobs_bytes_are_each_tokens_own(tokenizer):
     assert b"".join(bytes(entry.bytes) for entry in content).decode() == "😀"
     assert [entry.top_logprobs[0].bytes for entry in content] == [entry.bytes for entry in content]
     assert Vocabulary(tokenizer).raw(tokenizer.encode(" hello")[0]) == list(b" hello")
+
+
+def test_the_vocabularys_bytes_built_on_a_thread_are_the_same(tokenizer):
+    """``Vocabulary.prepare`` (a chat asking for logprobs, before its chunks render: the build and
+    its xgrammar import off the event loop) gives what ``raw`` builds in place."""
+    import asyncio
+
+    ids = tokenizer.encode("😀 hello")
+    prepared = Vocabulary(tokenizer)
+    asyncio.run(prepared.prepare())
+    assert prepared._bytes is not None
+    assert [prepared.raw(i) for i in ids] == [Vocabulary(tokenizer).raw(i) for i in ids]

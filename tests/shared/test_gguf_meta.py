@@ -55,14 +55,19 @@ from shared.model_files import load_tokenizer, resolve
 parser()  # what every lightq process builds first
 tokenizer = load_tokenizer(resolve("default"), sys.argv[1])
 assert tokenizer.decode(tokenizer.encode("Hello, world!")) == "Hello, world!"
+import producer.main  # the producer's app and routes, and what it reads of the vocabulary at start
+from producer.api.vocabulary import Vocabulary
+
+assert Vocabulary(tokenizer).longest_token_chars()
 print(sorted(name for name in ("torch", "xgrammar") if name in sys.modules))
 """
 
 
 def test_a_kept_tokenizer_and_the_cli_load_without_torch(tmp_path, smollm2_tokenizer):
-    """The processes that only tokenise or route (a worker's publishers, the router) start without torch:
-    it cost each ~1.3 s of CPU and ~200 MB, when the CLI's parser imported it and the tokenizer came
-    through AutoTokenizer (``shared.model_files.tokenizer_from_folder``)."""
+    """The processes that only tokenise or route (a worker's publishers, the router, the producer) start
+    without torch: it cost each ~1.3 s of CPU and ~200 MB, when the CLI's parser imported it, the
+    tokenizer came through AutoTokenizer (``shared.model_files.tokenizer_from_folder``), and the
+    producer imported xgrammar for the logprobs' bytes (``producer.api.vocabulary``)."""
     source = resolve("default")
     smollm2_tokenizer.save_pretrained(gguf_meta.meta_folder(str(tmp_path), source.path, "tokenizer"))  # as kept
     done = subprocess.run([sys.executable, "-c", NO_TORCH, str(tmp_path)], capture_output=True, text=True, timeout=120)
