@@ -218,12 +218,7 @@ class Engine(Forwards):
                 msg, counts = handed_back(samples)
                 self.num_preempted_tokens += kv_lost(samples)
                 for req in samples:
-                    if req.phase is Phase.RUNNING:
-                        self.running.remove(req)
-                        self.runner.finish(req)
-                    else:
-                        self.waiting.remove(req)
-                    req.phase = Phase.FINISHED
+                    self._take_out(req)
                 self.num_preempted += counts
                 events.append(Preempted(victim.id, victim.inbox_id, msg, victim.epoch))
         return events

@@ -188,15 +188,20 @@ class Forwards:
             return "length"
         return None
 
+    def _take_out(self, req: Req) -> None:
+        """``req`` out of the running batch (its row and slots freed) or the waiting queue, finished.
+        The caller holds ``_lock``."""
+        if req.phase is Phase.RUNNING:
+            self.running.remove(req)
+            self.runner.finish(req)
+        else:
+            self.waiting.remove(req)
+        req.phase = Phase.FINISHED
+
     def _release(self, req: Req, reason: FinishReason) -> list[Event]:
         """Free ``req``; its inbox entry goes when it was its group's last live sample."""
         with self._lock:
-            if req.phase is Phase.RUNNING:
-                self.running.remove(req)
-                self.runner.finish(req)
-            else:
-                self.waiting.remove(req)
-            req.phase = Phase.FINISHED
+            self._take_out(req)
             req.finish_reason = reason
         if req.group is not None:
             req.group.ended[req.choice] = req.output_ids  # a pause of the others leaves it finished
