@@ -23,6 +23,8 @@
 #   bash bench/device/h200.sh setup lora-tests lora-arms   (issue 32: page-ins by copies, staged, staged ahead)
 #   bash bench/device/h200.sh setup lora-step      (issue 32: the slot-bound decode step by kernel, with and without adapters)
 #   bash bench/device/h200.sh setup lora-tune      (issue 32: the decode LoRA kernels' tiles at that step's batch)
+#   bash bench/device/h200.sh setup lora-tests lora-prefill lora-ab   (issue 32: a prefill's LoRA kernels; this tree
+#       against .peer, 1,000 adapters / 64 resident; carry .whl .peer)
 #   bash bench/device/h200.sh setup lora-prefetch  (issue 32: 1,000 adapters with 8 then 24 adapters copied ahead)
 #   bash bench/device/h200.sh setup lora-route      (issue 32: four workers on one GPU, 200 adapters in a Zipf mix,
 #       adapter-aware vs load-only routing; SmolLM2's shape, random weights; carry .whl .tok)
@@ -255,6 +257,18 @@ for part in "$@"; do
       for n in 0 64; do timeout 240 python3 -m bench.engine.step_profile --model-shape llama3-8b --batches 16,77 \
         --steps 20 --trace 77 --lora-adapters $n 2>&1 | grep -v Warning | tee "$OUT/lora_step_$n.log" \
         | grep -E -A24 "^kernels|median of" | cut -c1-160; done ;;
+    lora-prefill)  # issue 32: a prefill step's LoRA kernels, SGMV against the grouped kernel by block (3,000 and
+      # 8,192 tokens in ShareGPT-like prompts, an adapter each of 64), with the base layers' matmuls for scale
+      for t in ${LORA_PREFILL_TOKENS:-3000 8192}; do timeout 200 python3 -m bench.engine.lora_kernels --prefill $t \
+        --adapters 64 2>&1 | grep -v Warning | tee "$OUT/lora_prefill_$t.log"; done ;;
+    lora-ab)  # issue 32: the base model, then 1,000 adapters / 64 resident over 16 files with this tree and with
+      # .peer's (a `git archive` of the tree before), alternately (LORA_AB_ARMS overrides: "this peer")
+      timeout 150 python3 -m bench.engine.offline --model-shape llama3-8b --timeline 2>&1 | tr '\r' '\n' \
+        | tee "$OUT/offline_base.log" | grep -E "^(lightq|with prefill|decode, batch)"
+      for arm in ${LORA_AB_ARMS:-this peer}; do echo "--- $arm"; dir=$PWD; [ $arm = peer ] && dir=$PWD/.peer
+        (cd $dir && PYTHONPATH=/tmp/site:$dir timeout 200 python3 -m bench.engine.offline --model-shape llama3-8b \
+          --lora-adapters 1000 --lora-files 16 --lora-resident 64 --lora-rank 16 --timeline 2>&1) | tr '\r' '\n' \
+          | tee "$OUT/offline_lora_$arm.log" | grep -E "^(lightq|LoRA: [0-9]+ adapters paged|with prefill|decode, batch)"; done ;;
     lora-tune)  # issue 32: both decode LoRA kernels' tiles on the model's layers at the slot-bound step's batch
       timeout 300 python3 -m bench.engine.lora_kernels --tune --adapters 64 --batches ${LORA_TUNE_BATCHES:-77} 2>&1 \
         | tee "$OUT/lora_tune.log" | grep -v Warning ;;

@@ -5,12 +5,19 @@ where the worker switches from one to the other (``worker.lora.delta.GROUPED_FRO
     python3 -m bench.engine.lora_kernels                      # on a CUDA machine; one table
     python3 -m bench.engine.lora_kernels --adapters 100 --rank 16 --batches 8,16,32,64,128,256,512,768
     python3 -m bench.engine.lora_kernels --tune --adapters 64 --batches 77   # tiles, on the model's layers
+    python3 -m bench.engine.lora_kernels --prefill 3000 --adapters 64          # a prefill step's kernels
 
 ``--tune``: each kernel's expand tile (``block_n``) and shrink K per program (``split_k``) swept on the
 worker's own adapted layers of Llama-3-8B (qkv and gate_up fused, their B block diagonal), each
 config checked against the reference first; per config, the four layers' sum times 32 layers: a
 decode step's LoRA time at that batch (the 1,000-adapter run's slot-bound step is ~77 tokens over
 64 adapters).
+
+``--prefill T``: a prefill step of T tokens in ShareGPT-like prompts (``bench.engine.prefill_profile``),
+each prompt with its own adapter, on the same four layers: ``sgmv`` (a program per segment and row
+block, the grid sized by the longest prompt) against the grouped kernel at several tokens a block
+(``block_m``) and shrink splits, and the base layer's cuBLAS matmul at M = T for scale; each checked
+against the reference first.
 
 Each case first checks both against the PyTorch reference (``lora_delta_ref``) on the same random
 inputs, then times each with triton.testing.do_bench (median, L2 flushed between runs). The grouped
@@ -113,13 +120,65 @@ def tune(t: int, adapters: int, rank: int) -> None:
         print(f"{kernel:<9}{bn:>8}{sk:>8}{cells}{sum(row) * 32:>9.3f}")
 
 
+def prefill(t: int, adapters: int, rank: int, seed: int = 0) -> None:
+    import itertools
+
+    import torch.nn.functional as F
+    import triton.testing
+
+    from bench.engine.prefill_profile import prompt_lengths
+    from worker.lora.delta import lora_delta_ref
+    from worker.model.kernels.bgmv_grouped import bgmv_grouped, group_tokens
+    from worker.model.kernels.sgmv import sgmv
+
+    lengths = prompt_lengths(t, seed)
+    gen = torch.Generator().manual_seed(seed)
+    seg_slots = torch.randint(1, adapters + 1, (len(lengths),), generator=gen).int().cuda()
+    q_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    q_starts = (torch.cumsum(q_lens, 0) - q_lens).int()
+    slots = torch.repeat_interleave(seg_slots, q_lens)
+    layers = {name: (_layer(k, sizes, adapters, rank), torch.randn(t, k, device="cuda").bfloat16())
+              for name, (k, sizes) in LAYERS.items()}  # fmt: skip
+    arms = {"sgmv": lambda y, x, a, b, sh: sgmv(y, x, a, b, q_starts, q_lens, seg_slots, max(lengths), shards=sh)}
+    for bm, sk in itertools.product((16, 32, 64), (512, 1024)):
+        groups = group_tokens(slots, adapters + 1, bm)
+        arms[f"grouped {bm}/{sk}"] = (  # noqa: B023 (bound now: the default arguments)
+            lambda y, x, a, b, sh, g=groups, sk=sk: bgmv_grouped(y, x, a, b, g, shards=sh, split_k=sk)
+        )
+    print(f"prefill of {t} tokens in {len(lengths)} prompts (longest {max(lengths)}), an adapter each of {adapters},"
+          f" rank {rank}: ms a layer, and x 32 layers")  # fmt: skip
+    print(f"{'arm':<18}" + "".join(f"{name:>9}" for name in LAYERS) + f"{'step ms':>9}")
+    base = []
+    for (_, b, _), x in layers.values():  # the base layer's matmul at M = t, for scale
+        w = torch.randn(b.shape[1], x.shape[1], device="cuda").bfloat16()
+        base.append(triton.testing.do_bench(lambda: F.linear(x, w), warmup=10, rep=50, return_mode="median"))  # noqa: B023
+    print(f"{'base (cuBLAS)':<18}" + "".join(f"{ms:>9.4f}" for ms in base) + f"{sum(base) * 32:>9.3f}")
+    for arm, run in arms.items():
+        row = []
+        for (a, b, shards), x in layers.values():
+            y = torch.full((t, b.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
+            y[:] = 0
+            run(y, x, a, b, shards)
+            want = lora_delta_ref(x, a, b, slots)
+            assert ((y.float() - want).norm() / want.norm()).item() < 2e-2, arm
+            row.append(triton.testing.do_bench(lambda: run(y, x, a, b, shards), warmup=10, rep=50,  # noqa: B023
+                                               return_mode="median"))  # fmt: skip
+        print(f"{arm:<18}" + "".join(f"{ms:>9.4f}" for ms in row) + f"{sum(row) * 32:>9.3f}")
+    grouping = triton.testing.do_bench(lambda: group_tokens(slots, adapters + 1, 32), return_mode="median")
+    print(f"the grouping, once a step: {grouping * 1000:.0f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapters", type=int, default=100)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--batches", default="4,8,16,32,64,128,256,512,768")
     parser.add_argument("--tune", action="store_true", help="sweep the tiles on the model's layers (above)")
+    parser.add_argument("--prefill", type=int, default=0, help="a prefill step of this many tokens (above)")
     args = parser.parse_args()
+    if args.prefill:
+        prefill(args.prefill, args.adapters, args.rank)
+        return
     if args.tune:
         for t in [int(b) for b in args.batches.split(",")]:
             tune(t, args.adapters, args.rank)

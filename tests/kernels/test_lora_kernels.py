@@ -132,6 +132,26 @@ def test_both_decode_kernels_match_the_reference_at_other_tiles(block_n, split_k
     assert_close(y, want, SGMV_FP32_CUDA if dtype == torch.float32 and DEVICE.type == "cuda" else None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_grouped_kernel_serves_a_prefills_segments_in_larger_blocks(block_m, dtype):
+    """A prefill's tokens as the worker groups them (``worker.lora.delta.forward_groups``): each
+    prompt a run of one slot (one longer than a block, one of a single token, a base one), in
+    blocks of ``block_m``; scratch poisoned."""
+    lengths, seg_slots = [70, 1, 9, 33, 5], [2, 3, 0, 1, 2]
+    token_slots = torch.repeat_interleave(torch.tensor(seg_slots, dtype=torch.int32), torch.tensor(lengths)).to(DEVICE)
+    t, rank, k, n = sum(lengths), 16, 300, 80
+    a, b = stacks(4, rank, k, n, dtype)
+    x = torch.randn(t, k, device=DEVICE).to(dtype)
+    y = torch.randn(t, n, device=DEVICE).to(dtype)
+    want = expected(y, x, a, b, token_slots)
+    groups = group_tokens(token_slots, 4, block_m)
+    assert groups.block_m == block_m and groups.tokens.shape[0] == groups.block_slots.shape[0] * block_m
+    places = groups.block_slots.shape[0] * block_m
+    bgmv_grouped(y, x, a, b, groups, v=poisoned(places, rank).expand(-(-k // SPLIT_K), places, rank).clone())
+    assert_close(y, want.to(dtype), SGMV_FP32_CUDA if dtype == torch.float32 and DEVICE.type == "cuda" else None)
+
+
 def test_grouping_puts_each_slots_tokens_in_whole_blocks_of_their_own():
     slots = torch.tensor([3, 1, 0, 3, 1, 1] + [2] * 17, dtype=torch.int32, device=DEVICE)
     groups = group_tokens(slots, 5)

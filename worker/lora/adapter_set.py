@@ -39,7 +39,7 @@ from torch import nn
 
 from shared.model_files import load_config, resolve
 from worker.lora.adapter import AdapterError, LoraAdapter, load_adapter, parse_spec
-from worker.lora.delta import decode_groups
+from worker.lora.delta import forward_groups
 from worker.lora.linear import LoraLinear
 from worker.model.forward_batch import ForwardBatch
 from worker.model.layers import Linear
@@ -72,7 +72,7 @@ class AdapterSet:
         self.spare_rank = rank if spare else 0
         self.max_rank = max([a.rank for a in adapters] + [self.spare_rank])
         self.bound: ForwardBatch | None = None  # set by ``bind`` for one forward
-        self.groups: TokenGroups | None = None  # the bound decode's tokens by slot (``decode_groups``)
+        self.groups: TokenGroups | None = None  # the bound forward's tokens by slot (``forward_groups``)
         self.nbytes = 0  # the stacks' device memory, once installed
         self.staging: Staging | None = None  # where page-ins copy an adapter's host buffer to (install)
         self.layers: dict[str, LoraLinear] = {}  # adapted layer name -> its wrapper (``install``)
@@ -98,7 +98,7 @@ class AdapterSet:
     def bind(self, batch: ForwardBatch) -> Iterator[None]:
         assert self.bound is None, "an adapter batch is already bound: forwards never nest"
         self.bound = batch
-        self.groups = decode_groups(batch, self.num_slots)  # once for every layer (in the graph too)
+        self.groups = forward_groups(batch, self.num_slots)  # once for every layer (in the graph too)
         try:
             yield
         finally:

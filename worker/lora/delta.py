@@ -8,12 +8,14 @@ is not touched: the delta is added to its output.
 Two implementations, chosen by device as the rest of the model's kernels are:
 - PyTorch (CPU, and the reference the kernels are tested against): per distinct slot of the
   batch, its tokens gathered and multiplied, fp32 throughout (slot 0 skipped: its delta is 0);
-- Triton (CUDA): a shrink (v = x A^T, [T, R] fp32) then an expand (y += v B^T), SGMV-style over
-  the requests' segments for a prefill (``worker.model.kernels.sgmv``), BGMV-style per token for a
-  small decode (``worker.model.kernels.bgmv``), and for a decode of ``GROUPED_FROM`` tokens or more
-  over the tokens grouped by slot (``worker.model.kernels.bgmv_grouped``: an adapter's weights read
-  once per block of its tokens, not once per token). Both decode kernels read the slots from
-  device tensors and so run inside a captured CUDA graph.
+- Triton (CUDA): a shrink (v = x A^T, [T, R] fp32) then an expand (y += v B^T), BGMV-style per
+  token for a small decode (``worker.model.kernels.bgmv``), and over the tokens grouped by slot in
+  blocks (``worker.model.kernels.bgmv_grouped``: an adapter's weights read once per block of its
+  tokens, not once per token) for a decode of ``GROUPED_FROM`` tokens or more and for every
+  prefill, in blocks of ``PREFILL_BLOCK_M`` tokens there. Both read the slots from device
+  tensors and so run inside a captured CUDA graph. (SGMV, a program per request segment and row
+  block with the grid sized by the longest prompt, served prefills until it measured slower:
+  ``bench.engine.lora_kernels --prefill``, bench/RESULTS.md.)
 """
 
 from __future__ import annotations
@@ -32,17 +34,22 @@ if TYPE_CHECKING:
 # took 0.84-0.98x BGMV's time at 64 tokens, 0.65-1.02x at 128, 0.21-0.32x at 768, 1-2x at 16
 # (bench.engine.lora_kernels, bench/RESULTS.md).
 GROUPED_FROM = 64
+# Tokens a block of a prefill's groups: a prompt's tokens share one adapter, so blocks are full and
+# a larger one re-reads each adapter's B (and A) fewer times (bench.engine.lora_kernels --prefill).
+PREFILL_BLOCK_M = 32
 
 
-def decode_groups(batch: ForwardBatch, num_slots: int) -> TokenGroups | None:
-    """A decode's tokens grouped by slot where the grouped kernel will serve it (CUDA, enough
-    tokens); done once a forward, before its layers (``AdapterSet.bind``)."""
+def forward_groups(batch: ForwardBatch, num_slots: int) -> TokenGroups | None:
+    """The forward's tokens grouped by slot where the grouped kernel will serve it (CUDA: a prefill,
+    or a decode of enough tokens); done once a forward, before its layers (``AdapterSet.bind``)."""
     slots = batch.lora_slots
-    if not batch.is_decode or slots is None or not slots.is_cuda or slots.shape[0] < GROUPED_FROM:
+    if slots is None or not slots.is_cuda or (batch.is_decode and slots.shape[0] < GROUPED_FROM):
         return None
-    from worker.model.kernels.bgmv_grouped import group_tokens
+    from worker.model.kernels.bgmv_grouped import BLOCK_M, group_tokens
 
-    return group_tokens(slots, num_slots)
+    if batch.is_decode:
+        return group_tokens(slots, num_slots, BLOCK_M)
+    return group_tokens(token_slots(batch), num_slots, PREFILL_BLOCK_M)
 
 
 def token_slots(batch: ForwardBatch) -> torch.Tensor:
@@ -50,7 +57,9 @@ def token_slots(batch: ForwardBatch) -> torch.Tensor:
     assert batch.lora_slots is not None
     if batch.is_decode:
         return batch.lora_slots
-    return torch.repeat_interleave(batch.lora_slots, batch.q_lens.to(batch.lora_slots.device), dim=0)
+    repeats = batch.q_lens.to(batch.lora_slots.device)
+    # output_size: T is known on the host, so the repeat does not wait for the device to count it
+    return torch.repeat_interleave(batch.lora_slots, repeats, dim=0, output_size=batch.num_tokens)
 
 
 def lora_delta_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -75,7 +84,7 @@ def add_lora(
     shards: Shards | None = None,
 ) -> torch.Tensor:
     """y [T, out] plus every token's delta (in place on CUDA; a new tensor on CPU). ``groups``: the
-    decode's tokens grouped by slot (``decode_groups``), where the grouped kernel serves; ``shards``:
+    forward's tokens grouped by slot (``forward_groups``), where the grouped kernel serves; ``shards``:
     a fused layer's block-diagonal B, whose zero blocks the kernels skip (the reference multiplies them)."""
     if not x.is_cuda:
         return y + lora_delta_ref(x, a, b, token_slots(batch)).to(y.dtype)

@@ -19,7 +19,7 @@ class BatchSource(Protocol):
     """Where a forward's batch is bound (``AdapterSet.bind``) for its layers to read."""
 
     bound: ForwardBatch | None
-    groups: TokenGroups | None  # the bound decode's tokens grouped by slot, where that kernel serves
+    groups: TokenGroups | None  # the bound forward's tokens grouped by slot, where that kernel serves
 
 
 class LoraLinear(nn.Module):

@@ -33,32 +33,33 @@ BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K = 16, 64, 128, 512
 
 @dataclass(frozen=True)
 class TokenGroups:
-    tokens: torch.Tensor  # [blocks * BLOCK_M] int32: the token at each grouped position, -1 padding
+    tokens: torch.Tensor  # [blocks * block_m] int32: the token at each grouped position, -1 padding
     block_slots: torch.Tensor  # [blocks] int32: each block's slot; 0: an unused block (the grid's spare)
+    block_m: int = BLOCK_M  # tokens a block (a power of two, >= 16: tl.dot's least)
 
 
-def group_tokens(slots: torch.Tensor, num_slots: int) -> TokenGroups:
-    """Tokens [T] of slots in [0, num_slots) laid out by slot in whole blocks (slot 0 left out).
-    Fixed sizes throughout (no host sync): the blocks are T / BLOCK_M plus one partial block for
-    each slot that has tokens, at most min(T, num_slots - 1) of them."""
+def group_tokens(slots: torch.Tensor, num_slots: int, block_m: int = BLOCK_M) -> TokenGroups:
+    """Tokens [T] of slots in [0, num_slots) laid out by slot in whole blocks of ``block_m`` (slot 0
+    left out). Fixed sizes throughout (no host sync): the blocks are T / block_m plus one partial
+    block for each slot that has tokens, at most min(T, num_slots - 1) of them."""
     t, dev = slots.shape[0], slots.device
-    num_blocks = triton.cdiv(t, BLOCK_M) + min(t, num_slots - 1)
+    num_blocks = triton.cdiv(t, block_m) + min(t, num_slots - 1)
     slots = slots.long()
     counts = torch.zeros(num_slots, dtype=torch.long, device=dev).scatter_add_(0, slots, torch.ones_like(slots))
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    blocks = (counts + block_m - 1) // block_m
     blocks[:1].zero_()  # no adapter: no block (a fill on the device: nothing copied in a graph's capture)
     block_end = torch.cumsum(blocks, 0)
     sorted_slots, order = torch.sort(slots, stable=True)
     first = torch.cumsum(counts, 0) - counts  # each slot's first index in the sorted order
     rank = torch.arange(t, device=dev) - first[sorted_slots]  # a token's place among its slot's
-    place = (block_end - blocks)[sorted_slots] * BLOCK_M + rank
-    place = place.masked_fill(sorted_slots == 0, num_blocks * BLOCK_M)  # slot 0: to the spare entry
-    tokens = torch.full((num_blocks * BLOCK_M + 1,), -1, dtype=torch.int32, device=dev)
+    place = (block_end - blocks)[sorted_slots] * block_m + rank
+    place = place.masked_fill(sorted_slots == 0, num_blocks * block_m)  # slot 0: to the spare entry
+    tokens = torch.full((num_blocks * block_m + 1,), -1, dtype=torch.int32, device=dev)
     tokens.scatter_(0, place, order.to(torch.int32))
     index = torch.arange(num_blocks, device=dev)
     block_slots = torch.searchsorted(block_end, index, right=True)  # the slot whose blocks hold it
     block_slots = block_slots.masked_fill(index >= block_end[-1], 0).to(torch.int32)
-    return TokenGroups(tokens[:-1], block_slots)
+    return TokenGroups(tokens[:-1], block_slots, block_m)
 
 
 @triton.jit
@@ -125,7 +126,7 @@ def bgmv_grouped(
     split_k: int = SPLIT_K,
 ) -> torch.Tensor:
     """y [T, N] += each token's delta, in place; x [T, K], A [S, R, K], B [S, N, R], ``groups`` from
-    ``group_tokens`` over the batch's slots. ``v``: the [cdiv(K, split_k), blocks * BLOCK_M, R] fp32
+    ``group_tokens`` over the batch's slots. ``v``: the [cdiv(K, split_k), blocks * block_m, R] fp32
     scratch (tests pass a poisoned one). ``shards``: B is block diagonal so (``lora_shards``).
     ``block_n``, ``split_k``: the expand's output tile and the shrink's K per program (a benchmark's sweep)."""
     (t, k), (num_slots, r, k_a), (_, n, r_b) = x.shape, a.shape, b.shape
@@ -134,7 +135,8 @@ def bgmv_grouped(
     blocks = groups.block_slots.shape[0]
     if t == 0 or blocks == 0:
         return y
-    splits, places = triton.cdiv(k, split_k), blocks * BLOCK_M
+    splits, block_m = triton.cdiv(k, split_k), groups.block_m
+    places = blocks * block_m
     v = torch.empty(splits, places, r, dtype=torch.float32, device=x.device) if v is None else v
     assert v.shape == (splits, places, r) and v.stride(2) == 1
     block_r = block_ranks(r)
@@ -142,12 +144,12 @@ def bgmv_grouped(
     block_k = BLOCK_K if a.element_size() <= 2 else BLOCK_K // 2
     _shrink[(blocks, splits)](
         x, a, v, groups.tokens, groups.block_slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0),
-        v.stride(1), CHUNK=split_k, BM=BLOCK_M, BR=block_r, BK=block_k,
+        v.stride(1), CHUNK=split_k, BM=block_m, BR=block_r, BK=block_k,
     )  # fmt: skip
     total = v[0] if splits == 1 else v.sum(0)  # the splits added once (a fixed-order reduction)
     end0, end1, ranks = expand_span(shards, n, r, block_n)
     _expand[(blocks, triton.cdiv(n, block_n))](
         total, b, y, groups.tokens, groups.block_slots, n, ranks, end0, end1, total.stride(0), b.stride(0),
-        b.stride(1), y.stride(0), BM=BLOCK_M, BN=block_n, BR=block_ranks(ranks),
+        b.stride(1), y.stride(0), BM=block_m, BN=block_n, BR=block_ranks(ranks),
     )  # fmt: skip
     return y
