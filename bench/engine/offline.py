@@ -157,8 +157,9 @@ def run_lightq(args, work, tally: Tally) -> float:
             page_in_by(engine.runner.adapters, args.lora_page_in)
         timeline: list[tuple[float, int, bool]] | None = [] if args.timeline else None
         seconds = drive(
-            engine, work, progress=True, timeline=timeline, constraint=constraint, tally=tally, adapters=names
-        )
+            engine, work, progress=True, timeline=timeline, constraint=constraint, tally=tally, adapters=names,
+            profiles=PrefillProfiles(args.profile_prefills),
+        )  # fmt: skip
         if args.lora_resident:
             lora, staging = engine.runner.adapters, engine.runner.adapters.staging
             ahead = "" if staging is None else f", {staging.used} of them copied ahead ({staging.prefetched} copies)"
@@ -179,10 +180,13 @@ def drive(
     constraint: Constraint | None = None,
     tally: Tally | None = None,
     adapters: list[str] | None = None,
+    profiles: PrefillProfiles | None = None,
 ) -> float:
     """Run ``work`` to the end, every request under ``constraint`` and with one of ``adapters``
     (uniform, seeded; none: the base model); ``timeline`` gets (seconds, decoding requests,
-    prefilled too) per step, ``tally`` what was emitted."""
+    prefilled too) per step, ``tally`` what was emitted; ``profiles``: steps that start requests
+    run under the torch profiler."""
+    profiles = profiles if profiles is not None else PrefillProfiles(0)
     tally = tally if tally is not None else Tally()
     draw = np.random.default_rng(1)
     for i, (ids, out) in enumerate(work):
@@ -198,7 +202,7 @@ def drive(
             decoding = sum(r.is_prefilled for r in engine.running)
             chunking = decoding < len(engine.running)  # a prefill under way goes on
             began = time.perf_counter()
-        events = engine.step()
+        events = profiles.step(engine) if profiles.wanted(engine) else engine.step()
         bar.update(tally.add(events))
         if timeline is not None:
             # a prefill step: one went on, or one began (a request started); requests merely waiting
@@ -207,7 +211,45 @@ def drive(
             timeline.append((time.perf_counter() - began, decoding, chunking or started))
     sync()
     bar.close()
+    profiles.report()
     return time.perf_counter() - start
+
+
+class PrefillProfiles:
+    """Steps that may start requests (some wait), profiled (CPU and CUDA) once past the first
+    ``after``; those that did start one are kept, until ``count``. A profiled step is slower than a
+    plain one (its timeline entry too): the kernels' GPU time and the host's calls are what it is for."""
+
+    def __init__(self, count: int, after: int = 50):
+        self.count, self.after, self.steps = count, after, 0
+        self.kept: list = []  # (wall seconds, requests started, the profiler)
+
+    def wanted(self, engine) -> bool:
+        self.steps += 1
+        return len(self.kept) < self.count and self.steps > self.after and bool(engine.waiting)
+
+    def step(self, engine) -> list:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        began = time.perf_counter()
+        with profile(activities=acts) as prof:
+            events = engine.step()
+            sync()
+        if any(isinstance(event, Started) for event in events):
+            self.kept.append((time.perf_counter() - began, sum(isinstance(e, Started) for e in events), prof))
+        return events
+
+    def report(self) -> None:
+        for i, (seconds, started, prof) in enumerate(self.kept):
+            averages = prof.key_averages()
+            gpu = sum(a.self_device_time_total for a in averages) / 1e3
+            print(f"\nprofiled prefill step {i}: {started} requests started, {seconds * 1e3:.1f} ms wall "
+                  f"(profiled), {gpu:.1f} ms of GPU kernels")  # fmt: skip
+            if i == 0:
+                sort = "cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                print(averages.table(sort_by=sort, row_limit=22, max_name_column_width=60))
+                print(averages.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
 
 
 def print_timeline(timeline: list[tuple[float, int, bool]]) -> None:
@@ -284,6 +326,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto", help="the worker's --kv_cache_dtype"
+    )
+    parser.add_argument(
+        "--profile-prefills", type=int, default=0, help="profile this many steps that start requests (slows the run)"
     )
     parser.add_argument("--peer", choices=["hf"], default=None)
     parser.add_argument("--json-schema", default=None, metavar="FILE", help="every request follows this schema")

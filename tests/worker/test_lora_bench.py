@@ -55,6 +55,14 @@ def test_many_registered_adapters_over_few_files_and_slots_answer_as_their_files
     tally = offline.Tally(keep_ids=True)
     offline.drive(engine, work, progress=False, tally=tally, adapters=names)
     assert tally.tokens == 12 * 6 and engine.runner.adapters.loads > 2
+    profiled = offline.Tally(keep_ids=True)  # --profile-prefills: the same tokens, steps that started some kept
+    profiles = offline.PrefillProfiles(2, after=0)
+    again = offline.build_engine(settings)
+    register_many(again.runner.adapters, again.runner.model, loras, 6, 4)
+    offline.drive(again, work, progress=False, tally=profiled, adapters=names, profiles=profiles)
+    assert (
+        profiled.output_ids == tally.output_ids and len(profiles.kept) == 2 and all(n > 0 for _, n, _ in profiles.kept)
+    )
 
     draw = np.random.default_rng(1)  # drive's draw: request i's adapter, hence its file
     files = [f"a{int(names[draw.integers(len(names))][1:]) % 2}" for _ in work]

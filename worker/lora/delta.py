@@ -34,9 +34,11 @@ if TYPE_CHECKING:
 # took 0.84-0.98x BGMV's time at 64 tokens, 0.65-1.02x at 128, 0.21-0.32x at 768, 1-2x at 16
 # (bench.engine.lora_kernels, bench/RESULTS.md).
 GROUPED_FROM = 64
-# Tokens a block of a prefill's groups: a prompt's tokens share one adapter, so blocks are full and
-# a larger one re-reads each adapter's B (and A) fewer times (bench.engine.lora_kernels --prefill).
-PREFILL_BLOCK_M = 32
+# A prefill's blocks: a prompt's tokens share one adapter, so blocks are full, and larger ones re-read
+# each adapter's A and B fewer times; its shrink has blocks enough to split K less. On an H100, 3,000
+# tokens over 64 adapters: 11.1 ms a step at 32 / 1024, 11.4 at 32 / 512, 13.1 at the decode's 16 /
+# 512, SGMV 17.6 (bench.engine.lora_kernels --prefill, bench/RESULTS.md).
+PREFILL_BLOCK_M, PREFILL_SPLIT_K = 32, 1024
 
 
 def forward_groups(batch: ForwardBatch, num_slots: int) -> TokenGroups | None:
@@ -92,7 +94,8 @@ def add_lora(
     if groups is not None:
         from worker.model.kernels.bgmv_grouped import bgmv_grouped
 
-        bgmv_grouped(y, x, a, b, groups, shards=shards)
+        split_k = {} if batch.is_decode else {"split_k": PREFILL_SPLIT_K}
+        bgmv_grouped(y, x, a, b, groups, shards=shards, **split_k)
     elif batch.is_decode:
         from worker.model.kernels.bgmv import bgmv
 
