@@ -49,6 +49,9 @@ class LoraAdapter:
     # the one host buffer every tensor above views (``pack``), so a page-in copies it in one DMA
     # (``worker.model.kernels.scatter_copy``); None for adapters built otherwise (tests)
     flat: torch.Tensor | None = None
+    # the buffer's layout: (module, per shard (A shape, B shape) or None), in ``pack``'s order; equal
+    # layouts lay their tensors out at equal offsets (``worker.lora.page_tables`` keys on it)
+    layout: tuple = ()
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -97,7 +100,15 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoraA
         raise fail(f"{WEIGHTS_FILE} holds no LoRA weights")
     rank = max(s[0].shape[0] for shards in modules.values() for s in shards if s is not None)
     flat, modules = pack(modules, pin=next(iter(linears.values())).weight.is_cuda)
-    return LoraAdapter(name, rank, modules, flat)
+    return LoraAdapter(name, rank, modules, flat, layout_of(modules))
+
+
+def layout_of(modules: dict[str, list[Shard | None]]) -> tuple:
+    """``LoraAdapter.layout`` of ``pack``'s modules."""
+    return tuple(
+        (name, tuple(None if s is None else (tuple(s[0].shape), tuple(s[1].shape)) for s in shards))
+        for name, shards in modules.items()
+    )
 
 
 def pack(modules: dict[str, list[Shard | None]], pin: bool) -> tuple[torch.Tensor, dict[str, list[Shard | None]]]:

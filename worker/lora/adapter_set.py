@@ -46,6 +46,7 @@ from worker.model.layers import Linear
 from worker.model.models import model_class
 
 if TYPE_CHECKING:
+    from worker.lora.page_tables import PageTables
     from worker.lora.staging import Staging
     from worker.model.kernels.bgmv_grouped import TokenGroups
 
@@ -75,6 +76,7 @@ class AdapterSet:
         self.groups: TokenGroups | None = None  # the bound forward's tokens by slot (``forward_groups``)
         self.nbytes = 0  # the stacks' device memory, once installed
         self.staging: Staging | None = None  # where page-ins copy an adapter's host buffer to (install)
+        self.tables: PageTables | None = None  # the page-ins' job tables, with ``staging``
         self.layers: dict[str, LoraLinear] = {}  # adapted layer name -> its wrapper (``install``)
         self._written: dict[int, dict[str, list[int]]] = {}  # slot -> layer -> each shard's rank written there
         self._adapters = adapters
@@ -132,9 +134,11 @@ class AdapterSet:
         device = next(iter(self.layers.values())).lora_a.device if self.layers else torch.device("cpu")
         if self.layers and (staging if staging is not None else bool(self.spare) and device.type == "cuda"):
             most = sum(layer.lora_a[0].numel() + sum(layer.sizes) * layer.rank for layer in self.layers.values())
-            from worker.lora.staging import Staging  # triton's kernel: only where page-ins stage
+            from worker.lora.page_tables import PageTables  # triton's kernel: only where page-ins stage
+            from worker.lora.staging import Staging
 
             self.staging = Staging(most, model.dtype, device, ahead=self.prefetch_buffers if self.spare else 0)
+            self.tables = PageTables(device, limit=4 * self.num_slots)
             size += self.staging.nbytes
         for adapter in self._adapters:
             self._write(self.slots[adapter.name], adapter)
@@ -208,13 +212,18 @@ class AdapterSet:
     @torch.no_grad()
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         """Slot ``slot`` of every layer: the adapter's shards (``_pieces``); in one launch from the
-        adapter's host buffer where the stacks have a staging buffer (``scatter_copy``), else piece
-        by piece (a CPU: the reference)."""
-        pieces = self._pieces(slot, adapter)
-        if self.staging is not None and adapter.flat is not None:
-            self.staging.write(adapter.name, pieces, adapter.flat)
+        adapter's host buffer over a job table kept on the device (``worker.lora.page_tables``) where
+        the stacks have a staging buffer (``scatter_copy``), else piece by piece (a CPU: the reference)."""
+        if self.staging is not None and adapter.flat is not None and self.tables is not None:
+            page = self.tables.get(
+                slot, adapter.layout, adapter.flat, lambda: (self._pieces(slot, adapter), self._written[slot])
+            )
+            # what ``_pieces`` would leave there (it replaces a layer's list, never mutates one)
+            self._written[slot] = dict(page.written)
+            self.staging.write(adapter.name, page.table, adapter.flat)
             return
-        for dst, src in pieces:  # pinned host memory on a GPU (load_adapter): asynchronous, ordered on the stream
+        # pinned host memory on a GPU (load_adapter): asynchronous, ordered on the stream
+        for dst, src in self._pieces(slot, adapter):
             if src is None:
                 dst.zero_()
             else:

@@ -66,8 +66,9 @@ class Staging:
         self.staged[name] = (buffer, event, self.writes)
         self.prefetched += 1
 
-    def write(self, name: str, pieces: Pieces, flat: torch.Tensor) -> None:
-        """Adapter ``name``'s pieces into their slot, from its staged copy if ``prefetch`` made one."""
+    def write(self, name: str, pieces: Pieces | torch.Tensor | None, flat: torch.Tensor) -> None:
+        """Adapter ``name``'s pieces (or their job table on the device: ``scatter_copy``) into their
+        slot, from its staged copy if ``prefetch`` made one."""
         self.writes += 1
         staged = self.staged.pop(name, None)
         if staged is None:
