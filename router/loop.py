@@ -282,7 +282,8 @@ class Router:
         # A request below the default class is checked with the reserved slots taken (router.order.ordering).
         reserve = reserved_slots(self.settings.priority_reserve_slots if request.priority > 0 else 0)
         checked = Candidate(request_states(request) + reserve, self.rule.policy) if reserve else candidate
-        worker_id = self.views.choose(checked, request.model, cacheable_prompt(request), request.adapter)  # cache-aware
+        prompt = cacheable_prompt(request)
+        worker_id = self.views.choose(checked, request.model, prompt, request.adapter, request.brings_adapter)
         if worker_id is not None:
             self.views.admit(worker_id, candidate)
         return worker_id

@@ -8,6 +8,13 @@ the model reads the key (``worker.service.intake``) and reconciles its adapters 
 nothing is lost while a worker is away. ``version`` grows with every change, so a worker applies a
 set it has not seen and nothing else.
 
+Unloading stops new requests for an adapter, never one under way: a worker keeps it while its
+requests run (``worker.lora.runtime``), and a request that started there and must move (its
+worker died, drained or paused it) carries the folder it was accepted with
+(``GenerateRequest.adapter_path``, the producer's copy of the registry's): a worker with run-time
+slots (``AdapterView.adopts``) loads it again for that request alone, never listing it for new
+ones, and forgets it when its requests end.
+
 ``folder_problem`` is what can be known of a folder without the model (files, PEFT features lightq
 does not compute, rank, target names); the worker checks the shapes against its model when it
 loads, and ``worker.lora.adapter`` applies the same config checks at start.
@@ -42,12 +49,13 @@ GONE = "model_not_found"
 def gone_error(name: str, started: bool = False) -> str:
     """The error a request for adapter ``name`` ends with when no worker serves the adapter: it went
     before the request started, or (``started``: it had sent tokens) it was unloaded while the request
-    ran and the request then had to move (its worker died): an unloaded adapter stays only on the
-    workers whose running requests use it, so a moved request finds it nowhere."""
+    ran, the request then had to move (its worker stopped) and no worker could load it again from the
+    request's folder (``GenerateRequest.brings_adapter``: none with run-time slots, the folder gone,
+    or a message from before folders travelled)."""
     if started:
         return (
             f"{GONE}: The LoRA adapter '{name}' was unloaded while this request ran, and the request had to "
-            "move to another worker (its own stopped), where the adapter is no longer served"
+            "move to another worker (its own stopped), where the adapter could not be loaded again"
         )
     return f"{GONE}: The LoRA adapter '{name}' is not served: unloaded before the request started, or never loaded"
 
@@ -74,6 +82,7 @@ class AdapterView:
     serving: tuple[str, ...] = ()  # new requests may name these
     resident: tuple[str, ...] = ()  # in a device slot (retiring ones too)
     failed: tuple[tuple[str, str, str], ...] = ()  # (name, folder, why it did not load)
+    adopts: bool = False  # it has run-time slots: it loads a moved request's unloaded adapter for it
 
 
 class LoraRegistry(BaseModel):

@@ -157,6 +157,12 @@ class GenerateRequest(FrozenModel):
         description="the LoRA adapter (a --lora_modules name) its tokens are generated with (None: the base "
         "model): only workers publishing it take it; it travels with every requeue",
     )
+    adapter_path: str | None = Field(
+        None,
+        description="a run-time adapter's folder as the registry named it when the producer accepted the "
+        "request (None: none, or a --lora_modules one): a started request that must move after its adapter "
+        "was unloaded is loaded with it from here (``brings_adapter``)",
+    )
     # Scheduling (router.order.ordering): classes by ``priority`` (lower first, as in vLLM), and within
     # a class fair shares of tokens between tenants. The producer sets ``tenant`` (the API key's
     # tenant, or OpenAI's ``user`` where keys are off); defaults keep older messages valid.
@@ -195,6 +201,14 @@ class GenerateRequest(FrozenModel):
     def has_output(self) -> bool:
         """Whether an earlier attempt emitted a token (the client has part of the answer)."""
         return bool(self.resume_ids or self.finished_choices or any(self.group_resume))
+
+    @property
+    def brings_adapter(self) -> bool:
+        """Whether a worker that no longer serves this request's adapter (unloaded since) loads it for
+        this request alone, from ``adapter_path``: only once it started (a client with part of the
+        answer gets the rest from the same adapter); one that never started ends ``model_not_found``
+        (``shared.lora.gone_error``), as a new request for the adapter is refused."""
+        return self.adapter is not None and self.adapter_path is not None and self.has_output
 
     def expired(self, at_ms: int) -> bool:
         """Past its deadline with nothing emitted: ``timeout`` bounds the wait for an answer to

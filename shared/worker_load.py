@@ -44,6 +44,11 @@ class WorkerLoad(FrozenModel):
     lora_failed: list[tuple[str, str, str]] = Field(
         default_factory=list, description="run-time LoRA adapters this worker could not load: [name, folder, why]"
     )
+    adopts_adapters: bool = Field(
+        False,
+        description="it has run-time LoRA slots: a started request whose adapter was unloaded (no worker "
+        "lists it) may move here, bringing the folder (GenerateRequest.brings_adapter)",
+    )
     requests: list[tuple[int, int, int, int]] = Field(
         description="per running or waiting request: [prompt + output tokens, output tokens, "
         "max_new_tokens, ignore_eos 0/1] (shared.peak.ReqState), a group's prompt counted once"
@@ -84,6 +89,11 @@ class WorkerLoad(FrozenModel):
         if adapter is not None and adapter not in self.adapters:
             return False
         return model is None or self.model is None or self.model == model
+
+    def adopts(self, request: GenerateRequest) -> bool:
+        """Whether ``request``, which no worker lists the adapter of, may move here: it brings its
+        adapter (it started before an unload) and this worker of its model can load it."""
+        return request.brings_adapter and self.adopts_adapters and self.serves(request.model)
 
     def takes(self, model: str | None, adapter: str | None = None) -> bool:
         """Whether new requests for ``model`` (and ``adapter``) may start here: it serves them and is

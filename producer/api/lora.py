@@ -49,15 +49,24 @@ async def adapter_names(services: Services) -> list[str]:
     return static + sorted(name for name in registry.adapters if name not in static)
 
 
-async def find_adapter(name: str | None, services: Services, param: str) -> str | None:
-    """``name`` when the model has such an adapter (None: the base model); else a 404
-    ``model_not_found`` before anything is queued. The router then sends the request only to a
-    worker whose load record lists the adapter."""
+async def run_time_folder(name: str, services: Services) -> str | None:
+    """The folder of run-time adapter ``name`` (None: the registry has no such adapter). A request
+    for it carries the folder (``GenerateRequest.adapter_path``): unloaded while it runs, it still
+    finishes with it wherever it has to move."""
+    registry, _ = await read_registry(services)
+    return None if name in services.settings.model.adapter_names else registry.adapters.get(name)
+
+
+async def find_adapter(name: str | None, services: Services, param: str) -> tuple[str | None, str | None]:
+    """``name`` when the model has such an adapter (None: the base model), with its run-time folder
+    (None: a --lora_modules one); else a 404 ``model_not_found`` before anything is queued. The
+    router then sends the request only to a worker whose load record lists the adapter."""
     if name is None or name in services.settings.model.adapter_names:
-        return name
+        return name, None
+    folder = await run_time_folder(name, services)
+    if folder is not None:
+        return name, folder
     names = await adapter_names(services)
-    if name in names:
-        return name
     raise ApiError(
         404,
         f"The LoRA adapter '{name}' does not exist; this server's adapters: {', '.join(names) or 'none'}",

@@ -28,7 +28,7 @@ from producer import store
 from producer.api.api_types import body_doc
 from producer.api.chat import chat_prompt_ids, completion_inputs, content_chars, prompt_text
 from producer.api.errors import ApiError, bad_request
-from producer.api.lora import adapter_names
+from producer.api.lora import adapter_names, run_time_folder
 from producer.api.openai_render import Call, StreamRenderer, response
 from producer.api.openai_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from producer.api.params import check_prompt_length
@@ -102,15 +102,15 @@ async def get_model(model_id: str, services: ServicesDep) -> PoolModelCard:
     return cards[0]
 
 
-async def check_model(model: str, services: Services) -> str | None:
+async def check_model(model: str, services: Services) -> tuple[str | None, str | None]:
     """The served model answers to its id (and to the ``--model_dir`` it was started with); a LoRA
-    adapter of it to its name (--lora_modules' or run-time: ``producer.api.lora``), returned (None:
-    the model itself)."""
+    adapter of it to its name (--lora_modules' or run-time: ``producer.api.lora``), returned with its
+    run-time folder ((None, None): the model itself; a --lora_modules adapter has no folder here)."""
     if model in services.settings.model.adapter_names:
-        return model
+        return model, None
     if model not in (services.model_id, services.settings.model.model_dir):
-        if model in await adapter_names(services):
-            return model
+        if (folder := await run_time_folder(model, services)) is not None:
+            return model, folder
         snapshot = services.metrics.snapshot
         in_pool = snapshot is not None and model in snapshot.workers_by_model(services.model_id)
         where = f"; '{model}' is served in this pool: send it to a producer of that model" if in_pool else ""
@@ -121,7 +121,7 @@ async def check_model(model: str, services: Services) -> str | None:
             code="model_not_found",
             reason="unknown_model",
         )
-    return None
+    return None, None
 
 
 def check_context(num_prompt: int, max_new: int, limit: int, where: str) -> None:
@@ -147,7 +147,7 @@ async def completions(request: Request, services: ServicesDep, caller: CallerDep
 
 async def prepare_completions(body: CompletionRequest, services: Services) -> tuple[list[GenerateRequest], Call]:
     """Every check and the tokenisation of a completion, a request per prompt; nothing is written."""
-    adapter = await check_model(body.model, services)
+    adapter, folder = await check_model(body.model, services)
     body.check()
     prompts = completion_inputs(body.prompt, services.settings.max_prompts)
     # max_tokens 0 scores the prompt only: one token is generated and left out of the answer.
@@ -163,7 +163,9 @@ async def prepare_completions(body: CompletionRequest, services: Services) -> tu
         ids = await prompt_ids(inputs, services.tokenizer, param=param, max_chars=services.max_prompt_chars)
         check_prompt_length(len(ids), services.settings.model.max_req_input_len, "prompt")
         check_context(len(ids), max_new, services.settings.model.max_req_total_len, "prompt")
-        queued.append(new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user, adapter))
+        queued.append(
+            new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user, adapter, folder)
+        )
     echo = tuple(prompt_text(inputs, services.tokenizer) for inputs in prompts) if body.echo else ()
     call = Call(
         "completion",
@@ -217,7 +219,7 @@ async def chat_completions(request: Request, services: ServicesDep, caller: Call
 
 async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple[GenerateRequest, Call]:
     """Every check and the chat template of a chat completion; nothing is written (batches share it)."""
-    adapter = await check_model(body.model, services)
+    adapter, folder = await check_model(body.model, services)
     body.check()
     legacy = body.functions is not None or body.function_call is not None
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, legacy)
@@ -239,7 +241,7 @@ async def prepare_chat(body: ChatCompletionRequest, services: Services) -> tuple
     if body.logprobs:  # the tokens' raw bytes (vocabulary.py), built off the event loop before a chunk needs them
         await services.vocabulary.prepare()
     params = body.sampling(max_new, services.tokenizer).model_copy(update={"constraint": constraint})
-    queued = new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user, adapter)
+    queued = new_request(ids, params, body.timeout, body.num_choices, body.priority, body.user, adapter, folder)
     call = Call(
         "chat",
         f"chatcmpl-{queued.id}",

@@ -77,6 +77,7 @@ def new_request(
     priority: int = 0,
     user: str | None = None,
     adapter: str | None = None,
+    adapter_path: str | None = None,
 ) -> GenerateRequest:
     """A new request; its id (uuid4: 122 random bits) is unguessable, which status URLs rely on.
 
@@ -86,7 +87,8 @@ def new_request(
     ``timeout_s`` becomes an absolute ``deadline_ms`` the router checks while the request waits.
     ``n`` > 1: a group of samples. A sampled group without a seed gets one, so its samples are
     reproducible (no longer needed for a requeue: each sample continues after the tokens it
-    already emitted, see shared.requeue).
+    already emitted, see shared.requeue). ``adapter_path``: a run-time adapter's folder, which the
+    request carries (``GenerateRequest.brings_adapter``).
     """
     created = now_ms()
     deadline = None if timeout_s is None else created + math.ceil(timeout_s * 1000)
@@ -102,6 +104,7 @@ def new_request(
         priority=priority,
         tenant=user_tenant(user),
         adapter=adapter,
+        adapter_path=adapter_path,
     )
 
 
@@ -121,7 +124,7 @@ def user_tenant(user: str | None) -> str:
 async def prepare(body: GenerateBody, services: Services) -> GenerateRequest:
     tokenizer, settings = services.tokenizer, services.settings
     n = check_group(body.params.n, body.params.best_of, "parameters.")
-    adapter = await find_adapter(body.params.adapter, services, "parameters.adapter")
+    adapter, folder = await find_adapter(body.params.adapter, services, "parameters.adapter")
     params = native_sampling(body.params, settings.default_max_new_tokens, tokenizer)
     if params.constraint is not None:
         param = f"parameters.{NATIVE_NAMES[params.constraint.kind]}"
@@ -131,7 +134,7 @@ async def prepare(body: GenerateBody, services: Services) -> GenerateRequest:
     ids = await prompt_ids(body.inputs, tokenizer, max_chars=services.max_prompt_chars)
     check_prompt_length(len(ids), settings.model.max_req_input_len, "inputs")
     check_length(len(ids), params.max_new_tokens, settings.model.max_req_total_len)
-    return new_request(ids, params, body.params.timeout, n, body.params.priority, adapter=adapter)
+    return new_request(ids, params, body.params.timeout, n, body.params.priority, adapter=adapter, adapter_path=folder)
 
 
 async def enqueue(

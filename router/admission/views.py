@@ -112,15 +112,23 @@ class Views:
         return bool(views) and not any(v.could_take(request, len(states), candidate) for v in views)
 
     def choose(
-        self, candidate: Candidate, model: str | None = None, prompt_ids: Sequence[int] = (), adapter: str | None = None
+        self,
+        candidate: Candidate,
+        model: str | None = None,
+        prompt_ids: Sequence[int] = (),
+        adapter: str | None = None,
+        brings: bool = False,
     ) -> str | None:
         """A worker serving ``model`` that the candidate fits, by load and by what its cache holds
         of ``prompt_ids`` (the ids it may find cached: ``cacheable_prompt``; ``cache_aware_fit``),
         or None: the request waits. Where running requests hold a prefix of them, the candidate
         counts only the rest; only workers that load the LoRA ``adapter`` (None: the base model) are
-        candidates, and those holding it on the device are preferred (``ADAPTER_HIT``). ``admit`` the
-        chosen worker's candidate next."""
+        candidates, and those holding it on the device are preferred (``ADAPTER_HIT``); ``brings``: the
+        request brings its adapter (``GenerateRequest.brings_adapter``), so while no worker lists it
+        (unloaded) those that can load it are candidates. ``admit`` the chosen worker's candidate next."""
         views = {worker_id: view for worker_id, view in self._views.items() if view.load.serves(model, adapter)}
+        if not views and brings:  # only then: a worker that lists it (or failed to load it) knows better
+            views = {w: v for w, v in self._views.items() if v.load.serves(model) and v.load.adopts_adapters}
         uses = {worker_id: view.use_ratio() for worker_id, view in views.items()}
         # Hashed for the choice, or for a discount (with --no-cache_aware too: that is admission).
         hashed = len(prompt_ids) >= PREFIX_BLOCK and (self.cache_aware or any(v.held for v in views.values()))

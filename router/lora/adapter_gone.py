@@ -8,6 +8,9 @@ everything behind it with it. It is gone when, at the moment no worker can take 
 
 - some live worker of its model is up (with none, workers may be starting: it waits for them), and
 - none of them lists the adapter, and
+- it does not bring the adapter to a worker that can load it: a request that started before the
+  unload and must move carries its folder (``GenerateRequest.brings_adapter``) and waits for a
+  worker with run-time slots (``WorkerLoad.adopts``), one that never started does not, and
 - the model's run-time registry (``shared.lora.LoraRegistry``, read then) does not list it either,
   or every live worker of the model reported that it could not load it (``WorkerLoad.lora_failed``).
 
@@ -37,7 +40,7 @@ def adapter_gone(client: redis.Redis, keys: Keys, request: GenerateRequest, load
     if adapter is None:
         return False
     ours = [load for load in loads.values() if load.serves(request.model)]
-    if not ours or any(adapter in load.adapters for load in ours):
+    if not ours or any(adapter in load.adapters or load.adopts(request) for load in ours):
         return False
     if all(any(name == adapter for name, _, _ in load.lora_failed) for load in ours):
         return True  # recorded, but no worker could load it: nothing will ever serve it

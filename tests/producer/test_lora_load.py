@@ -6,6 +6,7 @@ registry; the routes need an API key as every route does."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -84,7 +85,18 @@ async def test_a_load_is_recorded_and_followed_by_requests_and_models(lora_clien
     assert again.status_code == 400 and again.json()["error"]["code"] == "lora_exists"
     submit = {"inputs": "Hi", "parameters": {"max_new_tokens": 2, "adapter": "poems"}}
     assert (await lora_client.post("/v1/requests", json=submit)).status_code == 202
-    assert [r.adapter for r in await queued(aredis, keys)] == ["poems"]
+    chat = {"model": "poems", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for path, body in [
+        ("/v1/completions", {"model": "poems", "prompt": "Hi", "max_tokens": 2}),
+        ("/v1/chat/completions", chat),
+    ]:
+        with pytest.raises(TimeoutError):  # queued; no worker answers, and the client gives up waiting
+            await asyncio.wait_for(lora_client.post(path, json=body), 2.0)
+    static = {"inputs": "Hi", "parameters": {"max_new_tokens": 2, "adapter": "sql"}}
+    assert (await lora_client.post("/v1/requests", json=static)).status_code == 202
+    # a run-time adapter's requests carry its folder: unloaded while one runs, it goes where the request goes
+    got = [(r.adapter, r.adapter_path) for r in await queued(aredis, keys)]
+    assert got == [("poems", folder)] * 3 + [("sql", None)]
 
     reply = await lora_client.post("/v1/unload_lora_adapter", json={"lora_name": "poems"})
     assert reply.status_code == 200 and reply.json()["status"] == "unloaded"  # no live worker lists it

@@ -1,6 +1,7 @@
 """A queued request whose LoRA adapter is unloaded before it starts ends at once with the
 ``model_not_found`` error (the producer's 404), not at its timeout (``router.lora.adapter_gone``); while a worker
-may still list the adapter (just loaded, or no worker up yet) it waits."""
+may still list the adapter (just loaded, or no worker up yet) it waits. One that started before the
+unload and had to move brings the adapter's folder to a worker that can load it."""
 
 from __future__ import annotations
 
@@ -18,22 +19,25 @@ from tests.router.test_loop import make_router
 MODEL = "m"
 
 
-def worker(rclient, keys, worker_id: str, adapters: list[str]) -> None:
+def worker(rclient, keys, worker_id: str, adapters: list[str], **more) -> None:
     publish_load(rclient, keys, worker_id, model=MODEL)
     load = decode(WorkerLoad, rclient.get(keys.load(worker_id)))
-    rclient.set(keys.load(worker_id), encode(load.model_copy(update={"adapters": adapters})), px=5000)
+    rclient.set(keys.load(worker_id), encode(load.model_copy(update={"adapters": adapters, **more})), px=5000)
 
 
 def registry(rclient, keys, *names: str) -> None:
     rclient.set(keys.lora_registry(MODEL), encode(LoraRegistry(version=1, adapters={n: f"/a/{n}" for n in names})))
 
 
-def submit(rclient, keys, request_id: str, adapter: str, resume_ids: tuple[int, ...] = ()) -> None:
+def submit(
+    rclient, keys, request_id: str, adapter: str, resume_ids: tuple[int, ...] = (), path: str | None = None
+) -> None:
     msg = GenerateRequest(
         id=request_id,
         prompt_ids=list(range(1, 11)),
         model=MODEL,
         adapter=adapter,
+        adapter_path=path,
         params=SamplingParams(max_new_tokens=4),
         created_ms=now_ms(),
         resume_ids=list(resume_ids),
@@ -74,6 +78,23 @@ def test_a_moved_request_whose_adapter_was_unloaded_says_so(redis_settings, rcli
     last = emitted_chunks(rclient, keys, "moved")[-1]
     assert last.error == gone_error("sql", started=True) and "while this request ran" in last.error
     assert failure(last.error).status == 404
+
+
+def test_a_moved_request_brings_its_unloaded_adapter_to_a_worker_that_can_load_it(redis_settings, rclient, keys):
+    """Unloaded while it ran, then its worker died: it carries the adapter's folder, so a worker with
+    run-time slots takes it though none lists the adapter (the one still holding it first: it pages
+    nothing in); one that never started, though it carries the folder too, ends as before."""
+    worker(rclient, keys, "w1", ["poems"], adopts_adapters=True)
+    worker(rclient, keys, "w2", ["poems"], adopts_adapters=True, resident_adapters=["sql"])  # retiring there
+    worker(rclient, keys, "w3", ["poems"])  # no run-time slots
+    registry(rclient, keys, "poems")
+    router = make_router(redis_settings, rclient)
+    submit(rclient, keys, "moved", "sql", resume_ids=(5, 6), path="/a/sql")
+    submit(rclient, keys, "queued", "sql", path="/a/sql")
+    router.step()
+    assert inbox_ids(rclient, keys, "w2") == ["moved"] and inbox_ids(rclient, keys, "w1") == []
+    assert status(rclient, keys, "queued") is RequestStatus.FAILED
+    assert emitted_chunks(rclient, keys, "queued")[-1].error == gone_error("sql")
 
 
 def test_it_waits_while_the_adapter_may_still_come(redis_settings, rclient, keys):

@@ -1,7 +1,8 @@
 """LoRA adapters loaded and unloaded at run time, the worker's side (issue 32): a tiny random
 Llama with --lora_modules' adapter and spare slots (--max_loras); adapters from the registry load
 between steps and answer PEFT's greedy tokens in a mixed batch; an unloaded adapter's running
-request ends with it, its slot is freed after and a later adapter reuses it exactly; more adapters
+request ends with it, its slot is freed after and a later adapter reuses it exactly; a request
+that started elsewhere and moved after the unload brings the adapter back for itself; more adapters
 than slots are paged in as requests need them (least recently used out, never one a started
 request uses) and still answer PEFT's tokens; one that does not fit is reported and the worker
 serves on."""
@@ -22,6 +23,7 @@ from tests.worker.test_engine import flat, tiny  # noqa: F401 (fixture)
 from tests.worker.test_lora import NEW, POOL, PROMPTS, adapters, lora_req  # noqa: F401 (fixture)
 from worker.engine.engine import Engine, EngineLimits
 from worker.engine.events import Token
+from worker.engine.request import Req
 from worker.engine.token_pool import TokenPool
 from worker.lora.adapter import load_adapter
 from worker.lora.adapter_set import AdapterSet, load_adapters
@@ -91,15 +93,46 @@ def test_an_unloaded_adapter_finishes_its_requests_and_frees_its_slot(tiny, adap
     in_use = {req.msg.adapter for req in engine.requests()}
     assert runtime.reconcile(in_use)
     # no new requests for all16; it keeps the only slot while its request runs: k2 waits in host memory
-    assert runtime.view == AdapterView(serving=("k2",), resident=("all16",))
+    assert runtime.view == AdapterView(serving=("k2",), resident=("all16",), adopts=True)
     while engine.has_work:
         step(engine, tokens)
         runtime.reconcile({req.msg.adapter for req in engine.requests()})
     assert tokens["running"] == want["all16"][2]  # the unload did not touch it
-    assert runtime.view == AdapterView(serving=("k2",), resident=())  # its slot freed as the request ended
+    assert runtime.view == AdapterView(serving=("k2",), resident=(), adopts=True)  # its slot freed as it ended
     # k2 is paged into the slot all16 left: none of all16's weights remain where k2 has none
     assert run_all(engine, [lora_req("k2", PROMPTS[0], "k2")])["k2"] == want["k2"][0]
     assert runtime.refresh() and runtime.view.resident == ("k2",)
+
+
+def moved(rid: str, prompt: list[int], adapter: str, folder: str | None, resume: list[int]) -> Req:
+    """A request that emitted ``resume`` elsewhere and came back to the queue, with its adapter's folder."""
+    msg = lora_req(rid, prompt, adapter).msg
+    return Req(msg=msg.model_copy(update={"adapter_path": folder, "resume_ids": resume}), inbox_id="0")
+
+
+def test_a_moved_request_brings_its_unloaded_adapter_for_itself_alone(tiny, adapters):  # noqa: F811
+    """Unloaded while the request ran elsewhere, then the request moved here: the worker loads the
+    adapter again from the request's folder, as a retiring one (never served to new requests), the
+    request ends with PEFT's tokens after those it had sent, and the adapter is forgotten after it.
+    One that never started, or carries no folder, is not adopted (the worker answers model_not_found)."""
+    folders, want = adapters
+    engine, runtime = runtime_engine(tiny[1], {}, spare=1)
+    runtime.update(LoraRegistry(version=2, adapters={"k2": folders["k2"]}))  # all16 unloaded meanwhile
+    runtime.reconcile(set())
+    assert runtime.view.adopts and "all16" not in runtime.view.serving
+    assert not runtime.adopt(moved("fresh", PROMPTS[2], "all16", folders["all16"], []).msg)  # never started
+    assert not runtime.adopt(moved("old", PROMPTS[2], "all16", None, want["all16"][2][:3]).msg)  # no folder
+    req = moved("m", PROMPTS[2], "all16", folders["all16"], want["all16"][2][:3])
+    assert runtime.adopt(req.msg) and runtime.adopt(req.msg)  # a second such request shares it
+    runtime.reconcile({"all16"})
+    assert runtime.view.serving == ("k2",) and "all16" in runtime.adapters.host  # never for new requests
+    assert run_all(engine, [req])["m"] == want["all16"][2][3:]
+    runtime.reconcile(set())  # its request ended: forgotten
+    assert "all16" not in runtime.loaded and "all16" not in runtime.adapters.host and not runtime.pending
+    assert run_all(engine, [lora_req("k2", PROMPTS[0], "k2")])["k2"] == want["k2"][0]  # its slot is k2's now
+
+    none = AdapterRuntime(None, None, MAX_RANK, ())  # type: ignore[arg-type]
+    assert not none.view.adopts and not none.adopt(req.msg)  # no run-time slots: nothing to load it into
 
 
 def test_more_adapters_than_slots_are_paged_in_as_requests_need_them(tiny, adapters):  # noqa: F811

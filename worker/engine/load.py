@@ -151,6 +151,7 @@ def build_load(
         adapters=list(lora.serving),
         resident_adapters=list(lora.resident),
         lora_failed=list(lora.failed),
+        adopts_adapters=lora.adopts,
         running_max_req_size=engine.limits.running_max_req_size,
         admission_limit=admission_limit,
         requests=[(s.held, s.generated, s.max_new_tokens, s.ignore_eos) for s in states],

@@ -13,7 +13,11 @@ change under it. ``reconcile`` is idempotent and runs again while anything is pe
   with it, and it is forgotten when none is left; a path changed meanwhile loads after that;
 - one that cannot load (shapes that do not fit the model, unreadable files, a worker without
   slots) is remembered with its error, published in the load record (``WorkerLoad.lora_failed``)
-  and not tried again until its path changes; the worker serves on.
+  and not tried again until its path changes; the worker serves on;
+- a request that started elsewhere and moved here after its adapter was unloaded brings the
+  adapter's folder (``GenerateRequest.brings_adapter``): ``adopt`` loads it from there as a retiring
+  adapter, so it serves that request (and any other such one) and never a new one, and goes as
+  retiring ones go. A worker without run-time slots adopts nothing (``AdapterView.adopts``).
 
 --lora_modules' adapters are not the registry's: the producer refuses to load or unload them.
 """
@@ -26,6 +30,7 @@ from collections.abc import Collection
 from torch import nn
 
 from shared.lora import AdapterView, LoraRegistry
+from shared.schemas import GenerateRequest
 from worker.lora.adapter import AdapterError, load_adapter
 from worker.lora.adapter_set import AdapterSet
 
@@ -59,7 +64,8 @@ class AdapterRuntime:
         self._changes = self.adapters.changes if self.adapters is not None else 0
         if self.adapters is None:  # a stand-in model (tests): it serves what it was started with
             return AdapterView(self.static, self.static, tuple(self.failures()))
-        return AdapterView(tuple(self.adapters.names), tuple(self.adapters.slots), tuple(self.failures()))
+        names, resident = tuple(self.adapters.names), tuple(self.adapters.slots)
+        return AdapterView(names, resident, tuple(self.failures()), adopts=self.adapters.spare > 0)
 
     @property
     def pending(self) -> bool:
@@ -97,23 +103,50 @@ class AdapterRuntime:
                 self.adapters.release(name)
                 del self.loaded[name]
 
+    def adopt(self, msg: GenerateRequest) -> bool:
+        """Whether ``msg``, whose adapter this worker does not serve, may run here all the same: it
+        brings the adapter (``GenerateRequest.brings_adapter``: it started before an unload) and the
+        adapter is here, retiring, from that folder, or loads from it now, retiring at once. Never
+        served to new requests; forgotten when no request names it (``_retire``)."""
+        name, path = msg.adapter, msg.adapter_path
+        if self.adapters is None or self.adapters.spare == 0 or not msg.brings_adapter:
+            return False
+        assert name is not None and path is not None
+        if name in self.loaded:  # retiring here: the request's own weights only if from its folder
+            return self.loaded[name] == path
+        error = self._register(name, path)
+        if error is not None:
+            log.warning("LoRA adapter %r (unloaded) not loaded again for moved request %s: %s", name, msg.id, error)
+            return False
+        self.adapters.retiring.add(name)
+        log.info("LoRA adapter %r (unloaded) loaded again from %s for moved request %s", name, path, msg.id)
+        return True
+
     def _load(self, name: str, path: str) -> None:
         if self.adapters is None:
             self.failed[name] = (path, NO_SLOTS)
             log.warning("LoRA adapter %r (%s) not loaded: %s", name, path, NO_SLOTS)
             return
+        error = self._register(name, path)
+        if error is not None:
+            self.failed[name] = (path, error)
+            log.warning("LoRA adapter %r not loaded: %s; the worker serves on", name, error)
+            return
+        log.info("LoRA adapter %r loaded at run time from %s", name, path)
+
+    def _register(self, name: str, path: str) -> str | None:
+        """Read the adapter at ``path``, check it against the model and keep it (``loaded``); why it
+        could not be (None: it is)."""
+        assert self.adapters is not None
         try:
             self.adapters.register(load_adapter(name, path, self.model, self.max_rank))
         except (AdapterError, OSError) as exc:
-            self.failed[name] = (path, str(exc))
-            log.warning("LoRA adapter %r not loaded: %s; the worker serves on", name, exc)
-            return
+            return str(exc)
         except Exception as exc:  # noqa: BLE001
             # Any other error is a check load_adapter lacks (a file it misreads). The registry is
             # durable: were it to escape, every worker that reads the registry would die at start
             # again, the whole pool, until someone unloads the adapter. Reported like any other.
-            self.failed[name] = (path, f"{type(exc).__name__}: {exc}")
             log.exception("LoRA adapter %r not loaded (an unexpected error); the worker serves on", name)
-            return
+            return f"{type(exc).__name__}: {exc}"
         self.loaded[name] = path
-        log.info("LoRA adapter %r loaded at run time from %s", name, path)
+        return None

@@ -291,6 +291,7 @@ class ArrivalsMixin:
             return (
                 f"{Constraint.UNSUPPORTED}: this pool's workers apply no grammars (the model has no matching tokenizer)"
             )
-        if msg.adapter is not None and msg.adapter not in self.lora.view.serving:  # the router checks its record
-            return gone_error(msg.adapter, started=msg.has_output)  # unloaded after the router sent it: a 404
+        if msg.adapter is not None and msg.adapter not in self.lora.view.serving and not self.lora.adopt(msg):
+            # unloaded after the router sent it (it checks the records), or it moved and cannot bring it: a 404
+            return gone_error(msg.adapter, started=msg.has_output)
         return None
