@@ -6,6 +6,7 @@ where the worker switches from one to the other (``worker.lora.delta.GROUPED_FRO
     python3 -m bench.engine.lora_kernels --adapters 100 --rank 16 --batches 8,16,32,64,128,256,512,768
     python3 -m bench.engine.lora_kernels --tune --adapters 64 --batches 77   # tiles, on the model's layers
     python3 -m bench.engine.lora_kernels --prefill 3000 --adapters 64          # a prefill step's kernels
+    python3 -m bench.engine.lora_kernels --graph --adapters 64 --batches 77    # a decode step's, in a graph
 
 ``--tune``: each kernel's expand tile (``block_n``) and shrink K per program (``split_k``) swept on the
 worker's own adapted layers of Llama-3-8B (qkv and gate_up fused, their B block diagonal), each
@@ -18,6 +19,12 @@ each prompt with its own adapter, on the same four layers: ``sgmv`` (a program p
 block, the grid sized by the longest prompt) against the grouped kernel at several tokens a block
 (``block_m``) and shrink splits, and the base layer's cuBLAS matmul at M = T for scale; each checked
 against the reference first.
+
+``--graph``: the grouped kernel's settings (output tile, shrink split, warps) on a decode step's
+LoRA work as the step runs it: the four adapted layers of all 32 layers, each layer its own stacks
+(5.4 GB at 64 adapters of rank 16: nothing stays in L2 between layers), every call captured in one
+CUDA graph, timed by replays (median of 20, CUDA events); each setting checked on one layer first.
+(``do_bench`` per layer, eager, ranked settings unlike the step: bench/RESULTS.md.)
 
 Each case first checks both against the PyTorch reference (``lora_delta_ref``) on the same random
 inputs, then times each with triton.testing.do_bench (median, L2 flushed between runs). The grouped
@@ -168,6 +175,51 @@ def prefill(t: int, adapters: int, rank: int, seed: int = 0) -> None:
     print(f"the grouping, once a step: {grouping * 1000:.0f} us")
 
 
+GRAPH_SETTINGS = [  # (block_n, split_k, (shrink warps, expand warps)); the first is the default
+    (64, 512, (4, 4)), (64, 512, (4, 1)), (64, 512, (4, 2)), (64, 512, (2, 2)), (64, 512, (1, 1)),
+    (128, 512, (4, 2)), (128, 512, (4, 4)), (256, 512, (4, 4)), (256, 512, (4, 8)), (64, 1024, (4, 1)),
+    (128, 1024, (2, 2)), (64, 256, (2, 1)),
+]  # fmt: skip
+
+
+def graph(t: int, adapters: int, rank: int, layers: int = 32) -> None:
+    from worker.lora.delta import lora_delta_ref
+    from worker.model.kernels.bgmv_grouped import bgmv_grouped, group_tokens
+
+    slots = (torch.arange(t, device="cuda", dtype=torch.int32) % adapters) + 1  # as step_profile --lora-adapters
+    groups = group_tokens(slots, adapters + 1)
+    stacks = [[(_layer(k, sizes, adapters, rank), torch.randn(t, k, device="cuda").bfloat16())
+               for k, sizes in LAYERS.values()] for _ in range(layers)]  # fmt: skip
+    ys = [[torch.zeros(t, b.shape[1], device="cuda", dtype=torch.bfloat16) for (_, b, _), _ in row] for row in stacks]
+    gb = sum(a.numel() * 2 + b.numel() * 2 // len(sh.ends) for row in stacks for (a, b, sh), _ in row) * 64 / 65 / 1e9
+    print(f"{t} tokens over {adapters} adapters, rank {rank}, {layers} layers: adapters' A and B {gb:.2f} GB"
+          f" ({gb / 3.35:.2f} ms at 3.35 TB/s)")  # fmt: skip
+    print(f"{'block_n':>8}{'split_k':>8}{'warps':>8}{'ms a step':>11}")
+    for bn, sk, warps in GRAPH_SETTINGS:
+        (a, b, shards), x = stacks[0][2]
+        y = torch.zeros_like(ys[0][2])
+        bgmv_grouped(y, x, a, b, groups, shards=shards, block_n=bn, split_k=sk, warps=warps)
+        want = lora_delta_ref(x, a, b, slots)
+        assert ((y.float() - want).norm() / want.norm()).item() < 2e-2, (bn, sk, warps)
+        run = lambda: [bgmv_grouped(y, x, a, b, groups, shards=sh, block_n=bn, split_k=sk, warps=warps)  # noqa: E731,B023
+                       for row, yrow in zip(stacks, ys) for ((a, b, sh), x), y in zip(row, yrow)]  # fmt: skip
+        run()  # compiled before capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        times = []
+        for _ in range(23):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        print(f"{bn:>8}{sk:>8}{str(warps):>8}{sorted(times[3:])[10]:>11.3f}")
+        del g
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapters", type=int, default=100)
@@ -175,7 +227,12 @@ def main() -> None:
     parser.add_argument("--batches", default="4,8,16,32,64,128,256,512,768")
     parser.add_argument("--tune", action="store_true", help="sweep the tiles on the model's layers (above)")
     parser.add_argument("--prefill", type=int, default=0, help="a prefill step of this many tokens (above)")
+    parser.add_argument("--graph", action="store_true", help="the decode LoRA settings in a CUDA graph (above)")
     args = parser.parse_args()
+    if args.graph:
+        for t in [int(b) for b in args.batches.split(",")]:
+            graph(t, args.adapters, args.rank)
+        return
     if args.prefill:
         prefill(args.prefill, args.adapters, args.rank)
         return

@@ -124,11 +124,13 @@ def bgmv_grouped(
     shards: Shards | None = None,
     block_n: int = BLOCK_N,
     split_k: int = SPLIT_K,
+    warps: tuple[int, int] = (4, 4),
 ) -> torch.Tensor:
     """y [T, N] += each token's delta, in place; x [T, K], A [S, R, K], B [S, N, R], ``groups`` from
     ``group_tokens`` over the batch's slots. ``v``: the [cdiv(K, split_k), blocks * block_m, R] fp32
     scratch (tests pass a poisoned one). ``shards``: B is block diagonal so (``lora_shards``).
-    ``block_n``, ``split_k``: the expand's output tile and the shrink's K per program (a benchmark's sweep)."""
+    ``block_n``, ``split_k``, ``warps``: the expand's output tile, the shrink's K per program, and the
+    shrink's and expand's warps a program (a benchmark's sweep)."""
     (t, k), (num_slots, r, k_a), (_, n, r_b) = x.shape, a.shape, b.shape
     assert k_a == k and r_b == r and b.shape[0] == num_slots and y.shape == (t, n), (x.shape, a.shape, b.shape)
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
@@ -144,12 +146,12 @@ def bgmv_grouped(
     block_k = BLOCK_K if a.element_size() <= 2 else BLOCK_K // 2
     _shrink[(blocks, splits)](
         x, a, v, groups.tokens, groups.block_slots, k, r, x.stride(0), a.stride(0), a.stride(1), v.stride(0),
-        v.stride(1), CHUNK=split_k, BM=block_m, BR=block_r, BK=block_k,
+        v.stride(1), CHUNK=split_k, BM=block_m, BR=block_r, BK=block_k, num_warps=warps[0],
     )  # fmt: skip
     total = v[0] if splits == 1 else v.sum(0)  # the splits added once (a fixed-order reduction)
     end0, end1, ranks = expand_span(shards, n, r, block_n)
     _expand[(blocks, triton.cdiv(n, block_n))](
         total, b, y, groups.tokens, groups.block_slots, n, ranks, end0, end1, total.stride(0), b.stride(0),
-        b.stride(1), y.stride(0), BM=block_m, BN=block_n, BR=block_ranks(ranks),
+        b.stride(1), y.stride(0), BM=block_m, BN=block_n, BR=block_ranks(ranks), num_warps=warps[1],
     )  # fmt: skip
     return y
