@@ -96,12 +96,9 @@ def add_lora(
 
         split_k = {} if batch.is_decode else {"split_k": PREFILL_SPLIT_K}
         bgmv_grouped(y, x, a, b, groups, shards=shards, **split_k)
-    elif batch.is_decode:
+    else:  # a decode below GROUPED_FROM: every prefill on CUDA has its groups (``forward_groups``)
         from worker.model.kernels.bgmv import bgmv
 
+        assert batch.is_decode
         bgmv(y, x, a, b, batch.lora_slots, shards=shards)
-    else:
-        from worker.model.kernels.sgmv import sgmv
-
-        sgmv(y, x, a, b, batch.q_starts, batch.q_lens, batch.lora_slots, batch.max_q_len, shards=shards)
     return y
