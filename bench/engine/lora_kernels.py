@@ -216,7 +216,7 @@ def graph(t: int, adapters: int, rank: int, layers: int = 32) -> None:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        print(f"{bn:>8}{sk:>8}{str(warps):>8}{sorted(times[3:])[10]:>11.3f}")
+        print(f"{bn:>8}{sk:>8}{f'{warps[0]}x{warps[1]}':>8}{sorted(times[3:])[10]:>11.3f}")
         del g
 
 
