@@ -14,17 +14,21 @@ the Redis CPU per token (which one holds the control plane, ``{q}``); then the r
 The ratio shows the cluster lifting Redis's cap only where Redis is the bottleneck: on a machine
 whose cores the workers and producer already fill (the 2-core build machine), both sizes deliver
 what the pool's CPU gives, and the per-shard CPU is the figure to read (docs/capacity.md).
+``--redis-cpu-percent P`` (root, Linux) holds every primary to P% of one core
+(``bench.serving.cpu_quota``), so that Redis binds and the ratio is what the primaries buy.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from bench.serving.cpu_quota import CpuQuota
 from shared.embedded_redis import start_embedded_redis
 from tests.checker import Burst
 from tests.cluster import LocalCluster
@@ -58,6 +62,11 @@ def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]],
     primary's costliest commands per token, and a data primary's (none with one primary))."""
     rq = start_embedded_redis()
     cluster = LocalCluster(primaries=primaries, replicas=0).start()
+    quotas = []
+    if args.redis_cpu_percent:  # every primary held to the same share of a core: Redis binds
+        for node in cluster.primary_nodes():
+            quotas.append(CpuQuota(f"lightq-scale-{os.getpid()}-{node.name}", args.redis_cpu_percent))
+            quotas[-1].hold(node.process.pid)
     log = Path(tempfile.mkdtemp(prefix="lightq-cluster-scale-")) / "serve.log"
     extra = ["--model_dir", args.model_dir, "--max_total_token_num", "200000", "--redis_rq_url", rq.url]
     stack = start_stack(
@@ -96,6 +105,8 @@ def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]],
             stack.process.kill()
         cluster.stop()
         rq.stop()
+        for quota in quotas:
+            quota.remove()
 
 
 def main() -> None:
@@ -105,6 +116,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--sizes", default="1,3", help="primary counts, in order")
+    parser.add_argument(
+        "--redis-cpu-percent", type=float, default=0, help="hold each primary to this share of a core (root; above)"
+    )
     parser.add_argument(
         "--model_dir", default="counting", help="counting, or counting:TOKENIZER_DIR where the embedded model is absent"
     )
