@@ -58,6 +58,8 @@ class LocalCluster:
     timeout_s: float = MUST_HAPPEN_S  # a hang guard: a wait past it fails naming what it awaited
     folder: str = ""
     nodes: list[Node] = field(default_factory=list)
+    # per primary, its slot ranges (inclusive); empty: redis-cli's equal ranges. Without replicas only.
+    slots: Sequence[Sequence[tuple[int, int]]] = ()
 
     def __post_init__(self) -> None:
         self.server, self.cli = redis_binaries()
@@ -106,14 +108,25 @@ class LocalCluster:
         node.node_id = node.ask("CLUSTER", "MYID")
 
     def _create(self) -> None:
-        if self.primaries == 1 and self.replicas == 0:  # redis-cli creates 3 primaries or more
-            self.nodes[0].ask("CLUSTER", "ADDSLOTSRANGE", "0", str(SLOTS - 1))
+        if self.slots or (self.primaries == 1 and self.replicas == 0):  # redis-cli creates 3 primaries or more
+            self._assign(self.slots or [[(0, SLOTS - 1)]])
             return
         argv = [self.cli, "--cluster", "create", *(n.address for n in self.nodes)]
         argv += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s)
         if done.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+    def _assign(self, slots: Sequence[Sequence[tuple[int, int]]]) -> None:
+        """Primaries without replicas, each given its ranges by hand, then met (what redis-cli does,
+        with other ranges): distinct config epochs first, so no claim needs resolving."""
+        assert self.replicas == 0 and len(slots) == self.primaries, (self.replicas, len(slots))
+        for epoch, (node, ranges) in enumerate(zip(self.nodes, slots), start=1):
+            node.ask("CLUSTER", "SET-CONFIG-EPOCH", str(epoch))
+            node.ask("CLUSTER", "ADDSLOTSRANGE", *(str(x) for lo_hi in ranges for x in lo_hi))
+        for node in self.nodes[1:]:
+            first = self.nodes[0]
+            node.ask("CLUSTER", "MEET", first.place.address, str(first.port), str(first.bus_port))
 
     # -- what tests ask ---------------------------------------------------------------------------
 

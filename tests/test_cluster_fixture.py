@@ -106,3 +106,21 @@ def test_a_failed_start_leaves_nothing_behind():
 def test_the_binary_search_says_what_it_found():
     with pytest.raises(RuntimeError, match=r"no redis-server >= 99\.0\.0"):
         redis_binaries(minimum=(99, 0, 0))
+
+
+def test_slots_given_by_hand_put_the_control_slot_alone():
+    """``slots``: each primary's ranges as given (``bench.serving.cluster_scale --control-alone``'s
+    layout): the control plane's slot on a primary of its own, the request groups on the others."""
+    from bench.serving.cluster_scale import control_alone
+    from shared.keys import GROUP_TAGS, Keys
+
+    with LocalCluster(primaries=3, replicas=0, slots=control_alone(3)) as cluster:
+        keys = Keys("lightq-fixture")
+        control = cluster.owner(keys.requests())
+        assert cluster.owner(keys.workers()) is control
+        ranges = control.client().execute_command("CLUSTER", "SLOTS")  # [lo, hi, [host, port, id], ...]
+        mine = [(lo, hi) for lo, hi, owner, *_ in ranges if owner[2] == control.node_id]
+        slot = cluster.client().keyslot(keys.requests())
+        assert mine == [(slot, slot)], mine
+        data = {cluster.owner(f"lightq-fixture:{{{tag}}}:x").name for tag in GROUP_TAGS}
+        assert control.name not in data and len(data) == 2, data

@@ -16,6 +16,9 @@ whose cores the workers and producer already fill (the 2-core build machine), bo
 what the pool's CPU gives, and the per-shard CPU is the figure to read (docs/capacity.md).
 ``--redis-cpu-percent P`` (root, Linux) holds every primary to P% of one core
 (``bench.serving.cpu_quota``), so that Redis binds and the ratio is what the primaries buy.
+``--control-alone``: with P primaries, the control plane's slot (``{q}``) is the last one's alone and
+the request groups are spread over the other P - 1 (equal ranges, as a cluster of P - 1 makes them):
+the layout docs/operations.md gives for a Redis-bound pool.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from redis.crc import key_slot
+
 from bench.serving.cpu_quota import CpuQuota
 from shared.embedded_redis import start_embedded_redis
 from tests.checker import Burst
-from tests.cluster import LocalCluster
+from tests.cluster import SLOTS, LocalCluster
 from tests.integration.stack import start_stack
 
 
@@ -57,11 +62,22 @@ def breakdown(before: dict, after: dict, requests: int, tokens: int) -> str:
     return ", ".join(f"{name} {us:.3f} ({calls:.2f}/req)" for us, calls, name in sorted(rows, reverse=True)[:14])
 
 
+def control_alone(primaries: int) -> list[list[tuple[int, int]]]:
+    """Slot ranges: P - 1 equal ones without the control slot, then the control slot alone."""
+    q, data = key_slot(b"q"), primaries - 1
+    layout = []
+    for i in range(data):
+        lo, hi = i * SLOTS // data, (i + 1) * SLOTS // data - 1
+        layout.append([r for r in ((lo, q - 1), (q + 1, hi)) if r[0] <= r[1]] if lo <= q <= hi else [(lo, hi)])
+    return layout + [[(q, q)]]
+
+
 def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]], str, str]:
     """(best tokens/s, per primary (name, Redis CPU us per token, holds the control plane), the control
     primary's costliest commands per token, and a data primary's (none with one primary))."""
     rq = start_embedded_redis()
-    cluster = LocalCluster(primaries=primaries, replicas=0).start()
+    slots = control_alone(primaries) if args.control_alone and primaries > 1 else ()
+    cluster = LocalCluster(primaries=primaries, replicas=0, slots=slots).start()
     quotas = []
     if args.redis_cpu_percent:  # every primary held to the same share of a core: Redis binds
         for node in cluster.primary_nodes():
@@ -116,6 +132,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--sizes", default="1,3", help="primary counts, in order")
+    parser.add_argument("--control-alone", action="store_true", help="the control slot alone on a primary (above)")
     parser.add_argument(
         "--redis-cpu-percent", type=float, default=0, help="hold each primary to this share of a core (root; above)"
     )
