@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import tempfile
@@ -75,14 +76,22 @@ def control_alone(primaries: int) -> list[list[tuple[int, int]]]:
 def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]], str, str]:
     """(best tokens/s, per primary (name, Redis CPU us per token, holds the control plane), the control
     primary's costliest commands per token, and a data primary's (none with one primary))."""
-    rq = start_embedded_redis()
-    slots = control_alone(primaries) if args.control_alone and primaries > 1 else ()
-    cluster = LocalCluster(primaries=primaries, replicas=0, slots=slots).start()
-    quotas = []
-    if args.redis_cpu_percent:  # every primary held to the same share of a core: Redis binds
-        for node in cluster.primary_nodes():
-            quotas.append(CpuQuota(f"lightq-scale-{os.getpid()}-{node.name}", args.redis_cpu_percent))
-            quotas[-1].hold(node.process.pid)
+    with contextlib.ExitStack() as done:  # whatever started is stopped, a failed start included
+        rq = start_embedded_redis()
+        done.callback(rq.stop)
+        slots = control_alone(primaries) if args.control_alone and primaries > 1 else ()
+        cluster = LocalCluster(primaries=primaries, replicas=0, slots=slots).start()  # cleans up its own failure
+        done.callback(cluster.stop)
+        if args.redis_cpu_percent:  # every primary held to the same share of a core: Redis binds
+            for node in cluster.primary_nodes():
+                quota = CpuQuota(f"lightq-scale-{os.getpid()}-{node.name}", args.redis_cpu_percent)
+                done.callback(quota.remove)  # first out: its nodes go back to the root cgroup, then stop
+                quota.hold(node.process.pid)
+        return burst_on(cluster, rq, args)
+
+
+def burst_on(cluster: LocalCluster, rq, args) -> tuple[float, list[tuple[str, float, bool]], str, str]:
+    """``measure``'s bursts on a started cluster (rq: the plain Redis beside it)."""
     log = Path(tempfile.mkdtemp(prefix="lightq-cluster-scale-")) / "serve.log"
     extra = ["--model_dir", args.model_dir, "--max_total_token_num", "200000", "--redis_rq_url", rq.url]
     stack = start_stack(
@@ -119,10 +128,6 @@ def measure(primaries: int, args) -> tuple[float, list[tuple[str, float, bool]],
             stack.stop()
         except subprocess.TimeoutExpired:
             stack.process.kill()
-        cluster.stop()
-        rq.stop()
-        for quota in quotas:
-            quota.remove()
 
 
 def main() -> None:
