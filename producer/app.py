@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI
 
 from producer.api import routes_lora, routes_native, routes_openai, routes_requests
@@ -33,6 +34,7 @@ from producer.monitoring.metrics import ProducerMetrics
 from producer.redis_client import producer_client, trim_idle_forever
 from producer.streams.stream_hub import StreamHub
 from shared.flags import build
+from shared.keys import Keys
 from shared.model_files import load_tokenizer, resolve, served_name
 from shared.producer_settings import ProducerSettings
 from shared.service import default_id, setup_logging
@@ -61,26 +63,7 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
         wake_id = f"{default_id('')}-{secrets.token_hex(4)}"
         hub = StreamHub(redis, keys, settings.stream_block_ms, ClientLatency(metrics), wake_id)
         batches = batch_client(settings.redis)
-        app.state.services = Services(
-            settings=settings,
-            keys=keys,
-            hub=hub,
-            redis=redis,
-            tokenizer=tok,
-            metrics=metrics,
-            model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
-            # a request's writes get a command's timeout and one retry's, on one server or a cluster
-            gate=Gate(
-                redis,
-                keys,
-                settings.max_queue_tokens,
-                settings.reject_without_workers,
-                deadline_s=2 * settings.redis_timeout_s,
-            ),
-            api_key_hashes=key_hashes(settings.api_keys, settings.admin_api_keys),
-            key_tenants=key_tenants(settings.api_keys, settings.admin_api_keys),
-            batch_redis=batches,
-        )
+        app.state.services = _services(settings, keys, redis, hub, tok, metrics, batches)
         # The cluster view is read on a thread of its own; /metrics serves the last read.
         app.state.cluster_view = view = ClusterView(
             metrics, lambda: producer_client(settings), keys, settings.metrics_refresh_s
@@ -99,6 +82,45 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
 
     # authenticate runs before every route (those added later too); it lets OPEN_PATHS through.
     app = FastAPI(title="lightq producer", lifespan=lifespan, dependencies=[Depends(authenticate)])
+    _install_edge(app, settings)
+    _include_routers(app)
+    return app
+
+
+def _services(
+    settings: ProducerSettings,
+    keys: Keys,
+    redis: aioredis.Redis,
+    hub: StreamHub,
+    tokenizer: Any,
+    metrics: ProducerMetrics,
+    batches: aioredis.Redis | None,
+) -> Services:
+    """What every request shares, over the connections the lifespan opened."""
+    return Services(
+        settings=settings,
+        keys=keys,
+        hub=hub,
+        redis=redis,
+        tokenizer=tokenizer,
+        metrics=metrics,
+        model_id=served_name(settings.model.model_dir, settings.model.served_model_name),
+        # a request's writes get a command's timeout and one retry's, on one server or a cluster
+        gate=Gate(
+            redis,
+            keys,
+            settings.max_queue_tokens,
+            settings.reject_without_workers,
+            deadline_s=2 * settings.redis_timeout_s,
+        ),
+        api_key_hashes=key_hashes(settings.api_keys, settings.admin_api_keys),
+        key_tenants=key_tenants(settings.api_keys, settings.admin_api_keys),
+        batch_redis=batches,
+    )
+
+
+def _install_edge(app: FastAPI, settings: ProducerSettings) -> None:
+    """The middleware, the metrics and the error handlers, in the order they must be added."""
     app.add_middleware(
         BodyLimit, max_bytes=settings.max_body_bytes, larger={"/v1/batches": settings.max_batch_body_bytes}
     )
@@ -106,13 +128,16 @@ def create_app(settings: ProducerSettings, tokenizer: Any = None) -> FastAPI:
     # Before the lifespan: error handlers count rejections.
     app.state.metrics = ProducerMetrics(os.environ.get(MULTIPROC_ENV) or None, settings.metrics_tenants)
     install_handlers(app)
+
+
+def _include_routers(app: FastAPI) -> None:
+    """Every route the producer serves."""
     app.include_router(routes_native.router)
     app.include_router(routes_requests.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_lora.router)
     app.include_router(dashboard.router)
     app.include_router(routes_batches.router)
-    return app
 
 
 def app_from_env() -> FastAPI:

@@ -161,21 +161,45 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
     dtype = pick_dtype(settings.dtype, device)
     model, config = load_model_or_stand_in(settings, tokenizer, dtype, device, group.tp if group else SINGLE)
     if settings.model.lora_modules or settings.max_loras:  # before the pool is sized: the stacks come first
-        adapters = load_adapters(
-            settings.model.lora_modules,
-            model,
-            settings.model.max_lora_rank,
-            settings.max_loras,
-            settings.lora_page_batch,
-            settings.lora_prefetch,
-        )
-        log.info(
-            "LoRA adapters %s and %d run-time slots: rank <= %d, %.1f MiB",
-            adapters.names,
-            settings.max_loras,
-            adapters.max_rank,
-            adapters.nbytes / 2**20,
-        )
+        attach_adapters(settings, model)
+    num_slots, cache = attach_pool(settings, model, device, dtype, rank, group)
+    table = ReqTable(settings.running_max_req_size, settings.model.max_req_total_len + 8, cache.hold_slot, device)
+    graphs, prefill_graphs = capture_graphs(settings, model, table, cache.hold_slot, config.vocab_size, device)
+    eos = set(settings.eos_id) if settings.eos_id else eos_ids(config, tokenizer)  # --eos_id replaces them
+    grammars = grammars_for(settings, tokenizer, config.vocab_size, eos)
+    pool = TokenPool(num_slots)
+    prefix_cache = RadixCache(pool) if settings.prefix_cache else None  # rank 0's decides; followers' stay empty
+    runner = ModelRunner(
+        model, pool, table, config.vocab_size, device, eos, graphs, prefill_graphs, grammars, prefix_cache
+    )
+    if group is not None and rank == 0:
+        runner.on_forward = group.send_step  # each forward runs on the followers too
+    return runner, eos
+
+
+def attach_adapters(settings: WorkerSettings, model) -> None:
+    """``--lora_modules``' adapters and ``--max_loras``' run-time slots, installed in the model."""
+    adapters = load_adapters(
+        settings.model.lora_modules,
+        model,
+        settings.model.max_lora_rank,
+        settings.max_loras,
+        settings.lora_page_batch,
+        settings.lora_prefetch,
+    )
+    log.info(
+        "LoRA adapters %s and %d run-time slots: rank <= %d, %.1f MiB",
+        adapters.names,
+        settings.max_loras,
+        adapters.max_rank,
+        adapters.nbytes / 2**20,
+    )
+
+
+def attach_pool(
+    settings: WorkerSettings, model, device: torch.device, dtype: torch.dtype, rank: int, group=None
+) -> tuple[int, KVCache]:
+    """The KV pool's size in tokens (the same on every rank) and the cache attached to the model."""
     num_slots = pool_size(settings, model, device)
     if group is not None:
         num_slots = group.min(num_slots)  # every rank's pool the same size: the smallest that fits
@@ -190,28 +214,27 @@ def build_runner(settings: WorkerSettings, tokenizer=None, group=None) -> tuple[
         cache.nbytes / 2**30,
         cache.buffer.dtype,
     )
-    table = ReqTable(settings.running_max_req_size, settings.model.max_req_total_len + 8, cache.hold_slot, device)
+    return num_slots, cache
+
+
+def capture_graphs(
+    settings: WorkerSettings, model, table: ReqTable, hold_slot: int, vocab_size: int, device: torch.device
+) -> tuple[DecodeGraphs | None, PrefillGraphs | None]:
+    """The CUDA graphs of decode steps and of small prefills; (None, None) on a CPU or with them off."""
     graphs = prefill_graphs = None
     if device.type == "cuda" and settings.cuda_graphs:  # the same buckets on every rank, collectives inside
         buckets = default_buckets(min(settings.graph_max_batch_size, settings.running_max_req_size))
-        graphs = DecodeGraphs(model, table, cache.hold_slot, config.vocab_size, buckets, device)
+        graphs = DecodeGraphs(model, table, hold_slot, vocab_size, buckets, device)
         if settings.tp == 1:  # small prefills too (measured on one GPU only)
-            prefill_graphs = PrefillGraphs(model, table, cache.hold_slot, config.vocab_size, device)
-    eos = set(settings.eos_id) if settings.eos_id else eos_ids(config, tokenizer)  # --eos_id replaces them
-    # Constrained decoding needs the tokenizer's token texts (rank 0 samples; followers have none).
-    grammars = None
-    if tokenizer is not None and len(tokenizer) <= config.vocab_size:
-        grammars = Grammars(
-            GrammarCache.for_tokenizer(tokenizer, config.vocab_size, eos), settings.grammar_compile_timeout_s
-        )
-    pool = TokenPool(num_slots)
-    prefix_cache = RadixCache(pool) if settings.prefix_cache else None  # rank 0's decides; followers' stay empty
-    runner = ModelRunner(
-        model, pool, table, config.vocab_size, device, eos, graphs, prefill_graphs, grammars, prefix_cache
-    )
-    if group is not None and rank == 0:
-        runner.on_forward = group.send_step  # each forward runs on the followers too
-    return runner, eos
+            prefill_graphs = PrefillGraphs(model, table, hold_slot, vocab_size, device)
+    return graphs, prefill_graphs
+
+
+def grammars_for(settings: WorkerSettings, tokenizer, vocab_size: int, eos: set[int]) -> Grammars | None:
+    """Constrained decoding, which needs the tokenizer's token texts (rank 0 samples; followers have none)."""
+    if tokenizer is not None and len(tokenizer) <= vocab_size:
+        return Grammars(GrammarCache.for_tokenizer(tokenizer, vocab_size, eos), settings.grammar_compile_timeout_s)
+    return None
 
 
 def build_engine(settings: WorkerSettings, tokenizer=None, group=None) -> Engine:

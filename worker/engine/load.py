@@ -134,8 +134,7 @@ def build_load(
     states = request_states(reqs)
     # After the states, from the same requests: a lease let go of since is missing (the router
     # counts that prefix again), never one the states do not count.
-    live = [req for req in reqs if req.phase is not Phase.FINISHED]  # as request_states counts them
-    held = held_hashes(lease for req in live for lease in (req.lease, req.group.lease if req.group else None))
+    held_prefixes = _held_prefixes(reqs, snap.prefixes)
     return WorkerLoad(
         worker_id=worker_id,
         seq=seq,
@@ -163,8 +162,15 @@ def build_load(
         prefix_cache=snap.cache.enabled,
         cached_tokens=snap.cache.cached,
         prefixes=list(snap.prefixes),
-        held_prefixes=[i for i, (h, _) in enumerate(snap.prefixes) if h in held],
+        held_prefixes=held_prefixes,
         prefix_asked_tokens=snap.cache.asked,
         prefix_hit_tokens=snap.cache.hit,
         prefix_evicted_tokens=snap.cache.evicted,
     )
+
+
+def _held_prefixes(reqs: list[Req], prefixes: tuple[tuple[int, int], ...]) -> list[int]:
+    """Which of the cache's ``prefixes`` (their indices) the unfinished requests or their groups lease."""
+    live = [req for req in reqs if req.phase is not Phase.FINISHED]  # as request_states counts them
+    held = held_hashes(lease for req in live for lease in (req.lease, req.group.lease if req.group else None))
+    return [i for i, (h, _) in enumerate(prefixes) if h in held]

@@ -23,6 +23,7 @@ from shared.request_log import now_ms
 from worker.engine.engine import Engine
 from worker.engine.events import Ended, Event, Started, Tokens
 from worker.engine.kv_slots import CacheStats
+from worker.engine.load import LoadSnapshot
 from worker.service.serve import WorkerService
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -35,54 +36,46 @@ class WorkerMetrics:
     def __init__(self, worker_id: str):
         # No collect() at registration: a collector reads Redis, which may be down at start-up.
         self.registry = CollectorRegistry(auto_describe=False)
-        reg, worker = self.registry, {"worker": worker_id}
-        self.generation_tokens = Counter(
-            "lightq:worker_generation_tokens", "output tokens sampled", ["worker"], registry=reg
-        ).labels(**worker)
-        self.prompt_tokens = Counter(
-            "lightq:worker_prompt_tokens", "tokens prefilled (prompt + resumed output)", ["worker"], registry=reg
-        ).labels(**worker)
+        reg, worker = self.registry, worker_id
+        self.generation_tokens = _worker_counter(
+            reg, worker, "lightq:worker_generation_tokens", "output tokens sampled"
+        )
+        self.prompt_tokens = _worker_counter(
+            reg, worker, "lightq:worker_prompt_tokens", "tokens prefilled (prompt + resumed output)"
+        )
         self.ended = Counter(
             "lightq:worker_requests_ended",
             "requests that ended here, by finish reason",
             ["worker", "reason"],
             registry=reg,
         )
-        self.step_time = Histogram(
-            "lightq:worker_step_seconds",
-            "one engine step (prefill chunk + decode)",
-            ["worker"],
-            buckets=STEP_BUCKETS,
-            registry=reg,
-        ).labels(**worker)
-        self.queue_time = Histogram(
+        self.step_time = _worker_histogram(
+            reg, worker, "lightq:worker_step_seconds", "one engine step (prefill chunk + decode)", STEP_BUCKETS
+        )
+        self.queue_time = _worker_histogram(
+            reg,
+            worker,
             "lightq:worker_queue_seconds",
             "from a request's creation at the producer "
             "to its admission into this worker's batch (the clocks of two hosts)",
-            ["worker"],
-            buckets=QUEUE_BUCKETS,
-            registry=reg,
-        ).labels(**worker)
-        self.batch_size = Histogram(
-            "lightq:worker_batch_requests",
-            "requests in the running batch after a step",
-            ["worker"],
-            buckets=BATCH_BUCKETS,
-            registry=reg,
-        ).labels(**worker)
-        self.grammar_compile_time = Histogram(
+            QUEUE_BUCKETS,
+        )
+        self.batch_size = _worker_histogram(
+            reg, worker, "lightq:worker_batch_requests", "requests in the running batch after a step", BATCH_BUCKETS
+        )
+        self.grammar_compile_time = _worker_histogram(
+            reg,
+            worker,
             "lightq:worker_grammar_compile_seconds",
             "one constraint's grammar compile (off the model loop; a constraint already cached is not compiled)",
-            ["worker"],
-            buckets=COMPILE_BUCKETS,
-            registry=reg,
-        ).labels(**worker)
-        self.grammar_failures = Counter(
+            COMPILE_BUCKETS,
+        )
+        self.grammar_failures = _worker_counter(
+            reg,
+            worker,
             "lightq:worker_grammar_failures",
             "requests ended because their constraint failed to compile or timed out (--grammar_compile_timeout_s)",
-            ["worker"],
-            registry=reg,
-        ).labels(**worker)
+        )
         self.worker_id = worker_id
 
     def count(self, events: list[Event], now_ms: int) -> None:
@@ -98,6 +91,18 @@ class WorkerMetrics:
                 self.prompt_tokens.inc(len(msg.prompt_ids) + sum(len(msg.emitted(c)) for c in msg.open_choices))
             elif isinstance(event, Ended):
                 self.ended.labels(worker=self.worker_id, reason=event.reason).inc()
+
+
+def _worker_counter(registry: CollectorRegistry, worker_id: str, name: str, doc: str) -> Counter:
+    """A counter in ``registry``, labelled with this worker's id."""
+    return Counter(name, doc, ["worker"], registry=registry).labels(worker=worker_id)
+
+
+def _worker_histogram(
+    registry: CollectorRegistry, worker_id: str, name: str, doc: str, buckets: tuple[float, ...]
+) -> Histogram:
+    """A histogram in ``registry``, labelled with this worker's id."""
+    return Histogram(name, doc, ["worker"], buckets=buckets, registry=registry).labels(worker=worker_id)
 
 
 class MeteredService(WorkerService):
@@ -129,6 +134,23 @@ class WorkerCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         snap, limits, w = self.engine.snapshot(), self.engine.limits, [self.worker_id]
         pool = limits.max_total_tokens
+        yield from self._batch(snap, w)
+        yield from _kv_pool(snap, pool, w)
+        yield from self._preemptions(w)
+        yield from _prefix_cache(snap.cache, w)
+        adapters = getattr(self.engine.runner, "adapters", None)  # worker.lora.adapter_set.AdapterSet, or None
+        yield _counter(
+            "lightq:worker_lora_loads",
+            "LoRA adapters loaded at run time copied into a device slot (--max_loras), on loading or when a "
+            "request needed one that was not there (evicting the least recently used): adapter-aware routing "
+            "keeps this low",
+            w,
+            adapters.loads if adapters is not None else 0,
+        )
+        yield from self._inbox()
+
+    def _batch(self, snap: LoadSnapshot, w: list[str]) -> Iterable[Metric]:
+        """The running batch and the requests waiting to join it."""
         yield _gauge("lightq:worker_running_requests", "requests in the running batch", w, snap.num_running)
         yield _gauge(
             "lightq:worker_waiting_requests", "requests taken in, not yet admitted to the batch", w, snap.num_waiting
@@ -140,20 +162,9 @@ class WorkerCollector(Collector):
             w,
             grammars.num_held if grammars is not None else 0,
         )
-        yield _gauge("lightq:worker_used_tokens", "KV pool tokens holding a request's K/V", w, snap.used_tokens)
-        yield _gauge(
-            "lightq:worker_committed_tokens",
-            "prompt + max_new_tokens over running and waiting requests",
-            w,
-            snap.committed_tokens,
-        )
-        yield _gauge("lightq:worker_max_total_tokens", "KV pool size in tokens", w, pool)
-        yield _gauge(
-            "lightq:worker_kv_usage_ratio",
-            "KV pool tokens in use / pool size",
-            w,
-            snap.used_tokens / pool if pool else 0.0,
-        )
+
+    def _preemptions(self, w: list[str]) -> Iterable[Metric]:
+        """Requests paused and tokens thrown away since the worker started."""
         yield _counter(
             "lightq:worker_preemptions",
             "running requests paused to free KV slots (an estimate was short; each is prefilled again later)",
@@ -179,17 +190,6 @@ class WorkerCollector(Collector):
             w,
             self.engine.num_discarded,
         )
-        yield from _prefix_cache(snap.cache, w)
-        adapters = getattr(self.engine.runner, "adapters", None)  # worker.lora.adapter_set.AdapterSet, or None
-        yield _counter(
-            "lightq:worker_lora_loads",
-            "LoRA adapters loaded at run time copied into a device slot (--max_loras), on loading or when a "
-            "request needed one that was not there (evicting the least recently used): adapter-aware routing "
-            "keeps this low",
-            w,
-            adapters.loads if adapters is not None else 0,
-        )
-        yield from self._inbox()
 
     def _inbox(self) -> Iterable[Metric]:
         stream = self.keys.inbox(self.worker_id)
@@ -199,6 +199,24 @@ class WorkerCollector(Collector):
         yield _gauge(
             "lightq:stream_pending", "entries delivered, not acknowledged", [stream, WORKER_GROUP], pending, labels
         )
+
+
+def _kv_pool(snap: LoadSnapshot, pool: int, w: list[str]) -> Iterable[Metric]:
+    """The KV pool (``pool`` tokens): what requests hold and have committed, and the share in use."""
+    yield _gauge("lightq:worker_used_tokens", "KV pool tokens holding a request's K/V", w, snap.used_tokens)
+    yield _gauge(
+        "lightq:worker_committed_tokens",
+        "prompt + max_new_tokens over running and waiting requests",
+        w,
+        snap.committed_tokens,
+    )
+    yield _gauge("lightq:worker_max_total_tokens", "KV pool size in tokens", w, pool)
+    yield _gauge(
+        "lightq:worker_kv_usage_ratio",
+        "KV pool tokens in use / pool size",
+        w,
+        snap.used_tokens / pool if pool else 0.0,
+    )
 
 
 def _prefix_cache(cache: CacheStats, w: list[str]) -> Iterable[Metric]:
