@@ -271,13 +271,9 @@ for part in "$@"; do
           --lora-adapters 1000 --lora-files 16 --lora-resident 64 --lora-rank 16 --timeline 2>&1) | tr '\r' '\n' \
           | tee "$OUT/offline_lora_$arm.log" | grep -E "^(lightq|LoRA: [0-9]+ adapters paged|with prefill|decode, batch)"; done ;;
     lora-graph)  # issue 32: the decode LoRA settings (tile, split, warps) in one CUDA graph over 32 layers at the
-      # slot-bound step (77 tokens, 64 adapters), then the 1,000-adapter run with the best if it is not the default
+      # slot-bound step (77 tokens, 64 adapters); a better one goes into the kernel's defaults, then lora-ab checks it
       timeout 150 python3 -m bench.engine.lora_kernels --graph --adapters 64 --batches 77 2>&1 | grep -v Warning \
-        | tee "$OUT/lora_graph.log" | tail -16
-      best=$(awk '$1 ~ /^[0-9]+$/ && NF==4 {print $4, $1","$2","$3}' "$OUT/lora_graph.log" | sort -n | head -1 | cut -d' ' -f2)
-      echo "best: $best"; [ -n "$best" ] && [ "$best" != "64,512,4x4" ] && timeout 200 python3 -m bench.engine.offline \
-        --model-shape llama3-8b --lora-adapters 1000 --lora-files 16 --lora-resident 64 --lora-rank 16 --timeline \
-        --lora-decode-tiles $best 2>&1 | tr '\r' '\n' | grep -E "^(lightq|LoRA: [0-9]+ adapters paged|with prefill|decode, batch)" ;;
+        | tee "$OUT/lora_graph.log" | tail -16 ;;
     lora-tune)  # issue 32: both decode LoRA kernels' tiles on the model's layers at the slot-bound step's batch
       timeout 300 python3 -m bench.engine.lora_kernels --tune --adapters 64 --batches ${LORA_TUNE_BATCHES:-77} 2>&1 \
         | tee "$OUT/lora_tune.log" | grep -v Warning ;;

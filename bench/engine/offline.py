@@ -105,11 +105,6 @@ def page_in_by(adapters, way: str) -> None:
 
 
 def run_lightq(args, work, tally: Tally) -> float:
-    if args.lora_decode_tiles:  # a trial of another setting: read at each decode's launch
-        from worker.lora import delta
-
-        bn, sk, warps = args.lora_decode_tiles.split(",")
-        delta.DECODE_TILES = (int(bn), int(sk), tuple(int(w) for w in warps.split("x")))
     constraint = constraint_from(args)
     tokenizer = load_tokenizer(resolve(args.tokenizer)) if constraint is not None else None  # for the grammar
     # the grammar's tokenizer must fit the logits: a smaller shape's vocabulary is widened to it
@@ -331,12 +326,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto", help="the worker's --kv_cache_dtype"
-    )
-    parser.add_argument(
-        "--lora-decode-tiles",
-        default=None,
-        metavar="BN,SK,WSxWE",
-        help="the grouped LoRA kernel's decode setting instead of worker.lora.delta.DECODE_TILES (a trial)",
     )
     parser.add_argument(
         "--profile-prefills", type=int, default=0, help="profile this many steps that start requests (slows the run)"

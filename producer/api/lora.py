@@ -54,7 +54,7 @@ async def run_time_folder(name: str, services: Services) -> str | None:
     for it carries the folder (``GenerateRequest.adapter_path``): unloaded while it runs, it still
     finishes with it wherever it has to move."""
     registry, _ = await read_registry(services)
-    return None if name in services.settings.model.adapter_names else registry.adapters.get(name)
+    return registry.adapters.get(name)
 
 
 async def find_adapter(name: str | None, services: Services, param: str) -> tuple[str | None, str | None]:

@@ -370,14 +370,14 @@ def test_staged_copies_keep_their_buffers_until_used_or_stale():
     staging.prefetch("c", flats["c"])  # no buffer free and none stale: not staged
     assert list(staging.staged) == ["a", "b"] and staging.prefetched == 2 and not staging.free
     assert torch.equal(staging.ahead[staging.staged["a"][0]], flats["a"])
-    staging.write("b", [], flats["b"])  # used: its buffer is free again
+    staging.write("b", None, flats["b"])  # used: its buffer is free again
     assert staging.used == 1 and list(staging.staged) == ["a"] and len(staging.free) == 1
     staging.prefetch("c", flats["c"])
     for _ in range(STALE * 2 - 2):  # with "b"'s, one page-in short of "a" going stale
-        staging.write("other", [], flats["d"])
+        staging.write("other", None, flats["d"])
     staging.prefetch("d", flats["d"])  # "a" not stale yet
     assert "d" not in staging.staged
-    staging.write("other", [], flats["d"])
+    staging.write("other", None, flats["d"])
     staging.prefetch("d", flats["d"])  # now "a" (the oldest) gives its buffer to "d"
     assert list(staging.staged) == ["c", "d"] and torch.equal(staging.ahead[staging.staged["d"][0]], flats["d"])
     staging.forget("c")

@@ -218,7 +218,7 @@ class AdapterSet:
             page = self.tables.get(
                 slot, adapter.layout, adapter.flat, lambda: (self._pieces(slot, adapter), self._written[slot])
             )
-            # what ``_pieces`` would leave there (it replaces a layer's list, never mutates one)
+            # what ``_pieces`` would leave there (a copy: ``_pieces`` sets its layers' entries in place)
             self._written[slot] = dict(page.written)
             self.staging.write(adapter.name, page.table, adapter.flat)
             return

@@ -39,9 +39,6 @@ GROUPED_FROM = 64
 # tokens over 64 adapters: 11.1 ms a step at 32 / 1024, 11.4 at 32 / 512, 13.1 at the decode's 16 /
 # 512, SGMV 17.6 (bench.engine.lora_kernels --prefill, bench/RESULTS.md).
 PREFILL_BLOCK_M, PREFILL_SPLIT_K = 32, 1024
-# A decode's grouped kernel: (expand tile, shrink split, (shrink warps, expand warps)); the step's
-# LoRA time by setting: bench.engine.lora_kernels --graph.
-DECODE_TILES: tuple[int, int, tuple[int, int]] = (64, 512, (4, 4))
 
 
 def forward_groups(batch: ForwardBatch, num_slots: int) -> TokenGroups | None:
@@ -97,11 +94,8 @@ def add_lora(
     if groups is not None:
         from worker.model.kernels.bgmv_grouped import bgmv_grouped
 
-        if batch.is_decode:
-            block_n, split_k, warps = DECODE_TILES
-            bgmv_grouped(y, x, a, b, groups, shards=shards, block_n=block_n, split_k=split_k, warps=warps)
-        else:
-            bgmv_grouped(y, x, a, b, groups, shards=shards, split_k=PREFILL_SPLIT_K)
+        split_k = {} if batch.is_decode else {"split_k": PREFILL_SPLIT_K}  # a decode: the kernel's defaults
+        bgmv_grouped(y, x, a, b, groups, shards=shards, **split_k)
     else:  # a decode below GROUPED_FROM: every prefill on CUDA has its groups (``forward_groups``)
         from worker.model.kernels.bgmv import bgmv
 

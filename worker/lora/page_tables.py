@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.model.kernels.scatter_copy import Pieces, job_table
+from worker.model.kernels.scatter_copy import Pieces, device_table
 
 Layout = tuple  # LoraAdapter.layout: (module, per shard (A shape, B shape) or None), in the buffer's order
 
@@ -50,9 +50,7 @@ class PageTables:
         found = self.tables.get(key)
         if found is None:
             built, written = pieces()
-            work = [(dst, src) for dst, src in built if dst.numel()]
-            table = job_table(work, flat).to(self.device) if work else None
-            found = self.tables[key] = PageTable(table, {name: list(ranks) for name, ranks in written.items()})
+            found = self.tables[key] = PageTable(device_table(built, flat, self.device), dict(written))
             self.built += 1
             while len(self.tables) > self.limit:
                 self.tables.popitem(last=False)

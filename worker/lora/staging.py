@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import torch
 
-from worker.model.kernels.scatter_copy import Pieces, scatter_copy
+from worker.model.kernels.scatter_copy import scatter_copy
 
 STALE = 4
 
@@ -66,19 +66,19 @@ class Staging:
         self.staged[name] = (buffer, event, self.writes)
         self.prefetched += 1
 
-    def write(self, name: str, pieces: Pieces | torch.Tensor | None, flat: torch.Tensor) -> None:
-        """Adapter ``name``'s pieces (or their job table on the device: ``scatter_copy``) into their
-        slot, from its staged copy if ``prefetch`` made one."""
+    def write(self, name: str, table: torch.Tensor | None, flat: torch.Tensor) -> None:
+        """Adapter ``name`` into its slot by its job table on the device (``scatter_copy``; None:
+        nothing to write), from its staged copy if ``prefetch`` made one."""
         self.writes += 1
         staged = self.staged.pop(name, None)
         if staged is None:
-            scatter_copy(pieces, flat, self.direct)
+            scatter_copy(table, flat, self.direct)
             return
         buffer, done, _ = staged
         self.free.append(buffer)  # its next DMA waits for this scatter (``read``)
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
-        scatter_copy(pieces, flat, self.ahead[buffer], copied=True)
+        scatter_copy(table, flat, self.ahead[buffer], copied=True)
         self.used += 1
         if self.stream is not None:
             read = torch.cuda.Event()

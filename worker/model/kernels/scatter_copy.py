@@ -58,24 +58,21 @@ def job_table(pieces: Pieces, flat: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, FIELDS)
 
 
-def scatter_copy(
-    pieces: Pieces | torch.Tensor | None, flat: torch.Tensor, staging: torch.Tensor, copied: bool = False
-) -> None:
-    """Write every piece's source (a view of the host buffer ``flat``) into its destination, zeros
-    where the source is None: ``flat`` copied into ``staging`` (same dtype, on the destinations'
-    device, at least as large; ``copied``: it is there already), then one launch. Asynchronous on
-    the current stream. ``pieces`` may be their ``job_table`` on the device already
-    (``worker.lora.page_tables``), or None: nothing to write."""
-    if pieces is None:
+def device_table(pieces: Pieces, flat: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """``pieces``' job table on ``device`` (those with nothing to write left out); None: nothing to write.
+    Built once per slot and layout and kept (``worker.lora.page_tables``)."""
+    pieces = [(dst, src) for dst, src in pieces if dst.numel()]
+    return job_table(pieces, flat).to(device) if pieces else None
+
+
+def scatter_copy(table: torch.Tensor | None, flat: torch.Tensor, staging: torch.Tensor, copied: bool = False) -> None:
+    """Write every piece of ``table`` (``device_table``: each piece's source a view of the host buffer
+    ``flat``, or zeros) into its destination: ``flat`` copied into ``staging`` (same dtype, on the
+    destinations' device, at least as large; ``copied``: it is there already), then one launch.
+    Asynchronous on the current stream. None: nothing to write."""
+    if table is None:
         return
-    if not isinstance(pieces, torch.Tensor):
-        pieces = [(dst, src) for dst, src in pieces if dst.numel()]
-        if not pieces:
-            return
     assert staging.dtype == flat.dtype and staging.numel() >= flat.numel() and flat.is_contiguous()
-    table = (
-        pieces if isinstance(pieces, torch.Tensor) else job_table(pieces, flat).to(staging.device, non_blocking=True)
-    )
     if not copied:
         staging[: flat.numel()].copy_(flat.reshape(-1), non_blocking=True)  # pinned on a GPU: one DMA
     _scatter[(table.shape[0], PARTS)](table, staging, PARTS=PARTS, BLOCK=BLOCK)
