@@ -102,6 +102,12 @@ def burst_on(cluster: LocalCluster, rq, args) -> tuple[float, list[tuple[str, fl
         control = cluster.owner(stack.keys.requests())
         data = next((n for n in primary_nodes if n is not control), None)
         asyncio.run(Burst(stack.http, requests=8, new_tokens=16, first_token=10).run())  # warm
+        if args.idle_s:  # what the pool's polls cost each primary with nothing to do
+            before, t0 = [cpu_s(n) for n in primary_nodes], time.monotonic()
+            time.sleep(args.idle_s)
+            idle = [(cpu_s(n) - b) * 1e3 / (time.monotonic() - t0) for n, b in zip(primary_nodes, before)]
+            marks = [f"{n.name}{' (control)' if n is control else ''} {ms:.2f}" for n, ms in zip(primary_nodes, idle)]
+            print(f"cluster_scale: {len(primary_nodes)} primaries: idle Redis CPU ms/s: {', '.join(marks)}")
         best, per_token, top, top_data = 0.0, [], "", ""
         for repeat in range(args.repeat):
             before, spent = [cpu_s(n) for n in primary_nodes], usec(control)
@@ -137,6 +143,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--sizes", default="1,3", help="primary counts, in order")
+    parser.add_argument("--idle-s", type=float, default=0, help="first, each primary's Redis CPU while idle")
     parser.add_argument("--control-alone", action="store_true", help="the control slot alone on a primary (above)")
     parser.add_argument(
         "--redis-cpu-percent", type=float, default=0, help="hold each primary to this share of a core (root; above)"
